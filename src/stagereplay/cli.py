@@ -1,0 +1,166 @@
+"""The `stagereplay` command: a thin typer layer over the library (torch is imported only inside commands)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from stagereplay.errors import StageReplayError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Audit stage replay: live cache vs fresh prefill of identical token IDs.")
+toy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The embedded toy reasoning model.")
+app.add_typer(toy_app, name="toy")
+
+T = TypeVar("T")
+
+
+def _run(fn: Callable[[], T]) -> T:
+    """Bad input -> one line on stderr naming the problem and the fix, exit code 2."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*TypedStorage.*")
+    try:
+        return fn()
+    except StageReplayError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+
+
+# Options shared by commands that load a model.
+Model = Annotated[str | None, typer.Option("--model", help="local model directory (default: the embedded toy)")]
+Data = Annotated[str | None, typer.Option("--data", help="JSONL items (default: the toy task's held-out items)")]
+N = Annotated[int | None, typer.Option("--n", help="run the first N items")]
+Out = Annotated[Path, typer.Option("--out", help="run directory (created, or resumed)")]
+Precision = Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32 | fp32-compute")]
+Device = Annotated[str, typer.Option("--device", help="cpu | cuda | cuda:<i>")]
+Threads = Annotated[int, typer.Option("--threads", help="torch threads per process (fixed, recorded)")]
+AttnImpl = Annotated[str, typer.Option("--attn-impl", help="eager | sdpa")]
+Marker = Annotated[str | None, typer.Option("--boundary-marker", help="stage 1 ends with these tokens")]
+Regex = Annotated[str | None, typer.Option("--boundary-regex", help="stage 1 ends when its text matches")]
+After = Annotated[int | None, typer.Option("--boundary-after", help="stage 1 is the first N generated tokens")]
+Scorer = Annotated[str | None, typer.Option("--scorer", help="last-number | exact | regex:PATTERN")]
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="suffix length limit")]
+MaxStage1 = Annotated[int, typer.Option("--max-stage1-tokens", help="tokens allowed to reach the boundary")]
+Sample = Annotated[bool, typer.Option("--sample/--greedy", help="seeded sampling instead of greedy")]
+Temperature = Annotated[float, typer.Option("--temperature")]
+TopK = Annotated[int, typer.Option("--top-k")]
+Seed = Annotated[int, typer.Option("--seed", help="base seed for sampling")]
+Workers = Annotated[int, typer.Option("--workers", help="local worker processes")]
+Executor = Annotated[str, typer.Option("--executor", help="local | ray")]
+Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables")]
+
+
+def _decode(max_new: int, max_stage1: int, sample: bool, temperature: float, top_k: int, seed: int) -> Any:
+    from stagereplay.decode import DecodeConfig
+
+    return DecodeConfig(max_new, max_stage1, sample, temperature, top_k, seed)
+
+
+@app.command()
+def matched(
+    out: Out,
+    model: Model = None,
+    data: Data = None,
+    n: N = None,
+    construction: Annotated[str, typer.Option(help="oneshot | incremental | chunked:<n> | retokenized")] = "oneshot",
+    boundary_marker: Marker = None,
+    boundary_regex: Regex = None,
+    boundary_after: After = None,
+    scorer: Scorer = None,
+    precision: Precision = "bf16",
+    device: Device = "cpu",
+    threads: Threads = 1,
+    attn_impl: AttnImpl = "sdpa",
+    max_new_tokens: MaxNew = 128,
+    max_stage1_tokens: MaxStage1 = 256,
+    sample: Sample = False,
+    temperature: Temperature = 1.0,
+    top_k: TopK = 0,
+    seed: Seed = 0,
+    workers: Workers = 1,
+    executor: Executor = "local",
+    quiet: Quiet = False,
+) -> None:
+    """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
+
+    def go() -> None:
+        from stagereplay.boundary import boundary_from_options
+        from stagereplay.lm import check_construction
+        from stagereplay.runs import matched as run
+
+        check_construction(construction)
+        rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
+        dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed)
+        run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
+            workers, executor, quiet)
+
+    _run(go)
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
+    """Rewrite report.md and report.html from results.json."""
+
+    def go() -> None:
+        from stagereplay.report import write_report
+
+        if not (run_dir / "results.json").exists():
+            raise StageReplayError(f"no results.json in {run_dir}", "run an experiment into it first")
+        md, html = write_report(run_dir)
+        typer.echo(f"wrote {md} and {html}")
+
+    _run(go)
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory")],
+    format: Annotated[str, typer.Option("--format", help="parquet | csv")] = "parquet",
+    output: Annotated[Path | None, typer.Option("--output", help="file to write")] = None,
+) -> None:
+    """One row per item and arm, token IDs included."""
+
+    def go() -> None:
+        from stagereplay.export import export_ledger
+
+        if format not in ("parquet", "csv"):
+            raise StageReplayError(f"unknown export format {format!r}", "use --format parquet or csv")
+        if not (run_dir / "ledger.jsonl").exists():
+            raise StageReplayError(f"no ledger.jsonl in {run_dir}", "point at a run directory")
+        typer.echo(f"wrote {export_ledger(run_dir, format, output)}")  # type: ignore[arg-type]  # checked above
+
+    _run(go)
+
+
+@toy_app.command("train")
+def toy_train(
+    out: Annotated[Path, typer.Option("--out", help="folder for the primary and later checkpoints")],
+    steps: Annotated[int | None, typer.Option("--steps", help="training steps (default: the shipped run's)")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    threads: Annotated[int | None, typer.Option("--threads")] = None,
+) -> None:
+    """Train the embedded toy model from scratch (deterministic for a seed and thread count)."""
+
+    def go() -> None:
+        from dataclasses import replace
+
+        from stagereplay.toy.train import TrainConfig, train
+
+        cfg = TrainConfig(out=out) if "out" in TrainConfig.__dataclass_fields__ else TrainConfig()
+        changes = {k: v for k, v in {"steps": steps, "seed": seed, "threads": threads}.items() if v is not None}
+        train(replace(cfg, **changes))
+
+    _run(go)
+
+
+def main() -> None:
+    app(prog_name="stagereplay")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

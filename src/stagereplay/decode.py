@@ -1,0 +1,115 @@
+"""The decode loop: one forward per token on a K/V cache, greedy or seeded sampling, EOS and length stops.
+
+This loop *is* live generation, so it must emit exactly what `model.generate(do_sample=False)` emits:
+it passes the same inputs generate() passes (ids, an all-ones attention mask, the cache, logits for the
+last position only) and picks the argmax of the fp32-cast logits, as generate() does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from stagereplay.errors import StageReplayError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How continuations are decoded."""
+
+    max_new_tokens: int = field(default=128, metadata={"help": "suffix length limit after the boundary"})
+    max_stage1_tokens: int = field(default=256, metadata={"help": "tokens allowed to reach the boundary"})
+    sample: bool = field(default=False, metadata={"help": "seeded sampling instead of greedy"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_k: int = field(default=0, metadata={"help": "sample from the top k tokens only (0 = all)"})
+    seed: int = field(default=0, metadata={"help": "base seed; each item and stage derives its own"})
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.max_stage1_tokens < 1:
+            raise StageReplayError("token limits must be at least 1", "pass positive --max-new-tokens")
+        if self.sample and self.temperature <= 0:
+            raise StageReplayError("--temperature must be positive when sampling", "pass e.g. --temperature 1.0")
+
+
+def derive_seed(base: int, *parts: str) -> int:
+    """A seed for one item and stage, independent of run order: sha256(base, parts) truncated to 63 bits."""
+    digest = hashlib.sha256("\x1f".join([str(base), *parts]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class Sampler:
+    """Greedy argmax, or sampling from a `torch.Generator` seeded once per continuation."""
+
+    def __init__(self, config: DecodeConfig, seed: int, device: str) -> None:
+        self.config = config
+        self.generator = None
+        if config.sample:
+            import torch
+
+            self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        import torch
+
+        scores = logits.float()  # [V]; generate() also casts to fp32 before choosing
+        if self.generator is None:
+            return int(torch.argmax(scores))
+        scores = scores / self.config.temperature
+        if self.config.top_k:
+            kth = torch.topk(scores, self.config.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class Stepper:
+    """Forward passes on a cache, with the inputs generate() would give: batch 1, all-ones mask."""
+
+    def __init__(self, model: Any, device: str) -> None:
+        self.model = model
+        self.device = device
+
+    def forward(self, ids: Sequence[int], cache: Any, past: int) -> torch.Tensor:
+        """Feed `ids` at positions past..past+len(ids)-1; return the last position's logits [V]."""
+        import torch
+
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, n)
+        mask = torch.ones((1, past + len(ids)), dtype=torch.long, device=self.device)  # (1, past + n)
+        with torch.inference_mode():
+            out = self.model(input_ids=input_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+
+def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS from the generation config (an int or a list), else from the tokenizer."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def decode(
+    stepper: Stepper,
+    cache: Any,
+    logits: torch.Tensor,
+    past: int,
+    sampler: Sampler,
+    max_new_tokens: int,
+    eos: frozenset[int],
+) -> list[int]:
+    """Pick from `logits`, feed the pick, repeat; stop after EOS or `max_new_tokens` picks. Grows `cache`."""
+    out: list[int] = []
+    while True:
+        token = sampler(logits)
+        out.append(token)
+        if token in eos or len(out) >= max_new_tokens:
+            return out
+        logits = stepper.forward([token], cache, past)
+        past += 1

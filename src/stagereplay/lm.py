@@ -1,0 +1,221 @@
+"""The public face of the engine: a loaded model that runs live, builds boundary states and continues them.
+
+    lm = load("path/to/model", precision="bf16")
+    state = lm.live(item, Marker("</think>"))      # generate; snapshot the cache when the marker is emitted
+    fresh = lm.construct(state, "oneshot")           # same token IDs, one fresh prefill
+    a, b = lm.continue_from(state), lm.continue_from(fresh)
+
+A boundary state is the cache over P[0:T-1] plus the pending token P[T-1]; continuing feeds P[T-1] as a
+decode step, so the cache is the whole state and swapping it is a clean causal test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from stagereplay.boundary import BoundaryRule
+from stagereplay.cache import cache_fingerprint, clone_cache, new_cache
+from stagereplay.decode import DecodeConfig, Sampler, Stepper, decode, derive_seed, eos_ids
+from stagereplay.errors import StageReplayError
+from stagereplay.model import ModelConfig, load_model_and_tokenizer, set_determinism
+from stagereplay.tasks.base import Item
+
+CONSTRUCTIONS = ("live", "incremental", "oneshot", "chunked:<n>", "retokenized")
+
+
+def ids_fingerprint(ids: Sequence[int]) -> str:
+    """sha256 of token IDs as little-endian int64."""
+    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
+
+
+def check_construction(name: str) -> str:
+    base, _, n = name.partition(":")
+    if base in ("live", "incremental", "oneshot", "retokenized") and not n:
+        return name
+    if base == "chunked" and n.isdigit() and int(n) > 0:
+        return name
+    raise StageReplayError(f"unknown construction {name!r}",
+                           "use live, incremental, oneshot, chunked:<n> (n > 0) or retokenized")
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The suffix a continuation emitted (EOS included when it stopped on EOS)."""
+
+    suffix: tuple[int, ...]
+    stop: str  # "eos" | "length"
+
+    @property
+    def fingerprint(self) -> str:
+        return ids_fingerprint(self.suffix)
+
+
+@dataclass(frozen=True)
+class BoundaryState:
+    """Cache over prefix[0:T-1] (not to be mutated: continue from a clone) and the pending token prefix[T-1]."""
+
+    prefix: tuple[int, ...]
+    prompt_len: int
+    construction: str
+    cache: Any = field(repr=False)
+    seed: int = 0  # the continuation's sampling seed, shared by every construction of one item
+    live_suffix: Continuation | None = None  # for `live`: what the uninterrupted original loop went on to emit
+    roundtrip: bool | None = None  # for `retokenized`: did decode -> encode return the same IDs?
+
+    @property
+    def stage1(self) -> tuple[int, ...]:
+        return self.prefix[self.prompt_len :]
+
+    def fingerprint(self) -> str:
+        return cache_fingerprint(self.cache)
+
+
+class NoBoundary(Exception):
+    """The output ended (EOS or the stage-1 budget) without reaching the boundary: an outcome, not an error."""
+
+    def __init__(self, generated: Sequence[int]) -> None:
+        super().__init__(f"no boundary in {len(generated)} generated tokens")
+        self.generated = tuple(generated)
+
+
+class LM:
+    """A model, its tokenizer and the settings that fix its numbers."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, determinism: dict[str, Any] | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.determinism = determinism or {}
+        self.stepper = Stepper(model, config.device)
+        self.eos = eos_ids(model, tokenizer)
+        self.n_layers = int(model.config.get_text_config().num_hidden_layers)
+        self.context = int(getattr(model.config.get_text_config(), "max_position_embeddings", 1 << 30))
+
+    # -- live generation ------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Plain greedy decoding with the live loop (no boundary): the tokens generate() would give."""
+        cache = new_cache(self.model)
+        logits = self.stepper.forward(prompt_ids, cache, 0)
+        sampler = Sampler(DecodeConfig(), 0, self.config.device)
+        return decode(self.stepper, cache, logits, len(prompt_ids), sampler, max_new_tokens, self.eos)
+
+    def live(
+        self,
+        item: Item | Sequence[int],
+        boundary: BoundaryRule,
+        decode_config: DecodeConfig | None = None,
+        keep_going: bool = True,
+    ) -> BoundaryState:
+        """Generate until `boundary` says stage 1 ended; snapshot the cache at that moment.
+
+        With `keep_going`, the original loop then goes on from its own (unsnapshotted) cache, and what it emits
+        is kept as `live_suffix`: the retained live continuation. Raises `NoBoundary` if stage 1 never ends.
+        """
+        dc = decode_config or DecodeConfig()
+        prompt, item_id = self._prompt(item)
+        rule = boundary.bind(self.tokenizer)
+        cache = new_cache(self.model)
+        logits = self.stepper.forward(prompt, cache, 0)
+        past = len(prompt)
+        pick = Sampler(dc, derive_seed(dc.seed, item_id, "stage1"), self.config.device)
+        generated: list[int] = []
+        while True:
+            token = pick(logits)
+            generated.append(token)
+            if rule.reached(generated):
+                break
+            if token in self.eos or len(generated) >= dc.max_stage1_tokens:
+                raise NoBoundary(generated)
+            logits = self.stepper.forward([token], cache, past)
+            past += 1
+        # `cache` now covers prompt + generated[:-1]; generated[-1] is the pending token P[T-1].
+        state = BoundaryState(
+            prefix=(*prompt, *generated), prompt_len=len(prompt), construction="live",
+            cache=clone_cache(cache), seed=derive_seed(dc.seed, item_id, "suffix"),
+        )
+        if not keep_going:
+            return state
+        return replace(state, live_suffix=self._continue(cache, state, dc))
+
+    # -- constructions --------------------------------------------------------------------------------
+
+    def construct(self, state: BoundaryState, construction: str) -> BoundaryState:
+        """Build the boundary state for `state.prefix` afresh by `construction` (same seed, same prompt split)."""
+        name = check_construction(construction)
+        prefix, n_prompt = state.prefix, state.prompt_len
+        body = prefix[:-1]  # P[0:T-1]: what the cache must cover
+        cache = new_cache(self.model)
+        roundtrip = None
+        if name == "live":
+            raise StageReplayError("the live construction comes only from live generation", "use lm.live(...)")
+        if name == "oneshot":
+            self.stepper.forward(body, cache, 0)
+        elif name == "incremental":
+            # The same operations as live generation: the prompt in one forward, then one token per forward.
+            self.stepper.forward(body[:n_prompt], cache, 0)
+            for pos in range(n_prompt, len(body)):
+                self.stepper.forward([body[pos]], cache, pos)
+        elif name.startswith("chunked:"):
+            n = int(name.split(":")[1])
+            for start in range(0, len(body), n):
+                self.stepper.forward(body[start : start + n], cache, start)
+        else:  # retokenized: the text route that stage-replay methods often take
+            text = self.tokenizer.decode(list(prefix), skip_special_tokens=False)
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            roundtrip = ids == tuple(prefix)
+            prefix = ids
+            self.stepper.forward(prefix[:-1], cache, 0)
+        return BoundaryState(prefix=tuple(prefix), prompt_len=n_prompt, construction=name, cache=cache,
+                             seed=state.seed, roundtrip=roundtrip)
+
+    # -- continuation ---------------------------------------------------------------------------------
+
+    def continue_from(self, state: BoundaryState, decode_config: DecodeConfig | None = None) -> Continuation:
+        """Feed the pending token on a clone of the state's cache and decode to EOS or the length limit."""
+        return self._continue(clone_cache(state.cache), state, decode_config or DecodeConfig())
+
+    def _continue(self, cache: Any, state: BoundaryState, dc: DecodeConfig) -> Continuation:
+        past = len(state.prefix) - 1
+        logits = self.stepper.forward([state.prefix[-1]], cache, past)
+        pick = Sampler(dc, state.seed, self.config.device)
+        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos)
+        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length")
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def _prompt(self, item: Item | Sequence[int]) -> tuple[tuple[int, ...], str]:
+        if isinstance(item, Item):
+            prompt, item_id = item.prompt_ids, item.id
+        else:
+            prompt = tuple(int(t) for t in item)
+            item_id = ids_fingerprint(prompt)[:16]
+        if not prompt:
+            raise StageReplayError(f"item {item_id} has an empty prompt", "give every item a non-empty prompt")
+        if len(prompt) >= self.context:
+            raise StageReplayError(
+                f"item {item_id}: prompt of {len(prompt)} tokens does not fit the model's context of {self.context}",
+                "shorten the prompt or drop the item",
+            )
+        return tuple(prompt), item_id
+
+    def text(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def load(
+    path: str,
+    precision: str = "bf16",
+    device: str = "cpu",
+    threads: int = 1,
+    attn_impl: str = "sdpa",
+) -> LM:
+    """Load a local Hugging Face causal LM for replay (no network), with determinism settings applied."""
+    config = ModelConfig(path=str(path), precision=precision, device=device, threads=threads, attn_impl=attn_impl)
+    determinism = set_determinism(config.threads, config.device)
+    model, tokenizer = load_model_and_tokenizer(config)
+    return LM(model, tokenizer, config, determinism)

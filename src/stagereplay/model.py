@@ -1,0 +1,191 @@
+"""Loading a causal LM and its tokenizer at a chosen precision, device and thread count, deterministically."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from stagereplay.errors import StageReplayError
+
+if TYPE_CHECKING:
+    import torch
+
+Precision = Literal["bf16", "fp16", "fp32", "fp32-compute"]
+PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp32-compute")
+ATTN_IMPLS: tuple[str, ...] = ("eager", "sdpa")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything that decides which numbers a forward pass produces."""
+
+    path: str = field(metadata={"help": "local directory with config.json, weights and tokenizer"})
+    precision: str = field(default="bf16", metadata={"help": "bf16 | fp16 | fp32 | fp32-compute"})
+    device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:<i>"})
+    threads: int = field(default=1, metadata={"help": "torch intra-op threads, fixed and recorded"})
+    attn_impl: str = field(default="sdpa", metadata={"help": "eager | sdpa"})
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise StageReplayError(
+                f"unknown precision {self.precision!r}", f"use one of {', '.join(PRECISIONS)}"
+            )
+        if self.attn_impl not in ATTN_IMPLS:
+            raise StageReplayError(
+                f"unknown attention implementation {self.attn_impl!r}", f"use one of {', '.join(ATTN_IMPLS)}"
+            )
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise StageReplayError(f"unknown device {self.device!r}", "use cpu, cuda or cuda:<index>")
+        if self.threads < 1:
+            raise StageReplayError(f"--threads must be at least 1, got {self.threads}", "pass --threads 1 or more")
+
+    def with_precision(self, precision: str) -> ModelConfig:
+        return ModelConfig(**{**asdict(self), "precision": precision})
+
+
+def torch_dtype(precision: str) -> torch.dtype:
+    import torch
+
+    # fp32-compute keeps the weights in bf16 and upcasts them as they are used (see `_upcast_on_use`).
+    return {
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp32": torch.float32,
+        "fp32-compute": torch.bfloat16,
+    }[precision]
+
+
+def set_determinism(threads: int, device: str) -> dict[str, Any]:
+    """Fix threads and turn on deterministic algorithms; return what was set, for the manifest."""
+    import torch
+
+    if device.startswith("cuda"):
+        # cuBLAS needs this before its first handle is created to be deterministic.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # TF32 would silently turn "fp32" into 10-bit-mantissa matmuls.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return {
+        "threads": torch.get_num_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+    }
+
+
+def _check_device(config: ModelConfig) -> None:
+    import torch
+
+    if config.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise StageReplayError(f"device {config.device} requested but CUDA is not available", "use --device cpu")
+        index = int(config.device.split(":")[1]) if ":" in config.device else 0
+        if index >= torch.cuda.device_count():
+            raise StageReplayError(
+                f"device {config.device} does not exist ({torch.cuda.device_count()} CUDA devices)",
+                "pick an index below the device count",
+            )
+        if config.precision in ("bf16", "fp32-compute") and not torch.cuda.is_bf16_supported():
+            raise StageReplayError(
+                f"precision {config.precision} needs bf16, which {torch.cuda.get_device_name(index)} lacks",
+                "use --precision fp16 or fp32",
+            )
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Fail fast, before any run directory exists, on a path that cannot hold a model."""
+    p = Path(path)
+    if not p.is_dir():
+        raise StageReplayError(f"model directory not found: {p}", "pass --model a local directory holding config.json")
+    config = p / "config.json"
+    if not config.is_file():
+        raise StageReplayError(f"no config.json in model directory {p}", "point --model at a saved Hugging Face model")
+    try:
+        json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StageReplayError(f"corrupt config.json in {p} ({exc.msg if hasattr(exc, 'msg') else exc})",
+                               "re-save the model with save_pretrained") from None
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise StageReplayError(f"no weights (*.safetensors or *.bin) in model directory {p}",
+                               "re-save the model with save_pretrained")
+    return p
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _upcast_on_use(model: torch.nn.Module) -> None:
+    """LayerCast: weights stay in 16 bits; each module's parameters are upcast to fp32 just for its own forward.
+
+    Upcasting bf16 to fp32 is exact, so the arithmetic is that of an fp32 model at half the weight memory.
+    """
+    import torch
+
+    def before(module: torch.nn.Module, _args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            p.data = p.data.float()
+
+    def after(module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        for p in module.parameters(recurse=False):
+            p.data = p.data.to(torch.bfloat16)
+
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(before)
+            module.register_forward_hook(after)
+
+
+def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
+    """Load through AutoModelForCausalLM / AutoTokenizer from a local directory, with no network."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = check_model_dir(config.path)
+    _check_device(config)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:
+            raise StageReplayError(f"cannot load the tokenizer in {path} ({type(exc).__name__})",
+                                   "save the model's tokenizer into the same directory") from None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype(config.precision), attn_implementation=config.attn_impl
+            )
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise StageReplayError(f"cannot load the model in {path}: {first[:200]}",
+                                   "check that the directory holds a complete causal LM checkpoint") from None
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        raise StageReplayError(
+            f"tokenizer in {path} has {len(tokenizer)} tokens but the model embeds only {vocab}",
+            "use the tokenizer the model was trained with",
+        )
+    if config.precision == "fp32-compute":
+        _upcast_on_use(model)
+    model.to(config.device)
+    model.eval()
+    return model, tokenizer

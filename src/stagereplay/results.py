@@ -1,0 +1,58 @@
+"""results.json: every table of the report, rebuilt from the ledger (so a resumed run reports the same)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stagereplay.ledger import Record
+from stagereplay.provenance import now
+
+RESULTS_VERSION = 1
+AUDIT_FILE = "audit.json"
+
+
+def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]) -> dict[str, Any]:
+    from stagereplay.experiments.matched import summarize_matched
+
+    stages: dict[str, dict[str, Any]] = manifest.get("stages", {})
+    config = manifest.get("config", {})
+    results: dict[str, Any] = {
+        "schema_version": RESULTS_VERSION,
+        "run": {
+            "model": config.get("model", {}).get("path"),
+            "later_model": config.get("later_model"),
+            "precision": config.get("model", {}).get("precision"),
+            "n_items": len(config.get("item_ids", [])),
+            "created": now(),
+            "tool_version": manifest.get("tool_version"),
+        },
+        "matched": [],
+        "precision_2x2": None,
+        "bridge": None,
+        "transplant": [],
+        "audit": None,
+    }
+    for name, stage in stages.items():
+        experiment, _, checkpoint = name.partition("/")
+        mine = [r for r in records if r.experiment == experiment and r.checkpoint == checkpoint]
+        if experiment == "matched":
+            results["matched"].append(summarize_matched(
+                mine, stage["construction"], checkpoint, stage["model"]["precision"]))
+        elif experiment == "precision_2x2":
+            from stagereplay.experiments.precision_2x2 import summarize_2x2
+
+            results["precision_2x2"] = summarize_2x2(mine, stage, checkpoint)
+        elif experiment == "bridge":
+            from stagereplay.experiments.bridge import summarize_bridge
+
+            results["bridge"] = summarize_bridge(mine, checkpoint)
+        elif experiment == "transplant":
+            from stagereplay.experiments.transplant import summarize_transplant
+
+            results["transplant"].append(summarize_transplant(mine, stage, checkpoint))
+    audit = run_dir / AUDIT_FILE
+    if audit.exists():
+        results["audit"] = json.loads(audit.read_text())
+    return results
