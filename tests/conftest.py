@@ -37,8 +37,16 @@ def items_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with open(path, "w") as f:
         for i in range(50):
             a, b = rng.randint(1, 99), rng.randint(1, 99)
-            f.write(json.dumps({"id": f"q{i:03d}", "prompt": f"Q: what is {a}+{b}? Think, then answer.\n",
-                                "answer": str(a + b)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"q{i:03d}",
+                        "prompt": f"Q: what is {a}+{b}? Think, then answer.\n",
+                        "answer": str(a + b),
+                    }
+                )
+                + "\n"
+            )
     return path
 
 

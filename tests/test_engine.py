@@ -18,7 +18,7 @@ PROMPTS = ["Q: what is 12+7? Think.\n", "Hello, world! 3*4=", "abc def ghi\n"]
 def _generate(lm, prompt, n):
     ids = torch.tensor([prompt])
     out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

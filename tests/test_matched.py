@@ -18,8 +18,17 @@ def _matched(tmp_path, model, data, *extra):
 
 
 def test_bf16_oneshot_suffixes_disagree_and_are_reported(tmp_path, tiny_dir, items_file):
-    result, out = _matched(tmp_path, tiny_dir("qwen2"), items_file, "--n", "20", "--boundary-after", "16",
-                           "--max-new-tokens", "48")
+    result, out = _matched(
+        tmp_path,
+        tiny_dir("qwen2"),
+        items_file,
+        "--n",
+        "20",
+        "--boundary-after",
+        "16",
+        "--max-new-tokens",
+        "48",
+    )
     assert result.exit_code == 0, result.output
     res = json.loads((out / "results.json").read_text())
     m = res["matched"][0]
@@ -41,8 +50,17 @@ def test_bf16_oneshot_suffixes_disagree_and_are_reported(tmp_path, tiny_dir, ite
 
 
 def test_no_boundary_items_are_recorded_and_counted(tmp_path, tiny_dir, items_file):
-    result, out = _matched(tmp_path, tiny_dir("qwen2"), items_file, "--n", "3", "--boundary-marker", "~~~~~",
-                           "--max-stage1-tokens", "6")
+    result, out = _matched(
+        tmp_path,
+        tiny_dir("qwen2"),
+        items_file,
+        "--n",
+        "3",
+        "--boundary-marker",
+        "~~~~~",
+        "--max-stage1-tokens",
+        "6",
+    )
     assert result.exit_code == 0, result.output
     m = json.loads((out / "results.json").read_text())["matched"][0]
     assert (m["n"], m["n_boundary"], m["n_no_boundary"]) == (3, 0, 3)

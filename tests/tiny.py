@@ -34,9 +34,17 @@ def make_config(arch: str, layers: int = 4, hidden: int = 64, sliding_window: in
     from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
-        vocab_size=vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=vocab_size(),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     if arch == "qwen2":
         return Qwen2Config(**common)
@@ -51,7 +59,9 @@ def make_config(arch: str, layers: int = 4, hidden: int = 64, sliding_window: in
     raise ValueError(arch)
 
 
-def save_tiny_model(path: Path, arch: str = "qwen2", seed: int = 0, layers: int = 4, hidden: int = 64) -> Path:
+def save_tiny_model(
+    path: Path, arch: str = "qwen2", seed: int = 0, layers: int = 4, hidden: int = 64
+) -> Path:
     """Random weights in bf16 safetensors (so fp32 is an exact upcast), plus a char tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -59,7 +69,9 @@ def save_tiny_model(path: Path, arch: str = "qwen2", seed: int = 0, layers: int 
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(arch, layers, hidden), dtype=torch.float32)
-    with torch.no_grad():  # a larger init spread makes near-ties (and so bf16 divergence) likelier in few layers
+    with (
+        torch.no_grad()
+    ):  # a larger init spread makes near-ties (and so bf16 divergence) likelier in few layers
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)

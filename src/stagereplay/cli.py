@@ -102,6 +102,149 @@ def matched(
     _run(go)
 
 
+RunDir = Annotated[Path, typer.Argument(help="a run directory made by `stagereplay matched` or `paper`")]
+Checkpoint = Annotated[str, typer.Option("--checkpoint", help="which model of the run")]
+
+
+@app.command("precision-2x2")
+def precision_2x2(
+    run_dir: RunDir,
+    constructions: Annotated[str, typer.Option(help="comma list")] = "incremental,oneshot",
+    precisions: Annotated[str, typer.Option(help="comma list of bf16, fp16, fp32, fp32-compute")] = "bf16,fp32",
+    checkpoint: Checkpoint = "primary",
+    workers: Workers = 1,
+    executor: Executor = "local",
+    quiet: Quiet = False,
+) -> None:
+    """Hold the run's prefixes fixed; cross construction with precision."""
+
+    def go() -> None:
+        from stagereplay.runs import precision_2x2 as run
+
+        run(run_dir, tuple(constructions.split(",")), tuple(precisions.split(",")), checkpoint, workers, executor,
+            quiet)
+
+    _run(go)
+
+
+@app.command()
+def bridge(
+    run_dir: RunDir,
+    rows: Annotated[int, typer.Option("--rows", help="items to compare")] = 12,
+    checkpoint: Checkpoint = "primary",
+    workers: Workers = 1,
+    executor: Executor = "local",
+    quiet: Quiet = False,
+) -> None:
+    """Incremental vs live boundary caches, bitwise, layer by layer, K and V, and their suffixes."""
+
+    def go() -> None:
+        from stagereplay.runs import bridge as run
+
+        res = run(run_dir, rows, checkpoint, workers, executor, quiet)
+        if res["bridge"]["cache_bit_exact"] != res["bridge"]["rows"]:
+            raise typer.Exit(1)
+
+    _run(go)
+
+
+@app.command()
+def transplant(
+    run_dir: RunDir,
+    layers: Annotated[str, typer.Option(help="all | none | A-B,C,...")] = "all",
+    kv: Annotated[str, typer.Option(help="k | v | kv")] = "kv",
+    positions: Annotated[str | None, typer.Option(help="A:B sequence positions")] = None,
+    select: Annotated[str, typer.Option(help="all-divergent | first:K | random:K:SEED")] = "all-divergent",
+    sweep: Annotated[str | None, typer.Option(help="layers: also every single layer and band")] = None,
+    checkpoint: Checkpoint = "primary",
+    workers: Workers = 1,
+    executor: Executor = "local",
+    quiet: Quiet = False,
+) -> None:
+    """Swap K/V between live and fresh boundary states of divergent items, both directions, and continue."""
+
+    def go() -> None:
+        from stagereplay.experiments.transplant import TransplantConfig
+        from stagereplay.ledger import read_manifest
+        from stagereplay.runs import transplant as run
+
+        if sweep not in (None, "layers"):
+            raise StageReplayError(f"unknown --sweep {sweep!r}", "use --sweep layers")
+        stage = read_manifest(run_dir).get("stages", {}).get(f"matched/{checkpoint}", {}) if (
+            run_dir / "manifest.json").exists() else {}
+        cfg = TransplantConfig(stage.get("construction", "oneshot"), layers, kv, positions, select, sweep == "layers")
+        run(run_dir, cfg, checkpoint, workers, executor, quiet)
+
+    _run(go)
+
+
+@app.command()
+def audit(
+    run_dir: RunDir,
+    verify_only: Annotated[bool, typer.Option("--verify-only", help="check the ledger's integrity only")] = False,
+    workers: Workers = 1,
+    executor: Executor = "local",
+    quiet: Quiet = False,
+) -> None:
+    """Re-execute a run from its manifest and ledger; exit 1 unless every fingerprint is reproduced."""
+
+    def go() -> None:
+        from stagereplay.runs import audit as run
+
+        res = run(run_dir, verify_only, workers, executor, quiet)
+        for line in res.get("broken_records", []) + res.get("mismatches", []):
+            typer.echo(f"  {line}", err=True)
+        if res.get("verify_only"):
+            typer.echo("ledger intact" if res["chain_ok"] else "ledger damaged")
+        else:
+            t, c = res["trajectories"], res["comparisons"]
+            typer.echo(f"trajectories reproduced {t['k']}/{t['n']}, comparisons reproduced {c['k']}/{c['n']}")
+        if not res["reproduced"]:
+            raise typer.Exit(1)
+
+    _run(go)
+
+
+@app.command()
+def paper(
+    out: Annotated[Path, typer.Option("--out", help="run directory")] = Path("stagereplay-paper"),
+    model: Model = None,
+    later_model: Annotated[str | None, typer.Option("--later-model", help="second checkpoint")] = None,
+    data: Data = None,
+    n: Annotated[int, typer.Option("--n")] = 200,
+    boundary_marker: Marker = None,
+    boundary_regex: Regex = None,
+    boundary_after: After = None,
+    scorer: Scorer = None,
+    max_new_tokens: MaxNew = 128,
+    max_stage1_tokens: MaxStage1 = 256,
+    select: Annotated[str, typer.Option("--select", help="transplant selection at the primary checkpoint")] = "first:24",
+    rows: Annotated[int, typer.Option("--rows", help="bridge rows")] = 12,
+    sweep: Annotated[bool, typer.Option("--sweep/--no-sweep", help="layer sweep at the primary checkpoint")] = False,
+    device: Device = "cpu",
+    threads: Threads = 1,
+    attn_impl: AttnImpl = "sdpa",
+    workers: Workers = 1,
+    executor: Executor = "local",
+    quiet: Quiet = False,
+) -> None:
+    """The whole protocol in one command, then the report (defaults: the embedded toy model)."""
+
+    def go() -> None:
+        from stagereplay.boundary import boundary_from_options
+        from stagereplay.runs import paper as run
+
+        rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
+        dc = _decode(max_new_tokens, max_stage1_tokens, False, 1.0, 0, 0)
+        res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device, threads,
+                  attn_impl, workers, executor, quiet)
+        typer.echo(f"report: {out / 'report.html'}")
+        if not res["audit"]["reproduced"]:
+            raise typer.Exit(1)
+
+    _run(go)
+
+
 @app.command()
 def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
     """Rewrite report.md and report.html from results.json."""

@@ -159,3 +159,144 @@ def matched(
     with open_run(Path(out), manifest) as run:
         run_matched(run, config, items, ex, lm, quiet)
         return finish(run, quiet)
+
+
+def _existing(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
+    path = Path(run_dir)
+    if not (path / "manifest.json").exists():
+        raise StageReplayError(f"no run in {path} (manifest.json missing)", "run `stagereplay matched --out` first")
+    return path, read_manifest(path)
+
+
+def _matched_stage(manifest: dict[str, Any], checkpoint: str) -> tuple[ModelConfig, ReplaySettings]:
+    stage = manifest.get("stages", {}).get(f"matched/{checkpoint}")
+    if stage is None:
+        raise StageReplayError(f"the run has no matched experiment at checkpoint {checkpoint!r}",
+                               "run `stagereplay matched` into it first")
+    s = stage["settings"]
+    return ModelConfig(**stage["model"]), ReplaySettings(s["boundary"], DecodeConfig(**s["decode"]), s["scorer"])
+
+
+def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = ("incremental", "oneshot"),
+                  precisions: tuple[str, ...] = ("bf16", "fp32"), checkpoint: str = "primary", workers: int = 1,
+                  executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+    """Hold the matched run's prefixes fixed; cross construction with precision."""
+    from stagereplay.experiments.precision_2x2 import run_2x2
+
+    path, manifest = _existing(run_dir)
+    model, settings = _matched_stage(manifest, checkpoint)
+    for p in precisions:
+        model.with_precision(p)  # validates the name before anything runs
+    with open_run(path, manifest) as run:
+        run_2x2(run, model, settings, checkpoint, constructions, precisions, ExecConfig(workers, executor), quiet)
+        return finish(run, quiet)
+
+
+def bridge(run_dir: str | Path, rows: int = 12, checkpoint: str = "primary", workers: int = 1,
+           executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+    """Incremental vs live boundary caches, bitwise, on the first `rows` items that reached the boundary."""
+    from stagereplay.experiments.bridge import run_bridge
+
+    if rows < 1:
+        raise StageReplayError(f"--rows must be at least 1, got {rows}", "pass a positive --rows")
+    path, manifest = _existing(run_dir)
+    model, settings = _matched_stage(manifest, checkpoint)
+    with open_run(path, manifest) as run:
+        run_bridge(run, model, settings, checkpoint, rows, ExecConfig(workers, executor), quiet)
+        return finish(run, quiet)
+
+
+def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
+               executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+    """Swap K/V between live and fresh boundary states of the selected divergent items, both directions."""
+    from stagereplay.experiments.transplant import TransplantConfig, run_transplant
+
+    path, manifest = _existing(run_dir)
+    model, settings = _matched_stage(manifest, checkpoint)
+    cfg = config or TransplantConfig(construction=manifest["stages"][f"matched/{checkpoint}"]["construction"])
+    with open_run(path, manifest) as run:
+        run_transplant(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
+        return finish(run, quiet)
+
+
+def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, executor: str = "local",
+          quiet: bool = False) -> dict[str, Any]:
+    """Check the ledger's integrity, then (unless `verify_only`) re-execute it; `reproduced` says if all held."""
+    import json
+
+    from stagereplay.experiments.audit import audit_run, verify_ledger
+    from stagereplay.ledger import atomic_write
+    from stagereplay.results import AUDIT_FILE
+
+    path, manifest = _existing(run_dir)
+    problems = verify_ledger(path)
+    if verify_only or problems:
+        return {"chain_ok": not problems, "broken_records": problems, "reproduced": not problems,
+                "verify_only": True}
+    with open_run(path, manifest) as run:
+        summary = audit_run(path, run.manifest, run.records, ExecConfig(workers, executor), quiet)
+        atomic_write(path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
+        finish(run, quiet)
+        return summary
+
+
+def paper(
+    out: str | Path,
+    model: str | None = None,
+    later_model: str | None = None,
+    data: str | None = None,
+    n: int | None = 200,
+    boundary: BoundaryRule | None = None,
+    scorer: str | None = None,
+    decode: DecodeConfig | None = None,
+    select_primary: str = "first:24",
+    bridge_rows: int = 12,
+    sweep: bool = False,
+    device: str = "cpu",
+    threads: int = 1,
+    attn_impl: str = "sdpa",
+    workers: int = 1,
+    executor: str = "local",
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
+    checkpoint, audit, report."""
+    import json
+
+    from stagereplay.experiments.audit import audit_run
+    from stagereplay.experiments.bridge import run_bridge
+    from stagereplay.experiments.matched import MatchedConfig, run_matched
+    from stagereplay.experiments.precision_2x2 import run_2x2
+    from stagereplay.experiments.transplant import TransplantConfig, run_transplant
+    from stagereplay.ledger import atomic_write
+    from stagereplay.results import AUDIT_FILE
+
+    ex = ExecConfig(workers, executor)
+    source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), "bf16", device, threads,
+                            attn_impl)
+    if later_model is None and model is None:
+        from stagereplay.toy import toy_checkpoint
+
+        later_model = str(toy_checkpoint("later"))
+    later = ModelConfig(**{**asdict(source.model), "path": str(Path(later_model).resolve())}) if later_model else None
+    if later is not None:
+        check_model_dir(later.path)
+    lm, items, data_hash = prepare(source, ex)
+    extra = {"later": later.path} if later else {}
+    manifest = new_manifest("paper", {"later_model": later.path if later else None, "select_primary": select_primary,
+                                      "bridge_rows": bridge_rows, "sweep": sweep},
+                            source, items, data_hash, lm.determinism if lm else {"threads": threads}, extra)
+    with open_run(Path(out), manifest) as run:
+        settings = source.settings
+        run_matched(run, MatchedConfig(source.model, settings, source.data), items, ex, lm, quiet)
+        run_2x2(run, source.model, settings, "primary", ("incremental", "oneshot"), ("bf16", "fp32"), ex, quiet)
+        run_bridge(run, source.model, settings, "primary", bridge_rows, ex, quiet)
+        run_transplant(run, source.model, settings, "primary", TransplantConfig(select=select_primary, sweep=sweep),
+                       ex, quiet)
+        if later is not None:
+            del lm  # one model in memory at a time
+            run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)
+            run_transplant(run, later, settings, "later", TransplantConfig(select="all-divergent"), ex, quiet)
+        summary = audit_run(run.path, run.manifest, run.records, ex, quiet)
+        atomic_write(run.path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
+        return finish(run, quiet)

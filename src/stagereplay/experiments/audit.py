@@ -1,0 +1,141 @@
+"""Audit: re-execute a saved run from its manifest and ledger and check every fingerprint is reproduced.
+
+This runs the model again: a ledger whose hash chain was recomputed after an edit still fails here, because
+the edited tokens are not what the model produces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stagereplay.executors import ExecConfig
+from stagereplay.experiments.common import Job, ReplaySettings
+from stagereplay.ledger import Record, chain_problems, diff_fields, parse_record
+from stagereplay.lm import ids_fingerprint
+from stagereplay.model import ModelConfig
+from stagereplay.tasks import DataConfig, Item, load_items
+
+
+def verify_ledger(run_dir: Path) -> list[str]:
+    """Integrity only, no model: every line parses, every hash and link of the chain holds."""
+    path = run_dir / "ledger.jsonl"
+    if not path.exists():
+        return [f"no ledger.jsonl in {run_dir}"]
+    data = path.read_bytes()
+    problems: list[str] = []
+    if data and not data.endswith(b"\n"):
+        problems.append("the last record is incomplete (torn write)")
+    records: list[Record] = []
+    for i, line in enumerate(data.split(b"\n")[:-1]):  # after the last newline: empty, or torn (reported above)
+        try:
+            records.append(parse_record(line.decode("utf-8"), i + 1, path))
+        except Exception as exc:  # a damaged line is a finding, not a crash
+            problems.append(f"record {i}: {str(exc).split(';')[0]}")
+            return problems + chain_problems(records)
+    return problems + chain_problems(records)
+
+
+def _trajectories(payload: dict[str, Any]) -> dict[str, list[int] | None]:
+    """Every decoded sequence in a payload, by a stable name."""
+    out: dict[str, list[int] | None] = {f"arm {a['name']}": a["suffix_ids"] for a in payload.get("arms", [])}
+    for key in ("directions", "control"):
+        for name, d in payload.get(key, {}).items():
+            out[f"{key} {name}"] = d["suffix_ids"]
+    return out
+
+
+def compare_payloads(item_id: str, recorded: dict[str, Any], again: dict[str, Any]) -> tuple[int, int, int, int, list[str]]:
+    """(trajectories reproduced, of, comparisons reproduced, of, mismatch descriptions)."""
+    mismatches = []
+    rec_t, new_t = _trajectories(recorded), _trajectories(again)
+    t_ok = 0
+    for name, ids in rec_t.items():
+        arm = next((a for a in recorded.get("arms", []) if f"arm {a['name']}" == name), None)
+        consistent = arm is None or arm["suffix_fp"] == ids_fingerprint(ids or [])
+        if consistent and new_t.get(name) == ids:
+            t_ok += 1
+        else:
+            mismatches.append(f"{item_id}: {name} not reproduced")
+    new_c = {(c["a"], c["b"]): c["fp"] for c in again.get("comparisons", [])}
+    c_ok = 0
+    for c in recorded.get("comparisons", []):
+        if new_c.get((c["a"], c["b"])) == c["fp"]:
+            c_ok += 1
+        else:
+            mismatches.append(f"{item_id}: comparison {c['a']} vs {c['b']} not reproduced")
+    others = [f for f in diff_fields(recorded, again) if not f.startswith(("arms", "comparisons", "directions", "control"))]
+    mismatches += [f"{item_id}: {f} differs" for f in others]
+    return t_ok, len(rec_t), c_ok, len(recorded.get("comparisons", [])), mismatches
+
+
+def _work(experiment: str) -> Callable[..., dict[str, Any]]:
+    from stagereplay.experiments.bridge import bridge_item
+    from stagereplay.experiments.matched import matched_item
+    from stagereplay.experiments.precision_2x2 import grid_item
+    from stagereplay.experiments.transplant import transplant_item
+
+    return {"matched": matched_item, "precision_2x2": grid_item, "bridge": bridge_item,
+            "transplant": transplant_item}[experiment]
+
+
+def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple[str, str], list[int]]) -> Job:
+    s = stage["settings"]
+    from stagereplay.decode import DecodeConfig
+
+    settings = ReplaySettings(s["boundary"], DecodeConfig(**s["decode"]), s["scorer"])
+    prefix = prefixes.get((record.checkpoint, record.item_id))
+    extra: tuple[tuple[str, Any], ...]
+    if record.experiment == "matched":
+        extra = (("construction", stage["construction"]),)
+    elif record.experiment == "precision_2x2":
+        extra = (("prefix", prefix), ("constructions", tuple(stage["constructions"])))
+    elif record.experiment == "bridge":
+        extra = (("prefix", prefix),)
+    else:
+        extra = (("prefix", prefix), ("config", tuple(stage["config"].items())))
+    return Job(item, settings, record.part, extra)
+
+
+def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex: ExecConfig,
+              quiet: bool = False) -> dict[str, Any]:
+    """Re-execute every record; return the audit summary (also what results.json shows)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from stagereplay.executors import run_jobs
+    from stagereplay.lm import load
+
+    config = manifest["config"]
+    stages = manifest.get("stages", {})
+    first = ModelConfig(**config["model"])
+    tokenizer = load(first.path, first.precision, first.device, first.threads, first.attn_impl).tokenizer
+    items = {i.id: i for i in load_items(DataConfig(**config["data"]), tokenizer)[0]}
+    # Prefixes of the matched records: the fixed token states the other experiments start from.
+    prefixes = {(r.checkpoint, r.item_id): r.payload.get("prefix_ids") for r in records if r.experiment == "matched"}
+    groups: dict[tuple[str, str, str], list[Record]] = {}
+    for r in records:
+        groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment == "precision_2x2" else ""), []).append(r)
+    t_ok = t_n = c_ok = c_n = 0
+    mismatches: list[str] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), disable=quiet) as bar:
+        task = bar.add_task("audit", total=len(records))
+        for (experiment, checkpoint, part), group in groups.items():
+            stage = stages[f"{experiment}/{checkpoint}"]
+            model = ModelConfig(**stage["model"])
+            if part:
+                model = model.with_precision(part)
+            missing = [r.item_id for r in group if r.item_id not in items]
+            mismatches += [f"{i}: item is not in the manifest's dataset" for i in missing]
+            todo = [r for r in group if r.item_id in items]
+            jobs = [_job(r, stage, items[r.item_id], prefixes) for r in todo]
+            for record, again in zip(todo, run_jobs(model, _work(experiment), jobs, ex), strict=True):
+                a, b, c, d, bad = compare_payloads(record.item_id, record.payload, again)
+                t_ok, t_n, c_ok, c_n = t_ok + a, t_n + b, c_ok + c, c_n + d
+                mismatches += [f"{experiment}/{checkpoint}{'@' + part if part else ''} {m}" for m in bad]
+                bar.advance(task)
+    chain = chain_problems(records)
+    return {"items": len({r.item_id for r in records}), "records": len(records),
+            "trajectories": {"k": t_ok, "n": t_n}, "comparisons": {"k": c_ok, "n": c_n},
+            "chain_ok": not chain, "broken_records": chain, "mismatches": mismatches,
+            "reproduced": not mismatches and not chain}

@@ -1,0 +1,57 @@
+"""Bridge: token-by-token incremental prefill against the retained live cache, bitwise, layer by layer."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from stagereplay.cache import compare_caches, layer_fingerprints
+from stagereplay.executors import ExecConfig
+from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
+from stagereplay.experiments.precision_2x2 import fixed_prefixes
+from stagereplay.ledger import Record, Run
+from stagereplay.lm import LM, NoBoundary
+from stagereplay.model import ModelConfig
+
+EXPERIMENT = "bridge"
+
+
+def bridge_item(lm: LM, job: Job) -> dict[str, Any]:
+    item, s = job.item, job.settings
+    try:
+        live = lm.live(item, s.rule(), s.decode)
+    except NoBoundary as nb:
+        return {"status": "no_boundary", "prompt_ids": list(item.prompt_ids), "generated_ids": list(nb.generated),
+                "answer": item.answer, "arms": [], "comparisons": []}
+    assert live.live_suffix is not None
+    inc = lm.construct(live, "incremental")
+    diffs = compare_caches(live.cache, inc.cache)
+    arms = [arm_record(lm, "live", live, live.live_suffix, live.stage1, item, s.scorer),
+            arm_record(lm, "incremental", inc, lm.continue_from(inc, s.decode), live.stage1, item, s.scorer)]
+    return {
+        "status": "ok", "prompt_ids": list(item.prompt_ids), "prefix_ids": list(live.prefix),
+        "boundary": len(live.prefix), "answer": item.answer,
+        "prefix_matches_matched_run": list(live.prefix) == list(job.get("prefix")),
+        "cache_equal": not diffs,
+        "differences": [d.as_dict() for d in diffs],
+        "layers": {"live": layer_fingerprints(live.cache), "incremental": layer_fingerprints(inc.cache)},
+        "arms": arms,
+        "comparisons": [comparison(item.id, arms[0], arms[1])],
+    }
+
+
+def run_bridge(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, rows: int,
+               ex: ExecConfig, quiet: bool = False) -> None:
+    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": asdict(model), "settings": settings.as_dict(),
+                                                  "rows": rows})
+    jobs = [Job(item, settings, extra=(("prefix", prefix),)) for item, prefix in fixed_prefixes(run, checkpoint)]
+    execute(run, EXPERIMENT, checkpoint, model, bridge_item, jobs[:rows], ex, None, quiet)
+
+
+def summarize_bridge(records: list[Record], checkpoint: str) -> dict[str, Any]:
+    ok = [r for r in records if r.payload["status"] == "ok"]
+    items = [{"item_id": r.item_id, "cache_equal": r.payload["cache_equal"],
+              "first_difference": (r.payload["differences"] or [None])[0],
+              "suffix_equal": r.payload["comparisons"][0]["suffix_equal"]} for r in ok]
+    return {"checkpoint": checkpoint, "rows": len(ok), "cache_bit_exact": sum(i["cache_equal"] for i in items),
+            "suffix_equal": sum(i["suffix_equal"] for i in items), "items": items}

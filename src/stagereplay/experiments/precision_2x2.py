@@ -1,0 +1,87 @@
+"""Fixed-prefix 2x2: the matched run's token IDs held fixed, construction crossed with precision."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from stagereplay.decode import derive_seed
+from stagereplay.executors import ExecConfig
+from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
+from stagereplay.ledger import Record, Run
+from stagereplay.lm import LM, BoundaryState, check_construction
+from stagereplay.model import ModelConfig
+from stagereplay.stats import wilson_interval
+from stagereplay.tasks.base import Item
+
+EXPERIMENT = "precision_2x2"
+
+
+def fixed_state(item: Item, prefix: list[int], settings: ReplaySettings) -> BoundaryState:
+    """A boundary state with no cache yet: what `lm.construct` needs to rebuild one from fixed token IDs."""
+    return BoundaryState(prefix=tuple(prefix), prompt_len=len(item.prompt_ids), construction="fixed", cache=None,
+                         seed=derive_seed(settings.decode.seed, item.id, "suffix"))
+
+
+def grid_item(lm: LM, job: Job) -> dict[str, Any]:
+    """Every construction at this process's precision on one fixed prefix, and their pairwise comparison."""
+    item, s = job.item, job.settings
+    state = fixed_state(item, job.get("prefix"), s)
+    arms = []
+    for construction in job.get("constructions"):
+        built = lm.construct(state, construction)
+        name = f"{construction}@{lm.config.precision}"
+        arms.append(arm_record(lm, name, built, lm.continue_from(built, s.decode), state.stage1, item, s.scorer))
+    comparisons = [comparison(item.id, a, b) for i, a in enumerate(arms) for b in arms[i + 1 :]]
+    return {"status": "ok", "precision": lm.config.precision, "prompt_ids": list(item.prompt_ids),
+            "prefix_ids": list(state.prefix), "boundary": len(state.prefix), "answer": item.answer,
+            "arms": arms, "comparisons": comparisons}
+
+
+def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:
+    """The items of the matched run that reached their boundary, with their prefixes."""
+    out = []
+    for r in run.find("matched", checkpoint):
+        p = r.payload
+        if p["status"] == "ok":
+            out.append((Item(r.item_id, tuple(p["prompt_ids"]), p["answer"]), p["prefix_ids"]))
+    return out
+
+
+def run_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str,
+            constructions: tuple[str, ...], precisions: tuple[str, ...], ex: ExecConfig, quiet: bool = False) -> None:
+    for c in constructions:
+        check_construction(c)
+    if "live" in constructions:
+        raise ValueError("live is not a fixed-prefix construction")
+    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": asdict(model), "settings": settings.as_dict(),
+                                                  "constructions": list(constructions),
+                                                  "precisions": list(precisions)})
+    fixed = fixed_prefixes(run, checkpoint)
+    for precision in precisions:
+        jobs = [Job(item, settings, part=precision, extra=(("prefix", prefix), ("constructions", constructions)))
+                for item, prefix in fixed]
+        execute(run, EXPERIMENT, checkpoint, model.with_precision(precision), grid_item, jobs, ex, None, quiet)
+
+
+def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+    constructions, precisions = stage["constructions"], stage["precisions"]
+    cells, disagreements = [], []
+    for precision in precisions:
+        mine = [r for r in records if r.part == precision]
+        for c in constructions:
+            name = f"{c}@{precision}"
+            correct = [a["correct"] for r in mine for a in r.payload["arms"] if a["name"] == name]
+            cells.append({"construction": c, "precision": precision, "n": len(correct),
+                          "accuracy": sum(correct) / len(correct) if correct else None})
+        first = [r.payload["comparisons"][0] for r in mine if r.payload["comparisons"]]
+        k = sum(not c["suffix_equal"] for c in first)
+        n = len(first)
+        disagreements.append({
+            "precision": precision, "k": k, "n": n,
+            "wilson": list(wilson_interval(k, n)) if n else None,
+            "label_k": sum(not c["label_equal"] for c in first),
+            "first_divergence": [c["first_divergence"] for c in first if not c["suffix_equal"]],
+        })
+    return {"checkpoint": checkpoint, "constructions": constructions, "precisions": precisions,
+            "n": max((d["n"] for d in disagreements), default=0), "cells": cells, "disagreements": disagreements}

@@ -1,0 +1,197 @@
+"""Transplant: swap K/V between the live and the fresh boundary states of a divergent item, both directions.
+
+Direction names read `<donor>-><recipient>`. An outcome is `donor` when the transplanted continuation equals the
+donor's own suffix, `recipient` when it equals the recipient's, `neither` otherwise. The selection rule and the
+selected items are frozen in the manifest before the first transplant runs: that keeps a replication outcome-blind.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stagereplay.cache import TransplantSpec, parse_layers, parse_positions, transplant
+from stagereplay.errors import StageReplayError
+from stagereplay.executors import ExecConfig
+from stagereplay.experiments.common import Job, ReplaySettings, execute
+from stagereplay.ledger import Record, Run
+from stagereplay.lm import LM, BoundaryState, NoBoundary
+from stagereplay.model import ModelConfig
+from stagereplay.stats import first_divergence, wilson_interval
+from stagereplay.tasks.base import Item
+
+EXPERIMENT = "transplant"
+
+
+@dataclass(frozen=True)
+class TransplantConfig:
+    """What to swap and for which items."""
+
+    construction: str = field(default="oneshot", metadata={"help": "the fresh arm (as in the matched run)"})
+    layers: str = field(default="all", metadata={"help": "all | none | A-B,C,..."})
+    kv: str = field(default="kv", metadata={"help": "k | v | kv"})
+    positions: str | None = field(default=None, metadata={"help": "A:B sequence positions (half-open)"})
+    select: str = field(default="all-divergent", metadata={"help": "all-divergent | first:K | random:K:SEED"})
+    sweep: bool = field(default=False, metadata={"help": "also every single layer and bottom/top band"})
+
+    def __post_init__(self) -> None:
+        if self.kv not in ("k", "v", "kv"):
+            raise StageReplayError(f"unknown --kv {self.kv!r}", "use k, v or kv")
+        parse_selection(self.select)
+
+
+def parse_selection(rule: str) -> tuple[str, int, int]:
+    parts = rule.split(":")
+    if parts == ["all-divergent"]:
+        return "all", 0, 0
+    if parts[0] == "first" and len(parts) == 2 and parts[1].isdigit():
+        return "first", int(parts[1]), 0
+    if parts[0] == "random" and len(parts) == 3 and parts[1].isdigit() and parts[2].lstrip("-").isdigit():
+        return "random", int(parts[1]), int(parts[2])
+    raise StageReplayError(f"unknown --select {rule!r}", "use all-divergent, first:K or random:K:SEED")
+
+
+def select(divergent: list[str], rule: str) -> list[str]:
+    """Apply a selection rule to divergent item ids (in ledger order); seeded, so it can be frozen up front."""
+    kind, k, seed = parse_selection(rule)
+    if kind == "all":
+        return list(divergent)
+    if kind == "first":
+        return divergent[:k]
+    chosen = set(random.Random(seed).sample(divergent, min(k, len(divergent))))
+    return [i for i in divergent if i in chosen]
+
+
+def sweep_bands(n_layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Every single layer, every band from the bottom (0..k) and every band from the top (k..L-1)."""
+    bands = [("single", (i,)) for i in range(n_layers)]
+    bands += [("bottom", tuple(range(k + 1))) for k in range(n_layers)]
+    bands += [("top", tuple(range(k, n_layers))) for k in range(n_layers)]
+    return bands
+
+
+def _outcome(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[int, ...]) -> dict[str, Any]:
+    if suffix == donor:
+        outcome = "donor"
+    elif suffix == recipient:
+        outcome = "recipient"
+    else:
+        outcome = "neither"
+    return {"outcome": outcome, "suffix_ids": list(suffix),
+            "divergence_from_donor": first_divergence(suffix, donor),
+            "divergence_from_recipient": first_divergence(suffix, recipient)}
+
+
+def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: TransplantSpec, job: Job) -> tuple[int, ...]:
+    cache = transplant(recipient.cache, donor.cache, spec)
+    return lm.continue_from(BoundaryState(recipient.prefix, recipient.prompt_len, "transplant", cache,
+                                          recipient.seed), job.settings.decode).suffix
+
+
+def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
+    item, s = job.item, job.settings
+    cfg = TransplantConfig(**dict(job.get("config")))
+    try:
+        live = lm.live(item, s.rule(), s.decode)
+    except NoBoundary:
+        live = None
+    if live is None or list(live.prefix) != list(job.get("prefix")):
+        # The live run no longer reaches the recorded prefix: transplant between the recorded token states instead.
+        live = None
+    if live is None:
+        return {"status": "prefix_not_reproduced", "prompt_ids": list(item.prompt_ids), "answer": item.answer,
+                "arms": [], "comparisons": []}
+    assert live.live_suffix is not None
+    fresh = lm.construct(live, cfg.construction)
+    states = {"live": live, cfg.construction: fresh}
+    suffixes = {"live": live.live_suffix.suffix, cfg.construction: lm.continue_from(fresh, s.decode).suffix}
+    length = len(live.prefix) - 1
+    positions = parse_positions(cfg.positions, length) if cfg.positions else None
+    pairs = [("live", cfg.construction), (cfg.construction, "live")]  # (donor, recipient)
+
+    def run_spec(layers: tuple[int, ...]) -> dict[str, Any]:
+        spec = TransplantSpec(layers, cfg.kv, positions)
+        return {f"{d}->{r}": _outcome(_swap(lm, states[r], states[d], spec, job), suffixes[d], suffixes[r])
+                for d, r in pairs}
+
+    payload: dict[str, Any] = {
+        "status": "ok", "prompt_ids": list(item.prompt_ids), "prefix_ids": list(live.prefix),
+        "boundary": len(live.prefix), "answer": item.answer,
+        "baseline": {name: list(suf) for name, suf in suffixes.items()},
+        "baseline_diverges": suffixes["live"] != suffixes[cfg.construction],
+        "directions": run_spec(parse_layers(cfg.layers, lm.n_layers)),
+        "control": run_spec(()),
+        "arms": [],
+        "comparisons": [],
+    }
+    if cfg.sweep:
+        payload["sweep"] = [{"kind": kind, "layers": list(layers), **{k: v["outcome"] for k, v in
+                                                                      run_spec(layers).items()}}
+                            for kind, layers in sweep_bands(lm.n_layers)]
+    return payload
+
+
+def divergent_items(run: Run, checkpoint: str, construction: str) -> list[tuple[Item, list[int]]]:
+    out = []
+    for r in run.find("matched", checkpoint):
+        p = r.payload
+        if p["status"] != "ok":
+            continue
+        main = next(c for c in p["comparisons"] if c["a"] == "live" and c["b"] == construction)
+        if not main["suffix_equal"]:
+            out.append((Item(r.item_id, tuple(p["prompt_ids"]), p["answer"]), p["prefix_ids"]))
+    return out
+
+
+def run_transplant(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, cfg: TransplantConfig,
+                   ex: ExecConfig, quiet: bool = False) -> None:
+    candidates = divergent_items(run, checkpoint, cfg.construction)
+    chosen = set(select([i.id for i, _ in candidates], cfg.select))
+    # Frozen before any transplant outcome exists: the rule and the items it picked.
+    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": asdict(model), "settings": settings.as_dict(),
+                                                  "config": asdict(cfg), "selected": sorted(chosen)})
+    jobs = [Job(item, settings, extra=(("prefix", prefix), ("config", tuple(asdict(cfg).items()))))
+            for item, prefix in candidates if item.id in chosen]
+    execute(run, EXPERIMENT, checkpoint, model, transplant_item, jobs, ex, None, quiet)
+
+
+def _directions(records: list[Record], key: str) -> list[dict[str, Any]]:
+    names = list(records[0].payload[key]) if records else []
+    out = []
+    for name in names:
+        outcomes = [r.payload[key][name]["outcome"] for r in records]
+        n, k = len(outcomes), outcomes.count("donor")
+        out.append({"direction": name, "n": n, "follows_donor": k, "follows_recipient": outcomes.count("recipient"),
+                    "neither": outcomes.count("neither"), "donor_wilson": list(wilson_interval(k, n)) if n else None,
+                    "divergence_from_donor": [r.payload[key][name]["divergence_from_donor"] for r in records]})
+    return out
+
+
+def summarize_transplant(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+    cfg = stage["config"]
+    ok = [r for r in records if r.payload["status"] == "ok"]
+    summary: dict[str, Any] = {
+        "checkpoint": checkpoint, "selection": cfg["select"], "layers": cfg["layers"], "kv": cfg["kv"],
+        "positions": cfg["positions"], "n_items": len(ok), "n_selected": len(stage["selected"]),
+        "n_not_reproduced": len(records) - len(ok),
+        "directions": _directions(ok, "directions"),
+        "control": {"layers": "none", "directions": _directions(ok, "control")},
+        "sweep": None,
+    }
+    if cfg.get("sweep") and ok:
+        bands = ok[0].payload["sweep"]
+        n_layers = max(max(b["layers"]) for b in bands) + 1
+        rows, smallest = [], {}
+        for j, band in enumerate(bands):
+            for d in (x["direction"] for x in summary["directions"]):
+                k = sum(r.payload["sweep"][j][d] == "donor" for r in ok)
+                layers = band["layers"]
+                label = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+                rows.append({"band": label, "kind": band["kind"], "layers": layers, "direction": d,
+                             "follows_donor": k, "n": len(ok)})
+                best = smallest.get(d)
+                if k == len(ok) and (best is None or (len(layers), layers[0]) < (len(best), best[0])):
+                    smallest[d] = layers
+        summary["sweep"] = {"n_layers": n_layers, "rows": rows, "smallest_band": smallest}
+    return summary

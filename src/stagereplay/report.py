@@ -1,0 +1,410 @@
+"""The paper's tables from `results.json`: as Markdown, as a self-contained HTML page, and in the terminal.
+
+`build_tables` turns results into neutral `Table`s once; Markdown, HTML (`stagereplay.html`) and rich
+all render those, so the three views cannot disagree. A section that is null (or an empty list) is left
+out; a value that is null (an accuracy over zero boundary items) prints as `-`. The field-by-field
+format is `docs/results-schema.md`.
+
+Number format, one rule everywhere: a proportion prints as `k/n (p%)` with one decimal; an interval
+bound prints in percent with two decimals below 10% and one decimal otherwise, so a Wilson upper bound
+for 0/200 reads `1.88%` and a lower bound for 24/24 `86.2%`; an accuracy difference and its CI print in
+signed points with one decimal, e.g. `+1.0 [-3.5, +5.5]`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stagereplay.export import atomic_output
+from stagereplay.figures import slug
+from stagereplay.stats import wilson_interval
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+SCHEMA_VERSION = 1
+"""The `results.json` schema this renderer reads."""
+NA = "-"
+
+_TRANSPLANT_HEADERS = (
+    "direction",
+    "layers",
+    "K/V",
+    "follows donor",
+    "Wilson 95% lower",
+    "follows recipient",
+    "neither",
+)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A renderer-neutral table; `id` is the HTML element id (`table-matched`, `table-2x2`, ...)."""
+
+    id: str
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    note: str = ""
+    terminal: bool = True
+    """False for long detail tables (the full layer sweep) that only the report files carry."""
+
+
+# --- number formatting ---------------------------------------------------------------------------
+
+
+def pct(x: float | None) -> str:
+    """A proportion in percent, one decimal: 0.62 -> '62.0%'."""
+    return NA if x is None else f"{100 * x:.1f}%"
+
+
+def bound(x: float) -> str:
+    """An interval bound in percent: two decimals below 10% (0.018845 -> '1.88%'), else one ('86.2%')."""
+    v = 100 * x
+    return f"{v:.2f}%" if v < 10 else f"{v:.1f}%"
+
+
+def interval(ci: tuple[float, float] | None) -> str:
+    """'[0.00%, 1.88%]'."""
+    return NA if ci is None else f"[{bound(ci[0])}, {bound(ci[1])}]"
+
+
+def k_of_n(k: int, n: int) -> str:
+    """'166/200 (83.0%)'; a count over zero has no percentage."""
+    return f"{k}/{n} ({pct(k / n)})" if n else f"{k}/{n}"
+
+
+def points(x: float) -> str:
+    """A difference of proportions in signed points: 0.01 -> '+1.0', -0.035 -> '-3.5'."""
+    return f"{round(100 * x, 1) + 0.0:+.1f}"  # + 0.0 turns -0.0 into 0.0
+
+
+def p_value(p: float | None) -> str:
+    return NA if p is None else f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+
+
+def _kn(d: dict[str, Any] | None) -> str:
+    return NA if d is None else k_of_n(int(d["k"]), int(d["n"]))
+
+
+def _wilson(k: int, n: int, given: Any) -> tuple[float, float] | None:
+    """The stored interval when present (the report shows what the run computed), else Wilson 95%."""
+    if given is not None:
+        return float(given[0]), float(given[1])
+    return wilson_interval(k, n) if n else None
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _rows(rows: list[list[str]]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(str(c) for c in row) for row in rows)
+
+
+# --- results -> tables ---------------------------------------------------------------------------
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """Read `results.json` (or `<run_dir>/results.json`) and refuse a schema version we cannot render."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    results = json.loads(path.read_text(encoding="utf-8"))
+    version = results.get("schema_version") if isinstance(results, dict) else None
+    if version != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path}: results schema_version {version!r} is not supported (this stagereplay reads "
+            f"{SCHEMA_VERSION}); rebuild results.json from the ledger with a matching stagereplay"
+        )
+    return results
+
+
+def build_tables(results: dict[str, Any]) -> list[Table]:
+    """All of the paper's tables the results contain, in the paper's order."""
+    tables: list[Table] = []
+    if results.get("matched"):
+        tables.append(matched_table(results["matched"]))
+    if results.get("precision_2x2"):
+        tables.extend(precision_2x2_tables(results["precision_2x2"]))
+    if results.get("bridge"):
+        tables.extend(bridge_tables(results["bridge"]))
+    for t in results.get("transplant") or []:
+        tables.extend(transplant_tables(t))
+    if results.get("audit"):
+        tables.extend(audit_tables(results["audit"]))
+    return tables
+
+
+def matched_table(matched: list[dict[str, Any]]) -> Table:
+    """Rows are quantities, columns checkpoints, so two checkpoints read side by side."""
+    fresh = {m["construction"] for m in matched}
+    other = fresh.pop() if len(fresh) == 1 else "rebuilt"
+    labels = [
+        "items (boundary / no boundary)",
+        "replica exact, live",
+        f"replica exact, {other}",
+        "suffix disagreements",
+        "correctness-label disagreements",
+        "accuracy, live",
+        f"accuracy, {other}",
+        f"accuracy difference, live - {other} (points) [95% CI]",
+        f"discordant labels: live only / {other} only",
+        "McNemar exact p",
+    ]
+    columns = []
+    for m in matched:
+        c, diff = m["construction"], m.get("accuracy_diff")
+        accuracy, discordant = m.get("accuracy") or {}, m["discordant"]
+        ci = f"{points(diff['estimate'])} [{points(diff['ci'][0])}, {points(diff['ci'][1])}]" if diff else NA
+        columns.append(
+            [
+                f"{m['n']} ({m['n_boundary']} / {m['n_no_boundary']})",
+                _kn(m["replica_exact"].get("live")),
+                _kn(m["replica_exact"].get(c)),
+                _kn(m["suffix_disagreements"]),
+                _kn(m["label_disagreements"]),
+                pct(accuracy.get("live")),
+                pct(accuracy.get(c)),
+                ci,
+                f"{discordant['live_only']} / {discordant['other_only']}",
+                p_value(m.get("mcnemar_p")),
+            ]
+        )
+    rows = [[label, *(col[i] for col in columns)] for i, label in enumerate(labels)]
+    headers = ("", *(f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}" for m in matched))
+    note = "Disagreements and accuracies are over items that reached the stage boundary."
+    d = next((m["accuracy_diff"] for m in matched if m.get("accuracy_diff")), None)
+    if d:
+        note += (
+            f" CI: paired percentile bootstrap over items, {d.get('n_resamples')} resamples, "
+            f"seed {d.get('seed')}, confidence {d.get('confidence')}."
+        )
+    return Table("table-matched", "Matched: live cache vs fresh prefill", headers, _rows(rows), note)
+
+
+def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
+    """Accuracy per cell (construction x precision), then disagreements per precision with Wilson 95%."""
+    precisions = list(grid["precisions"])
+    cells = {(c["construction"], c["precision"]): c for c in grid["cells"]}
+    accuracy = []
+    for construction in grid["constructions"]:
+        row = [construction]
+        for p in precisions:
+            cell = cells.get((construction, p))
+            row.append(f"{pct(cell.get('accuracy'))} (n={cell['n']})" if cell else NA)
+        accuracy.append(row)
+    a, b = [*grid["constructions"], "?", "?"][:2]
+    disagreements = []
+    for d in grid["disagreements"]:
+        k, n = int(d["k"]), int(d["n"])
+        label = k_of_n(int(d["label_k"]), n) if d.get("label_k") is not None else NA
+        disagreements.append([d["precision"], k_of_n(k, n), interval(_wilson(k, n, d.get("wilson"))), label])
+    ckpt = grid["checkpoint"]
+    return [
+        Table(
+            "table-2x2",
+            f"Fixed-prefix 2x2 ({ckpt}): accuracy",
+            ("construction", *precisions),
+            _rows(accuracy),
+            f"All {grid['n']} prefixes held fixed; only construction and precision change.",
+        ),
+        Table(
+            "table-2x2-disagreements",
+            f"Fixed-prefix 2x2 ({ckpt}): {a} vs {b} disagreements",
+            ("precision", "suffix disagreements", "Wilson 95%", "label disagreements"),
+            _rows(disagreements),
+            "0/n is reported with its Wilson upper bound.",
+        ),
+    ]
+
+
+def bridge_tables(bridge: dict[str, Any]) -> list[Table]:
+    n = int(bridge["rows"])
+    summary = [[str(n), k_of_n(int(bridge["cache_bit_exact"]), n), k_of_n(int(bridge["suffix_equal"]), n)]]
+    tables = [
+        Table(
+            "table-bridge",
+            f"Bridge ({bridge['checkpoint']}): incremental vs live cache",
+            ("rows", "caches bit-exact", "suffixes equal"),
+            _rows(summary),
+        )
+    ]
+    rows = []
+    for i in bridge.get("items") or []:
+        if i["cache_equal"] and i["suffix_equal"]:
+            continue
+        fd = i.get("first_difference")
+        where = f"layer {fd['layer']}, {fd['tensor']}, position {fd['position']}" if fd else NA
+        rows.append([i["item_id"], _yes(i["cache_equal"]), where, _yes(i["suffix_equal"])])
+    if rows:
+        headers = ("item", "cache equal", "first difference", "suffix equal")
+        tables.append(Table("table-bridge-differences", "Bridge rows that differ", headers, _rows(rows)))
+    return tables
+
+
+def transplant_tables(t: dict[str, Any]) -> list[Table]:
+    ckpt = str(t["checkpoint"])
+    rows = [_direction_row(d, str(t.get("layers", "all")), str(t.get("kv", "kv"))) for d in t["directions"]]
+    control = t.get("control")
+    if control:
+        rows += [_direction_row(d, f"{control['layers']} (control)", NA) for d in control["directions"]]
+    note = (
+        f"Selection {t['selection']} ({t['n_items']} items), frozen before outcomes were seen; positions "
+        f"{t.get('positions') or 'all'}. Direction is donor->recipient; 'Wilson 95% lower' bounds the "
+        "donor-following rate."
+    )
+    tables = [
+        Table(
+            f"table-transplant-{slug(ckpt)}", f"Transplant ({ckpt})", _TRANSPLANT_HEADERS, _rows(rows), note
+        )
+    ]
+    if t.get("sweep") and t["sweep"].get("rows"):
+        tables.extend(_sweep_tables(t["sweep"], ckpt))
+    return tables
+
+
+def _direction_row(d: dict[str, Any], layers: str, kv: str) -> list[str]:
+    n, donor = int(d["n"]), int(d["follows_donor"])
+    ci = _wilson(donor, n, d.get("donor_wilson"))
+    return [
+        d["direction"],
+        layers,
+        kv,
+        k_of_n(donor, n),
+        bound(ci[0]) if ci else NA,
+        k_of_n(int(d["follows_recipient"]), n),
+        k_of_n(int(d["neither"]), n),
+    ]
+
+
+def _sweep_tables(sweep: dict[str, Any], ckpt: str) -> list[Table]:
+    directions = list(dict.fromkeys(r["direction"] for r in sweep["rows"]))
+    bands: dict[tuple[str, str], dict[str, str]] = {}
+    for r in sweep["rows"]:
+        bands.setdefault((r["kind"], r["band"]), {})[r["direction"]] = f"{r['follows_donor']}/{r['n']}"
+    smallest = sweep.get("smallest_band") or {}
+    summary = [[d, _layers(smallest.get(d), sweep.get("n_layers"))] for d in directions]
+    detail = [[kind, band, *(cells.get(d, NA) for d in directions)] for (kind, band), cells in bands.items()]
+    return [
+        Table(
+            f"table-sweep-summary-{slug(ckpt)}",
+            f"Layer sweep ({ckpt}): smallest band whose K/V makes every continuation follow the donor",
+            ("direction", "smallest band"),
+            _rows(summary),
+        ),
+        Table(
+            f"table-sweep-{slug(ckpt)}",
+            f"Layer sweep ({ckpt}): follows donor per band",
+            ("kind", "layers", *directions),
+            _rows(detail),
+            terminal=False,
+        ),
+    ]
+
+
+def _layers(layers: list[int] | None, n_layers: Any) -> str:
+    if not layers:
+        return "none found"
+    span = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+    return f"layers {span} ({len(layers)} of {n_layers})"
+
+
+def audit_tables(audit: dict[str, Any]) -> list[Table]:
+    broken = audit.get("broken_records") or []
+    mismatches = audit.get("mismatches") or []
+    rows = [
+        ["items audited", str(audit["items"])],
+        ["trajectory fingerprints reproduced", _kn(audit["trajectories"])],
+        ["comparison fingerprints reproduced", _kn(audit["comparisons"])],
+        ["ledger hash chain intact", _yes(audit["chain_ok"])],
+        ["broken ledger records", ", ".join(_record(b) for b in broken) if broken else "none"],
+        ["mismatches", str(len(mismatches))],
+    ]
+    tables = [Table("table-audit", "Audit: re-executed from the saved ledger", ("", "result"), _rows(rows))]
+    if mismatches:
+        detail = _rows([[m["item_id"], m["what"]] for m in mismatches])
+        tables.append(Table("table-audit-mismatches", "Audit mismatches", ("item", "what"), detail))
+    return tables
+
+
+def _record(b: Any) -> str:
+    """A broken record as `seq N`, whether stored as a bare seq or as an object carrying one."""
+    if isinstance(b, dict) and "seq" in b:
+        return f"seq {b['seq']}" + (f" ({b['reason']})" if b.get("reason") else "")
+    return f"seq {b}" if isinstance(b, int) else json.dumps(b)
+
+
+# --- renderers -----------------------------------------------------------------------------------
+
+
+def run_summary(results: dict[str, Any]) -> list[tuple[str, str]]:
+    run = results.get("run") or {}
+    keys = ("model", "later_model", "precision", "n_items", "created", "tool_version")
+    return [(k.replace("_", " "), str(run[k])) for k in keys if run.get(k) is not None]
+
+
+def render_markdown(results: dict[str, Any], tables: list[Table]) -> str:
+    lines = ["# stagereplay report", ""]
+    lines += [f"- **{k}**: {v}" for k, v in run_summary(results)]
+    lines += ["", "Figures are in `report.html` beside this file.", ""]
+    for table in tables:
+        lines += [f"## {table.title}", "", _md_row(table.headers), _md_row(("---",) * len(table.headers))]
+        lines += [_md_row(row) for row in table.rows]
+        lines += ["", table.note, ""] if table.note else [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _md_row(cells: tuple[str, ...]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def print_tables(results: dict[str, Any], console: Console | None = None) -> None:
+    """Print the tables to the terminal, as a CLI command does when it finishes."""
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    console = console or Console()
+    for table in build_tables(results):
+        if not table.terminal:
+            continue
+        rich = RichTable(title=table.title, caption=table.note or None, title_justify="left")
+        for header in table.headers:
+            rich.add_column(header)
+        for row in table.rows:
+            rich.add_row(*row)
+        console.print(rich)
+
+
+def render_tables_text(results: dict[str, Any], width: int = 120) -> str:
+    """The terminal tables as plain text (no colour codes), for logs and tests."""
+    import io
+
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    print_tables(results, Console(file=buffer, width=width, color_system=None, force_terminal=False))
+    return buffer.getvalue()
+
+
+def write_report(run_dir: Path) -> tuple[Path, Path]:
+    """Write `report.md` and a self-contained `report.html` into `run_dir`; return their paths.
+
+    Both are written atomically (temporary file in the same folder, then `os.replace`), so an
+    interrupted report never leaves a truncated file behind.
+    """
+    from stagereplay.figures import build_figures
+    from stagereplay.html import render_html
+
+    run_dir = Path(run_dir)
+    results = load_results(run_dir / "results.json")
+    tables = build_tables(results)
+    page = render_html(run_summary(results), tables, build_figures(results))
+    md_path, html_path = run_dir / "report.md", run_dir / "report.html"
+    for path, text in ((md_path, render_markdown(results, tables)), (html_path, page)):
+        with atomic_output(path) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+    return md_path, html_path

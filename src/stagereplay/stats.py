@@ -1,0 +1,113 @@
+"""Statistics for the paper's tables: binomial intervals, a paired bootstrap, McNemar, divergence index.
+
+Every function is pure and takes its randomness as an explicit seed, so a report regenerated from the
+same ledger prints the same numbers. Where scipy already has the piece we call it rather than re-derive
+it: `scipy.stats.binomtest(...).proportion_ci` gives Wilson (z = Phi^-1(0.975) = 1.959964 at 95%) and
+Clopper-Pearson intervals, and `binomtest(...).pvalue` the exact McNemar p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import ArrayLike
+from scipy.stats import binomtest
+
+# Resamples are drawn in blocks so memory stays bounded (block x n int64 indices) for large item counts.
+_BOOTSTRAP_BLOCK = 2_000
+
+
+def _check_confidence(confidence: float) -> None:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence!r}")
+
+
+def _check_counts(k: int, n: int) -> None:
+    if n == 0:
+        raise ValueError("n = 0: a proportion over no trials has no interval (nothing was tested)")
+    if n < 0 or k < 0 or k > n:
+        raise ValueError(f"need 0 <= k <= n and n > 0, got k={k}, n={n}")
+
+
+def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Two-sided Wilson score interval for k successes in n trials.
+
+    Wilson rather than Wald because the tables are full of 0/n and n/n, where Wald collapses to a
+    zero-width interval: 0/200 has a Wilson upper bound of 1.88%, 24/24 a lower bound of 86.2%.
+    """
+    _check_counts(k, n)
+    _check_confidence(confidence)
+    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def clopper_pearson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Two-sided exact (Clopper-Pearson) interval: conservative, for readers who want guaranteed coverage."""
+    _check_counts(k, n)
+    _check_confidence(confidence)
+    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=confidence, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+def paired_bootstrap_ci(
+    a: ArrayLike,
+    b: ArrayLike,
+    n_resamples: int = 10_000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(a - b), resampling items (pairs) with replacement.
+
+    `a[i]` and `b[i]` are the two arms' scores (e.g. 0/1 correctness) on the same item i; resampling
+    the pair keeps the within-item correlation, which is what makes a one-point accuracy difference
+    between two near-identical arms tight. Units follow the inputs: fractions in, fractions out.
+    Percentiles use numpy's default linear interpolation. With 0/1 inputs over n items every resampled
+    mean is a multiple of 1/n, so at n = 200 the bounds land on multiples of half a point.
+    """
+    _check_confidence(confidence)
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be positive, got {n_resamples}")
+    xa, xb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if xa.ndim != 1 or xa.shape != xb.shape:
+        raise ValueError(f"a and b must be 1-D and paired item by item, got shapes {xa.shape} and {xb.shape}")
+    n = xa.shape[0]
+    if n == 0:
+        raise ValueError("no items: a paired bootstrap needs at least one pair")
+    diff = xa - xb  # (n,) per-item difference
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_resamples, dtype=np.float64)
+    for start in range(0, n_resamples, _BOOTSTRAP_BLOCK):
+        stop = min(start + _BOOTSTRAP_BLOCK, n_resamples)
+        idx = rng.integers(0, n, size=(stop - start, n))  # (block, n) item indices
+        means[start:stop] = diff[idx].mean(axis=1)
+    alpha = 1.0 - confidence
+    lo, hi = np.percentile(means, [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)])
+    return float(lo), float(hi)
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p from the discordant counts (b: only arm A right, c: only arm B right).
+
+    Under the null each discordant pair is a fair coin, so p is the two-sided binomial test of b out of
+    b + c at 0.5. With no discordant pairs there is no evidence of a difference and p = 1.0.
+    """
+    if b < 0 or c < 0:
+        raise ValueError(f"discordant counts must be non-negative, got b={b}, c={c}")
+    if b + c == 0:
+        return 1.0
+    return float(binomtest(int(b), int(b + c), p=0.5, alternative="two-sided").pvalue)
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """First index at which two token sequences differ, or None when they are equal.
+
+    A strict prefix counts as diverging at the shorter length: one arm stopped (EOS) where the other
+    went on, which is a behavioural difference at that position.
+    """
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # unequal lengths handled below
+        if x != y:
+            return i
+    if len(a) != len(b):
+        return min(len(a), len(b))
+    return None

@@ -1,0 +1,335 @@
+"""The report: tables, number format, omitted sections, atomic writes, and the HTML in a real browser."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagereplay.report import (
+    bound,
+    build_tables,
+    load_results,
+    points,
+    print_tables,
+    render_tables_text,
+    write_report,
+)
+from stagereplay.stats import wilson_interval
+
+FIXTURES = Path(__file__).parent / "fixtures"
+RUN_SMALL = FIXTURES / "run_small"
+CHROMIUM_TIMEOUT_S = 60
+
+
+def _copy_run(tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(RUN_SMALL, dst)
+    return dst
+
+
+def _results() -> dict[str, Any]:
+    return json.loads((RUN_SMALL / "results.json").read_text())
+
+
+def _paper_results() -> dict[str, Any]:
+    """The reference paper's headline counts at n = 200 (checkpoint names as in a `paper` run)."""
+    results = _results()
+    m = results["matched"][0]
+    m.update(
+        n=200,
+        n_boundary=200,
+        n_no_boundary=0,
+        replica_exact={"live": {"k": 200, "n": 200}, "oneshot": {"k": 200, "n": 200}},
+        suffix_disagreements={"k": 166, "n": 200},
+        label_disagreements={"k": 20, "n": 200},
+        accuracy={"live": 0.62, "oneshot": 0.61},
+        accuracy_diff={
+            "estimate": 0.01,
+            "ci": [-0.035, 0.055],
+            "confidence": 0.95,
+            "n_resamples": 10_000,
+            "seed": 0,
+        },
+        discordant={"live_only": 11, "other_only": 9},
+        mcnemar_p=0.8238029479980469,
+    )
+    results["matched"] = [m]
+    grid = results["precision_2x2"]
+    grid["disagreements"] = [
+        {
+            "precision": "bf16",
+            "k": 166,
+            "n": 200,
+            "wilson": list(wilson_interval(166, 200)),
+            "label_k": 20,
+            "first_divergence": list(range(166)),
+        },
+        {
+            "precision": "fp32",
+            "k": 0,
+            "n": 200,
+            "wilson": list(wilson_interval(0, 200)),
+            "label_k": 0,
+            "first_divergence": [],
+        },
+    ]
+    for t, n in zip(results["transplant"], (24, 43), strict=True):
+        t["n_items"] = n
+        t["directions"] = [
+            {
+                "direction": d,
+                "n": n,
+                "follows_donor": n,
+                "follows_recipient": 0,
+                "neither": 0,
+                "donor_wilson": None,
+            }
+            for d in ("live->oneshot", "oneshot->live")
+        ]
+    return results
+
+
+# --- fixture and tables --------------------------------------------------------------------------
+
+
+def test_fixture_regenerates_byte_for_byte(tmp_path: Path) -> None:
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        import make_run_small
+    finally:
+        sys.path.remove(str(FIXTURES))
+    make_run_small.build(tmp_path)
+    for name in ("manifest.json", "ledger.jsonl", "results.json"):
+        assert filecmp.cmp(tmp_path / name, RUN_SMALL / name, shallow=False), (
+            f"{name} is stale: rerun the script"
+        )
+
+
+def test_paper_numbers_print_in_the_documented_format() -> None:
+    text = render_tables_text(_paper_results())
+    assert "+1.0 [-3.5, +5.5]" in text  # accuracy difference and paired CI, in points
+    assert "[0.00%, 1.88%]" in text  # fp32: 0/200 with its Wilson upper bound
+    assert "166/200 (83.0%)" in text
+    assert "86.2%" in text and "91.8%" in text  # Wilson lower bounds for 24/24 and 43/43
+    assert "0.824" in text  # McNemar
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(0.018845, "1.88%"), (0.0, "0.00%"), (0.862, "86.2%"), (0.0999, "9.99%"), (1.0, "100.0%")],
+)
+def test_bound_format(value: float, expected: str) -> None:
+    assert bound(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(0.01, "+1.0"), (-0.035, "-3.5"), (0.055, "+5.5"), (-0.0001, "+0.0")]
+)
+def test_points_format(value: float, expected: str) -> None:
+    assert points(value) == expected
+
+
+def test_missing_sections_are_omitted() -> None:
+    results = _results()
+    results.update(precision_2x2=None, bridge=None, transplant=[], audit=None)
+    assert [t.id for t in build_tables(results)] == ["table-matched"]
+    results["matched"] = []
+    assert build_tables(results) == []
+
+
+def test_null_values_print_as_dash() -> None:
+    results = _results()
+    m = results["matched"][0]
+    m.update(n_boundary=0, n_no_boundary=m["n"], accuracy={"live": None, "oneshot": None}, accuracy_diff=None)
+    m.update(mcnemar_p=None, suffix_disagreements={"k": 0, "n": 0}, label_disagreements={"k": 0, "n": 0})
+    matched = build_tables(results)[0]
+    rows = {row[0]: row[1] for row in matched.rows}
+    assert rows["accuracy, live"] == "-" and rows["McNemar exact p"] == "-"
+    assert rows["suffix disagreements"] == "0/0"
+
+
+def test_transplant_table_has_control_row_and_recomputes_missing_wilson() -> None:
+    results = _paper_results()
+    primary = next(t for t in build_tables(results) if t.id == "table-transplant-primary")
+    assert [r[1] for r in primary.rows] == ["all", "all", "none (control)", "none (control)"]
+    assert primary.rows[0][3:5] == ("24/24 (100.0%)", "86.2%")  # donor_wilson was null: computed
+
+
+def test_audit_mismatches_and_bridge_differences_get_detail_tables() -> None:
+    results = _results()
+    results["audit"].update(
+        chain_ok=False, broken_records=[7], mismatches=[{"item_id": "toy-1", "what": "suffix_fp of oneshot"}]
+    )
+    results["bridge"]["items"][0].update(
+        cache_equal=False, first_difference={"layer": 3, "tensor": "v", "position": 17}
+    )
+    tables = {t.id: t for t in build_tables(results)}
+    assert ("toy-1", "suffix_fp of oneshot") in tables["table-audit-mismatches"].rows
+    assert ("broken ledger records", "seq 7") in tables["table-audit"].rows
+    assert tables["table-bridge-differences"].rows[0][2] == "layer 3, v, position 17"
+
+
+def test_print_tables_to_a_console() -> None:
+    from rich.console import Console
+
+    console = Console(record=True, width=140)
+    print_tables(_results(), console)
+    out = console.export_text()
+    assert "Matched: live cache vs fresh prefill" in out and "Transplant (later)" in out
+    assert "follows donor per band" not in out  # the long sweep table stays in the files
+
+
+# --- write_report --------------------------------------------------------------------------------
+
+
+def test_write_report_files(tmp_path: Path) -> None:
+    run = _copy_run(tmp_path)
+    md, html = write_report(run)
+    assert (md, html) == (run / "report.md", run / "report.html")
+    text = md.read_text()
+    for title in ("## Matched", "## Fixed-prefix 2x2", "## Bridge", "## Transplant (primary)", "## Audit"):
+        assert title in text
+    page = html.read_text()
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "the page must not fetch anything"
+    assert "http://" not in page and "https://" not in page
+    assert page.count('<img alt="') == 3  # divergence, transplant outcomes, layer sweep
+    assert not list(run.glob(".*.tmp"))
+
+
+def test_write_report_refuses_other_schema_versions(tmp_path: Path) -> None:
+    run = _copy_run(tmp_path)
+    results = _results()
+    results["schema_version"] = 0
+    (run / "results.json").write_text(json.dumps(results))
+    with pytest.raises(ValueError, match="schema_version 0 is not supported"):
+        write_report(run)
+    del results["schema_version"]  # an unversioned file is refused, not guessed at
+    (run / "results.json").write_text(json.dumps(results))
+    with pytest.raises(ValueError, match="schema_version None"):
+        load_results(run)
+
+
+def test_failed_report_leaves_previous_files_intact(tmp_path: Path) -> None:
+    run = _copy_run(tmp_path)
+    write_report(run)
+    before = (run / "report.html").read_bytes()
+    broken = _results()
+    del broken["matched"][0]["discordant"]
+    (run / "results.json").write_text(json.dumps(broken))
+    with pytest.raises(KeyError):
+        write_report(run)
+    assert (run / "report.html").read_bytes() == before
+    assert not list(run.glob(".*.tmp"))
+
+
+# --- the HTML in headless Chromium ---------------------------------------------------------------
+
+
+def _chromium() -> str:
+    for candidate in (shutil.which("chromium"), "/usr/bin/chromium", shutil.which("chromium-browser")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    if os.environ.get("CI"):
+        pytest.fail("chromium not found; CI must install it (apt-get install chromium)")
+    pytest.skip("chromium not found: install it with `apt-get install chromium` to run the browser tests")
+
+
+def _run_chromium(html: Path, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=5000",
+        *args,
+        html.as_uri(),
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=CHROMIUM_TIMEOUT_S, check=True)
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("browser") / "run"
+    shutil.copytree(RUN_SMALL, run)
+    return write_report(run)[1]
+
+
+def test_browser_dom_has_every_table_and_loaded_images(rendered: Path, tmp_path: Path) -> None:
+    dom = _run_chromium(rendered, tmp_path / "profile", "--dump-dom").stdout
+    for table_id in (
+        "table-matched",
+        "table-2x2",
+        "table-2x2-disagreements",
+        "table-bridge",
+        "table-transplant-primary",
+        "table-transplant-later",
+        "table-sweep-primary",
+        "table-audit",
+    ):
+        assert f'id="{table_id}"' in dom, table_id
+    assert 'data-images-loaded="3/3"' in dom
+
+
+def test_browser_image_check_catches_a_broken_image(tmp_path: Path) -> None:
+    """Negative control: the same page script reports an undecodable image as not loaded."""
+    page = tmp_path / "broken.html"
+    page.write_text(_broken_page())
+    dom = _run_chromium(page, tmp_path / "profile", "--dump-dom").stdout
+    assert 'data-images-loaded="0/1"' in dom
+
+
+def _broken_page() -> str:
+    from stagereplay.figures import ReportFigure
+    from stagereplay.html import render_html
+
+    return render_html([], [], [ReportFigure("fig-x", "broken", "not a PNG", b"not a png")])
+
+
+def test_browser_screenshot_is_not_blank(rendered: Path, tmp_path: Path) -> None:
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    shot = tmp_path / "shot.png"
+    _run_chromium(rendered, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,2000")
+    pixels = mpimg.imread(shot)  # (H, W, channels), floats in [0, 1]
+    assert pixels.shape[:2] == (2000, 1200)
+    rgb = pixels[..., :3].reshape(-1, 3)
+    assert rgb.std() > 0.05, "screenshot is blank"
+    assert len(np.unique(rgb, axis=0)) > 50  # text, table shading and figures, not a flat fill
+
+
+# --- import hygiene ------------------------------------------------------------------------------
+
+
+def test_importing_report_does_not_import_matplotlib() -> None:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    code = "import sys, stagereplay.report, stagereplay.export; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+
+
+def test_figures_leave_the_pyplot_backend_alone() -> None:
+    import matplotlib
+
+    from stagereplay.figures import build_figures
+
+    before = matplotlib.rcParams["backend"]
+    figures = build_figures(_results())
+    assert matplotlib.rcParams["backend"] == before
+    assert [f.id for f in figures] == ["fig-divergence", "fig-transplant", "fig-sweep-primary"]
+    assert all(f.png.startswith(b"\x89PNG\r\n\x1a\n") for f in figures)

@@ -1,0 +1,220 @@
+"""The statistics must reproduce the reference paper's numbers by arithmetic alone.
+
+Numbers (paper/abstract): Wilson 95% upper bound for 0/200 = 1.88%; Wilson lower bounds for 24/24 and
+43/43 = 86.2% and 91.8%; paired bootstrap CI for 11 vs 9 discordant pairs in 200 items = [-3.5, +5.5]
+points. Each claim has a negative control that must not give the same number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from stagereplay.stats import (
+    clopper_pearson_interval,
+    first_divergence,
+    mcnemar_exact,
+    paired_bootstrap_ci,
+    wilson_interval,
+)
+
+Z95 = 1.959963984540054  # Phi^-1(0.975)
+
+
+def _wilson_by_hand(k: int, n: int, z: float) -> tuple[float, float]:
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return centre - half, centre + half
+
+
+def _paper_pairs() -> tuple[np.ndarray, np.ndarray]:
+    """200 paired 0/1 labels: 11 items only `a` right, 9 only `b` right, 113 both, 67 neither.
+
+    Accuracies 0.62 and 0.61 (a one-point difference). Discordant items come first; see the
+    seed note in `test_paired_bootstrap_reproduces_paper_interval` for why the order is fixed.
+    """
+    a = np.array([1] * 11 + [0] * 9 + [1] * 113 + [0] * 67)
+    b = np.array([0] * 11 + [1] * 9 + [1] * 113 + [0] * 67)
+    return a, b
+
+
+# --- Wilson -------------------------------------------------------------------------------------
+
+
+def test_wilson_upper_bound_zero_of_200_is_1_88_percent() -> None:
+    lo, hi = wilson_interval(0, 200)
+    assert lo == 0.0
+    assert round(100 * hi, 2) == 1.88
+    assert hi == pytest.approx(_wilson_by_hand(0, 200, Z95)[1], rel=1e-12)
+
+
+@pytest.mark.parametrize(("k", "n", "lower_pct"), [(24, 24, 86.2), (43, 43, 91.8)])
+def test_wilson_lower_bound_all_donor_following(k: int, n: int, lower_pct: float) -> None:
+    lo, hi = wilson_interval(k, n)
+    assert round(100 * lo, 1) == lower_pct
+    assert hi == pytest.approx(1.0)
+    assert lo == pytest.approx(_wilson_by_hand(k, n, Z95)[0], rel=1e-12)
+
+
+def test_wilson_matches_hand_formula_mid_range() -> None:
+    lo, hi = wilson_interval(166, 200)
+    exp_lo, exp_hi = _wilson_by_hand(166, 200, Z95)
+    assert (lo, hi) == pytest.approx((exp_lo, exp_hi), rel=1e-12)
+
+
+def test_negative_control_wald_and_wrong_z_do_not_give_1_88() -> None:
+    # Wald: p +- z sqrt(p(1-p)/n) collapses to [0, 0] at 0/n.
+    p = 0 / 200
+    wald_hi = p + Z95 * math.sqrt(p * (1 - p) / 200)
+    assert round(100 * wald_hi, 2) != 1.88
+    # Wilson with the rounded-up z = 2 gives 1.96%: the critical value matters at two decimals.
+    assert round(100 * _wilson_by_hand(0, 200, 2.0)[1], 2) != 1.88
+
+
+def test_wilson_confidence_changes_the_interval() -> None:
+    assert wilson_interval(0, 200, confidence=0.99)[1] > wilson_interval(0, 200)[1]
+
+
+# --- Clopper-Pearson ------------------------------------------------------------------------------
+
+
+def test_clopper_pearson_zero_and_all() -> None:
+    # Closed forms at the edges: upper for 0/n is 1 - (alpha/2)^(1/n); lower for n/n is (alpha/2)^(1/n).
+    assert clopper_pearson_interval(0, 200) == pytest.approx((0.0, 1 - 0.025 ** (1 / 200)), rel=1e-9)
+    assert clopper_pearson_interval(24, 24) == pytest.approx((0.025 ** (1 / 24), 1.0), rel=1e-9)
+    # Exact intervals are wider than Wilson's (conservative coverage).
+    assert clopper_pearson_interval(24, 24)[0] < wilson_interval(24, 24)[0]
+
+
+@pytest.mark.parametrize("fn", [wilson_interval, clopper_pearson_interval])
+def test_intervals_reject_n_zero_and_bad_counts(fn: Callable[..., tuple[float, float]]) -> None:
+    with pytest.raises(ValueError, match="n = 0"):
+        fn(0, 0)
+    with pytest.raises(ValueError):
+        fn(5, 4)
+    with pytest.raises(ValueError):
+        fn(-1, 4)
+    with pytest.raises(ValueError, match="confidence"):
+        fn(1, 4, confidence=1.0)
+
+
+# --- paired bootstrap ----------------------------------------------------------------------------
+
+# Seeds checked with the item order of `_paper_pairs` (discordant items first): 0, 1, 2 and 42 all give
+# exactly [-3.5, +5.5]. Over seeds 0..199, 192 do; seeds 52, 56, 57, 63, 127, 166, 169 and 175 give a
+# lower bound of -3.0 (57: -3.01). That is Monte Carlo error, not a different answer: the exact
+# (infinite-resample) bootstrap percentiles are -3.5 and +5.5 (`test_exact_bootstrap_distribution_...`),
+# and the lower one sits near a step of the distribution (P(S <= -7) = 0.028 vs the 0.025 target), so
+# about 4% of seeds land one step up. Reordering the items changes which seeds do (with the order
+# reversed, seed 0 gives -3.0), so the order is part of the fixture.
+PAPER_SEEDS = [0, 1, 2, 42]
+
+
+@pytest.mark.parametrize("seed", PAPER_SEEDS)
+def test_paired_bootstrap_reproduces_paper_interval(seed: int) -> None:
+    a, b = _paper_pairs()
+    assert a.mean() - b.mean() == pytest.approx(0.01)
+    lo, hi = paired_bootstrap_ci(a, b, n_resamples=10_000, seed=seed)
+    assert (round(100 * lo, 1), round(100 * hi, 1)) == (-3.5, 5.5)
+    # Means of values in {-1, 0, 1}/200 are multiples of half a point; these bounds are exact steps.
+    assert lo == pytest.approx(-0.035, abs=1e-12)
+    assert hi == pytest.approx(0.055, abs=1e-12)
+
+
+def test_exact_bootstrap_distribution_gives_paper_interval() -> None:
+    """Seed-free check: the bootstrap distribution of the summed difference S is a 200-fold convolution
+    of the one-item distribution {-1: 9/200, 0: 180/200, +1: 11/200}; its 2.5% and 97.5% quantiles
+    are what an infinite number of resamples would give."""
+    step = np.array([9, 180, 11], dtype=np.float64) / 200  # P(d = -1, 0, +1)
+    dist = np.array([1.0])
+    for _ in range(200):
+        dist = np.convolve(dist, step)
+    support = np.arange(-200, 201)  # S values, aligned with dist
+    cdf = np.cumsum(dist)
+    s_lower = int(support[np.searchsorted(cdf, 0.025)])
+    s_upper = int(support[np.searchsorted(cdf, 0.975)])
+    # S / 200 in points is S / 2: -7 -> -3.5, +11 -> +5.5.
+    assert (s_lower, s_upper) == (-7, 11)
+
+
+def test_paired_bootstrap_ignores_how_concordant_items_split() -> None:
+    a, b = _paper_pairs()
+    both_right = (np.r_[a[:20], np.ones(180)], np.r_[b[:20], np.ones(180)])
+    both_wrong = (np.r_[a[:20], np.zeros(180)], np.r_[b[:20], np.zeros(180)])
+    ref = paired_bootstrap_ci(a, b, seed=0)
+    assert paired_bootstrap_ci(*both_right, seed=0) == ref
+    assert paired_bootstrap_ci(*both_wrong, seed=0) == ref
+
+
+def _unpaired_bootstrap_ci(a: np.ndarray, b: np.ndarray, seed: int) -> tuple[float, float]:
+    """The wrong analysis: resample each arm independently, losing the pairing."""
+    rng = np.random.default_rng(seed)
+    n = len(a)
+    means = a[rng.integers(0, n, (10_000, n))].mean(1) - b[rng.integers(0, n, (10_000, n))].mean(1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def test_negative_control_unpaired_bootstrap_is_much_wider() -> None:
+    a, b = _paper_pairs()
+    lo, hi = _unpaired_bootstrap_ci(a, b, seed=0)
+    assert (round(100 * lo, 1), round(100 * hi, 1)) != (-3.5, 5.5)
+    assert hi - lo > 1.5 * (0.055 - -0.035)  # about [-8.5, +10.5] points
+
+
+def test_paired_bootstrap_is_deterministic_per_seed_and_validates() -> None:
+    a, b = _paper_pairs()
+    assert paired_bootstrap_ci(a, b, n_resamples=500, seed=3) == paired_bootstrap_ci(
+        a, b, n_resamples=500, seed=3
+    )
+    with pytest.raises(ValueError, match="no items"):
+        paired_bootstrap_ci([], [])
+    with pytest.raises(ValueError, match="paired"):
+        paired_bootstrap_ci([1, 0], [1, 0, 1])
+    with pytest.raises(ValueError):
+        paired_bootstrap_ci([1], [0], n_resamples=0)
+
+
+def test_paired_bootstrap_identical_arms_is_zero_width() -> None:
+    a, _ = _paper_pairs()
+    assert paired_bootstrap_ci(a, a, n_resamples=200) == (0.0, 0.0)
+
+
+# --- McNemar -------------------------------------------------------------------------------------
+
+
+def test_mcnemar_exact_paper_counts() -> None:
+    # Two-sided binomial test of 9 out of 20 at 0.5: 2 * P(X <= 9) = 0.8238.
+    p = mcnemar_exact(11, 9)
+    assert p == pytest.approx(0.8238029479980469, rel=1e-12)
+    assert mcnemar_exact(9, 11) == p
+
+
+def test_mcnemar_edges() -> None:
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(10, 0) == pytest.approx(2 * 0.5**10)
+    with pytest.raises(ValueError):
+        mcnemar_exact(-1, 3)
+
+
+# --- first divergence ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ([1, 2, 3], [1, 2, 3], None),
+        ([], [], None),
+        ([1, 2, 3], [1, 9, 3], 1),
+        ([5], [6], 0),
+        ([1, 2], [1, 2, 3], 2),  # one arm stopped early: diverges at the shorter length
+        ([1, 2, 3], [1, 2], 2),
+        ([], [4], 0),
+    ],
+)
+def test_first_divergence(a: list[int], b: list[int], expected: int | None) -> None:
+    assert first_divergence(a, b) == expected
