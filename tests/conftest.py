@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import save_tiny_model  # noqa: E402
+from tiny import save_tiny_model
 
 
 @pytest.fixture(scope="session")

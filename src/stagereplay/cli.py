@@ -84,6 +84,7 @@ def matched(
     seed: Seed = 0,
     workers: Workers = 1,
     executor: Executor = "local",
+    shard: Annotated[str | None, typer.Option("--shard", help="I/N: run every N-th item from the I-th")] = None,
     quiet: Quiet = False,
 ) -> None:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
@@ -97,7 +98,7 @@ def matched(
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
-            workers, executor, quiet)
+            workers, executor, shard, quiet)
 
     _run(go)
 
@@ -192,8 +193,10 @@ def audit(
         from stagereplay.runs import audit as run
 
         res = run(run_dir, verify_only, workers, executor, quiet)
-        for line in res.get("broken_records", []) + res.get("mismatches", []):
-            typer.echo(f"  {line}", err=True)
+        for b in res.get("broken_records", []):
+            typer.echo(f"  ledger record {b['seq']}: {b['reason']}", err=True)
+        for m in res.get("mismatches", []):
+            typer.echo(f"  {m['what']}", err=True)
         if res.get("verify_only"):
             typer.echo("ledger intact" if res["chain_ok"] else "ledger damaged")
         else:
@@ -276,6 +279,21 @@ def export(
         if not (run_dir / "ledger.jsonl").exists():
             raise StageReplayError(f"no ledger.jsonl in {run_dir}", "point at a run directory")
         typer.echo(f"wrote {export_ledger(run_dir, format, output)}")  # type: ignore[arg-type]  # checked above
+
+    _run(go)
+
+
+@app.command()
+def merge(
+    shards: Annotated[list[Path], typer.Argument(help="the shard run directories")],
+    out: Annotated[Path, typer.Option("--out", help="the merged run directory (new)")],
+) -> None:
+    """Join runs made with --shard I/N into the run one process would have made; refuses mismatched shards."""
+
+    def go() -> None:
+        from stagereplay.merge import merge_runs
+
+        typer.echo(f"merged {len(shards)} shards into {merge_runs(shards, out)}")
 
     _run(go)
 

@@ -100,17 +100,17 @@ def parse_record(line: str, lineno: int, path: Path) -> Record:
                                "restore the ledger from a copy or start a new run") from None
 
 
-def chain_problems(records: list[Record]) -> list[str]:
-    """Every break in the hash chain or sequence: empty means intact."""
-    problems = []
+def chain_problems(records: list[Record]) -> list[dict[str, Any]]:
+    """Every break in the hash chain or sequence, as {seq, reason}: empty means intact."""
+    problems: list[dict[str, Any]] = []
     prev = GENESIS
     for i, r in enumerate(records):
         if r.seq != i:
-            problems.append(f"record {i}: seq is {r.seq}, expected {i}")
+            problems.append({"seq": i, "reason": f"seq is {r.seq}, expected {i}"})
         if r.prev_hash != prev:
-            problems.append(f"record {i}: prev_hash does not match record {i - 1}")
+            problems.append({"seq": i, "reason": f"prev_hash does not match record {i - 1}"})
         if r.computed_hash() != r.hash:
-            problems.append(f"record {i}: content does not match its hash")
+            problems.append({"seq": i, "reason": "content does not match its hash"})
         prev = r.hash
     return problems
 
@@ -127,7 +127,8 @@ def read_ledger(run_dir: Path, *, strict: bool = True) -> list[Record]:
     if strict:
         problems = chain_problems(records)
         if problems:
-            raise StageReplayError(f"ledger {path} was modified: {problems[0]}",
+            first = problems[0]
+            raise StageReplayError(f"ledger {path} was modified: record {first['seq']}: {first['reason']}",
                                    "restore it from a copy or start a new run; `stagereplay audit --verify-only` lists every break")
     return records
 

@@ -144,21 +144,43 @@ def matched(
     attn_impl: str = "sdpa",
     workers: int = 1,
     executor: str = "local",
+    shard: str | None = None,
     quiet: bool = False,
 ) -> dict[str, Any]:
-    """Run (or resume) the matched experiment into `out`; return results.json's content."""
+    """Run (or resume) the matched experiment into `out`; return results.json's content.
+
+    With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards.
+    """
     from stagereplay.experiments.matched import MatchedConfig, run_matched
+    from stagereplay.merge import parse_shard, shard_items
 
     ex = ExecConfig(workers, executor)
+    part = parse_shard(shard)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
                             threads, attn_impl)
     config = MatchedConfig(source.model, source.settings, source.data, construction)
     lm, items, data_hash = prepare(source, ex)
-    manifest = new_manifest("matched", {"construction": construction}, source, items, data_hash,
+    items = shard_items(items, part)
+    identity: dict[str, Any] = {"construction": construction}
+    if shard is not None:
+        identity["shard"] = shard
+    manifest = new_manifest("matched", identity, source, items, data_hash,
                             lm.determinism if lm else {"threads": threads})
     with open_run(Path(out), manifest) as run:
         run_matched(run, config, items, ex, lm, quiet)
-        return finish(run, quiet)
+        results = finish(run, quiet)
+    _require_boundary(results["matched"][0], source.settings)
+    return results
+
+
+def _require_boundary(summary: dict[str, Any], settings: ReplaySettings) -> None:
+    """Every item missing its boundary means the rule is wrong: the records are kept, but the command fails."""
+    if summary["n"] and not summary["n_boundary"]:
+        raise StageReplayError(
+            f"no item reached the boundary {settings.boundary} within {settings.decode.max_stage1_tokens} "
+            f"stage-1 tokens ({summary['n']} recorded as no_boundary)",
+            "check the boundary rule against the model's output, or raise --max-stage1-tokens",
+        )
 
 
 def _existing(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -289,6 +311,9 @@ def paper(
     with open_run(Path(out), manifest) as run:
         settings = source.settings
         run_matched(run, MatchedConfig(source.model, settings, source.data), items, ex, lm, quiet)
+        from stagereplay.experiments.matched import summarize_matched
+
+        _require_boundary(summarize_matched(run.find("matched", "primary"), "oneshot", "primary", "bf16"), settings)
         run_2x2(run, source.model, settings, "primary", ("incremental", "oneshot"), ("bf16", "fp32"), ex, quiet)
         run_bridge(run, source.model, settings, "primary", bridge_rows, ex, quiet)
         run_transplant(run, source.model, settings, "primary", TransplantConfig(select=select_primary, sweep=sweep),

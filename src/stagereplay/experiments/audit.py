@@ -18,21 +18,21 @@ from stagereplay.model import ModelConfig
 from stagereplay.tasks import DataConfig, Item, load_items
 
 
-def verify_ledger(run_dir: Path) -> list[str]:
+def verify_ledger(run_dir: Path) -> list[dict[str, Any]]:
     """Integrity only, no model: every line parses, every hash and link of the chain holds."""
     path = run_dir / "ledger.jsonl"
     if not path.exists():
-        return [f"no ledger.jsonl in {run_dir}"]
+        return [{"seq": 0, "reason": f"no ledger.jsonl in {run_dir}"}]
     data = path.read_bytes()
-    problems: list[str] = []
+    problems: list[dict[str, Any]] = []
     if data and not data.endswith(b"\n"):
-        problems.append("the last record is incomplete (torn write)")
+        problems.append({"seq": data.count(b"\n"), "reason": "incomplete last record (torn write)"})
     records: list[Record] = []
     for i, line in enumerate(data.split(b"\n")[:-1]):  # after the last newline: empty, or torn (reported above)
         try:
             records.append(parse_record(line.decode("utf-8"), i + 1, path))
         except Exception as exc:  # a damaged line is a finding, not a crash
-            problems.append(f"record {i}: {str(exc).split(';')[0]}")
+            problems.append({"seq": i, "reason": str(exc).split(";")[0]})
             return problems + chain_problems(records)
     return problems + chain_problems(records)
 
@@ -46,7 +46,8 @@ def _trajectories(payload: dict[str, Any]) -> dict[str, list[int] | None]:
     return out
 
 
-def compare_payloads(item_id: str, recorded: dict[str, Any], again: dict[str, Any]) -> tuple[int, int, int, int, list[str]]:
+def compare_payloads(item_id: str, recorded: dict[str, Any], again: dict[str, Any]
+                     ) -> tuple[int, int, int, int, list[str]]:
     """(trajectories reproduced, of, comparisons reproduced, of, mismatch descriptions)."""
     mismatches = []
     rec_t, new_t = _trajectories(recorded), _trajectories(again)
@@ -117,7 +118,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     for r in records:
         groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment == "precision_2x2" else ""), []).append(r)
     t_ok = t_n = c_ok = c_n = 0
-    mismatches: list[str] = []
+    mismatches: list[dict[str, str]] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), disable=quiet) as bar:
         task = bar.add_task("audit", total=len(records))
         for (experiment, checkpoint, part), group in groups.items():
@@ -126,13 +127,14 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
             if part:
                 model = model.with_precision(part)
             missing = [r.item_id for r in group if r.item_id not in items]
-            mismatches += [f"{i}: item is not in the manifest's dataset" for i in missing]
+            mismatches += [{"item_id": i, "what": "item is not in the manifest's dataset"} for i in missing]
             todo = [r for r in group if r.item_id in items]
             jobs = [_job(r, stage, items[r.item_id], prefixes) for r in todo]
             for record, again in zip(todo, run_jobs(model, _work(experiment), jobs, ex), strict=True):
                 a, b, c, d, bad = compare_payloads(record.item_id, record.payload, again)
                 t_ok, t_n, c_ok, c_n = t_ok + a, t_n + b, c_ok + c, c_n + d
-                mismatches += [f"{experiment}/{checkpoint}{'@' + part if part else ''} {m}" for m in bad]
+                where = f"{experiment}/{checkpoint}{'@' + part if part else ''}"
+                mismatches += [{"item_id": record.item_id, "what": f"{where} {m}"} for m in bad]
                 bar.advance(task)
     chain = chain_problems(records)
     return {"items": len({r.item_id for r in records}), "records": len(records),
