@@ -261,7 +261,7 @@ def open_run(path: Path, manifest: dict[str, Any], identity: tuple[str, ...] = (
     created = not path.exists()
     if not created and not path.is_dir():
         raise StageReplayError(f"--out {path} exists and is not a directory", "choose another --out")
-    if not created and any(path.iterdir()) and not (path / MANIFEST).exists():
+    if not created and any(p.name != LOCK for p in path.iterdir()) and not (path / MANIFEST).exists():
         raise StageReplayError(f"--out {path} exists and is not a stagereplay run", "choose an empty or new folder")
     path.mkdir(parents=True, exist_ok=True)
     fd = None

@@ -103,12 +103,6 @@ def new_manifest(command: str, config: dict[str, Any], source: Source, items: li
     }
 
 
-def open_existing(run_dir: Path) -> tuple[dict[str, Any], list[Any]]:
-    if not Path(run_dir).is_dir():
-        raise StageReplayError(f"run directory not found: {run_dir}", "pass the --out of an earlier run")
-    return read_manifest(Path(run_dir)), read_ledger(Path(run_dir))
-
-
 def finish(run: Run, quiet: bool = False) -> dict[str, Any]:
     """Rebuild results.json from the whole ledger, write the report, print the tables."""
     from stagereplay.results import build_results
@@ -183,11 +177,14 @@ def _require_boundary(summary: dict[str, Any], settings: ReplaySettings) -> None
         )
 
 
-def _existing(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
+def _existing(run_dir: str | Path, check_ledger: bool = True) -> tuple[Path, dict[str, Any]]:
     path = Path(run_dir)
     if not (path / "manifest.json").exists():
         raise StageReplayError(f"no run in {path} (manifest.json missing)", "run `stagereplay matched --out` first")
-    return path, read_manifest(path)
+    manifest = read_manifest(path)
+    if check_ledger:
+        read_ledger(path)  # a newer schema or a broken chain stops here, before anything runs
+    return path, manifest
 
 
 def _matched_stage(manifest: dict[str, Any], checkpoint: str) -> tuple[ModelConfig, ReplaySettings]:
@@ -250,7 +247,7 @@ def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, exec
     from stagereplay.ledger import atomic_write
     from stagereplay.results import AUDIT_FILE
 
-    path, manifest = _existing(run_dir)
+    path, manifest = _existing(run_dir, check_ledger=False)  # the audit reports damage instead of refusing
     problems = verify_ledger(path)
     if verify_only or problems:
         return {"chain_ok": not problems, "broken_records": problems, "reproduced": not problems,
