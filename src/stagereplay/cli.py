@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -312,9 +311,8 @@ def toy_train(
 
         from stagereplay.toy.train import TrainConfig, train
 
-        cfg = TrainConfig(out=out) if "out" in TrainConfig.__dataclass_fields__ else TrainConfig()
         changes = {k: v for k, v in {"steps": steps, "seed": seed, "threads": threads}.items() if v is not None}
-        train(replace(cfg, **changes))
+        train(replace(TrainConfig(out=out), **changes))  # type: ignore[arg-type]  # only int fields are replaced
 
     _run(go)
 
@@ -324,4 +322,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -197,8 +197,9 @@ class Run:
         key = (experiment, checkpoint, item_id, part)
         if key in self._keys:
             raise RuntimeError(f"duplicate ledger record {key}")
-        record = Record(seq=len(self.records), experiment=experiment, checkpoint=checkpoint, item_id=item_id,
-                        part=part, payload=payload, prev_hash=self.last_hash)
+        record = Record(schema_version=SCHEMA_VERSION, seq=len(self.records), experiment=experiment,
+                        checkpoint=checkpoint, item_id=item_id, part=part, payload=payload,
+                        prev_hash=self.last_hash, hash="")
         record = record.model_copy(update={"hash": record.computed_hash()})
         line = canonical_json(record.model_dump()) + b"\n"
         fd = os.open(self.path / LEDGER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

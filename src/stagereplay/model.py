@@ -178,7 +178,7 @@ def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise StageReplayError(f"cannot load the model in {path}: {first[:200]}",
                                    "check that the directory holds a complete causal LM checkpoint") from None
-    vocab = model.get_input_embeddings().weight.shape[0]
+    vocab = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[index]  # an nn.Embedding
     if len(tokenizer) > vocab:
         raise StageReplayError(
             f"tokenizer in {path} has {len(tokenizer)} tokens but the model embeds only {vocab}",
@@ -186,6 +186,6 @@ def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
         )
     if config.precision == "fp32-compute":
         _upcast_on_use(model)
-    model.to(config.device)
+    model.to(config.device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
     model.eval()
     return model, tokenizer

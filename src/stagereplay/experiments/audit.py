@@ -81,7 +81,7 @@ def _work(experiment: str) -> Callable[..., dict[str, Any]]:
             "transplant": transplant_item}[experiment]
 
 
-def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple[str, str], list[int]]) -> Job:
+def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple[str, str], Any]) -> Job:
     s = stage["settings"]
     from stagereplay.decode import DecodeConfig
 

@@ -65,7 +65,7 @@ def select(divergent: list[str], rule: str) -> list[str]:
 
 def sweep_bands(n_layers: int) -> list[tuple[str, tuple[int, ...]]]:
     """Every single layer, every band from the bottom (0..k) and every band from the top (k..L-1)."""
-    bands = [("single", (i,)) for i in range(n_layers)]
+    bands: list[tuple[str, tuple[int, ...]]] = [("single", (i,)) for i in range(n_layers)]
     bands += [("bottom", tuple(range(k + 1))) for k in range(n_layers)]
     bands += [("top", tuple(range(k, n_layers))) for k in range(n_layers)]
     return bands
@@ -182,7 +182,8 @@ def summarize_transplant(records: list[Record], stage: dict[str, Any], checkpoin
     if cfg.get("sweep") and ok:
         bands = ok[0].payload["sweep"]
         n_layers = max(max(b["layers"]) for b in bands) + 1
-        rows, smallest = [], {}
+        rows: list[dict[str, Any]] = []
+        smallest: dict[str, list[int]] = {}
         for j, band in enumerate(bands):
             for d in (x["direction"] for x in summary["directions"]):
                 k = sum(r.payload["sweep"][j][d] == "donor" for r in ok)
