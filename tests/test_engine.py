@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import attn_for
@@ -12,11 +14,13 @@ from stagereplay.cache import cache_fingerprint, clone_cache, compare_caches, nu
 from stagereplay.decode import DecodeConfig
 from stagereplay.lm import NoBoundary, load
 
+# The same properties on a GPU: STAGEREPLAY_TEST_DEVICE=cuda python -m pytest tests/test_engine.py
+DEVICE = os.environ.get("STAGEREPLAY_TEST_DEVICE", "cpu")
 PROMPTS = ["Q: what is 12+7? Think.\n", "Hello, world! 3*4=", "abc def ghi\n"]
 
 
 def _generate(lm, prompt, n):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=lm.model.device)
     out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
     return out[0, len(prompt) :].tolist()
 
@@ -25,7 +29,7 @@ def _generate(lm, prompt, n):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_live_loop_equals_generate(tiny_dir, arch, precision):
     """Live generation (stage 1, snapshot, then on) emits exactly what generate(do_sample=False) emits."""
-    lm = load(str(tiny_dir(arch)), precision=precision, attn_impl=attn_for(arch))
+    lm = load(str(tiny_dir(arch)), precision=precision, attn_impl=attn_for(arch), device=DEVICE)
     snapshots = 0
     for text in PROMPTS:
         prompt = lm.tokenizer.encode(text)
@@ -44,7 +48,7 @@ def test_live_loop_equals_generate(tiny_dir, arch, precision):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_incremental_is_bit_exact_with_live(tiny_dir, arch):
     """The bridge: token-by-token incremental prefill equals the live cache in every layer, K and V, bitwise."""
-    lm = load(str(tiny_dir(arch)), precision="bf16", attn_impl=attn_for(arch))
+    lm = load(str(tiny_dir(arch)), precision="bf16", attn_impl=attn_for(arch), device=DEVICE)
     prompt = lm.tokenizer.encode(PROMPTS[0])
     live = lm.live(prompt, After(20), keep_going=False)
     inc = lm.construct(live, "incremental")
@@ -58,7 +62,7 @@ def test_incremental_is_bit_exact_with_live(tiny_dir, arch):
 
 @pytest.mark.parametrize("construction", ["incremental", "oneshot", "chunked:4", "retokenized"])
 def test_replica_of_each_construction_is_bit_exact(tiny_dir, construction):
-    lm = load(str(tiny_dir("qwen2")), precision="bf16")
+    lm = load(str(tiny_dir("qwen2")), precision="bf16", device=DEVICE)
     live = lm.live(lm.tokenizer.encode(PROMPTS[1]), After(16))
     a, b = lm.construct(live, construction), lm.construct(live, construction)
     assert compare_caches(a.cache, b.cache) == []
@@ -69,7 +73,7 @@ def test_replica_of_each_construction_is_bit_exact(tiny_dir, construction):
 
 def test_oneshot_differs_bitwise_from_live_in_bf16(tiny_dir):
     """A one-shot prefill reaches the same token IDs by different arithmetic: its bf16 cache is not bit-equal."""
-    lm = load(str(tiny_dir("qwen2")), precision="bf16")
+    lm = load(str(tiny_dir("qwen2")), precision="bf16", device=DEVICE)
     live = lm.live(lm.tokenizer.encode(PROMPTS[0]), After(16), keep_going=False)
     diffs = compare_caches(live.cache, lm.construct(live, "oneshot").cache)
     assert diffs, "oneshot bf16 cache should differ from live somewhere"
@@ -81,7 +85,7 @@ def test_snapshot_is_not_touched_by_later_forwards(tiny_dir):
     """The live snapshot is a deep copy: continuing the original cache leaves it alone; a shallow copy would not."""
     import copy
 
-    lm = load(str(tiny_dir("qwen2")), precision="bf16")
+    lm = load(str(tiny_dir("qwen2")), precision="bf16", device=DEVICE)
     state = lm.live(lm.tokenizer.encode(PROMPTS[2]), After(8), keep_going=False)
     before = cache_fingerprint(state.cache)
     lm.continue_from(state)
@@ -94,7 +98,7 @@ def test_snapshot_is_not_touched_by_later_forwards(tiny_dir):
 
 
 def test_continue_from_live_snapshot_equals_retained_live_suffix(tiny_dir):
-    lm = load(str(tiny_dir("llama")), precision="bf16")
+    lm = load(str(tiny_dir("llama")), precision="bf16", device=DEVICE)
     state = lm.live(lm.tokenizer.encode(PROMPTS[0]), After(10), DecodeConfig(max_new_tokens=24))
     assert lm.continue_from(state, DecodeConfig(max_new_tokens=24)) == state.live_suffix
     assert clone_cache(state.cache) is not state.cache
@@ -102,20 +106,20 @@ def test_continue_from_live_snapshot_equals_retained_live_suffix(tiny_dir):
 
 def test_fp32_compute_matches_fp32_bitwise(tiny_dir):
     """Weights kept in bf16 and upcast on use give the same numbers as an fp32 model of a bf16 checkpoint."""
-    a = load(str(tiny_dir("qwen2")), precision="fp32")
-    b = load(str(tiny_dir("qwen2")), precision="fp32-compute")
+    a = load(str(tiny_dir("qwen2")), precision="fp32", device=DEVICE)
+    b = load(str(tiny_dir("qwen2")), precision="fp32-compute", device=DEVICE)
     assert next(b.model.parameters()).dtype == torch.bfloat16
     prompt = a.tokenizer.encode(PROMPTS[0])
     sa, sb = a.live(prompt, After(10)), b.live(prompt, After(10))
     assert compare_caches(sa.cache, sb.cache) == []
     assert sa.live_suffix == sb.live_suffix
     # Negative control: plain bf16 does not give those numbers.
-    c = load(str(tiny_dir("qwen2")), precision="bf16")
+    c = load(str(tiny_dir("qwen2")), precision="bf16", device=DEVICE)
     assert compare_caches(sa.cache, c.live(prompt, After(10)).cache) != []
 
 
 def test_sampling_is_seeded_and_shared_across_constructions(tiny_dir):
-    lm = load(str(tiny_dir("qwen2")), precision="fp32")
+    lm = load(str(tiny_dir("qwen2")), precision="fp32", device=DEVICE)
     dc = DecodeConfig(max_new_tokens=20, sample=True, seed=3)
     prompt = lm.tokenizer.encode(PROMPTS[1])
     s1, s2 = lm.live(prompt, After(8), dc), lm.live(prompt, After(8), dc)

@@ -38,12 +38,8 @@ def verify_ledger(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _trajectories(payload: dict[str, Any]) -> dict[str, list[int] | None]:
-    """Every decoded sequence in a payload, by a stable name."""
-    out: dict[str, list[int] | None] = {f"arm {a['name']}": a["suffix_ids"] for a in payload.get("arms", [])}
-    for key in ("directions", "control"):
-        for name, d in payload.get(key, {}).items():
-            out[f"{key} {name}"] = d["suffix_ids"]
-    return out
+    """Every decoded sequence in a payload (transplanted continuations are arms too), by arm name."""
+    return {f"arm {a['name']}": a["suffix_ids"] for a in payload.get("arms", [])}
 
 
 def compare_payloads(item_id: str, recorded: dict[str, Any], again: dict[str, Any]
@@ -66,7 +62,7 @@ def compare_payloads(item_id: str, recorded: dict[str, Any], again: dict[str, An
             c_ok += 1
         else:
             mismatches.append(f"{item_id}: comparison {c['a']} vs {c['b']} not reproduced")
-    others = [f for f in diff_fields(recorded, again) if not f.startswith(("arms", "comparisons", "directions", "control"))]
+    others = [f for f in diff_fields(recorded, again) if not f.startswith(("arms", "comparisons"))]
     mismatches += [f"{item_id}: {f} differs" for f in others]
     return t_ok, len(rec_t), c_ok, len(recorded.get("comparisons", [])), mismatches
 

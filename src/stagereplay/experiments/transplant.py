@@ -14,9 +14,9 @@ from typing import Any
 from stagereplay.cache import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
 from stagereplay.executors import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, execute
+from stagereplay.experiments.common import Job, ReplaySettings, arm_record, execute
 from stagereplay.ledger import Record, Run
-from stagereplay.lm import LM, BoundaryState, NoBoundary
+from stagereplay.lm import LM, BoundaryState, Continuation, NoBoundary
 from stagereplay.model import ModelConfig
 from stagereplay.stats import first_divergence, wilson_interval
 from stagereplay.tasks.base import Item
@@ -78,15 +78,15 @@ def _outcome(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[i
         outcome = "recipient"
     else:
         outcome = "neither"
-    return {"outcome": outcome, "suffix_ids": list(suffix),
-            "divergence_from_donor": first_divergence(suffix, donor),
+    return {"outcome": outcome, "divergence_from_donor": first_divergence(suffix, donor),
             "divergence_from_recipient": first_divergence(suffix, recipient)}
 
 
-def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: TransplantSpec, job: Job) -> tuple[int, ...]:
+def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: TransplantSpec, job: Job
+          ) -> tuple[BoundaryState, Continuation]:
     cache = transplant(recipient.cache, donor.cache, spec)
-    return lm.continue_from(BoundaryState(recipient.prefix, recipient.prompt_len, "transplant", cache,
-                                          recipient.seed), job.settings.decode).suffix
+    state = BoundaryState(recipient.prefix, recipient.prompt_len, "transplant", cache, recipient.seed)
+    return state, lm.continue_from(state, job.settings.decode)
 
 
 def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
@@ -105,29 +105,33 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
     assert live.live_suffix is not None
     fresh = lm.construct(live, cfg.construction)
     states = {"live": live, cfg.construction: fresh}
-    suffixes = {"live": live.live_suffix.suffix, cfg.construction: lm.continue_from(fresh, s.decode).suffix}
-    length = len(live.prefix) - 1
-    positions = parse_positions(cfg.positions, length) if cfg.positions else None
+    own = {"live": live.live_suffix, cfg.construction: lm.continue_from(fresh, s.decode)}
+    arms = [arm_record(lm, name, states[name], own[name], live.stage1, item, s.scorer) for name in states]
+    positions = parse_positions(cfg.positions, len(live.prefix) - 1) if cfg.positions else None
     pairs = [("live", cfg.construction), (cfg.construction, "live")]  # (donor, recipient)
 
-    def run_spec(layers: tuple[int, ...]) -> dict[str, Any]:
-        spec = TransplantSpec(layers, cfg.kv, positions)
-        return {f"{d}->{r}": _outcome(_swap(lm, states[r], states[d], spec, job), suffixes[d], suffixes[r])
-                for d, r in pairs}
+    def run_spec(layers: tuple[int, ...], arm_prefix: str | None) -> dict[str, Any]:
+        """Outcome per direction; the continuations become arms when `arm_prefix` is given (not for sweeps)."""
+        out = {}
+        for d, r in pairs:
+            state, cont = _swap(lm, states[r], states[d], TransplantSpec(layers, cfg.kv, positions), job)
+            out[f"{d}->{r}"] = _outcome(cont.suffix, own[d].suffix, own[r].suffix)
+            if arm_prefix is not None:
+                arms.append(arm_record(lm, f"{arm_prefix}{d}->{r}", state, cont, live.stage1, item, s.scorer))
+        return out
 
     payload: dict[str, Any] = {
         "status": "ok", "prompt_ids": list(item.prompt_ids), "prefix_ids": list(live.prefix),
         "boundary": len(live.prefix), "answer": item.answer,
-        "baseline": {name: list(suf) for name, suf in suffixes.items()},
-        "baseline_diverges": suffixes["live"] != suffixes[cfg.construction],
-        "directions": run_spec(parse_layers(cfg.layers, lm.n_layers)),
-        "control": run_spec(()),
-        "arms": [],
+        "baseline_diverges": own["live"].suffix != own[cfg.construction].suffix,
+        "directions": run_spec(parse_layers(cfg.layers, lm.n_layers), ""),
+        "control": run_spec((), "control:"),
+        "arms": arms,
         "comparisons": [],
     }
     if cfg.sweep:
-        payload["sweep"] = [{"kind": kind, "layers": list(layers), **{k: v["outcome"] for k, v in
-                                                                      run_spec(layers).items()}}
+        payload["sweep"] = [{"kind": kind, "layers": list(layers),
+                             **{k: v["outcome"] for k, v in run_spec(layers, None).items()}}
                             for kind, layers in sweep_bands(lm.n_layers)]
     return payload
 
