@@ -71,8 +71,13 @@ def test_replica_of_each_construction_is_bit_exact(tiny_dir, construction):
     assert compare_caches(live.cache, replica.cache) == [] and live.live_suffix == replica.live_suffix
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="an observation about CPU kernels: on an H200 (torch 2.11, "
+                    "transformers 5.17) this tiny model's one-shot and live bf16 caches were bit-equal")
 def test_oneshot_differs_bitwise_from_live_in_bf16(tiny_dir):
-    """A one-shot prefill reaches the same token IDs by different arithmetic: its bf16 cache is not bit-equal."""
+    """On this CPU a one-shot prefill reaches the same token IDs by different arithmetic: bf16 bits differ.
+
+    This is not a guarantee of the method (which kernels run decides it), so it is checked where it was seen.
+    """
     lm = load(str(tiny_dir("qwen2")), precision="bf16", device=DEVICE)
     live = lm.live(lm.tokenizer.encode(PROMPTS[0]), After(16), keep_going=False)
     diffs = compare_caches(live.cache, lm.construct(live, "oneshot").cache)

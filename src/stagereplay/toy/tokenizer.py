@@ -1,9 +1,15 @@
-"""The toy model's character-level tokenizer, saved so that `AutoTokenizer.from_pretrained` loads it.
+"""The toy model's tokenizer: Qwen2's byte-level BPE pipeline with no merges, so one token per byte.
 
-One token per character of the task's alphabet, plus `<|bos|>`, `<|eos|>`, `<|pad|>` and `<|unk|>`.
-Encoding prepends BOS (as Llama-style tokenizers do), and the decoder concatenates tokens with no
-separator, so `decode(ids, skip_special_tokens=True)` returns the original text and re-encoding that
-text returns the same ids: the `retokenized` construction round-trips on this model.
+`AutoTokenizer.from_pretrained` on a `qwen2` checkpoint always builds `Qwen2Tokenizer`, which keeps only
+the vocabulary and merges of `tokenizer.json` and supplies its own normalizer (NFC), pre-tokenizer (the
+Qwen2 split regex, then ByteLevel) and ByteLevel decoder. So the toy tokenizer is written in exactly
+that form: the 256 byte symbols (token id = byte value) plus `<|pad|>`, `<|bos|>`, `<|eos|>`, no merges.
+The toy checkpoint then loads through the same class and code path as a user's Qwen2.5 checkpoint, and
+`build_tokenizer()` (the `tokenizers` object used in training) encodes every text to the same ids.
+
+Byte-level BPE is lossless: `decode(ids, skip_special_tokens=True)` returns the original text and
+re-encoding it returns the same ids. Encoding prepends `<|bos|>` (Qwen2.5 itself adds no BOS; the toy
+does so that every sequence starts at a fixed token).
 """
 
 from __future__ import annotations
@@ -12,58 +18,95 @@ import json
 from pathlib import Path
 from typing import Any
 
-BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-"""Ids 0..3, in this order."""
-ALPHABET = "0123456789+=,|:?\nAQ"
-"""Every character the toy task writes; anything else encodes as `<|unk|>`."""
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)
+"""Ids 256, 257, 258, after the 256 byte tokens."""
+# Qwen2Tokenizer's pre-tokenizer split; without merges it changes no ids, but keeping the same pipeline
+# keeps the raw `tokenizers` object and the class transformers builds in agreement by construction.
+PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte value 0..255 (`\\n` is `Ċ`), indexed by byte value."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    symbols: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
 
 
 def vocabulary() -> dict[str, int]:
-    return {token: index for index, token in enumerate((*SPECIAL_TOKENS, *ALPHABET))}
+    """Byte symbol -> byte value, then the special tokens."""
+    vocab = {symbol: index for index, symbol in enumerate(byte_symbols())}
+    vocab.update({token: 256 + offset for offset, token in enumerate(SPECIAL_TOKENS)})
+    return vocab
+
+
+def special_token_ids() -> dict[str, int]:
+    """`{"pad": 256, "bos": 257, "eos": 258}`: what `config.json` and `generation_config.json` record."""
+    vocab = vocabulary()
+    return {"pad": vocab[PAD], "bos": vocab[BOS], "eos": vocab[EOS]}
 
 
 def build_tokenizer() -> Any:
-    """A `tokenizers.Tokenizer`: BPE with no merges, so each character is its own token."""
-    from tokenizers import Tokenizer, decoders, models, processors
+    """A `tokenizers.Tokenizer` with Qwen2Tokenizer's pipeline, the byte vocabulary and a BOS template."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     vocab = vocabulary()
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="")
     )
-    # Without a decoder, `decode` joins tokens with spaces; Fuse concatenates them as written.
-    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
+    )
     return tokenizer
 
 
 def tokenizer_config() -> dict[str, Any]:
-    """`tokenizer_config.json`: names the special tokens so `transformers` sets bos/eos/pad ids."""
+    """`tokenizer_config.json`: the class transformers builds anyway, and the special tokens by name."""
     return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
+        "tokenizer_class": "Qwen2Tokenizer",
         "bos_token": BOS,
         "eos_token": EOS,
         "pad_token": PAD,
-        "unk_token": UNK,
+        "unk_token": None,
         "add_bos_token": True,
         "add_eos_token": False,
+        "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 512,
-        "padding_side": "left",
+        "model_max_length": 256,
     }
 
 
 def save_tokenizer(directory: Path) -> None:
-    """Write `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json` into `directory`."""
+    """Write `tokenizer.json` and `tokenizer_config.json` into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer().save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
-    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
-    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-
-
-def special_token_ids() -> dict[str, int]:
-    """`{"pad": 0, "bos": 1, "eos": 2, "unk": 3}`: what `config.json` and `generation_config.json` record."""
-    vocab = vocabulary()
-    return {"pad": vocab[PAD], "bos": vocab[BOS], "eos": vocab[EOS], "unk": vocab[UNK]}

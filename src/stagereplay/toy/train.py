@@ -39,13 +39,13 @@ class TrainConfig:
     """Everything that determines a training run (with the thread count, it fixes the weights)."""
 
     out: Path = field(metadata={"help": "Directory that receives primary/ and later/."})
-    steps: int = field(default=4000, metadata={"help": "Optimizer steps."})
+    steps: int = field(default=1500, metadata={"help": "Optimizer steps."})
     seed: int = field(default=TRAIN_SEED, metadata={"help": "Seed of the data stream and the init."})
     threads: int = field(default=2, metadata={"help": "torch intra-op threads (part of determinism)."})
     batch_size: int = field(default=64, metadata={"help": "Sequences per step."})
     lr: float = field(default=2e-3, metadata={"help": "Peak AdamW learning rate."})
     min_lr_ratio: float = field(default=0.05, metadata={"help": "Cosine floor, as a fraction of lr."})
-    warmup_steps: int = field(default=200, metadata={"help": "Linear warmup steps."})
+    warmup_steps: int = field(default=150, metadata={"help": "Linear warmup steps."})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on weight matrices."})
     grad_clip: float = field(default=1.0, metadata={"help": "Global gradient-norm clip."})
     primary_fraction: float = field(
@@ -59,7 +59,7 @@ class TrainConfig:
     max_positions: int = field(default=256, metadata={"help": "RoPE positions (sequences are < 90)."})
     log_every: int = field(default=100, metadata={"help": "Steps between log lines."})
     eval_every: int = field(default=500, metadata={"help": "Steps between validation accuracy checks."})
-    eval_items: int = field(default=100, metadata={"help": "Validation items per check."})
+    eval_items: int = field(default=100, metadata={"help": "Validation items per check (0: none)."})
 
     def __post_init__(self) -> None:
         if self.seed == HELDOUT_SEED:
@@ -91,7 +91,7 @@ def model_config(config: TrainConfig) -> Any:
         num_attention_heads=config.heads,
         num_key_value_heads=config.kv_heads,
         max_position_embeddings=config.max_positions,
-        rope_theta=10_000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
         bos_token_id=ids["bos"],
@@ -155,9 +155,7 @@ def validation_accuracy(model: Any, examples: Sequence[ToyExample], tokenizer: A
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=100
-        )
+        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=100)
     model.train(was_training)
     texts = [tokenizer.decode(row[width:].tolist(), skip_special_tokens=True) for row in out]
     return sum(toy_scorer(t, e.answer) for t, e in zip(texts, examples, strict=True)) / len(examples)
@@ -216,7 +214,10 @@ def train(config: TrainConfig) -> TrainResult:
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [
+                {"params": decay, "weight_decay": config.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
             lr=config.lr,
             betas=(0.9, 0.98),
             eps=1e-8,
@@ -237,7 +238,7 @@ def train(config: TrainConfig) -> TrainResult:
             if done % config.log_every == 0 or done == config.steps:
                 entry = {"step": done, "loss": running / counted, "lr": learning_rate(step, config)}
                 running, counted = 0.0, 0
-                if done % config.eval_every == 0 or done == config.steps:
+                if config.eval_items and (done % config.eval_every == 0 or done == config.steps):
                     entry["val_acc"] = validation_accuracy(model, validation, tokenizer)
                 entry["wall_s"] = time.perf_counter() - start
                 log.append(entry)
@@ -263,7 +264,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_args(argv)
     result = train(config)
-    print(json.dumps({"wall_s": round(result.wall_s, 1), **{k: str(v) for k, v in result.checkpoints.items()}}))
+    print(
+        json.dumps({"wall_s": round(result.wall_s, 1), **{k: str(v) for k, v in result.checkpoints.items()}})
+    )
 
 
 if __name__ == "__main__":
