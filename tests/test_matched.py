@@ -50,18 +50,10 @@ def test_bf16_oneshot_suffixes_disagree_and_are_reported(tmp_path, tiny_dir, ite
 
 
 def test_no_boundary_items_are_recorded_and_counted(tmp_path, tiny_dir, items_file):
-    result, out = _matched(
-        tmp_path,
-        tiny_dir("qwen2"),
-        items_file,
-        "--n",
-        "3",
-        "--boundary-marker",
-        "~~~~~",
-        "--max-stage1-tokens",
-        "6",
-    )
-    assert result.exit_code == 0, result.output
+    """Items that miss the boundary are recorded, counted, never dropped; if all miss, the command fails."""
+    result, out = _matched(tmp_path, tiny_dir("qwen2"), items_file, "--n", "3", "--boundary-marker", "~~~~~",
+                           "--max-stage1-tokens", "6")
+    assert result.exit_code == 2
     m = json.loads((out / "results.json").read_text())["matched"][0]
     assert (m["n"], m["n_boundary"], m["n_no_boundary"]) == (3, 0, 3)
     ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]

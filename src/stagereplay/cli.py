@@ -226,7 +226,7 @@ def paper(
     device: Device = "cpu",
     threads: Threads = 1,
     attn_impl: AttnImpl = "sdpa",
-    workers: Workers = 1,
+    workers: Annotated[int, typer.Option("--workers", help="processes; 0 = one per core on CPU (at most 2)")] = 0,
     executor: Executor = "local",
     quiet: Quiet = False,
 ) -> None:

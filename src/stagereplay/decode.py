@@ -1,13 +1,15 @@
 """The decode loop: one forward per token on a K/V cache, greedy or seeded sampling, EOS and length stops.
 
 This loop *is* live generation, so it must emit exactly what `model.generate(do_sample=False)` emits:
-it passes the same inputs generate() passes (ids, an all-ones attention mask, the cache, logits for the
-last position only) and picks the argmax of the fp32-cast logits, as generate() does.
+it passes the same inputs generate() passes (ids, their positions, the cache, logits for the last position
+only; no attention mask, which generate() drops when it is all ones) and picks the argmax of the fp32-cast
+logits, as generate() does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +35,9 @@ class DecodeConfig:
         if self.max_new_tokens < 1 or self.max_stage1_tokens < 1:
             raise StageReplayError("token limits must be at least 1", "pass positive --max-new-tokens")
         if self.sample and self.temperature <= 0:
-            raise StageReplayError("--temperature must be positive when sampling", "pass e.g. --temperature 1.0")
+            raise StageReplayError(
+                "--temperature must be positive when sampling", "pass e.g. --temperature 1.0"
+            )
 
 
 def derive_seed(base: int, *parts: str) -> int:
@@ -68,20 +72,60 @@ class Sampler:
 
 
 class Stepper:
-    """Forward passes on a cache, with the inputs generate() would give: batch 1, all-ones mask."""
+    """Forward passes on a cache, with the inputs generate() gives at batch 1: ids, positions, cache, last logits.
+
+    generate() computes `position_ids` from the mask and, in recent transformers (5.24 here; earlier 5.x
+    releases passed it on), drops an all-ones mask before its first forward, since an unpadded batch needs
+    none. So each of its forwards gets input_ids, position_ids, the cache, use_cache and logits_to_keep=1:
+    this passes the same, value for value (tests/test_decode_speed_invariance.py compares the two step by
+    step, and logits and caches bit for bit). `past` must be the number of positions the cache holds.
+
+    Per step it allocates nothing but what the model makes: positions are a view of one arange buffer, and a
+    single token goes in through one reused (1, 1) tensor. The cache keeps the K/V computed from them, never
+    the tensors themselves, so reusing them cannot change a snapshot.
+    """
+
+    MIN_POSITIONS = 1024  # initial length of the positions buffer; it doubles when a sequence outgrows it
 
     def __init__(self, model: Any, device: str) -> None:
         self.model = model
         self.device = device
+        # generate() passes position_ids only to a forward that takes them; so does this.
+        forward = getattr(model, "forward", None)
+        params = inspect.signature(forward).parameters if forward is not None else {}
+        self.takes_positions = "position_ids" in params
+        # transformers 5.x renamed the forward's `past_key_values` to `cache`; a model taking **kwargs would
+        # silently swallow the wrong name and run without a cache, so ask the signature which one it is.
+        self.cache_kw = "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
+        self._positions: torch.Tensor | None = None  # (1, L) int64 0..L-1
+        self._token: torch.Tensor | None = None  # (1, 1) int64, rewritten for each single-token step
+
+    def positions(self, past: int, n: int) -> torch.Tensor:
+        """(1, n) int64 positions past..past+n-1, as generate() derives them: a view of a shared buffer."""
+        buf = self._positions
+        if buf is None or buf.shape[1] < past + n:
+            import torch
+
+            size = max(past + n, self.MIN_POSITIONS, 2 * buf.shape[1] if buf is not None else 0)
+            buf = self._positions = torch.arange(size, dtype=torch.long, device=self.device).unsqueeze(0)
+        return buf[:, past : past + n]
 
     def forward(self, ids: Sequence[int], cache: Any, past: int) -> torch.Tensor:
         """Feed `ids` at positions past..past+len(ids)-1; return the last position's logits [V]."""
         import torch
 
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, n)
-        mask = torch.ones((1, past + len(ids)), dtype=torch.long, device=self.device)  # (1, past + n)
+        n = len(ids)
         with torch.inference_mode():
-            out = self.model(input_ids=input_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+            if n == 1:
+                if self._token is None:
+                    self._token = torch.empty((1, 1), dtype=torch.long, device=self.device)
+                # In place is safe: the previous step's forward has consumed it (in stream order on CUDA).
+                input_ids = self._token.fill_(ids[0])  # (1, 1)
+            else:
+                input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, n)
+            extra = {"position_ids": self.positions(past, n)} if self.takes_positions else {}
+            extra[self.cache_kw] = cache
+            out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **extra)
         return out.logits[0, -1]
 
 

@@ -6,6 +6,7 @@ the same canonical order whatever the executor: a run's ledger is identical for 
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,16 +66,38 @@ def run_jobs(config: ModelConfig, work: Work, jobs: Sequence[Any], ex: ExecConfi
         for job in jobs:
             yield work(lm, job)
         return
+    futures = [_pool(config, ex.workers).submit(_call, work, job) for job in jobs]
+    try:
+        for f in futures:
+            yield f.result()
+    finally:
+        for f in futures:
+            f.cancel()
+
+
+# One pool of worker processes, kept while consecutive stages use the same model settings: starting a worker
+# (importing torch, loading the model) costs seconds, and a paper run has many stages on one model.
+_POOL: dict[tuple[Any, int], Any] = {}
+
+
+def _pool(config: ModelConfig, workers: int) -> Any:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    # spawn, not fork: a forked child would inherit torch's thread pools and any CUDA context half-made.
-    with ProcessPoolExecutor(max_workers=ex.workers, mp_context=mp.get_context("spawn"),
-                             initializer=_init_worker, initargs=(config,)) as pool:
-        futures = [pool.submit(_call, work, job) for job in jobs]
-        try:
-            for f in futures:
-                yield f.result()
-        finally:
-            for f in futures:
-                f.cancel()
+    key = (config, workers)
+    if key not in _POOL:
+        shutdown_workers()
+        # spawn, not fork: a forked child would inherit torch's thread pools and any CUDA context half-made.
+        _POOL[key] = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                                         initializer=_init_worker, initargs=(config,))
+    return _POOL[key]
+
+
+def shutdown_workers() -> None:
+    """Stop the worker processes (and free their model replicas). Called at exit and by each command's end."""
+    for pool in _POOL.values():
+        pool.shutdown(wait=True, cancel_futures=True)
+    _POOL.clear()
+
+
+atexit.register(shutdown_workers)

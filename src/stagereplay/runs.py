@@ -6,6 +6,7 @@ a half-written run behind.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,10 @@ def new_manifest(command: str, config: dict[str, Any], source: Source, items: li
 
 def finish(run: Run, quiet: bool = False) -> dict[str, Any]:
     """Rebuild results.json from the whole ledger, write the report, print the tables."""
+    from stagereplay.executors import shutdown_workers
     from stagereplay.results import build_results
 
+    shutdown_workers()
     results = build_results(run.path, run.manifest, run.records)
     run.write_results(results)
     write_and_print_report(run.path, results, quiet)
@@ -274,7 +277,7 @@ def paper(
     device: str = "cpu",
     threads: int = 1,
     attn_impl: str = "sdpa",
-    workers: int = 1,
+    workers: int = 0,
     executor: str = "local",
     quiet: bool = False,
 ) -> dict[str, Any]:
@@ -290,6 +293,8 @@ def paper(
     from stagereplay.ledger import atomic_write
     from stagereplay.results import AUDIT_FILE
 
+    if workers == 0:  # auto: one single-threaded process per core on a CPU (capped), one process per GPU run
+        workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), "bf16", device, threads,
                             attn_impl)
@@ -311,10 +316,11 @@ def paper(
         from stagereplay.experiments.matched import summarize_matched
 
         _require_boundary(summarize_matched(run.find("matched", "primary"), "oneshot", "primary", "bf16"), settings)
-        run_2x2(run, source.model, settings, "primary", ("incremental", "oneshot"), ("bf16", "fp32"), ex, quiet)
+        # Everything on the primary bf16 model first, so worker processes are started once for it.
         run_bridge(run, source.model, settings, "primary", bridge_rows, ex, quiet)
         run_transplant(run, source.model, settings, "primary", TransplantConfig(select=select_primary, sweep=sweep),
                        ex, quiet)
+        run_2x2(run, source.model, settings, "primary", ("incremental", "oneshot"), ("bf16", "fp32"), ex, quiet)
         if later is not None:
             del lm  # one model in memory at a time
             run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)

@@ -95,6 +95,12 @@ def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple
     return Job(item, settings, record.part, extra)
 
 
+def _model_key(stages: dict[str, Any], group: tuple[str, str, str]) -> tuple[str, str]:
+    experiment, checkpoint, part = group
+    model = stages[f"{experiment}/{checkpoint}"]["model"]
+    return model["path"], part or model["precision"]
+
+
 def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex: ExecConfig,
               quiet: bool = False) -> dict[str, Any]:
     """Re-execute every record; return the audit summary (also what results.json shows)."""
@@ -117,7 +123,8 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     mismatches: list[dict[str, str]] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), disable=quiet) as bar:
         task = bar.add_task("audit", total=len(records))
-        for (experiment, checkpoint, part), group in groups.items():
+        # Grouped by model settings, so that worker processes load each model once.
+        for (experiment, checkpoint, part), group in sorted(groups.items(), key=lambda g: _model_key(stages, g[0])):
             stage = stages[f"{experiment}/{checkpoint}"]
             model = ModelConfig(**stage["model"])
             if part:

@@ -1,0 +1,265 @@
+"""Decode speed at batch size 1, greedy: stagereplay's live loop vs `model.generate()` vs a bare forward loop.
+
+    python bench/decode.py [--models toy,50m] [--model DIR] [--tokens 64] [--prompts 4] [--threads 1]
+                           [--precision bf16] [--device cpu|cuda] [--repeats 5] [--json OUT]
+
+Three ways to emit the same tokens from the same prompts, timed in one process:
+
+- `ours`: `LM.generate`, the live loop of `stagereplay.decode` (Stepper + decode) that every experiment uses;
+- `generate`: `model.generate(do_sample=False, max_new_tokens=N)`;
+- `floor`: `model(input_ids, cache, use_cache=True, logits_to_keep=1)` + argmax on a DynamicCache, nothing
+  else: what the forwards alone cost.
+
+The loop and generate() stop at EOS or after N tokens, as in use; the script asserts that they emit the
+same tokens, and the floor then makes exactly as many forwards per prompt. (`min_new_tokens=N` is not
+used: generate() enforces it by masking EOS out of the logits, which changes its picks wherever the model
+would end, as a trained model does, so no loop that stops at EOS could match it.)
+
+Models: `toy` is the embedded toy checkpoint (or `--model DIR`), skipped with a message when missing;
+`50m` is a randomly initialised Qwen2 of about 50M parameters (hidden 512, 8 layers, 8 query / 2 KV heads,
+SwiGLU 1536, vocab 28k, bf16 weights) built in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+METHODS = ("ours", "generate", "floor")
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level fast tokenizer (256 bytes + 4 specials) that AutoTokenizer loads; its IDs fit any vocab."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [chr(b) for b in range(256)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(path)
+
+
+def build_50m(path: Path, seed: int = 0) -> Path:
+    """A random Qwen2 of about 50M parameters, saved in bf16 with a byte tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=28_000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(path)
+    save_byte_tokenizer(path)
+    return path
+
+
+def toy_prompts(lm: Any, n: int) -> list[list[int]]:
+    from stagereplay.tasks.toy import HELDOUT_SEED, toy_items
+
+    return [list(item.prompt_ids) for item in toy_items(n, HELDOUT_SEED, lm.tokenizer)]
+
+
+def random_prompts(lm: Any, n: int, length: int = 32, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, int(lm.model.config.vocab_size)) for _ in range(length)] for _ in range(n)]
+
+
+def run_ours(lm: Any, prompt: Sequence[int], n: int) -> list[int]:
+    return lm.generate(prompt, n)
+
+
+def run_generate(lm: Any, prompt: Sequence[int], n: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([list(prompt)], device=lm.config.device)
+    config = lm.bench_gen_config  # greedy, the model's EOS, max_new_tokens=n
+    if config.max_new_tokens != n:
+        config = copy.deepcopy(config)
+        config.max_new_tokens = n
+    out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt) :].tolist()
+
+
+def run_floor(lm: Any, prompt: Sequence[int], n: int) -> list[int]:
+    import torch
+    from transformers import DynamicCache
+
+    model = lm.model
+    cache = DynamicCache(config=model.config)
+    picks = []
+    with torch.inference_mode():
+        ids = torch.tensor([list(prompt)], device=lm.config.device)  # (1, T)
+        token = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax()
+        picks.append(token)
+        for _ in range(n - 1):
+            token = (
+                model(input_ids=token.view(1, 1), cache=cache, use_cache=True, logits_to_keep=1)
+                .logits[0, -1]
+                .argmax()
+            )
+            picks.append(token)
+        return torch.stack(picks).tolist()
+
+
+RUNNERS: dict[str, Callable[[Any, Sequence[int], int], list[int]]] = {
+    "ours": run_ours,
+    "generate": run_generate,
+    "floor": run_floor,
+}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from stagereplay.lm import load
+
+    lm = load(str(path), precision=args.precision, device=args.device, threads=args.threads)
+    gen_config = copy.deepcopy(lm.model.generation_config)
+    gen_config.do_sample = False
+    gen_config.max_new_tokens = args.tokens
+    if gen_config.pad_token_id is None:
+        gen_config.pad_token_id = lm.tokenizer.pad_token_id
+    lm.bench_gen_config = gen_config
+    prompts = toy_prompts(lm, args.prompts) if name == "toy" else random_prompts(lm, args.prompts)
+    n = args.tokens
+    # Warm-up, and the tokens of each method; the floor makes as many forwards as the loop made per prompt.
+    outputs = {m: [run_ours(lm, p, n) for p in prompts] for m in ("ours",)}
+    counts = [len(t) for t in outputs["ours"]]
+    budget = {"ours": [n] * len(prompts), "generate": [n] * len(prompts), "floor": counts}
+    outputs["generate"] = [run_generate(lm, p, n) for p in prompts]
+    outputs["floor"] = [run_floor(lm, p, c) for p, c in zip(prompts, counts, strict=True)]
+    for p_ours, p_gen in zip(outputs["ours"], outputs["generate"], strict=True):
+        assert p_ours == p_gen, f"{name}: our tokens differ from generate()'s"
+    # Wall time by default; `--clock cpu` counts this process's CPU time, steadier on a shared machine
+    # (meaningful with one thread on CPU only).
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    for _ in range(args.repeats):
+        for method, runner in RUNNERS.items():  # interleaved, so drift hits every method alike
+            sync(args.device)
+            t0 = clock()
+            for p, limit in zip(prompts, budget[method], strict=True):
+                runner(lm, p, limit)
+            sync(args.device)
+            times[method].append(clock() - t0)
+    total = sum(counts)
+    tps = {m: total / statistics.median(ts) for m, ts in times.items()}
+    params = sum(p.numel() for p in lm.model.parameters())
+    return {
+        "model": name,
+        "path": str(path),
+        "params": params,
+        "max_new_tokens": n,
+        "tokens_per_prompt": counts,
+        "prompts": len(prompts),
+        "prompt_lens": [len(p) for p in prompts],
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "precision": args.precision,
+        "device": args.device,
+        "clock": args.clock,
+        "seconds": times,
+        "tokens_per_s": tps,
+        "ours_over_generate": tps["ours"] / tps["generate"],
+        "ours_over_floor": tps["ours"] / tps["floor"],
+        "tokens_equal_generate": True,
+        "floor_equal_generate": outputs["floor"] == outputs["generate"],
+        "eos_ids": sorted(lm.eos),
+    }
+
+
+def print_row(r: dict[str, Any]) -> None:
+    t = r["tokens_per_s"]
+    print(
+        f"{r['model']:<5} {r['params'] / 1e6:6.1f}M  {sum(r['tokens_per_prompt']):4d} tok  ours {t['ours']:8.1f}  generate {t['generate']:8.1f}  "
+        f"floor {t['floor']:8.1f} tok/s   ours/generate {r['ours_over_generate']:.3f}  "
+        f"ours/floor {r['ours_over_floor']:.3f}   tokens == generate(): yes"
+        f"{'' if r['floor_equal_generate'] else ' (floor tokens differ)'}"
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="toy,50m", help="comma list of toy, 50m")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint directory to use as `toy`")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per prompt at most (EOS stops sooner)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per timed repeat")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--precision", default="bf16", help="bf16 | fp16 | fp32 | fp32-compute")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:<i>")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or this process's CPU time (steadier on a busy machine; CPU, 1 thread)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = parse_args(argv)
+    wanted = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = set(wanted) - {"toy", "50m"}
+    if unknown:
+        print(f"unknown --models {', '.join(sorted(unknown))}: use toy, 50m", file=sys.stderr)
+        return 2
+    print(
+        f"batch 1, greedy, up to {args.tokens} new tokens x {args.prompts} prompts, {args.precision}, "
+        f"{args.device}, {args.threads} thread(s), median of {args.repeats}, {args.clock} clock"
+    )
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in wanted:
+            if name == "toy":
+                from stagereplay.toy import toy_checkpoint
+
+                path = args.model or toy_checkpoint("primary")
+                if not (path / "config.json").is_file():
+                    print(f"toy   skipped: no checkpoint at {path} (train it, or pass --model DIR)")
+                    continue
+            else:
+                path = build_50m(Path(tmp) / "qwen2-50m")
+            results.append(bench_model(name, path, args))
+            print_row(results[-1])
+    if args.json:
+        args.json.write_text(json.dumps({"results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Wall time and peak memory of the whole protocol: `stagereplay paper` with 1 and 2 worker processes.
+
+    python bench/paper.py [--n 200] [--workers 1,2] [--model DIR --later-model DIR --data FILE
+                          --boundary-after N] [--json OUT]
+
+Each run is a fresh subprocess (`stagereplay paper --quiet --out <tmp> ...`). Peak RSS is that of the whole
+process tree (the command and its worker processes), sampled every 50 ms and summed over the tree; the
+largest single process is reported beside it. With no model options it runs on the embedded toy checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _tree_rss(root: int) -> list[int]:
+    """RSS in bytes of `root` and every descendant (psutil if installed, else /proc on Linux)."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            proc = psutil.Process(root)
+            procs = [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        out = []
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                out.append(p.memory_info().rss)
+        return out
+    parents: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            statm = Path(f"/proc/{entry}/statm").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "; fields[1] is the parent pid
+        parents[int(entry)] = int(fields[1])
+        rss[int(entry)] = int(statm.split()[1]) * PAGE
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return [rss[p] for p in tree if p in rss]
+
+
+class PeakRSS:
+    """Samples a process tree's memory in a background thread until stopped."""
+
+    def __init__(self, pid: int, interval: float = 0.05) -> None:
+        self.pid, self.interval = pid, interval
+        self.total = self.single = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sizes = _tree_rss(self.pid)
+            if sizes:
+                self.total = max(self.total, sum(sizes))
+                self.single = max(self.single, max(sizes))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_paper(args: argparse.Namespace, workers: int, out: Path) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "stagereplay.cli",
+        "paper",
+        "--n",
+        str(args.n),
+        "--quiet",
+        "--out",
+        str(out),
+        "--workers",
+        str(workers),
+        "--threads",
+        str(args.threads),
+    ]
+    for flag, value in (
+        ("--model", args.model),
+        ("--later-model", args.later_model),
+        ("--data", args.data),
+        ("--boundary-after", args.boundary_after),
+        ("--max-new-tokens", args.max_new_tokens),
+    ):
+        if value is not None:
+            cmd += [flag, str(value)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = PeakRSS(proc.pid)
+    output, _ = proc.communicate()
+    peak.stop()
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"`{' '.join(map(str, cmd))}` failed ({proc.returncode}):\n{output[-3000:]}")
+    ledger = (out / "ledger.jsonl").read_bytes()
+    return {
+        "workers": workers,
+        "wall_s": wall,
+        "peak_rss_tree_mb": peak.total / 2**20,
+        "peak_rss_single_mb": peak.single / 2**20,
+        "records": ledger.count(b"\n"),
+        "ledger_sha256": hashlib.sha256(ledger).hexdigest(),
+        "command": cmd,
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=200, help="items (fewer for a quick run)")
+    p.add_argument("--workers", default="1,2", help="comma list of --workers values to run")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--model", default=None, help="primary checkpoint (default: the embedded toy)")
+    p.add_argument("--later-model", default=None, help="second checkpoint")
+    p.add_argument("--data", default=None, help="JSONL items (default: the toy task)")
+    p.add_argument("--boundary-after", type=int, default=None, help="stage 1 is the first N generated tokens")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="suffix length limit")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.model is None:
+        from stagereplay.toy import toy_checkpoint
+
+        missing = [n for n in ("primary", "later") if not (toy_checkpoint(n) / "config.json").is_file()]
+        if missing:
+            print(
+                f"the embedded toy checkpoint(s) {', '.join(missing)} are missing: pass --model/--later-model"
+            )
+            return 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in (int(x) for x in args.workers.split(",")):
+            out = Path(tmp) / f"paper-w{w}"
+            rows.append(run_paper(args, w, out))
+            shutil.rmtree(out)
+    same = len({r["ledger_sha256"] for r in rows}) == 1
+    print(
+        f"stagereplay paper --n {args.n} ({args.model or 'embedded toy'}), {args.threads} thread(s) per process"
+    )
+    print(
+        f"{'workers':>7}  {'wall s':>8}  {'speed-up':>8}  {'peak RSS tree MiB':>17}  {'largest process MiB':>19}"
+    )
+    for r in rows:
+        print(
+            f"{r['workers']:>7}  {r['wall_s']:8.1f}  {rows[0]['wall_s'] / r['wall_s']:8.2f}  "
+            f"{r['peak_rss_tree_mb']:17.0f}  {r['peak_rss_single_mb']:19.0f}"
+        )
+    print(
+        f"ledgers ({rows[0]['records']} records) byte-identical across --workers: {'yes' if same else 'NO'}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"n": args.n, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

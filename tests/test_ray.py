@@ -1,0 +1,88 @@
+"""`--executor ray` writes the ledger the local executor writes: same records, payloads and hash chain."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from stagereplay.boundary import After
+from stagereplay.decode import DecodeConfig
+from stagereplay.ledger import read_ledger
+from stagereplay.runs import matched
+
+try:
+    import ray
+except ImportError:  # the optional extra: required where CI is set, else the module is skipped
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("Ray is not installed (pip install 'stagereplay[ray]')", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A private two-CPU Ray instance for this module; run_ray uses it and must leave it running."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _matched(out, model, data, **kw):
+    return matched(
+        out,
+        model=str(model),
+        data=str(data),
+        n=6,
+        boundary=After(8),
+        decode=DecodeConfig(max_new_tokens=16),
+        quiet=True,
+        **kw,
+    )
+
+
+def test_ray_ledger_equals_local_ledger(tmp_path, tiny_dir, items_file, local_ray):
+    model = tiny_dir("qwen2")
+    _matched(tmp_path / "ray", model, items_file, workers=2, executor="ray")
+    assert ray.is_initialized()  # a cluster run_ray did not start is left alone
+    _matched(tmp_path / "local", model, items_file, workers=1, executor="local")
+    by_ray, local = read_ledger(tmp_path / "ray"), read_ledger(tmp_path / "local")
+    assert len(local) == 6
+    assert [r.item_id for r in by_ray] == [r.item_id for r in local]  # job order, whatever finished first
+    for a, b in zip(by_ray, local, strict=True):
+        assert a.payload == b.payload
+        assert a.hash == b.hash and a.prev_hash == b.prev_hash
+    # Negative control: one token changed in one payload changes that record's hash.
+    changed = local[3].payload | {"prefix_ids": [*local[3].payload["prefix_ids"][:-1], -1]}
+    assert local[3].model_copy(update={"payload": changed}).computed_hash() != by_ray[3].hash
+
+
+def test_a_problem_inside_an_actor_reads_as_it_would_locally(tiny_dir, local_ray):
+    from stagereplay.errors import StageReplayError
+    from stagereplay.experiments.common import Job, ReplaySettings
+    from stagereplay.experiments.matched import matched_item
+    from stagereplay.model import ModelConfig
+    from stagereplay.ray_executor import run_ray
+    from stagereplay.tasks.base import Item
+
+    item = Item(id="x", prompt_ids=(5, 6, 7), answer="1")
+    jobs = [Job(item, ReplaySettings(boundary="nonsense:1"))]
+    with pytest.raises(StageReplayError, match="unknown boundary rule"):
+        list(run_ray(ModelConfig(path=str(tiny_dir("qwen2"))), matched_item, jobs, 1))
+
+
+def test_missing_ray_is_a_clear_error(monkeypatch):
+    import builtins
+
+    from stagereplay.errors import StageReplayError
+    from stagereplay.ray_executor import run_ray
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(StageReplayError, match="needs Ray installed"):
+        next(run_ray(None, None, [1], 1))  # type: ignore[arg-type]
