@@ -75,9 +75,11 @@ def run_jobs(config: ModelConfig, work: Work, jobs: Sequence[Any], ex: ExecConfi
             f.cancel()
 
 
-# One pool of worker processes, kept while consecutive stages use the same model settings: starting a worker
-# (importing torch, loading the model) costs seconds, and a paper run has many stages on one model.
+# Pools of worker processes, one per model setting, kept until the command ends (`shutdown_workers`): starting
+# a worker (importing torch, loading the model) costs seconds, and a paper run comes back to the same model
+# settings several times (its audit re-runs them all). At most MAX_POOLS are kept, oldest closed first.
 _POOL: dict[tuple[Any, int], Any] = {}
+MAX_POOLS = 3
 
 
 def _pool(config: ModelConfig, workers: int) -> Any:
@@ -86,7 +88,8 @@ def _pool(config: ModelConfig, workers: int) -> Any:
 
     key = (config, workers)
     if key not in _POOL:
-        shutdown_workers()
+        while len(_POOL) >= MAX_POOLS:
+            _POOL.pop(next(iter(_POOL))).shutdown(wait=True, cancel_futures=True)
         # spawn, not fork: a forked child would inherit torch's thread pools and any CUDA context half-made.
         _POOL[key] = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
                                          initializer=_init_worker, initargs=(config,))
