@@ -1,0 +1,59 @@
+"""Scale-out: `--shard I/N` with `stagereplay merge`, and `--workers N`: each gives the run one process makes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from typer.testing import CliRunner
+
+from stagereplay.cli import app
+
+runner = CliRunner()
+
+
+def _matched(model, data, out, *extra):
+    args = ["matched", "--model", str(model), "--data", str(data), "--n", "6", "--boundary-after", "8",
+            "--max-new-tokens", "16", "--out", str(out), "--quiet", *extra]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output + result.stderr
+    return out
+
+
+def test_merged_shards_equal_the_unsharded_run(tmp_path, tiny_dir, items_file):
+    model = tiny_dir("qwen2")
+    whole = _matched(model, items_file, tmp_path / "whole")
+    s0 = _matched(model, items_file, tmp_path / "s0", "--shard", "0/2")
+    s1 = _matched(model, items_file, tmp_path / "s1", "--shard", "1/2")
+    assert len((s0 / "ledger.jsonl").read_text().splitlines()) == 3
+    result = runner.invoke(app, ["merge", str(s1), str(s0), "--out", str(tmp_path / "merged")])
+    assert result.exit_code == 0, result.stderr
+    merged = tmp_path / "merged"
+    assert (merged / "ledger.jsonl").read_bytes() == (whole / "ledger.jsonl").read_bytes()
+    m_whole = json.loads((whole / "manifest.json").read_text())
+    m_merged = json.loads((merged / "manifest.json").read_text())
+    assert m_merged["config"] == m_whole["config"]
+    assert json.loads((merged / "results.json").read_text())["matched"] == \
+        json.loads((whole / "results.json").read_text())["matched"]
+
+
+def test_merge_refuses_mismatched_or_incomplete_shards(tmp_path, tiny_dir, items_file):
+    model = tiny_dir("qwen2")
+    s0 = _matched(model, items_file, tmp_path / "s0", "--shard", "0/2")
+    other = _matched(model, items_file, tmp_path / "other", "--shard", "1/2", "--precision", "fp32")
+    result = runner.invoke(app, ["merge", str(s0), str(other), "--out", str(tmp_path / "m1")])
+    assert result.exit_code == 2 and "config.model.precision" in result.stderr
+    assert not (tmp_path / "m1").exists()
+    result = runner.invoke(app, ["merge", str(s0), "--out", str(tmp_path / "m2")])
+    assert result.exit_code == 2 and "do not cover the run exactly once" in result.stderr
+    twice = tmp_path / "s0-again"
+    shutil.copytree(s0, twice)
+    result = runner.invoke(app, ["merge", str(s0), str(twice), "--out", str(tmp_path / "m3")])
+    assert result.exit_code == 2 and "exactly once" in result.stderr
+
+
+def test_two_local_workers_write_the_same_ledger_as_one(tmp_path, tiny_dir, items_file):
+    model = tiny_dir("qwen2")
+    one = _matched(model, items_file, tmp_path / "one")
+    two = _matched(model, items_file, tmp_path / "two", "--workers", "2")
+    assert (two / "ledger.jsonl").read_bytes() == (one / "ledger.jsonl").read_bytes()
