@@ -24,6 +24,12 @@ from stagereplay.errors import StageReplayError
 from stagereplay.model import ModelConfig, load_model_and_tokenizer, set_determinism
 from stagereplay.tasks.base import Item
 
+
+def model_context(config: Any) -> int:
+    """Positions the model was built for (unbounded when its config does not say)."""
+    return int(getattr(config.get_text_config(), "max_position_embeddings", None) or 1 << 30)
+
+
 CONSTRUCTIONS = ("live", "incremental", "oneshot", "chunked:<n>", "retokenized")
 
 
@@ -93,7 +99,7 @@ class LM:
         self.stepper = Stepper(model, config.device)
         self.eos = eos_ids(model, tokenizer)
         self.n_layers = int(model.config.get_text_config().num_hidden_layers)
-        self.context = int(getattr(model.config.get_text_config(), "max_position_embeddings", 1 << 30))
+        self.context = model_context(model.config)
 
     # -- live generation ------------------------------------------------------------------------------
 
@@ -117,7 +123,7 @@ class LM:
         is kept as `live_suffix`: the retained live continuation. Raises `NoBoundary` if stage 1 never ends.
         """
         dc = decode_config or DecodeConfig()
-        prompt, item_id = self._prompt(item)
+        prompt, item_id = self.check_prompt(item)
         rule = boundary.bind(self.tokenizer)
         cache = new_cache(self.model)
         logits = self.stepper.forward(prompt, cache, 0)
@@ -188,23 +194,28 @@ class LM:
 
     # -- helpers --------------------------------------------------------------------------------------
 
-    def _prompt(self, item: Item | Sequence[int]) -> tuple[tuple[int, ...], str]:
-        if isinstance(item, Item):
-            prompt, item_id = item.prompt_ids, item.id
-        else:
-            prompt = tuple(int(t) for t in item)
-            item_id = ids_fingerprint(prompt)[:16]
-        if not prompt:
-            raise StageReplayError(f"item {item_id} has an empty prompt", "give every item a non-empty prompt")
-        if len(prompt) >= self.context:
-            raise StageReplayError(
-                f"item {item_id}: prompt of {len(prompt)} tokens does not fit the model's context of {self.context}",
-                "shorten the prompt or drop the item",
-            )
-        return tuple(prompt), item_id
+    def check_prompt(self, item: Item | Sequence[int]) -> tuple[tuple[int, ...], str]:
+        return check_prompt(item, self.context)
 
     def text(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def check_prompt(item: Item | Sequence[int], context: int) -> tuple[tuple[int, ...], str]:
+    """The prompt's IDs and id; a one-line error if it is empty or does not fit the model's context."""
+    if isinstance(item, Item):
+        prompt, item_id = item.prompt_ids, item.id
+    else:
+        prompt = tuple(int(t) for t in item)
+        item_id = ids_fingerprint(prompt)[:16]
+    if not prompt:
+        raise StageReplayError(f"item {item_id} has an empty prompt", "give every item a non-empty prompt")
+    if len(prompt) >= context:
+        raise StageReplayError(
+            f"item {item_id}: prompt of {len(prompt)} tokens does not fit the model's context of {context}",
+            "shorten the prompt or drop the item",
+        )
+    return tuple(prompt), item_id
 
 
 def load(

@@ -157,19 +157,35 @@ def _upcast_on_use(model: torch.nn.Module) -> None:
             module.register_forward_hook(after)
 
 
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise StageReplayError(f"cannot load the tokenizer in {path} ({type(exc).__name__})",
+                               "save the model's tokenizer into the same directory") from None
+
+
+def load_config_and_tokenizer(path: str) -> tuple[Any, Any]:
+    """The model's config and tokenizer without its weights (what a parent process needs to check inputs)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    p = check_model_dir(path)
+    from transformers import AutoConfig
+
+    with _quiet_transformers():
+        return AutoConfig.from_pretrained(p), _load_tokenizer(p)
+
+
 def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
     """Load through AutoModelForCausalLM / AutoTokenizer from a local directory, with no network."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = check_model_dir(config.path)
     _check_device(config)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     with _quiet_transformers():
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except Exception as exc:
-            raise StageReplayError(f"cannot load the tokenizer in {path} ({type(exc).__name__})",
-                                   "save the model's tokenizer into the same directory") from None
+        tokenizer = _load_tokenizer(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch_dtype(config.precision), attn_implementation=config.attn_impl

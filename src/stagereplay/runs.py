@@ -58,26 +58,27 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
                   ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
 
 
-def prepare(source: Source, ex: ExecConfig) -> tuple[LM | None, list[Item], str]:
-    """Load the model (when running in this process) and the items, before any run directory exists."""
-    from stagereplay.model import _quiet_transformers, set_determinism
+def prepare(source: Source, ex: ExecConfig) -> tuple[LM | None, list[Item], str, dict[str, Any]]:
+    """Load the model (when running in this process) and the items, before any run directory exists.
 
+    Returns the model (None when workers load their own), the items, the data hash and the determinism settings.
+    """
+    from stagereplay.lm import check_prompt, model_context
+    from stagereplay.model import load_config_and_tokenizer, set_determinism
+
+    m = source.model
     lm: LM | None = None
     if ex.workers == 1 and ex.executor == "local":
-        m = source.model
         lm = load(m.path, m.precision, m.device, m.threads, m.attn_impl)
-        tokenizer = lm.tokenizer
-    else:
-        from transformers import AutoTokenizer
-
-        set_determinism(source.model.threads, source.model.device)
-        with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(source.model.path)
+        tokenizer, context, determinism = lm.tokenizer, lm.context, lm.determinism
+    else:  # workers load their own replicas; here only the config and tokenizer, to check the inputs up front
+        determinism = set_determinism(m.threads, m.device)
+        config, tokenizer = load_config_and_tokenizer(m.path)
+        context = model_context(config)
     items, data_hash = load_items(source.data, tokenizer)
-    if lm is not None:
-        for item in items:
-            lm._prompt(item)  # raises on a prompt that does not fit the context
-    return lm, items, data_hash
+    for item in items:
+        check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
+    return lm, items, data_hash, determinism
 
 
 def new_manifest(command: str, config: dict[str, Any], source: Source, items: list[Item], data_hash: str,
@@ -156,13 +157,12 @@ def matched(
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
                             threads, attn_impl)
     config = MatchedConfig(source.model, source.settings, source.data, construction)
-    lm, items, data_hash = prepare(source, ex)
+    lm, items, data_hash, determinism = prepare(source, ex)
     items = shard_items(items, part)
     identity: dict[str, Any] = {"construction": construction}
     if shard is not None:
         identity["shard"] = shard
-    manifest = new_manifest("matched", identity, source, items, data_hash,
-                            lm.determinism if lm else {"threads": threads})
+    manifest = new_manifest("matched", identity, source, items, data_hash, determinism)
     with open_run(Path(out), manifest) as run:
         run_matched(run, config, items, ex, lm, quiet)
         results = finish(run, quiet)
@@ -305,11 +305,11 @@ def paper(
     later = ModelConfig(**{**asdict(source.model), "path": str(Path(later_model).resolve())}) if later_model else None
     if later is not None:
         check_model_dir(later.path)
-    lm, items, data_hash = prepare(source, ex)
+    lm, items, data_hash, determinism = prepare(source, ex)
     extra = {"later": later.path} if later else {}
     manifest = new_manifest("paper", {"later_model": later.path if later else None, "select_primary": select_primary,
                                       "bridge_rows": bridge_rows, "sweep": sweep},
-                            source, items, data_hash, lm.determinism if lm else {"threads": threads}, extra)
+                            source, items, data_hash, determinism, extra)
     with open_run(Path(out), manifest) as run:
         settings = source.settings
         run_matched(run, MatchedConfig(source.model, settings, source.data), items, ex, lm, quiet)
