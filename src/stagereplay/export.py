@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
+
+from stagereplay.ledger import atomic_output
 
 COLUMNS: tuple[str, ...] = (
     "experiment",
@@ -107,27 +106,6 @@ def export_ledger(run_dir: Path, fmt: Literal["parquet", "csv"], out: Path | Non
         else:
             _write_csv(rows, tmp)
     return target
-
-
-@contextmanager
-def atomic_output(target: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `target`; on success move it over `target` with `os.replace`.
-
-    A reader (or a killed writer) never sees a half-written file: the old file stays until the new
-    one is complete. The temporary file sits in the same directory so the rename stays atomic.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        with tmp.open("rb") as fh:  # the bytes reach the disk before the name points at them
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports and exports are meant to be shared
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:

@@ -62,20 +62,31 @@ def sha256_json(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj)).hexdigest()
 
 
-def atomic_write(path: Path, data: str | bytes) -> None:
-    """Temporary file in the same folder, fsync, rename: readers see the old file or the new, never half."""
-    raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+@contextlib.contextmanager
+def atomic_output(target: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `target`; on success move it over `target` with `os.replace`.
+
+    A reader (or a killed writer) never sees a half-written file: the old file stays until the new
+    one is complete. The temporary file sits in the same directory so the rename stays atomic.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        yield tmp
+        with tmp.open("rb") as fh:  # the bytes reach the disk before the name points at them
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports and exports are meant to be shared
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write `data` to `path` through `atomic_output`: readers see the old file or the new, never half."""
+    with atomic_output(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
 
 
 def parse_record(line: str, lineno: int, path: Path) -> Record:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stagereplay.export import atomic_output
 from stagereplay.figures import slug
+from stagereplay.ledger import atomic_output
 from stagereplay.stats import wilson_interval
 
 if TYPE_CHECKING:
