@@ -5,7 +5,9 @@
 
 Three ways to emit the same tokens from the same prompts, timed in one process:
 
-- `ours`: `LM.generate`, the live loop of `stagereplay.decode` (Stepper + decode) that every experiment uses;
+- `ours`: `LM.generate`, the live loop of `stagereplay.decode` (Stepper + decode) that every experiment uses,
+  its single-token steps captured by `torch.compile(backend="eager")`;
+- `eager`: the same loop with capture off, every step through the model's Python forward;
 - `generate`: `model.generate(do_sample=False, max_new_tokens=N)`;
 - `floor`: `model(input_ids, cache, use_cache=True, logits_to_keep=1)` + argmax on a DynamicCache, nothing
   else: what the forwards alone cost.
@@ -34,7 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-METHODS = ("ours", "generate", "floor")
+METHODS = ("ours", "eager", "generate", "floor")
 
 
 def save_byte_tokenizer(path: Path) -> None:
@@ -93,6 +95,14 @@ def run_ours(lm: Any, prompt: Sequence[int], n: int) -> list[int]:
     return lm.generate(prompt, n)
 
 
+def run_eager(lm: Any, prompt: Sequence[int], n: int) -> list[int]:
+    capture, lm.stepper.capture = lm.stepper.capture, False
+    try:
+        return lm.generate(prompt, n)
+    finally:
+        lm.stepper.capture = capture
+
+
 def run_generate(lm: Any, prompt: Sequence[int], n: int) -> list[int]:
     import torch
 
@@ -128,6 +138,7 @@ def run_floor(lm: Any, prompt: Sequence[int], n: int) -> list[int]:
 
 RUNNERS: dict[str, Callable[[Any, Sequence[int], int], list[int]]] = {
     "ours": run_ours,
+    "eager": run_eager,
     "generate": run_generate,
     "floor": run_floor,
 }
@@ -155,11 +166,12 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, An
     # Warm-up, and the tokens of each method; the floor makes as many forwards as the loop made per prompt.
     outputs = {m: [run_ours(lm, p, n) for p in prompts] for m in ("ours",)}
     counts = [len(t) for t in outputs["ours"]]
-    budget = {"ours": [n] * len(prompts), "generate": [n] * len(prompts), "floor": counts}
+    budget = {"ours": [n] * len(prompts), "eager": [n] * len(prompts), "generate": [n] * len(prompts), "floor": counts}
+    outputs["eager"] = [run_eager(lm, p, n) for p in prompts]
     outputs["generate"] = [run_generate(lm, p, n) for p in prompts]
     outputs["floor"] = [run_floor(lm, p, c) for p, c in zip(prompts, counts, strict=True)]
-    for p_ours, p_gen in zip(outputs["ours"], outputs["generate"], strict=True):
-        assert p_ours == p_gen, f"{name}: our tokens differ from generate()'s"
+    for p_ours, p_eager, p_gen in zip(outputs["ours"], outputs["eager"], outputs["generate"], strict=True):
+        assert p_ours == p_gen == p_eager, f"{name}: our tokens differ from generate()'s"
     # Wall time by default; `--clock cpu` counts this process's CPU time, steadier on a shared machine
     # (meaningful with one thread on CPU only).
     clock = time.perf_counter if args.clock == "wall" else time.process_time
@@ -191,6 +203,7 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, An
         "seconds": times,
         "tokens_per_s": tps,
         "ours_over_generate": tps["ours"] / tps["generate"],
+        "eager_over_generate": tps["eager"] / tps["generate"],
         "ours_over_floor": tps["ours"] / tps["floor"],
         "tokens_equal_generate": True,
         "floor_equal_generate": outputs["floor"] == outputs["generate"],
@@ -201,9 +214,10 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, An
 def print_row(r: dict[str, Any]) -> None:
     t = r["tokens_per_s"]
     print(
-        f"{r['model']:<5} {r['params'] / 1e6:6.1f}M  {sum(r['tokens_per_prompt']):4d} tok  ours {t['ours']:8.1f}  generate {t['generate']:8.1f}  "
-        f"floor {t['floor']:8.1f} tok/s   ours/generate {r['ours_over_generate']:.3f}  "
-        f"ours/floor {r['ours_over_floor']:.3f}   tokens == generate(): yes"
+        f"{r['model']:<5} {r['params'] / 1e6:5.1f}M {sum(r['tokens_per_prompt']):4d} tok  ours {t['ours']:6.1f}  "
+        f"eager {t['eager']:6.1f}  generate {t['generate']:6.1f}  floor {t['floor']:6.1f} tok/s  "
+        f"ours/generate {r['ours_over_generate']:.3f}  eager/generate {r['eager_over_generate']:.3f}  "
+        f"ours/floor {r['ours_over_floor']:.3f}  tokens == generate(): yes"
         f"{'' if r['floor_equal_generate'] else ' (floor tokens differ)'}"
     )
 

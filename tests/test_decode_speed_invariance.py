@@ -1,8 +1,9 @@
 """The decode loop passes what generate() passes, step by step, and its numbers are generate()'s bit for bit.
 
 The loop's speed-ups (explicit positions and no all-ones attention mask, as generate() itself passes them;
-positions sliced from one buffer; a reused (1, 1) token tensor) must not move a single bit: checked here on
-every tiny architecture in bf16 and fp32, logits and caches, each with a negative control.
+positions sliced from one buffer; a reused (1, 1) token tensor; single-token steps captured by dynamo with
+the eager backend) must not move a single bit: checked here on every tiny architecture in bf16 and fp32,
+logits and caches, each with a negative control.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from conftest import attn_for
 from tiny import ARCHS
 
 from stagereplay.cache import compare_caches, new_cache, nudged
-from stagereplay.decode import DecodeConfig, Sampler, Stepper, decode
+from stagereplay.decode import DecodeConfig, Sampler, Stepper, capture_available, decode
 from stagereplay.lm import load
 
 PROMPT = "Q: what is 12+7? Think.\n"
@@ -71,6 +72,9 @@ def _without_all_ones_mask(call):
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
 def test_each_step_gets_the_inputs_generate_gives(tiny_dir, arch):
     lm = load(str(tiny_dir(arch)), precision="bf16", attn_impl=attn_for(arch))
+    # Captured or not, a step calls Stepper._step with the same inputs; the spy logs them eagerly, since its
+    # .tolist() inside a captured step would make dynamo recompile for every new position.
+    lm.stepper.capture = False
     prompt = lm.tokenizer.encode(PROMPT)
     calls = _spy(lm.model)
     _reference(lm, prompt, 20)
@@ -136,3 +140,42 @@ def test_positions_are_a_view_of_the_requested_range():
     assert stepper.positions(3, 2).tolist() == [[3, 4]]
     assert stepper.positions(2000, 3).tolist() == [[2000, 2001, 2002]]  # outgrows the first buffer
     assert stepper.positions(0, 1).dtype == torch.long
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_steps_are_the_eager_steps_bit_for_bit(tiny_dir, arch):
+    """Single-token steps captured by dynamo (eager backend) give the eager forward's logits and cache bits."""
+    import torch._dynamo
+
+    if not capture_available():
+        pytest.skip("dynamo is unsupported or disabled (TORCHDYNAMO_DISABLE) here")
+    lm = load(str(tiny_dir(arch)), precision="bf16", attn_impl=attn_for(arch))
+    assert lm.stepper.capture  # on by default wherever dynamo runs
+    prompt = lm.tokenizer.encode(PROMPT)
+
+    def run(capture):
+        lm.stepper.capture = capture
+        cache, logged = new_cache(lm.model), []
+        logits = lm.stepper.forward(prompt, cache, 0)
+        for pos in range(len(prompt), len(prompt) + 30):  # past gemma2's sliding window of 8
+            logged.append(logits)
+            logits = lm.stepper.forward([int(torch.argmax(logits.float()))], cache, pos)
+        return logged, cache
+
+    torch._dynamo.utils.counters.clear()
+    captured, captured_cache = run(True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the steps really went through dynamo
+    eager, eager_cache = run(False)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(captured, eager, strict=True))
+    assert compare_caches(captured_cache, eager_cache) == []
+    # Negative control: a cache one step further along is told apart.
+    lm.stepper.forward([5], eager_cache, len(prompt) + 30)
+    assert compare_caches(captured_cache, eager_cache) != []
+
+
+def test_fp32_compute_steps_stay_eager(tiny_dir):
+    """fp32-compute recasts weights in forward hooks, which dynamo cannot capture: its steps run eagerly."""
+    if not capture_available():
+        pytest.skip("dynamo is unsupported or disabled (TORCHDYNAMO_DISABLE) here")
+    assert not load(str(tiny_dir("qwen2")), precision="fp32-compute").stepper.capture
+    assert load(str(tiny_dir("qwen2")), precision="fp32").stepper.capture

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -83,13 +84,23 @@ class Stepper:
     Per step it allocates nothing but what the model makes: positions are a view of one arange buffer, and a
     single token goes in through one reused (1, 1) tensor. The cache keeps the K/V computed from them, never
     the tensors themselves, so reusing them cannot change a snapshot.
+
+    With `capture`, single-token steps (all of decoding, and the incremental construction) run through
+    `torch.compile(backend="eager")`: dynamo records the forward's tensor operations once and replays them
+    without the Python of the module stack, which at batch 1 costs more than the arithmetic on small models.
+    The eager backend runs the recorded operations as they are, with no fusion and no decomposition: the same
+    kernels on the same inputs, so every bit is the eager forward's (tests/test_decode_speed_invariance.py
+    checks logits and caches against generate() on every tiny architecture). Multi-token prefills stay
+    eager. A frame dynamo cannot compile runs eagerly; `TORCHDYNAMO_DISABLE=1` turns capture off.
     """
 
     MIN_POSITIONS = 1024  # initial length of the positions buffer; it doubles when a sequence outgrows it
 
-    def __init__(self, model: Any, device: str) -> None:
+    def __init__(self, model: Any, device: str, capture: bool = False) -> None:
         self.model = model
         self.device = device
+        self.capture = capture and capture_available()
+        self._captured: Any = None  # the compiled single-token step, made on first use
         # generate() passes position_ids only to a forward that takes them; so does this.
         forward = getattr(model, "forward", None)
         params = inspect.signature(forward).parameters if forward is not None else {}
@@ -116,17 +127,58 @@ class Stepper:
 
         n = len(ids)
         with torch.inference_mode():
-            if n == 1:
-                if self._token is None:
-                    self._token = torch.empty((1, 1), dtype=torch.long, device=self.device)
-                # In place is safe: the previous step's forward has consumed it (in stream order on CUDA).
-                input_ids = self._token.fill_(ids[0])  # (1, 1)
-            else:
+            if n > 1:
                 input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # (1, n)
-            extra = {"position_ids": self.positions(past, n)} if self.takes_positions else {}
-            extra[self.cache_kw] = cache
-            out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **extra)
+                return self._step(input_ids, self.positions(past, n), cache)
+            if self._token is None:
+                self._token = torch.empty((1, 1), dtype=torch.long, device=self.device)
+            # In place is safe: the previous step's forward has consumed it (in stream order on CUDA).
+            input_ids = self._token.fill_(ids[0])  # (1, 1)
+            if not self.capture:
+                return self._step(input_ids, self.positions(past, 1), cache)
+            if self._captured is None:
+                self._captured = torch.compile(_own_code(self._step), backend="eager", dynamic=True)
+            # A frame dynamo fails on runs eagerly rather than raising. Set by hand, not with config.patch(),
+            # which costs 5% of a toy step.
+            config = torch._dynamo.config
+            suppress, config.suppress_errors = config.suppress_errors, True
+            try:
+                return self._captured(input_ids, self.positions(past, 1), cache)
+            finally:
+                config.suppress_errors = suppress
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One forward with generate()'s inputs; the last position's logits [V]."""
+        extra = {"position_ids": positions} if self.takes_positions else {}
+        extra[self.cache_kw] = cache
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **extra)
         return out.logits[0, -1]
+
+
+def captures_steps(precision: str) -> bool:
+    """Whether a model at `precision` gets captured steps: not fp32-compute, whose hooks recast weights."""
+    return precision != "fp32-compute" and capture_available()
+
+
+def capture_available() -> bool:
+    """Whether torch.compile can capture steps here (dynamo supports this Python and is not disabled)."""
+    import torch._dynamo
+
+    return bool(torch._dynamo.is_dynamo_supported() and not torch._dynamo.config.disable)
+
+
+def _own_code(method: Any) -> Any:
+    """`method` on a private copy of its code object.
+
+    Dynamo keeps its compiled variants per code object, at most 8 of them. A copy per Stepper keeps each
+    model's variants (its shapes, its sliding windows) apart from other models' in a process that loads many,
+    and lets them go with the Stepper.
+    """
+    fn = method.__func__
+    code = fn.__code__.replace()  # an equal but distinct code object
+    return types.MethodType(
+        types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__), method.__self__
+    )
 
 
 def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

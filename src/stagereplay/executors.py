@@ -35,17 +35,30 @@ class ExecConfig:
             raise StageReplayError(f"unknown executor {self.executor!r}", f"use one of {', '.join(EXECUTORS)}")
 
 
-_WORKER_LM: dict[str, Any] = {}
+# The models this process has loaded, most recently used last, so that the stages of one command that share
+# a model setting load it (and capture its steps) once. A worker process serves every setting of a command (a
+# paper run has three: primary bf16 and fp32, later bf16) and keeps up to MAX_MODELS replicas; the command's
+# own process, which runs the jobs itself with --workers 1 (as on a GPU), keeps one, so that it never holds
+# two models at once.
+_LMS: dict[ModelConfig, LM] = {}
+MAX_MODELS = 3
 
 
-def _init_worker(config: ModelConfig) -> None:
-    from stagereplay.lm import load
+def cached_lm(config: ModelConfig, keep: int = 1) -> LM:
+    """The model for `config`, loaded unless it is among the last `keep` this process used."""
+    lm = _LMS.pop(config, None)
+    if lm is None:
+        from stagereplay.lm import load
 
-    _WORKER_LM["lm"] = load(config.path, config.precision, config.device, config.threads, config.attn_impl)
+        while len(_LMS) >= keep:
+            _LMS.pop(next(iter(_LMS)))  # the least recently used, dropped before the next one loads
+        lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl)
+    _LMS[config] = lm
+    return lm
 
 
-def _call(work: Work, job: Any) -> dict[str, Any]:
-    return work(_WORKER_LM["lm"], job)
+def _call(config: ModelConfig, work: Work, job: Any) -> dict[str, Any]:
+    return work(cached_lm(config, MAX_MODELS), job)
 
 
 def run_jobs(config: ModelConfig, work: Work, jobs: Sequence[Any], ex: ExecConfig, lm: LM | None = None
@@ -59,14 +72,12 @@ def run_jobs(config: ModelConfig, work: Work, jobs: Sequence[Any], ex: ExecConfi
         yield from run_ray(config, work, jobs, ex.workers)
         return
     if ex.workers == 1:
-        if lm is None:
-            from stagereplay.lm import load
-
-            lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl)
+        lm = lm or cached_lm(config)
         for job in jobs:
             yield work(lm, job)
         return
-    futures = [_pool(config, ex.workers).submit(_call, work, job) for job in jobs]
+    pool = _pool(ex.workers)
+    futures = [pool.submit(_call, config, work, job) for job in jobs]
     try:
         for f in futures:
             yield f.result()
@@ -75,32 +86,28 @@ def run_jobs(config: ModelConfig, work: Work, jobs: Sequence[Any], ex: ExecConfi
             f.cancel()
 
 
-# Pools of worker processes, one per model setting, kept until the command ends (`shutdown_workers`): starting
-# a worker (importing torch, loading the model) costs seconds, and a paper run comes back to the same model
-# settings several times (its audit re-runs them all). At most MAX_POOLS are kept, oldest closed first.
-_POOL: dict[tuple[Any, int], Any] = {}
-MAX_POOLS = 3
+# Worker processes, kept until the command ends (`shutdown_workers`): starting one (importing torch, loading
+# a model) costs seconds, and a paper run comes back to the same model settings several times (its audit
+# re-runs them all).
+_POOL: dict[int, Any] = {}
 
 
-def _pool(config: ModelConfig, workers: int) -> Any:
+def _pool(workers: int) -> Any:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    key = (config, workers)
-    if key not in _POOL:
-        while len(_POOL) >= MAX_POOLS:
-            _POOL.pop(next(iter(_POOL))).shutdown(wait=True, cancel_futures=True)
+    if workers not in _POOL:
         # spawn, not fork: a forked child would inherit torch's thread pools and any CUDA context half-made.
-        _POOL[key] = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                                         initializer=_init_worker, initargs=(config,))
-    return _POOL[key]
+        _POOL[workers] = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+    return _POOL[workers]
 
 
 def shutdown_workers() -> None:
-    """Stop the worker processes (and free their model replicas). Called at exit and by each command's end."""
+    """Stop the worker processes and free the models loaded here. Called at exit and by each command's end."""
     for pool in _POOL.values():
         pool.shutdown(wait=True, cancel_futures=True)
     _POOL.clear()
+    _LMS.clear()
 
 
 atexit.register(shutdown_workers)

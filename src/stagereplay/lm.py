@@ -19,7 +19,7 @@ from typing import Any
 
 from stagereplay.boundary import BoundaryRule
 from stagereplay.cache import cache_fingerprint, clone_cache, new_cache
-from stagereplay.decode import DecodeConfig, Sampler, Stepper, decode, derive_seed, eos_ids
+from stagereplay.decode import DecodeConfig, Sampler, Stepper, captures_steps, decode, derive_seed, eos_ids
 from stagereplay.errors import StageReplayError
 from stagereplay.model import ModelConfig, load_model_and_tokenizer, set_determinism
 from stagereplay.tasks.base import Item
@@ -96,7 +96,7 @@ class LM:
         self.tokenizer = tokenizer
         self.config = config
         self.determinism = determinism or {}
-        self.stepper = Stepper(model, config.device)
+        self.stepper = Stepper(model, config.device, capture=captures_steps(config.precision))
         self.eos = eos_ids(model, tokenizer)
         self.n_layers = int(model.config.get_text_config().num_hidden_layers)
         self.context = model_context(model.config)

@@ -14,10 +14,10 @@ from typing import Any
 from stagereplay.boundary import BoundaryRule
 from stagereplay.decode import DecodeConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.executors import ExecConfig
+from stagereplay.executors import ExecConfig, cached_lm
 from stagereplay.experiments.common import ReplaySettings
 from stagereplay.ledger import SCHEMA_VERSION, Run, open_run, read_ledger, read_manifest
-from stagereplay.lm import LM, load
+from stagereplay.lm import LM
 from stagereplay.model import ModelConfig, check_model_dir
 from stagereplay.provenance import environment, model_hashes, now, package_versions
 from stagereplay.tasks import DataConfig, Item, load_items
@@ -63,13 +63,14 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[LM | None, list[Item], str,
 
     Returns the model (None when workers load their own), the items, the data hash and the determinism settings.
     """
+    from stagereplay.decode import captures_steps
     from stagereplay.lm import check_prompt, model_context
     from stagereplay.model import load_config_and_tokenizer, set_determinism
 
     m = source.model
     lm: LM | None = None
     if ex.workers == 1 and ex.executor == "local":
-        lm = load(m.path, m.precision, m.device, m.threads, m.attn_impl)
+        lm = cached_lm(m)
         tokenizer, context, determinism = lm.tokenizer, lm.context, lm.determinism
     else:  # workers load their own replicas; here only the config and tokenizer, to check the inputs up front
         determinism = set_determinism(m.threads, m.device)
@@ -78,6 +79,8 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[LM | None, list[Item], str,
     items, data_hash = load_items(source.data, tokenizer)
     for item in items:
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
+    # Captured steps are bit-identical to eager ones (see decode.Stepper); recorded all the same.
+    determinism = {**determinism, "captured_steps": captures_steps(m.precision)}
     return lm, items, data_hash, determinism
 
 

@@ -107,12 +107,11 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from stagereplay.executors import run_jobs
-    from stagereplay.lm import load
+    from stagereplay.model import load_config_and_tokenizer
 
     config = manifest["config"]
     stages = manifest.get("stages", {})
-    first = ModelConfig(**config["model"])
-    tokenizer = load(first.path, first.precision, first.device, first.threads, first.attn_impl).tokenizer
+    _, tokenizer = load_config_and_tokenizer(config["model"]["path"])  # the weights load where jobs run
     items = {i.id: i for i in load_items(DataConfig(**config["data"]), tokenizer)[0]}
     # Prefixes of the matched records: the fixed token states the other experiments start from.
     prefixes = {(r.checkpoint, r.item_id): r.payload.get("prefix_ids") for r in records if r.experiment == "matched"}
