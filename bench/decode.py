@@ -152,8 +152,11 @@ def sync(device: str) -> None:
 
 
 def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import torch._dynamo
+
     from stagereplay.lm import load
 
+    torch._dynamo.utils.counters.clear()
     lm = load(str(path), precision=args.precision, device=args.device, threads=args.threads)
     gen_config = copy.deepcopy(lm.model.generation_config)
     gen_config.do_sample = False
@@ -208,6 +211,9 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, An
         "tokens_equal_generate": True,
         "floor_equal_generate": outputs["floor"] == outputs["generate"],
         "eos_ids": sorted(lm.eos),
+        # graphs dynamo built for the captured steps: 1 (or a few, with sliding windows) when capture worked,
+        # and none when it is off; many would mean recompiles.
+        "captured_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
     }
 
 
@@ -217,7 +223,7 @@ def print_row(r: dict[str, Any]) -> None:
         f"{r['model']:<5} {r['params'] / 1e6:5.1f}M {sum(r['tokens_per_prompt']):4d} tok  ours {t['ours']:6.1f}  "
         f"eager {t['eager']:6.1f}  generate {t['generate']:6.1f}  floor {t['floor']:6.1f} tok/s  "
         f"ours/generate {r['ours_over_generate']:.3f}  eager/generate {r['eager_over_generate']:.3f}  "
-        f"ours/floor {r['ours_over_floor']:.3f}  tokens == generate(): yes"
+        f"ours/floor {r['ours_over_floor']:.3f}  tokens == generate(): yes  graphs {r['captured_graphs']}"
         f"{'' if r['floor_equal_generate'] else ' (floor tokens differ)'}"
     )
 
