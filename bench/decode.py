@@ -19,7 +19,7 @@ would end, as a trained model does, so no loop that stops at EOS could match it.
 
 Models: `toy` is the embedded toy checkpoint (or `--model DIR`), skipped with a message when missing;
 `50m` is a randomly initialised Qwen2 of about 50M parameters (hidden 512, 8 layers, 8 query / 2 KV heads,
-SwiGLU 1536, vocab 28k, bf16 weights) built in a temporary directory.
+SwiGLU 1536, vocab 28k, bf16 weights) built by `random_model.py` (its `50m` shape) in a temporary directory.
 """
 
 from __future__ import annotations
@@ -37,47 +37,6 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("ours", "eager", "generate", "floor")
-
-
-def save_byte_tokenizer(path: Path) -> None:
-    """A byte-level fast tokenizer (256 bytes + 4 specials) that AutoTokenizer loads; its IDs fit any vocab."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials + [chr(b) for b in range(256)])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
-    fast.save_pretrained(path)
-
-
-def build_50m(path: Path, seed: int = 0) -> Path:
-    """A random Qwen2 of about 50M parameters, saved in bf16 with a byte tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=28_000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(path)
-    save_byte_tokenizer(path)
-    return path
 
 
 def toy_prompts(lm: Any, n: int) -> list[list[int]]:
@@ -273,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"toy   skipped: no checkpoint at {path} (train it, or pass --model DIR)")
                     continue
             else:
-                path = build_50m(Path(tmp) / "qwen2-50m")
+                from random_model import build  # bench/ is on sys.path when this runs as a script
+
+                path = build("50m", Path(tmp) / "qwen2-50m", args.device)
             results.append(bench_model(name, path, args))
             print_row(results[-1])
     if args.json:
