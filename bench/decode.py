@@ -5,7 +5,7 @@
 
 Three ways to emit the same tokens from the same prompts, timed in one process:
 
-- `ours`: `LM.generate`, the live loop of `stagereplay.decode` (Stepper + decode) that every experiment uses,
+- `ours`: `LM.generate`, the live loop of `stagereplay.engine.decode` (Stepper + decode) that every experiment uses,
   its single-token steps captured by `torch.compile(backend="eager")`;
 - `eager`: the same loop with capture off, every step through the model's Python forward;
 - `generate`: `model.generate(do_sample=False, max_new_tokens=N)`;
@@ -113,7 +113,7 @@ def sync(device: str) -> None:
 def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
     import torch._dynamo
 
-    from stagereplay.lm import load
+    from stagereplay.engine.lm import load
 
     torch._dynamo.utils.counters.clear()
     lm = load(str(path), precision=args.precision, device=args.device, threads=args.threads)

@@ -84,10 +84,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from stagereplay.boundary import After
-    from stagereplay.decode import DecodeConfig
-    from stagereplay.ledger import read_ledger
-    from stagereplay.lm import load
+    from stagereplay.engine.boundary import After
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.engine.lm import load
+    from stagereplay.records.ledger import read_ledger
     from stagereplay.runs import matched
 
     model = args.model

@@ -15,9 +15,9 @@ import torch
 from conftest import attn_for
 from tiny import ARCHS
 
-from stagereplay.cache import compare_caches, new_cache, nudged
-from stagereplay.decode import DecodeConfig, Sampler, Stepper, capture_available, decode
-from stagereplay.lm import load
+from stagereplay.engine.cache import compare_caches, new_cache, nudged
+from stagereplay.engine.decode import DecodeConfig, Sampler, Stepper, capture_available, decode
+from stagereplay.engine.lm import load
 
 PROMPT = "Q: what is 12+7? Think.\n"
 

@@ -9,10 +9,10 @@ import torch
 from conftest import attn_for
 from tiny import ARCHS
 
-from stagereplay.boundary import After
-from stagereplay.cache import cache_fingerprint, clone_cache, compare_caches, nudged
-from stagereplay.decode import DecodeConfig
-from stagereplay.lm import NoBoundary, load
+from stagereplay.engine.boundary import After
+from stagereplay.engine.cache import cache_fingerprint, clone_cache, compare_caches, nudged
+from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.lm import NoBoundary, load
 
 # The same properties on a GPU: STAGEREPLAY_TEST_DEVICE=cuda python -m pytest tests/test_engine.py
 DEVICE = os.environ.get("STAGEREPLAY_TEST_DEVICE", "cpu")

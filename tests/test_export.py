@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stagereplay.export import COLUMNS, export_ledger
+from stagereplay.report.export import COLUMNS, export_ledger
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_small"
 
@@ -52,7 +52,7 @@ def test_fixture_has_the_cases_the_export_must_handle(run_dir: Path) -> None:
 
 def test_fixture_ledger_is_a_valid_hash_chain(run_dir: Path) -> None:
     """The fixture is written as the ledger writes records: the ledger's own parser and hash agree."""
-    from stagereplay.ledger import GENESIS, parse_record
+    from stagereplay.records.ledger import GENESIS, parse_record
 
     path = run_dir / "ledger.jsonl"
     prev = GENESIS

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
-from stagereplay.ledger import GENESIS, Record, canonical_json
-from stagereplay.stats import wilson_interval
+from stagereplay.records.ledger import GENESIS, Record, canonical_json
+from stagereplay.report.stats import wilson_interval
 
 runner = CliRunner()
 

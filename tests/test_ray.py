@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from stagereplay.boundary import After
-from stagereplay.decode import DecodeConfig
-from stagereplay.ledger import read_ledger
+from stagereplay.engine.boundary import After
+from stagereplay.engine.decode import DecodeConfig
+from stagereplay.records.ledger import read_ledger
 from stagereplay.runs import matched
 
 try:
@@ -57,11 +57,11 @@ def test_ray_ledger_equals_local_ledger(tmp_path, tiny_dir, items_file, local_ra
 
 
 def test_a_problem_inside_an_actor_reads_as_it_would_locally(tiny_dir, local_ray):
+    from stagereplay.engine.model import ModelConfig
     from stagereplay.errors import StageReplayError
+    from stagereplay.execution.ray_cluster import run_ray
     from stagereplay.experiments.common import Job, ReplaySettings
     from stagereplay.experiments.matched import matched_item
-    from stagereplay.model import ModelConfig
-    from stagereplay.ray_executor import run_ray
     from stagereplay.tasks.base import Item
 
     item = Item(id="x", prompt_ids=(5, 6, 7), answer="1")
@@ -74,7 +74,7 @@ def test_missing_ray_is_a_clear_error(monkeypatch):
     import builtins
 
     from stagereplay.errors import StageReplayError
-    from stagereplay.ray_executor import run_ray
+    from stagereplay.execution.ray_cluster import run_ray
 
     real_import = builtins.__import__
 

@@ -14,16 +14,9 @@ from typing import Any
 
 import pytest
 
-from stagereplay.report import (
-    bound,
-    build_tables,
-    load_results,
-    points,
-    print_tables,
-    render_tables_text,
-    write_report,
-)
-from stagereplay.stats import wilson_interval
+from stagereplay.report.render import print_tables, render_tables_text, write_report
+from stagereplay.report.stats import wilson_interval
+from stagereplay.report.tables import bound, build_tables, load_results, points
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUN_SMALL = FIXTURES / "run_small"
@@ -294,8 +287,8 @@ def test_browser_image_check_catches_a_broken_image(tmp_path: Path) -> None:
 
 
 def _broken_page() -> str:
-    from stagereplay.figures import ReportFigure
-    from stagereplay.html import render_html
+    from stagereplay.report.figures import ReportFigure
+    from stagereplay.report.html import render_html
 
     return render_html([], [], [ReportFigure("fig-x", "broken", "not a PNG", b"not a png")])
 
@@ -319,14 +312,14 @@ def test_browser_screenshot_is_not_blank(rendered: Path, tmp_path: Path) -> None
 def test_importing_report_does_not_import_matplotlib() -> None:
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    code = "import sys, stagereplay.report, stagereplay.export; assert 'matplotlib' not in sys.modules"
+    code = "import sys, stagereplay.report, stagereplay.report.export; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
 
 
 def test_figures_leave_the_pyplot_backend_alone() -> None:
     import matplotlib
 
-    from stagereplay.figures import build_figures
+    from stagereplay.report.figures import build_figures
 
     before = matplotlib.rcParams["backend"]
     figures = build_figures(_results())

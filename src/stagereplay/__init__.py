@@ -5,11 +5,12 @@ a bit-exact incremental bridge, K/V cache transplantation and a re-executing led
 causal LM.
 """
 
-from stagereplay.boundary import After, Marker, Regex
-from stagereplay.cache import TransplantSpec, cache_fingerprint, compare_caches, transplant
-from stagereplay.decode import DecodeConfig
+from stagereplay.engine.boundary import After, Marker, Regex
+from stagereplay.engine.cache import cache_fingerprint, compare_caches
+from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, load
+from stagereplay.engine.transplant import TransplantSpec, transplant
 from stagereplay.errors import StageReplayError
-from stagereplay.lm import LM, BoundaryState, Continuation, NoBoundary, load
 from stagereplay.runs import matched
 from stagereplay.tasks import Item
 

@@ -55,7 +55,7 @@ Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables"
 
 
 def _decode(max_new: int, max_stage1: int, sample: bool, temperature: float, top_k: int, seed: int) -> Any:
-    from stagereplay.decode import DecodeConfig
+    from stagereplay.engine.decode import DecodeConfig
 
     return DecodeConfig(max_new, max_stage1, sample, temperature, top_k, seed)
 
@@ -89,8 +89,8 @@ def matched(
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
     def go() -> None:
-        from stagereplay.boundary import boundary_from_options
-        from stagereplay.lm import check_construction
+        from stagereplay.engine.boundary import boundary_from_options
+        from stagereplay.engine.lm import check_construction
         from stagereplay.runs import matched as run
 
         check_construction(construction)
@@ -165,7 +165,7 @@ def transplant(
 
     def go() -> None:
         from stagereplay.experiments.transplant import TransplantConfig
-        from stagereplay.ledger import read_manifest
+        from stagereplay.records.ledger import read_manifest
         from stagereplay.runs import transplant as run
 
         if sweep not in (None, "layers"):
@@ -233,7 +233,7 @@ def paper(
     """The whole protocol in one command, then the report (defaults: the embedded toy model)."""
 
     def go() -> None:
-        from stagereplay.boundary import boundary_from_options
+        from stagereplay.engine.boundary import boundary_from_options
         from stagereplay.runs import paper as run
 
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
@@ -252,7 +252,7 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> 
     """Rewrite report.md and report.html from results.json."""
 
     def go() -> None:
-        from stagereplay.report import write_report
+        from stagereplay.report.render import write_report
 
         if not (run_dir / "results.json").exists():
             raise StageReplayError(f"no results.json in {run_dir}", "run an experiment into it first")
@@ -271,7 +271,7 @@ def export(
     """One row per item and arm, token IDs included."""
 
     def go() -> None:
-        from stagereplay.export import export_ledger
+        from stagereplay.report.export import export_ledger
 
         if format not in ("parquet", "csv"):
             raise StageReplayError(f"unknown export format {format!r}", "use --format parquet or csv")
@@ -290,9 +290,9 @@ def merge(
     """Join runs made with --shard I/N into the run one process would have made; refuses mismatched shards."""
 
     def go() -> None:
-        from stagereplay.merge import merge_runs
+        from stagereplay.runs import merge
 
-        typer.echo(f"merged {len(shards)} shards into {merge_runs(shards, out)}")
+        typer.echo(f"merged {len(shards)} shards into {merge(shards, out)}")
 
     _run(go)
 

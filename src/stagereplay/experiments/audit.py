@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stagereplay.executors import ExecConfig
+from stagereplay.engine.lm import ids_fingerprint
+from stagereplay.engine.model import ModelConfig
+from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings
-from stagereplay.ledger import Record, chain_problems, diff_fields, parse_record
-from stagereplay.lm import ids_fingerprint
-from stagereplay.model import ModelConfig
+from stagereplay.records.ledger import Record, chain_problems, diff_fields, parse_record
 from stagereplay.tasks import DataConfig, Item, load_items
 
 
@@ -79,7 +79,7 @@ def _work(experiment: str) -> Callable[..., dict[str, Any]]:
 
 def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple[str, str], Any]) -> Job:
     s = stage["settings"]
-    from stagereplay.decode import DecodeConfig
+    from stagereplay.engine.decode import DecodeConfig
 
     settings = ReplaySettings(s["boundary"], DecodeConfig(**s["decode"]), s["scorer"])
     prefix = prefixes.get((record.checkpoint, record.item_id))
@@ -106,8 +106,8 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     """Re-execute every record; return the audit summary (also what results.json shows)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from stagereplay.executors import run_jobs
-    from stagereplay.model import load_config_and_tokenizer
+    from stagereplay.engine.model import load_config_and_tokenizer
+    from stagereplay.execution.jobs import run_jobs
 
     config = manifest["config"]
     stages = manifest.get("stages", {})

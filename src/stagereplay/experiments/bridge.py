@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from stagereplay.cache import compare_caches, layer_fingerprints
-from stagereplay.executors import ExecConfig
+from stagereplay.engine.cache import compare_caches, layer_fingerprints
+from stagereplay.engine.lm import LM, NoBoundary
+from stagereplay.engine.model import ModelConfig
+from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes
-from stagereplay.ledger import Record, Run
-from stagereplay.lm import LM, NoBoundary
-from stagereplay.model import ModelConfig
+from stagereplay.records.ledger import Run
 
 EXPERIMENT = "bridge"
 
@@ -46,12 +46,3 @@ def run_bridge(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoin
                                                   "rows": rows})
     jobs = [Job(item, settings, extra=(("prefix", prefix),)) for item, prefix in fixed_prefixes(run, checkpoint)]
     execute(run, EXPERIMENT, checkpoint, model, bridge_item, jobs[:rows], ex, None, quiet)
-
-
-def summarize_bridge(records: list[Record], checkpoint: str) -> dict[str, Any]:
-    ok = [r for r in records if r.payload["status"] == "ok"]
-    items = [{"item_id": r.item_id, "cache_equal": r.payload["cache_equal"],
-              "first_difference": (r.payload["differences"] or [None])[0],
-              "suffix_equal": r.payload["comparisons"][0]["suffix_equal"]} for r in ok]
-    return {"checkpoint": checkpoint, "rows": len(ok), "cache_bit_exact": sum(i["cache_equal"] for i in items),
-            "suffix_equal": sum(i["suffix_equal"] for i in items), "items": items}

@@ -6,14 +6,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagereplay.boundary import BoundaryRule, parse_boundary
-from stagereplay.decode import DecodeConfig
-from stagereplay.executors import ExecConfig, Work, run_jobs
-from stagereplay.ledger import Run, sha256_json
-from stagereplay.lm import LM, BoundaryState, Continuation
-from stagereplay.model import ModelConfig
-from stagereplay.stats import first_divergence
-from stagereplay.tasks.base import Item, scorer_by_name
+from stagereplay.engine.boundary import BoundaryRule, parse_boundary
+from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.lm import LM, BoundaryState, Continuation
+from stagereplay.engine.model import ModelConfig
+from stagereplay.execution.config import ExecConfig, Work
+from stagereplay.execution.jobs import run_jobs
+from stagereplay.records.ledger import Run, sha256_json
+from stagereplay.report.stats import first_divergence
+from stagereplay.tasks.base import Item
+from stagereplay.tasks.scoring import scorer_by_name
 
 
 @dataclass(frozen=True)

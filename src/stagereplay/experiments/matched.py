@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagereplay.executors import ExecConfig
+from stagereplay.engine.lm import LM, NoBoundary, check_construction
+from stagereplay.engine.model import ModelConfig
+from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import (
     Job,
     ReplaySettings,
@@ -15,10 +17,7 @@ from stagereplay.experiments.common import (
     execute,
     no_boundary_payload,
 )
-from stagereplay.ledger import Record, Run
-from stagereplay.lm import LM, NoBoundary, check_construction
-from stagereplay.model import ModelConfig
-from stagereplay.stats import mcnemar_exact, paired_bootstrap_ci
+from stagereplay.records.ledger import Run
 from stagereplay.tasks import DataConfig
 
 EXPERIMENT = "matched"
@@ -87,56 +86,3 @@ def run_matched(run: Run, config: MatchedConfig, items: list[Any], ex: ExecConfi
     run.begin_stage(stage, config.stage())
     jobs = [Job(item, config.settings, extra=(("construction", config.construction),)) for item in items]
     execute(run, EXPERIMENT, config.checkpoint, config.model, matched_item, jobs, ex, lm, quiet)
-
-
-def _cmp(record: Record, a: str, b: str) -> dict[str, Any] | None:
-    for c in record.payload["comparisons"]:
-        if c["a"] == a and c["b"] == b:
-            return dict(c)
-    return None
-
-
-def summarize_matched(records: list[Record], construction: str, checkpoint: str, precision: str,
-                      seed: int = 0, n_resamples: int = 10_000) -> dict[str, Any]:
-    """The matched table: replica exactness, disagreements, accuracies, paired CI, McNemar, divergence indices."""
-    ok = [r for r in records if r.payload["status"] == "ok"]
-    rep_live = rep_other = 0
-    suffix_k = label_k = live_only = other_only = 0
-    live_acc, other_acc, divergence = [], [], []
-    for r in ok:
-        arms = {a["name"]: a for a in r.payload["arms"]}
-        lr, orr = _cmp(r, "live", "live#replica"), _cmp(r, construction, f"{construction}#replica")
-        rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] and r.payload["replica_prefix_equal"])
-        rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"])
-        main = _cmp(r, "live", construction)
-        assert main is not None
-        if not main["suffix_equal"]:
-            suffix_k += 1
-            divergence.append(main["first_divergence"])
-        a, b = arms["live"]["correct"], arms[construction]["correct"]
-        label_k += a != b
-        live_only += a and not b
-        other_only += b and not a
-        live_acc.append(int(a))
-        other_acc.append(int(b))
-    n = len(ok)
-    summary: dict[str, Any] = {
-        "checkpoint": checkpoint, "construction": construction, "precision": precision,
-        "n": len(records), "n_boundary": n, "n_no_boundary": len(records) - n,
-        "replica_exact": {"live": {"k": rep_live, "n": n}, construction: {"k": rep_other, "n": n}},
-        "suffix_disagreements": {"k": suffix_k, "n": n},
-        "label_disagreements": {"k": label_k, "n": n},
-        "accuracy": {"live": None, construction: None},
-        "accuracy_diff": None,
-        "discordant": {"live_only": live_only, "other_only": other_only},
-        "mcnemar_p": None,
-        "first_divergence": divergence,
-    }
-    if n:
-        la, oa = sum(live_acc) / n, sum(other_acc) / n
-        lo, hi = paired_bootstrap_ci(live_acc, other_acc, n_resamples=n_resamples, seed=seed)
-        summary["accuracy"] = {"live": la, construction: oa}
-        summary["accuracy_diff"] = {"estimate": la - oa, "ci": [lo, hi], "confidence": 0.95,
-                                    "n_resamples": n_resamples, "seed": seed}
-        summary["mcnemar_p"] = mcnemar_exact(live_only, other_only)
-    return summary

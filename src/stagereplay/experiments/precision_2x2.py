@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from stagereplay.decode import derive_seed
-from stagereplay.executors import ExecConfig
+from stagereplay.engine.decode import derive_seed
+from stagereplay.engine.lm import LM, BoundaryState, check_construction
+from stagereplay.engine.model import ModelConfig
+from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
-from stagereplay.ledger import Record, Run
-from stagereplay.lm import LM, BoundaryState, check_construction
-from stagereplay.model import ModelConfig
-from stagereplay.stats import wilson_interval
+from stagereplay.records.ledger import Run
 from stagereplay.tasks.base import Item
 
 EXPERIMENT = "precision_2x2"
@@ -62,26 +61,3 @@ def run_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: 
         jobs = [Job(item, settings, part=precision, extra=(("prefix", prefix), ("constructions", constructions)))
                 for item, prefix in fixed]
         execute(run, EXPERIMENT, checkpoint, model.with_precision(precision), grid_item, jobs, ex, None, quiet)
-
-
-def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
-    constructions, precisions = stage["constructions"], stage["precisions"]
-    cells, disagreements = [], []
-    for precision in precisions:
-        mine = [r for r in records if r.part == precision]
-        for c in constructions:
-            name = f"{c}@{precision}"
-            correct = [a["correct"] for r in mine for a in r.payload["arms"] if a["name"] == name]
-            cells.append({"construction": c, "precision": precision, "n": len(correct),
-                          "accuracy": sum(correct) / len(correct) if correct else None})
-        first = [r.payload["comparisons"][0] for r in mine if r.payload["comparisons"]]
-        k = sum(not c["suffix_equal"] for c in first)
-        n = len(first)
-        disagreements.append({
-            "precision": precision, "k": k, "n": n,
-            "wilson": list(wilson_interval(k, n)) if n else None,
-            "label_k": sum(not c["label_equal"] for c in first),
-            "first_divergence": [c["first_divergence"] for c in first if not c["suffix_equal"]],
-        })
-    return {"checkpoint": checkpoint, "constructions": constructions, "precisions": precisions,
-            "n": max((d["n"] for d in disagreements), default=0), "cells": cells, "disagreements": disagreements}

@@ -11,14 +11,14 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagereplay.cache import TransplantSpec, parse_layers, parse_positions, transplant
+from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary
+from stagereplay.engine.model import ModelConfig
+from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
-from stagereplay.executors import ExecConfig
+from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings, arm_record, execute
-from stagereplay.ledger import Record, Run
-from stagereplay.lm import LM, BoundaryState, Continuation, NoBoundary
-from stagereplay.model import ModelConfig
-from stagereplay.stats import first_divergence, wilson_interval
+from stagereplay.records.ledger import Run
+from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
 
 EXPERIMENT = "transplant"
@@ -158,45 +158,3 @@ def run_transplant(run: Run, model: ModelConfig, settings: ReplaySettings, check
     jobs = [Job(item, settings, extra=(("prefix", prefix), ("config", tuple(asdict(cfg).items()))))
             for item, prefix in candidates if item.id in chosen]
     execute(run, EXPERIMENT, checkpoint, model, transplant_item, jobs, ex, None, quiet)
-
-
-def _directions(records: list[Record], key: str) -> list[dict[str, Any]]:
-    names = list(records[0].payload[key]) if records else []
-    out = []
-    for name in names:
-        outcomes = [r.payload[key][name]["outcome"] for r in records]
-        n, k = len(outcomes), outcomes.count("donor")
-        out.append({"direction": name, "n": n, "follows_donor": k, "follows_recipient": outcomes.count("recipient"),
-                    "neither": outcomes.count("neither"), "donor_wilson": list(wilson_interval(k, n)) if n else None,
-                    "divergence_from_donor": [r.payload[key][name]["divergence_from_donor"] for r in records]})
-    return out
-
-
-def summarize_transplant(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
-    cfg = stage["config"]
-    ok = [r for r in records if r.payload["status"] == "ok"]
-    summary: dict[str, Any] = {
-        "checkpoint": checkpoint, "selection": cfg["select"], "layers": cfg["layers"], "kv": cfg["kv"],
-        "positions": cfg["positions"], "n_items": len(ok), "n_selected": len(stage["selected"]),
-        "n_not_reproduced": len(records) - len(ok),
-        "directions": _directions(ok, "directions"),
-        "control": {"layers": "none", "directions": _directions(ok, "control")},
-        "sweep": None,
-    }
-    if cfg.get("sweep") and ok:
-        bands = ok[0].payload["sweep"]
-        n_layers = max(max(b["layers"]) for b in bands) + 1
-        rows: list[dict[str, Any]] = []
-        smallest: dict[str, list[int]] = {}
-        for j, band in enumerate(bands):
-            for d in (x["direction"] for x in summary["directions"]):
-                k = sum(r.payload["sweep"][j][d] == "donor" for r in ok)
-                layers = band["layers"]
-                label = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
-                rows.append({"band": label, "kind": band["kind"], "layers": layers, "direction": d,
-                             "follows_donor": k, "n": len(ok)})
-                best = smallest.get(d)
-                if k == len(ok) and (best is None or (len(layers), layers[0]) < (len(best), best[0])):
-                    smallest[d] = layers
-        summary["sweep"] = {"n_layers": n_layers, "rows": rows, "smallest_band": smallest}
-    return summary

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.tasks.base import Item, Scorer, exact_match, last_number, regex_scorer, scorer_by_name
+from stagereplay.tasks.base import Item, Scorer, exact_match, last_number, regex_scorer
 from stagereplay.tasks.jsonl import file_sha256, read_rows, tokenize_row
+from stagereplay.tasks.scoring import scorer_by_name
 
 __all__ = ["DataConfig", "Item", "Scorer", "exact_match", "last_number", "load_items", "regex_scorer",
            "scorer_by_name"]

@@ -47,22 +47,6 @@ def regex_scorer(pattern: str) -> Scorer:
     return score
 
 
-SCORERS: dict[str, Scorer] = {"last-number": last_number, "exact": exact_match}
-
-
-def scorer_by_name(name: str) -> Scorer:
-    """`last-number`, `exact`, or `regex:PATTERN`."""
-    if name == "toy":  # the embedded task's own scorer (imported late: it is not needed by other tasks)
-        from stagereplay.tasks.toy import toy_scorer
-
-        return toy_scorer
-    if name.startswith("regex:"):
-        return regex_scorer(name.removeprefix("regex:"))
-    if name not in SCORERS:
-        raise ValueError(f"unknown scorer {name!r}: use one of {', '.join(SCORERS)}, toy or regex:PATTERN")
-    return SCORERS[name]
-
-
 @dataclass(frozen=True)
 class Item:
     """A prompt as token IDs (after any chat template), its gold answer and the id it is recorded under."""

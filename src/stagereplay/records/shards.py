@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.ledger import Record, diff_fields, open_run, read_ledger, read_manifest
+from stagereplay.records.ledger import Record, diff_fields, open_run, read_ledger, read_manifest
 
 
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
@@ -39,7 +39,9 @@ def _identity(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def merge_runs(shards: list[Path], out: Path) -> Path:
-    """Check the shards belong to one run and cover it exactly once, then write the merged run to `out`."""
+    """Check the shards belong to one run and cover it exactly once, then write the merged run to `out`.
+
+    Only the manifest and ledger: `stagereplay.runs.merge` adds results and the report."""
     if not shards:
         raise StageReplayError("no shard directories given", "pass the --out folders of every shard")
     manifests = [read_manifest(p) for p in shards]
@@ -80,7 +82,4 @@ def merge_runs(shards: list[Path], out: Path) -> Path:
             run.begin_stage(name, stage)
         for r in records:
             run.append(r.experiment, r.checkpoint, r.item_id, r.payload, r.part)
-        from stagereplay.runs import finish
-
-        finish(run, quiet=True)
     return out

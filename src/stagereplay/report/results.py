@@ -6,16 +6,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stagereplay.ledger import Record
-from stagereplay.provenance import now
+from stagereplay.records.ledger import Record
+from stagereplay.records.provenance import now
+from stagereplay.report.summaries import (
+    summarize_2x2,
+    summarize_bridge,
+    summarize_matched,
+    summarize_transplant,
+)
 
 RESULTS_VERSION = 1
 AUDIT_FILE = "audit.json"
 
 
 def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]) -> dict[str, Any]:
-    from stagereplay.experiments.matched import summarize_matched
-
     stages: dict[str, dict[str, Any]] = manifest.get("stages", {})
     config = manifest.get("config", {})
     results: dict[str, Any] = {
@@ -41,16 +45,10 @@ def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]
             results["matched"].append(summarize_matched(
                 mine, stage["construction"], checkpoint, stage["model"]["precision"]))
         elif experiment == "precision_2x2":
-            from stagereplay.experiments.precision_2x2 import summarize_2x2
-
             results["precision_2x2"] = summarize_2x2(mine, stage, checkpoint)
         elif experiment == "bridge":
-            from stagereplay.experiments.bridge import summarize_bridge
-
             results["bridge"] = summarize_bridge(mine, checkpoint)
         elif experiment == "transplant":
-            from stagereplay.experiments.transplant import summarize_transplant
-
             results["transplant"].append(summarize_transplant(mine, stage, checkpoint))
     audit = run_dir / AUDIT_FILE
     if audit.exists():

@@ -12,8 +12,8 @@ from html import escape
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stagereplay.figures import ReportFigure
-    from stagereplay.report import Table
+    from stagereplay.report.figures import ReportFigure
+    from stagereplay.report.tables import Table
 
 _CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 72rem;

@@ -17,11 +17,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stagereplay.boundary import BoundaryRule
-from stagereplay.cache import cache_fingerprint, clone_cache, new_cache
-from stagereplay.decode import DecodeConfig, Sampler, Stepper, captures_steps, decode, derive_seed, eos_ids
+from stagereplay.engine.boundary import BoundaryRule
+from stagereplay.engine.cache import cache_fingerprint, clone_cache, new_cache
+from stagereplay.engine.decode import (
+    DecodeConfig,
+    Sampler,
+    Stepper,
+    captures_steps,
+    decode,
+    derive_seed,
+    eos_ids,
+)
+from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, set_determinism
 from stagereplay.errors import StageReplayError
-from stagereplay.model import ModelConfig, load_model_and_tokenizer, set_determinism
 from stagereplay.tasks.base import Item
 
 

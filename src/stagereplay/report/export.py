@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from stagereplay.ledger import atomic_output
+from stagereplay.records.ledger import atomic_output
 
 COLUMNS: tuple[str, ...] = (
     "experiment",

@@ -1,6 +1,6 @@
 """Item jobs on a Ray cluster: one model replica per actor, results yielded in job order.
 
-Each actor loads the model once (`stagereplay.lm.load`, with the run's precision, threads and attention
+Each actor loads the model once (`stagereplay.engine.lm.load`, with the run's precision, threads and attention
 implementation) and then runs `work(lm, job)` for the jobs dealt to it round-robin. The parent keeps a bounded
 window of jobs in flight and collects them in job order, so the ledger it writes is the one any other
 executor writes.
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 from stagereplay.errors import StageReplayError
 
 if TYPE_CHECKING:
-    from stagereplay.executors import Work
-    from stagereplay.lm import LM
-    from stagereplay.model import ModelConfig
+    from stagereplay.engine.lm import LM
+    from stagereplay.engine.model import ModelConfig
+    from stagereplay.execution.config import Work
 
 IN_FLIGHT_PER_ACTOR = 2
 """Jobs queued per actor: one running, one ready to start, so no actor waits on the parent."""
@@ -61,7 +61,7 @@ class Replica:
     def run(self, work: Work, job: Any) -> dict[str, Any]:
         # Loaded on the first job, not in __init__, so that a load error reaches the parent as the job's error.
         if self.lm is None:
-            from stagereplay.lm import load
+            from stagereplay.engine.lm import load
 
             c = self.config
             self.lm = load(c.path, c.precision, c.device, c.threads, c.attn_impl)

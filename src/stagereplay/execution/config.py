@@ -1,0 +1,29 @@
+"""How item jobs are run: the job function's type and the executor settings every backend shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from stagereplay.errors import StageReplayError
+
+if TYPE_CHECKING:
+    from stagereplay.engine.lm import LM
+
+Work = Callable[["LM", Any], dict[str, Any]]
+EXECUTORS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    """How many processes and which backend."""
+
+    workers: int = 1
+    executor: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise StageReplayError(f"--workers must be at least 1, got {self.workers}", "pass --workers 1 or more")
+        if self.executor not in EXECUTORS:
+            raise StageReplayError(f"unknown executor {self.executor!r}", f"use one of {', '.join(EXECUTORS)}")

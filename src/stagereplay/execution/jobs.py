@@ -1,0 +1,29 @@
+"""Where item jobs run: in this process, in N local worker processes, or on a Ray cluster.
+
+Every executor yields results in job order, so the parent (the only writer of the ledger) appends records in
+the same canonical order whatever the executor: a run's ledger is identical for any --workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from stagereplay.execution.config import ExecConfig, Work
+from stagereplay.execution.local import run_local
+from stagereplay.execution.ray_cluster import run_ray
+
+if TYPE_CHECKING:
+    from stagereplay.engine.lm import LM
+    from stagereplay.engine.model import ModelConfig
+
+
+def run_jobs(config: ModelConfig, work: Work, jobs: Sequence[Any], ex: ExecConfig, lm: LM | None = None
+             ) -> Iterator[dict[str, Any]]:
+    """`work(lm, job)` for every job, yielded in job order."""
+    if not jobs:
+        return
+    if ex.executor == "ray":
+        yield from run_ray(config, work, jobs, ex.workers)
+    else:
+        yield from run_local(config, work, jobs, ex.workers, lm)

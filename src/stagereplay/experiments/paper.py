@@ -1,0 +1,83 @@
+"""`paper`: the whole protocol in one run directory, as the reference paper runs it.
+
+matched (bf16) -> bridge -> transplant -> fixed-prefix 2x2 -> matched and an outcome-blind transplant at a
+later checkpoint -> audit -> report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from stagereplay.engine.boundary import BoundaryRule
+from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.model import ModelConfig, check_model_dir
+from stagereplay.execution.config import ExecConfig
+from stagereplay.experiments.audit import audit_run
+from stagereplay.experiments.bridge import run_bridge
+from stagereplay.experiments.matched import MatchedConfig, run_matched
+from stagereplay.experiments.precision_2x2 import run_2x2
+from stagereplay.experiments.runs import finish, new_manifest, prepare, require_boundary, resolve_source
+from stagereplay.experiments.transplant import TransplantConfig, run_transplant
+from stagereplay.records.ledger import atomic_write, open_run
+from stagereplay.report.results import AUDIT_FILE
+from stagereplay.report.summaries import summarize_matched
+
+
+def paper(
+    out: str | Path,
+    model: str | None = None,
+    later_model: str | None = None,
+    data: str | None = None,
+    n: int | None = 200,
+    boundary: BoundaryRule | None = None,
+    scorer: str | None = None,
+    decode: DecodeConfig | None = None,
+    select_primary: str = "first:24",
+    bridge_rows: int = 12,
+    sweep: bool = False,
+    device: str = "cpu",
+    threads: int = 1,
+    attn_impl: str = "sdpa",
+    workers: int = 0,
+    executor: str = "local",
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
+    checkpoint, audit, report."""
+    if workers == 0:  # auto: one single-threaded process per core on a CPU (capped), one process per GPU run
+        workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
+    ex = ExecConfig(workers, executor)
+    source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), "bf16", device, threads,
+                            attn_impl)
+    if later_model is None and model is None:
+        from stagereplay.toy import toy_checkpoint
+
+        later_model = str(toy_checkpoint("later"))
+    later = ModelConfig(**{**asdict(source.model), "path": str(Path(later_model).resolve())}) if later_model else None
+    if later is not None:
+        check_model_dir(later.path)
+    lm, items, data_hash, determinism = prepare(source, ex)
+    extra = {"later": later.path} if later else {}
+    manifest = new_manifest("paper", {"later_model": later.path if later else None, "select_primary": select_primary,
+                                      "bridge_rows": bridge_rows, "sweep": sweep},
+                            source, items, data_hash, determinism, extra)
+    with open_run(Path(out), manifest) as run:
+        settings = source.settings
+        run_matched(run, MatchedConfig(source.model, settings, source.data), items, ex, lm, quiet)
+        require_boundary(summarize_matched(run.find("matched", "primary"), "oneshot", "primary", "bf16"), settings)
+        # Everything on the primary bf16 model first, so worker processes are started once for it.
+        run_bridge(run, source.model, settings, "primary", bridge_rows, ex, quiet)
+        run_transplant(run, source.model, settings, "primary", TransplantConfig(select=select_primary, sweep=sweep),
+                       ex, quiet)
+        run_2x2(run, source.model, settings, "primary", ("incremental", "oneshot"), ("bf16", "fp32"), ex, quiet)
+        if later is not None:
+            del lm  # one model in memory at a time
+            run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)
+            run_transplant(run, later, settings, "later", TransplantConfig(select="all-divergent"), ex, quiet)
+        summary = audit_run(run.path, run.manifest, run.records, ex, quiet)
+        atomic_write(run.path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
+        return finish(run, quiet)

@@ -1,0 +1,273 @@
+"""Library entry points that make or extend a run directory: validate inputs, freeze the manifest, run, report.
+
+Every check that can fail on bad input runs before the run directory is created, so a bad input never leaves
+a half-written run behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from stagereplay.engine.boundary import BoundaryRule
+from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.lm import LM
+from stagereplay.engine.model import ModelConfig, check_model_dir
+from stagereplay.errors import StageReplayError
+from stagereplay.execution.config import ExecConfig
+from stagereplay.execution.local import cached_lm
+from stagereplay.experiments.common import ReplaySettings
+from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run, read_ledger, read_manifest
+from stagereplay.records.provenance import environment, model_hashes, now, package_versions
+from stagereplay.records.shards import merge_runs, parse_shard, shard_items
+from stagereplay.tasks import DataConfig, Item, load_items
+
+
+@dataclass(frozen=True)
+class Source:
+    """A model and the items, boundary rule and scorer to run it on; the toy task fills what is not given."""
+
+    model: ModelConfig
+    data: DataConfig
+    settings: ReplaySettings
+
+
+def resolve_source(model: str | None, data: str | None, n: int | None, boundary: BoundaryRule | None,
+                   scorer: str | None, decode: DecodeConfig, precision: str, device: str, threads: int,
+                   attn_impl: str, checkpoint: str = "primary") -> Source:
+    """Fill in the embedded toy defaults: its checkpoint, held-out items, marker and scorer."""
+    if model is None:
+        from stagereplay.toy import toy_checkpoint
+
+        model = str(toy_checkpoint(checkpoint))
+    if data is None and boundary is None:
+        from stagereplay.tasks.toy import TOY_MARKER
+
+        rule = f"marker:{TOY_MARKER}"
+    elif boundary is None:
+        raise StageReplayError("no boundary rule given for --data",
+                               "pass --boundary-marker, --boundary-regex or --boundary-after")
+    else:
+        rule = boundary.describe()
+    if scorer is None:
+        scorer = "toy" if data is None else "last-number"
+    config = ModelConfig(path=str(Path(model).resolve()), precision=precision, device=device, threads=threads,
+                         attn_impl=attn_impl)
+    check_model_dir(config.path)
+    return Source(config, DataConfig(path=str(Path(data).resolve()) if data else None, n=n),
+                  ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
+
+
+def prepare(source: Source, ex: ExecConfig) -> tuple[LM | None, list[Item], str, dict[str, Any]]:
+    """Load the model (when running in this process) and the items, before any run directory exists.
+
+    Returns the model (None when workers load their own), the items, the data hash and the determinism settings.
+    """
+    from stagereplay.engine.decode import captures_steps
+    from stagereplay.engine.lm import check_prompt, model_context
+    from stagereplay.engine.model import load_config_and_tokenizer, set_determinism
+
+    m = source.model
+    lm: LM | None = None
+    if ex.workers == 1 and ex.executor == "local":
+        lm = cached_lm(m)
+        tokenizer, context, determinism = lm.tokenizer, lm.context, lm.determinism
+    else:  # workers load their own replicas; here only the config and tokenizer, to check the inputs up front
+        determinism = set_determinism(m.threads, m.device)
+        config, tokenizer = load_config_and_tokenizer(m.path)
+        context = model_context(config)
+    items, data_hash = load_items(source.data, tokenizer)
+    for item in items:
+        check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
+    # Captured steps are bit-identical to eager ones (see engine.decode.Stepper); recorded all the same.
+    determinism = {**determinism, "captured_steps": captures_steps(m.precision)}
+    return lm, items, data_hash, determinism
+
+
+def new_manifest(command: str, config: dict[str, Any], source: Source, items: list[Item], data_hash: str,
+                 determinism: dict[str, Any], extra_models: dict[str, str] | None = None) -> dict[str, Any]:
+    """The frozen record of what this run is. `config` is its identity: resuming requires it unchanged."""
+    models = {"primary": source.model.path, **(extra_models or {})}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "stagereplay",
+        "tool_version": package_versions()["stagereplay"],
+        "created": now(),
+        "command": command,
+        "config": {
+            **config,
+            "model": asdict(source.model),
+            "data": asdict(source.data),
+            "settings": source.settings.as_dict(),
+            "dataset_hash": data_hash,
+            "item_ids": [i.id for i in items],
+            "model_hashes": {name: model_hashes(path) for name, path in models.items()},
+        },
+        "environment": environment(source.model.device, determinism),
+        "stages": {},
+    }
+
+
+def finish(run: Run, quiet: bool = False) -> dict[str, Any]:
+    """Rebuild results.json from the whole ledger, write the report, print the tables."""
+    from stagereplay.execution.local import shutdown_workers
+    from stagereplay.report.results import build_results
+
+    shutdown_workers()
+    results = build_results(run.path, run.manifest, run.records)
+    run.write_results(results)
+    write_and_print_report(run.path, results, quiet)
+    return results
+
+
+def write_and_print_report(run_dir: Path, results: dict[str, Any], quiet: bool) -> None:
+    from stagereplay.report.render import print_tables, write_report
+
+    write_report(run_dir)
+    if not quiet:
+        from rich.console import Console
+
+        print_tables(results, Console())
+
+
+def matched(
+    out: str | Path,
+    model: str | None = None,
+    data: str | None = None,
+    n: int | None = None,
+    construction: str = "oneshot",
+    boundary: BoundaryRule | None = None,
+    scorer: str | None = None,
+    decode: DecodeConfig | None = None,
+    precision: str = "bf16",
+    device: str = "cpu",
+    threads: int = 1,
+    attn_impl: str = "sdpa",
+    workers: int = 1,
+    executor: str = "local",
+    shard: str | None = None,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """Run (or resume) the matched experiment into `out`; return results.json's content.
+
+    With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards.
+    """
+    from stagereplay.experiments.matched import MatchedConfig, run_matched
+
+    ex = ExecConfig(workers, executor)
+    part = parse_shard(shard)
+    source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
+                            threads, attn_impl)
+    config = MatchedConfig(source.model, source.settings, source.data, construction)
+    lm, items, data_hash, determinism = prepare(source, ex)
+    items = shard_items(items, part)
+    identity: dict[str, Any] = {"construction": construction}
+    if shard is not None:
+        identity["shard"] = shard
+    manifest = new_manifest("matched", identity, source, items, data_hash, determinism)
+    with open_run(Path(out), manifest) as run:
+        run_matched(run, config, items, ex, lm, quiet)
+        results = finish(run, quiet)
+    require_boundary(results["matched"][0], source.settings)
+    return results
+
+
+def require_boundary(summary: dict[str, Any], settings: ReplaySettings) -> None:
+    """Every item missing its boundary means the rule is wrong: the records are kept, but the command fails."""
+    if summary["n"] and not summary["n_boundary"]:
+        raise StageReplayError(
+            f"no item reached the boundary {settings.boundary} within {settings.decode.max_stage1_tokens} "
+            f"stage-1 tokens ({summary['n']} recorded as no_boundary)",
+            "check the boundary rule against the model's output, or raise --max-stage1-tokens",
+        )
+
+
+def _existing(run_dir: str | Path, check_ledger: bool = True) -> tuple[Path, dict[str, Any]]:
+    path = Path(run_dir)
+    if not (path / "manifest.json").exists():
+        raise StageReplayError(f"no run in {path} (manifest.json missing)", "run `stagereplay matched --out` first")
+    manifest = read_manifest(path)
+    if check_ledger:
+        read_ledger(path)  # a newer schema or a broken chain stops here, before anything runs
+    return path, manifest
+
+
+def _matched_stage(manifest: dict[str, Any], checkpoint: str) -> tuple[ModelConfig, ReplaySettings]:
+    stage = manifest.get("stages", {}).get(f"matched/{checkpoint}")
+    if stage is None:
+        raise StageReplayError(f"the run has no matched experiment at checkpoint {checkpoint!r}",
+                               "run `stagereplay matched` into it first")
+    s = stage["settings"]
+    return ModelConfig(**stage["model"]), ReplaySettings(s["boundary"], DecodeConfig(**s["decode"]), s["scorer"])
+
+
+def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = ("incremental", "oneshot"),
+                  precisions: tuple[str, ...] = ("bf16", "fp32"), checkpoint: str = "primary", workers: int = 1,
+                  executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+    """Hold the matched run's prefixes fixed; cross construction with precision."""
+    from stagereplay.experiments.precision_2x2 import run_2x2
+
+    path, manifest = _existing(run_dir)
+    model, settings = _matched_stage(manifest, checkpoint)
+    for p in precisions:
+        model.with_precision(p)  # validates the name before anything runs
+    with open_run(path, manifest) as run:
+        run_2x2(run, model, settings, checkpoint, constructions, precisions, ExecConfig(workers, executor), quiet)
+        return finish(run, quiet)
+
+
+def bridge(run_dir: str | Path, rows: int = 12, checkpoint: str = "primary", workers: int = 1,
+           executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+    """Incremental vs live boundary caches, bitwise, on the first `rows` items that reached the boundary."""
+    from stagereplay.experiments.bridge import run_bridge
+
+    if rows < 1:
+        raise StageReplayError(f"--rows must be at least 1, got {rows}", "pass a positive --rows")
+    path, manifest = _existing(run_dir)
+    model, settings = _matched_stage(manifest, checkpoint)
+    with open_run(path, manifest) as run:
+        run_bridge(run, model, settings, checkpoint, rows, ExecConfig(workers, executor), quiet)
+        return finish(run, quiet)
+
+
+def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
+               executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+    """Swap K/V between live and fresh boundary states of the selected divergent items, both directions."""
+    from stagereplay.experiments.transplant import TransplantConfig, run_transplant
+
+    path, manifest = _existing(run_dir)
+    model, settings = _matched_stage(manifest, checkpoint)
+    cfg = config or TransplantConfig(construction=manifest["stages"][f"matched/{checkpoint}"]["construction"])
+    with open_run(path, manifest) as run:
+        run_transplant(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
+        return finish(run, quiet)
+
+
+def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, executor: str = "local",
+          quiet: bool = False) -> dict[str, Any]:
+    """Check the ledger's integrity, then (unless `verify_only`) re-execute it; `reproduced` says if all held."""
+    import json
+
+    from stagereplay.experiments.audit import audit_run, verify_ledger
+    from stagereplay.records.ledger import atomic_write
+    from stagereplay.report.results import AUDIT_FILE
+
+    path, manifest = _existing(run_dir, check_ledger=False)  # the audit reports damage instead of refusing
+    problems = verify_ledger(path)
+    if verify_only or problems:
+        return {"chain_ok": not problems, "broken_records": problems, "reproduced": not problems,
+                "verify_only": True}
+    with open_run(path, manifest) as run:
+        summary = audit_run(path, run.manifest, run.records, ExecConfig(workers, executor), quiet)
+        atomic_write(path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
+        finish(run, quiet)
+        return summary
+
+
+def merge(shards: list[Path], out: Path, quiet: bool = True) -> Path:
+    """Join the shards of one `--shard I/N` command into the run one process would have made, with its report."""
+    merge_runs(shards, out)
+    with open_run(out, read_manifest(out)) as run:
+        finish(run, quiet)
+    return out

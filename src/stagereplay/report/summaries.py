@@ -1,0 +1,139 @@
+"""Each experiment's table, computed from its ledger records: what `results.json` holds per stage.
+
+Experiments write records; these functions only read them, so a resumed, merged or audited run reports the
+same. The field-by-field format is `docs/results-schema.md`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stagereplay.records.ledger import Record
+from stagereplay.report.stats import mcnemar_exact, paired_bootstrap_ci, wilson_interval
+
+
+def _cmp(record: Record, a: str, b: str) -> dict[str, Any] | None:
+    for c in record.payload["comparisons"]:
+        if c["a"] == a and c["b"] == b:
+            return dict(c)
+    return None
+
+
+def summarize_matched(records: list[Record], construction: str, checkpoint: str, precision: str,
+                      seed: int = 0, n_resamples: int = 10_000) -> dict[str, Any]:
+    """The matched table: replica exactness, disagreements, accuracies, paired CI, McNemar, divergence indices."""
+    ok = [r for r in records if r.payload["status"] == "ok"]
+    rep_live = rep_other = 0
+    suffix_k = label_k = live_only = other_only = 0
+    live_acc, other_acc, divergence = [], [], []
+    for r in ok:
+        arms = {a["name"]: a for a in r.payload["arms"]}
+        lr, orr = _cmp(r, "live", "live#replica"), _cmp(r, construction, f"{construction}#replica")
+        rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] and r.payload["replica_prefix_equal"])
+        rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"])
+        main = _cmp(r, "live", construction)
+        assert main is not None
+        if not main["suffix_equal"]:
+            suffix_k += 1
+            divergence.append(main["first_divergence"])
+        a, b = arms["live"]["correct"], arms[construction]["correct"]
+        label_k += a != b
+        live_only += a and not b
+        other_only += b and not a
+        live_acc.append(int(a))
+        other_acc.append(int(b))
+    n = len(ok)
+    summary: dict[str, Any] = {
+        "checkpoint": checkpoint, "construction": construction, "precision": precision,
+        "n": len(records), "n_boundary": n, "n_no_boundary": len(records) - n,
+        "replica_exact": {"live": {"k": rep_live, "n": n}, construction: {"k": rep_other, "n": n}},
+        "suffix_disagreements": {"k": suffix_k, "n": n},
+        "label_disagreements": {"k": label_k, "n": n},
+        "accuracy": {"live": None, construction: None},
+        "accuracy_diff": None,
+        "discordant": {"live_only": live_only, "other_only": other_only},
+        "mcnemar_p": None,
+        "first_divergence": divergence,
+    }
+    if n:
+        la, oa = sum(live_acc) / n, sum(other_acc) / n
+        lo, hi = paired_bootstrap_ci(live_acc, other_acc, n_resamples=n_resamples, seed=seed)
+        summary["accuracy"] = {"live": la, construction: oa}
+        summary["accuracy_diff"] = {"estimate": la - oa, "ci": [lo, hi], "confidence": 0.95,
+                                    "n_resamples": n_resamples, "seed": seed}
+        summary["mcnemar_p"] = mcnemar_exact(live_only, other_only)
+    return summary
+
+
+def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+    constructions, precisions = stage["constructions"], stage["precisions"]
+    cells, disagreements = [], []
+    for precision in precisions:
+        mine = [r for r in records if r.part == precision]
+        for c in constructions:
+            name = f"{c}@{precision}"
+            correct = [a["correct"] for r in mine for a in r.payload["arms"] if a["name"] == name]
+            cells.append({"construction": c, "precision": precision, "n": len(correct),
+                          "accuracy": sum(correct) / len(correct) if correct else None})
+        first = [r.payload["comparisons"][0] for r in mine if r.payload["comparisons"]]
+        k = sum(not c["suffix_equal"] for c in first)
+        n = len(first)
+        disagreements.append({
+            "precision": precision, "k": k, "n": n,
+            "wilson": list(wilson_interval(k, n)) if n else None,
+            "label_k": sum(not c["label_equal"] for c in first),
+            "first_divergence": [c["first_divergence"] for c in first if not c["suffix_equal"]],
+        })
+    return {"checkpoint": checkpoint, "constructions": constructions, "precisions": precisions,
+            "n": max((d["n"] for d in disagreements), default=0), "cells": cells, "disagreements": disagreements}
+
+
+def summarize_bridge(records: list[Record], checkpoint: str) -> dict[str, Any]:
+    ok = [r for r in records if r.payload["status"] == "ok"]
+    items = [{"item_id": r.item_id, "cache_equal": r.payload["cache_equal"],
+              "first_difference": (r.payload["differences"] or [None])[0],
+              "suffix_equal": r.payload["comparisons"][0]["suffix_equal"]} for r in ok]
+    return {"checkpoint": checkpoint, "rows": len(ok), "cache_bit_exact": sum(i["cache_equal"] for i in items),
+            "suffix_equal": sum(i["suffix_equal"] for i in items), "items": items}
+
+
+def _directions(records: list[Record], key: str) -> list[dict[str, Any]]:
+    names = list(records[0].payload[key]) if records else []
+    out = []
+    for name in names:
+        outcomes = [r.payload[key][name]["outcome"] for r in records]
+        n, k = len(outcomes), outcomes.count("donor")
+        out.append({"direction": name, "n": n, "follows_donor": k, "follows_recipient": outcomes.count("recipient"),
+                    "neither": outcomes.count("neither"), "donor_wilson": list(wilson_interval(k, n)) if n else None,
+                    "divergence_from_donor": [r.payload[key][name]["divergence_from_donor"] for r in records]})
+    return out
+
+
+def summarize_transplant(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+    cfg = stage["config"]
+    ok = [r for r in records if r.payload["status"] == "ok"]
+    summary: dict[str, Any] = {
+        "checkpoint": checkpoint, "selection": cfg["select"], "layers": cfg["layers"], "kv": cfg["kv"],
+        "positions": cfg["positions"], "n_items": len(ok), "n_selected": len(stage["selected"]),
+        "n_not_reproduced": len(records) - len(ok),
+        "directions": _directions(ok, "directions"),
+        "control": {"layers": "none", "directions": _directions(ok, "control")},
+        "sweep": None,
+    }
+    if cfg.get("sweep") and ok:
+        bands = ok[0].payload["sweep"]
+        n_layers = max(max(b["layers"]) for b in bands) + 1
+        rows: list[dict[str, Any]] = []
+        smallest: dict[str, list[int]] = {}
+        for j, band in enumerate(bands):
+            for d in (x["direction"] for x in summary["directions"]):
+                k = sum(r.payload["sweep"][j][d] == "donor" for r in ok)
+                layers = band["layers"]
+                label = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+                rows.append({"band": label, "kind": band["kind"], "layers": layers, "direction": d,
+                             "follows_donor": k, "n": len(ok)})
+                best = smallest.get(d)
+                if k == len(ok) and (best is None or (len(layers), layers[0]) < (len(best), best[0])):
+                    smallest[d] = layers
+        summary["sweep"] = {"n_layers": n_layers, "rows": rows, "smallest_band": smallest}
+    return summary

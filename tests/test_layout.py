@@ -1,0 +1,82 @@
+"""The package's layout: folders that point down with no import circles, and a ledger that moving code
+around cannot change."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from fixtures.make_toy_golden import HERE, run_golden
+
+SRC = Path(__file__).parents[1] / "src"
+CYCLES_TOOL = Path(__file__).parents[2] / "shared" / "tools" / "import_cycles.py"
+
+# Folders (rooms) from the bottom up: a module may import only from its own room or rooms below it.
+ORDER = ("errors", "tasks", "toy", "engine", "execution", "records", "report", "experiments", "runs", "cli")
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stagereplay."):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("stagereplay."))
+    return found
+
+
+def test_every_import_points_down_the_rooms():
+    """Static, TYPE_CHECKING and function-local imports alike."""
+    upward = []
+    for path in (SRC / "stagereplay").rglob("*.py"):
+        if path.name == "__init__.py" and path.parent.name == "stagereplay":
+            continue  # the package's public face re-exports from every room
+        rel = path.relative_to(SRC).with_suffix("")
+        mine = _room(".".join(rel.parts))
+        for target in _imports(path):
+            theirs = _room(target)
+            assert mine in ORDER and theirs in ORDER, (path, target)
+            if ORDER.index(theirs) > ORDER.index(mine):
+                upward.append(f"{rel}: {target}")
+    assert upward == []
+
+
+def test_the_rooms_check_sees_an_upward_import(tmp_path):
+    """Negative control: a module of the engine importing the report is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from stagereplay.report.stats import wilson_interval\n")
+    assert ORDER.index(_room(next(iter(_imports(bad))))) > ORDER.index("engine")
+
+
+def test_no_import_circles():
+    if not CYCLES_TOOL.exists():  # the shared tool lives beside the checkout; the rooms test above still runs
+        return
+    out = subprocess.run([sys.executable, str(CYCLES_TOOL), str(SRC), "stagereplay"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+    assert "0 import circles" in out.stdout
+
+
+def test_ledger_is_byte_identical_to_the_golden_run(tmp_path):
+    """A real toy run's ledger, made by `fixtures/make_toy_golden.py`; the same command must make the same bytes."""
+    golden = (HERE / "ledger.jsonl").read_bytes()
+    again = run_golden(tmp_path / "run").read_bytes()
+    assert again == golden
+
+
+def test_the_golden_comparison_tells_another_run_apart(tmp_path):
+    """Negative control: the same items in bf16 record other bytes, so the golden is not what any run makes."""
+    from fixtures.make_toy_golden import GOLDEN_ARGS
+    from typer.testing import CliRunner
+
+    from stagereplay.cli import app
+
+    args = [a if a != "fp32" else "bf16" for a in GOLDEN_ARGS]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "bf16")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "bf16" / "ledger.jsonl").read_bytes() != (HERE / "ledger.jsonl").read_bytes()
