@@ -47,17 +47,19 @@ MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="suffix length lim
 MaxStage1 = Annotated[int, typer.Option("--max-stage1-tokens", help="tokens allowed to reach the boundary")]
 Sample = Annotated[bool, typer.Option("--sample/--greedy", help="seeded sampling instead of greedy")]
 Temperature = Annotated[float, typer.Option("--temperature")]
-TopK = Annotated[int, typer.Option("--top-k")]
+TopK = Annotated[int, typer.Option("--top-k", help="sample from the top k tokens only (0 = all)")]
+TopP = Annotated[float, typer.Option("--top-p", help="sample from the smallest set of this mass (1 = all)")]
 Seed = Annotated[int, typer.Option("--seed", help="base seed for sampling")]
 Workers = Annotated[int, typer.Option("--workers", help="local worker processes")]
 Executor = Annotated[str, typer.Option("--executor", help="local | ray")]
 Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables")]
 
 
-def _decode(max_new: int, max_stage1: int, sample: bool, temperature: float, top_k: int, seed: int) -> Any:
+def _decode(max_new: int, max_stage1: int, sample: bool, temperature: float, top_k: int, seed: int,
+            top_p: float = 1.0) -> Any:
     from stagereplay.engine.decode import DecodeConfig
 
-    return DecodeConfig(max_new, max_stage1, sample, temperature, top_k, seed)
+    return DecodeConfig(max_new, max_stage1, sample, temperature, top_k, seed, top_p)
 
 
 @app.command()
@@ -80,6 +82,7 @@ def matched(
     sample: Sample = False,
     temperature: Temperature = 1.0,
     top_k: TopK = 0,
+    top_p: TopP = 1.0,
     seed: Seed = 0,
     workers: Workers = 1,
     executor: Executor = "local",
@@ -95,7 +98,7 @@ def matched(
 
         check_construction(construction)
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
-        dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed)
+        dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
             workers, executor, shard, quiet)
 
@@ -173,6 +176,36 @@ def transplant(
         stage = read_manifest(run_dir).get("stages", {}).get(f"matched/{checkpoint}", {}) if (
             run_dir / "manifest.json").exists() else {}
         cfg = TransplantConfig(stage.get("construction", "oneshot"), layers, kv, positions, select, sweep == "layers")
+        run(run_dir, cfg, checkpoint, workers, executor, quiet)
+
+    _run(go)
+
+
+@app.command()
+def resample(
+    run_dir: RunDir,
+    k: Annotated[int, typer.Option("--k", help="draws per boundary state and seed stream")] = 32,
+    temperature: Annotated[float, typer.Option("--temperature", help="sampling temperature")] = 0.6,
+    top_p: TopP = 0.95,
+    top_k: TopK = 0,
+    construction: Annotated[str, typer.Option(help="the fresh side: oneshot | incremental | chunked:<n> | "
+                                                   "retokenized")] = "oneshot",
+    n: Annotated[int | None, typer.Option("--n", help="first N items that reached the boundary")] = None,
+    precisions: Annotated[str | None, typer.Option(help="comma list (default: the run's precision)")] = None,
+    seed: Seed = 0,
+    checkpoint: Checkpoint = "primary",
+    workers: Workers = 1,
+    executor: Executor = "local",
+    quiet: Quiet = False,
+) -> None:
+    """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
+
+    def go() -> None:
+        from stagereplay.experiments.resample import ResampleConfig
+        from stagereplay.runs import resample as run
+
+        chosen = tuple(p for p in (precisions or "").split(",") if p)
+        cfg = ResampleConfig(k, temperature, top_p, top_k, construction, n, chosen, seed)
         run(run_dir, cfg, checkpoint, workers, executor, quiet)
 
     _run(go)

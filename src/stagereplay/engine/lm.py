@@ -111,11 +111,13 @@ class LM:
 
     # -- live generation ------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Plain greedy decoding with the live loop (no boundary): the tokens generate() would give."""
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, decode_config: DecodeConfig | None = None,
+                 seed: int = 0) -> list[int]:
+        """Plain decoding with the live loop (no boundary): the tokens generate() would give, greedy by default;
+        with a sampling `decode_config`, those of generate(do_sample=True) after `torch.manual_seed(seed)`."""
         cache = new_cache(self.model)
         logits = self.stepper.forward(prompt_ids, cache, 0)
-        sampler = Sampler(DecodeConfig(), 0, self.config.device)
+        sampler = Sampler(decode_config or DecodeConfig(), seed, self.config.device)
         return decode(self.stepper, cache, logits, len(prompt_ids), sampler, max_new_tokens, self.eos)
 
     def live(
@@ -189,14 +191,20 @@ class LM:
 
     # -- continuation ---------------------------------------------------------------------------------
 
-    def continue_from(self, state: BoundaryState, decode_config: DecodeConfig | None = None) -> Continuation:
-        """Feed the pending token on a clone of the state's cache and decode to EOS or the length limit."""
-        return self._continue(clone_cache(state.cache), state, decode_config or DecodeConfig())
+    def continue_from(self, state: BoundaryState, decode_config: DecodeConfig | None = None,
+                      seed: int | None = None) -> Continuation:
+        """Feed the pending token on a clone of the state's cache and decode to EOS or the length limit.
 
-    def _continue(self, cache: Any, state: BoundaryState, dc: DecodeConfig) -> Continuation:
+        The state is never touched, so many continuations (K sampled draws) can start from one snapshot: each
+        costs a cache copy and its decode steps, never a prefill. `seed` overrides the state's sampling seed.
+        """
+        return self._continue(clone_cache(state.cache), state, decode_config or DecodeConfig(), seed)
+
+    def _continue(self, cache: Any, state: BoundaryState, dc: DecodeConfig, seed: int | None = None
+                  ) -> Continuation:
         past = len(state.prefix) - 1
         logits = self.stepper.forward([state.prefix[-1]], cache, past)
-        pick = Sampler(dc, state.seed, self.config.device)
+        pick = Sampler(dc, state.seed if seed is None else seed, self.config.device)
         suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos)
         return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length")
 

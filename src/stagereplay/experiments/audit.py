@@ -17,6 +17,9 @@ from stagereplay.experiments.common import Job, ReplaySettings
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, parse_record
 from stagereplay.tasks import DataConfig, Item, load_items
 
+PER_PRECISION = ("precision_2x2", "resample")
+"""Experiments whose records' `part` is the precision they ran at."""
+
 
 def verify_ledger(run_dir: Path) -> list[dict[str, Any]]:
     """Integrity only, no model: every line parses, every hash and link of the chain holds."""
@@ -71,10 +74,11 @@ def _work(experiment: str) -> Callable[..., dict[str, Any]]:
     from stagereplay.experiments.bridge import bridge_item
     from stagereplay.experiments.matched import matched_item
     from stagereplay.experiments.precision_2x2 import grid_item
+    from stagereplay.experiments.resample import resample_item
     from stagereplay.experiments.transplant import transplant_item
 
     return {"matched": matched_item, "precision_2x2": grid_item, "bridge": bridge_item,
-            "transplant": transplant_item}[experiment]
+            "transplant": transplant_item, "resample": resample_item}[experiment]
 
 
 def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple[str, str], Any]) -> Job:
@@ -90,6 +94,10 @@ def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple
         extra = (("prefix", prefix), ("constructions", tuple(stage["constructions"])))
     elif record.experiment == "bridge":
         extra = (("prefix", prefix),)
+    elif record.experiment == "resample":
+        from stagereplay.experiments.resample import job_extra
+
+        extra = job_extra(stage, record.part, prefix)
     else:
         extra = (("prefix", prefix), ("config", tuple(stage["config"].items())))
     return Job(item, settings, record.part, extra)
@@ -117,7 +125,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     prefixes = {(r.checkpoint, r.item_id): r.payload.get("prefix_ids") for r in records if r.experiment == "matched"}
     groups: dict[tuple[str, str, str], list[Record]] = {}
     for r in records:
-        groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment == "precision_2x2" else ""), []).append(r)
+        groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment in PER_PRECISION else ""), []).append(r)
     t_ok = t_n = c_ok = c_n = 0
     mismatches: list[dict[str, str]] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), disable=quiet) as bar:

@@ -244,6 +244,20 @@ def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "prima
         return finish(run, quiet)
 
 
+def resample(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
+             executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+    """K seeded draws from the live, live-replica and fresh boundary states of each item: coupled and
+    independent designs (`experiments/resample.py`)."""
+    from stagereplay.experiments.resample import ResampleConfig, run_resample
+
+    path, manifest = _existing(run_dir)
+    model, settings = _matched_stage(manifest, checkpoint)
+    cfg = config or ResampleConfig()
+    with open_run(path, manifest) as run:
+        run_resample(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
+        return finish(run, quiet)
+
+
 def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, executor: str = "local",
           quiet: bool = False) -> dict[str, Any]:
     """Check the ledger's integrity, then (unless `verify_only`) re-execute it; `reproduced` says if all held."""
