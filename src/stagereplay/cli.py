@@ -256,6 +256,8 @@ def paper(
     select: Annotated[str, typer.Option("--select", help="transplant selection at the primary checkpoint")] = "first:24",
     rows: Annotated[int, typer.Option("--rows", help="bridge rows")] = 12,
     sweep: Annotated[bool, typer.Option("--sweep/--no-sweep", help="layer sweep at the primary checkpoint")] = False,
+    resample: Annotated[int, typer.Option("--resample", help="K sampled draws per state (0: no resample stage)")] = 0,
+    resample_items: Annotated[int, typer.Option("--resample-items", help="items the resample stage draws on")] = 50,
     device: Device = "cpu",
     threads: Threads = 1,
     attn_impl: AttnImpl = "sdpa",
@@ -271,8 +273,9 @@ def paper(
 
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, False, 1.0, 0, 0)
-        res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device, threads,
-                  attn_impl, workers, executor, quiet)
+        res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device=device,
+                  threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
+                  resample=resample, resample_items=resample_items)
         typer.echo(f"report: {out / 'report.html'}")
         if not res["audit"]["reproduced"]:
             raise typer.Exit(1)

@@ -20,6 +20,7 @@ from stagereplay.experiments.audit import audit_run
 from stagereplay.experiments.bridge import run_bridge
 from stagereplay.experiments.matched import MatchedConfig, run_matched
 from stagereplay.experiments.precision_2x2 import run_2x2
+from stagereplay.experiments.resample import ResampleConfig, run_resample
 from stagereplay.experiments.runs import finish, new_manifest, prepare, require_boundary, resolve_source
 from stagereplay.experiments.transplant import TransplantConfig, run_transplant
 from stagereplay.records.ledger import atomic_write, open_run
@@ -39,6 +40,8 @@ def paper(
     select_primary: str = "first:24",
     bridge_rows: int = 12,
     sweep: bool = False,
+    resample: int = 0,
+    resample_items: int = 50,
     device: str = "cpu",
     threads: int = 1,
     attn_impl: str = "sdpa",
@@ -47,7 +50,8 @@ def paper(
     quiet: bool = False,
 ) -> dict[str, Any]:
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
-    checkpoint, audit, report."""
+    checkpoint, audit, report. With `resample` = K > 0, also K sampled draws per boundary state on the first
+    `resample_items` items, at bf16 and fp32 (the primary checkpoint)."""
     if workers == 0:  # auto: one single-threaded process per core on a CPU (capped), one process per GPU run
         workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)
@@ -63,7 +67,8 @@ def paper(
     lm, items, data_hash, determinism = prepare(source, ex)
     extra = {"later": later.path} if later else {}
     manifest = new_manifest("paper", {"later_model": later.path if later else None, "select_primary": select_primary,
-                                      "bridge_rows": bridge_rows, "sweep": sweep},
+                                      "bridge_rows": bridge_rows, "sweep": sweep, "resample": resample,
+                                      "resample_items": resample_items},
                             source, items, data_hash, determinism, extra)
     with open_run(Path(out), manifest) as run:
         settings = source.settings
@@ -74,6 +79,9 @@ def paper(
         run_transplant(run, source.model, settings, "primary", TransplantConfig(select=select_primary, sweep=sweep),
                        ex, quiet)
         run_2x2(run, source.model, settings, "primary", ("incremental", "oneshot"), ("bf16", "fp32"), ex, quiet)
+        if resample:
+            cfg = ResampleConfig(k=resample, n=resample_items, precisions=("bf16", "fp32"))
+            run_resample(run, source.model, settings, "primary", cfg, ex, quiet)
         if later is not None:
             del lm  # one model in memory at a time
             run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)
