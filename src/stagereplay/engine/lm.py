@@ -62,6 +62,8 @@ class Continuation:
 
     suffix: tuple[int, ...]
     stop: str  # "eos" | "length"
+    steps: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+    """Each pick's logits [V] on the model's device (engine.diagnostics); empty for a replayed record."""
 
     @property
     def fingerprint(self) -> str:
@@ -197,8 +199,9 @@ class LM:
         past = len(state.prefix) - 1
         logits = self.stepper.forward([state.prefix[-1]], cache, past)
         pick = Sampler(dc, state.seed, self.config.device)
-        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos)
-        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length")
+        steps: list[Any] = []
+        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos, steps)
+        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length", tuple(steps))
 
     # -- helpers --------------------------------------------------------------------------------------
 
