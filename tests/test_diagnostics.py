@@ -53,6 +53,15 @@ def test_logit_comparison_at_the_first_divergent_step():
     assert math.isclose(d["a"]["margin"], 0.1, rel_tol=1e-5) and math.isclose(d["b"]["margin"], 0.1, rel_tol=1e-5)
 
 
+def test_tied_logits_list_in_the_order_greedy_picks_them():
+    """argmax takes the lowest id among tied maxima; the recorded top-1 must be the token the arm emitted."""
+    a = torch.tensor([[0.0, 2.0, 0.0, 2.0, 2.0, 1.0]])
+    b = torch.tensor([[0.0, 1.0, 0.0, 2.0, 2.0, 1.0]])
+    d = logit_comparison(a, b, divergence=0)["divergence"]
+    assert [t for t, _ in d["a"]["top"]] == [1, 3, 4, 5, 0] and d["a"]["top"][0][0] == int(torch.argmax(a[0]))
+    assert [t for t, _ in d["b"]["top"]] == [3, 4, 1, 5, 0] and d["a"]["margin"] == 0.0
+
+
 def test_logit_comparison_of_agreeing_arms_has_no_divergence_block():
     a = torch.zeros((3, 5))
     out = logit_comparison(a, a.clone(), divergence=None)

@@ -64,9 +64,11 @@ def logit_comparison(a: torch.Tensor, b: torch.Tensor, divergence: int | None) -
         return out
     pair = torch.stack([a[d], b[d]])  # [2, V]
     k = min(TOP_K, pair.shape[1])
-    top = torch.topk(pair, k, dim=-1)  # values, indices [2, k]
+    # A stable sort lists tied logits by token id, as greedy argmax picks them; topk's order among ties is not
+    # specified, and in bf16 ties are common exactly where arms diverge.
+    top = torch.sort(pair, dim=-1, descending=True, stable=True)  # values, indices [2, V]
     maxabs = (pair[0] - pair[1]).abs().max()
-    values, ids, gap = top.values.tolist(), top.indices.tolist(), float(maxabs)
+    values, ids, gap = top.values[:, :k].tolist(), top.indices[:, :k].tolist(), float(maxabs)
     arms = []
     for v, i in zip(values, ids, strict=True):
         arms.append({"margin": _finite(v[0] - v[1]) if k > 1 else None,
