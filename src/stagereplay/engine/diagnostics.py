@@ -100,7 +100,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _per_position(x: torch.Tensor, y: torch.Tensor, n_positions: int) -> torch.Tensor:
-    """[4, n_positions] fp32 rows: max |x-y|, sum (x-y)^2, sum x^2, count of differing bits; per absolute position.
+    """[4, n_positions] fp64 rows: max |x-y|, sum (x-y)^2, sum x^2, count of differing bits; per absolute position.
 
     x, y are [B, H_kv, T_l, D]. A layer that holds fewer positions than the cache spans (a sliding window keeps
     only its last window-1) holds the last T_l of them; the positions it does not hold stay zero, so bands
@@ -115,8 +115,8 @@ def _per_position(x: torch.Tensor, y: torch.Tensor, n_positions: int) -> torch.T
         diff.pow(2).sum(dim=(0, 1, 3)),
         xf.pow(2).sum(dim=(0, 1, 3)),
         (_bits(x) != _bits(y)).sum(dim=(0, 1, 3)).float(),
-    ])  # [4, T_l]
-    out = torch.zeros((4, n_positions), dtype=torch.float32, device=x.device)
+    ]).double()  # [4, T_l]; fp64 from here, so sums over layers and positions stay exact counts
+    out = torch.zeros((4, n_positions), dtype=torch.float64, device=x.device)
     t = min(rows.shape[1], n_positions)
     if t:
         out[:, n_positions - t :] = rows[:, rows.shape[1] - t :]
@@ -153,11 +153,11 @@ def cache_difference(a: Any, b: Any, prompt_len: int, n_positions: int) -> dict[
                                         for x, y in zip(pa, pb, strict=True)])
                            for pa, pb in zip(la, lb, strict=True)])  # [L, 2 (K, V), 4, n_positions]
         bands = position_bands(prompt_len, n_positions)
-        layer_rows = _reduce(per)  # [L, 2, 4]
+        rows = [_reduce(per)]  # [L, 2, 4]
         # Per band, over every layer: [L, 2, 4, w] -> [2, 4, L * w] -> [2, 4].
-        band_rows = [_reduce(per[..., lo:hi].permute(1, 2, 0, 3).reshape(2, 4, -1)) for _, lo, hi in bands]
-        layers = layer_rows.tolist()
-        banded = torch.stack(band_rows).tolist() if band_rows else []
+        rows += [_reduce(per[..., lo:hi].permute(1, 2, 0, 3).reshape(2, 4, -1))[None] for _, lo, hi in bands]
+        both = torch.cat(rows).tolist()  # the one transfer to the host: [L + n_bands, 2, 4]
+        layers, banded = both[: len(la)], both[len(la) :]
     return {
         "layers": [{"layer": i, "k": _summary(row[0]), "v": _summary(row[1])} for i, row in enumerate(layers)],
         "bands": [{"band": name, "start": lo, "end": hi, "k": _summary(row[0]), "v": _summary(row[1])}

@@ -63,7 +63,7 @@ class Continuation:
     suffix: tuple[int, ...]
     stop: str  # "eos" | "length"
     steps: tuple[Any, ...] = field(default=(), repr=False, compare=False)
-    """Each pick's logits [V] on the model's device (engine.diagnostics); empty for a replayed record."""
+    """Each pick's logits [V], kept on the model's device until the item is recorded (engine.diagnostics)."""
 
     @property
     def fingerprint(self) -> str:
