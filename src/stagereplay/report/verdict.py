@@ -31,6 +31,10 @@ def _lower(k: int, n: int) -> str:
     return f"{100 * wilson_interval(k, n)[0]:.1f}%" if n else "-"
 
 
+def _items(n: int) -> str:
+    return f"{n} item" if n == 1 else f"{n} items"
+
+
 def _num(x: float | None) -> str:
     """A logit-scale number: 3 significant digits, 0 as 0."""
     return "-" if x is None else "0" if x == 0 else f"{x:.3g}"
@@ -101,7 +105,7 @@ def margins(matched: list[dict[str, Any]]) -> str | None:
             continue
         said.append(
             f"{m['checkpoint']} @ {m['precision']}: median top-1/top-2 logit margin {_num(mg['at_divergence']['median'])} "
-            f"at the first divergent token ({mg['at_divergence']['n']} items, {mg['arm']} arm) against "
+            f"at the first divergent token ({_items(mg['at_divergence']['n'])}, {mg['arm']} arm) against "
             f"{_num(mg['steps']['median'])} over all {mg['steps']['n']} steps"
         )
     return "; ".join(said) + "." if said else None
