@@ -202,3 +202,13 @@ def test_benjamini_hochberg():
     assert benjamini_hochberg([0.001, 0.025, 0.03, 0.5, 0.2], 0.05) == [True, True, True, False, False]
     assert benjamini_hochberg([0.04, 0.9], 0.05) == [False, False]  # 0.04 > 1 * 0.05 / 2
     assert benjamini_hochberg([], 0.05) == []
+
+
+def test_resample_tables_and_figure_read_in_the_report(resampled):
+    """Both resample tables print at 80 columns without cut cells; the HTML report carries the figure."""
+    from stagereplay.report.render import render_tables_text
+
+    text = render_tables_text(json.loads((resampled / "results.json").read_text()), width=80)
+    assert "Resample, coupled" in text and "Resample, independent" in text
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert 'id="fig-resample"' in (resampled / "report.html").read_text()

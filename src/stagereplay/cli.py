@@ -299,6 +299,22 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> 
 
 
 @app.command()
+def show(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory")],
+    item_id: Annotated[str, typer.Argument(help="the item's id, as in the report's explorer")],
+    checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="only this model of the run")] = None,
+) -> None:
+    """One item's story: prompt, stage 1, both suffixes with the divergence marked, margins, cache per layer."""
+
+    def go() -> None:
+        from stagereplay.report.explorer import show_item
+
+        show_item(run_dir, item_id, checkpoint)
+
+    _run(go)
+
+
+@app.command()
 def export(
     run_dir: Annotated[Path, typer.Argument(help="a run directory")],
     format: Annotated[str, typer.Option("--format", help="parquet | csv")] = "parquet",

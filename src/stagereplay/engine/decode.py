@@ -223,12 +223,20 @@ def decode(
     sampler: Sampler,
     max_new_tokens: int,
     eos: frozenset[int],
+    steps: list[torch.Tensor] | None = None,
 ) -> list[int]:
-    """Pick from `logits`, feed the pick, repeat; stop after EOS or `max_new_tokens` picks. Grows `cache`."""
+    """Pick from `logits`, feed the pick, repeat; stop after EOS or `max_new_tokens` picks. Grows `cache`.
+
+    With `steps`, each pick's logits [V] are appended to it as they are: a reference to the tensor the forward
+    made, no copy and no host sync, so the loop's pace and its numbers do not change (engine.diagnostics reduces
+    them after the loop).
+    """
     out: list[int] = []
     while True:
         token = sampler(logits)
         out.append(token)
+        if steps is not None:
+            steps.append(logits)
         if token in eos or len(out) >= max_new_tokens:
             return out
         logits = stepper.forward([token], cache, past)

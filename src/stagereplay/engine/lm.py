@@ -62,6 +62,8 @@ class Continuation:
 
     suffix: tuple[int, ...]
     stop: str  # "eos" | "length"
+    steps: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+    """Each pick's logits [V], kept on the model's device until the item is recorded (engine.diagnostics)."""
 
     @property
     def fingerprint(self) -> str:
@@ -205,8 +207,9 @@ class LM:
         past = len(state.prefix) - 1
         logits = self.stepper.forward([state.prefix[-1]], cache, past)
         pick = Sampler(dc, state.seed if seed is None else seed, self.config.device)
-        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos)
-        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length")
+        steps: list[Any] = []
+        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos, steps)
+        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length", tuple(steps))
 
     # -- helpers --------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from stagereplay.experiments.common import (
     execute,
     no_boundary_payload,
 )
+from stagereplay.experiments.diagnose import diagnose
 from stagereplay.records.ledger import Run
 from stagereplay.tasks import DataConfig
 
@@ -59,12 +60,12 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
     fresh_again = lm.construct(live, construction)
     stage1 = live.stage1
     assert live.live_suffix is not None
-    arms = [arm_record(lm, "live", live, live.live_suffix, stage1, item, s.scorer)]
+    runs = {"live": (live, live.live_suffix)}
     if replica is not None and replica.live_suffix is not None:
-        arms.append(arm_record(lm, "live#replica", replica, replica.live_suffix, stage1, item, s.scorer))
-    arms.append(arm_record(lm, construction, fresh, lm.continue_from(fresh, s.decode), stage1, item, s.scorer))
-    arms.append(arm_record(lm, f"{construction}#replica", fresh_again, lm.continue_from(fresh_again, s.decode),
-                           stage1, item, s.scorer))
+        runs["live#replica"] = (replica, replica.live_suffix)
+    runs[construction] = (fresh, lm.continue_from(fresh, s.decode))
+    runs[f"{construction}#replica"] = (fresh_again, lm.continue_from(fresh_again, s.decode))
+    arms = [arm_record(lm, name, state, cont, stage1, item, s.scorer) for name, (state, cont) in runs.items()]
     by = {a["name"]: a for a in arms}
     pairs = [("live", construction), ("live", "live#replica"), (construction, f"{construction}#replica")]
     return {
@@ -76,6 +77,7 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
         "replica_prefix_equal": replica is not None and replica.prefix == live.prefix,
         "arms": arms,
         "comparisons": [comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by],
+        "diagnostics": diagnose(runs, pairs, cache_pairs=pairs[:1]),
     }
 
 

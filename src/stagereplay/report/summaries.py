@@ -10,6 +10,7 @@ import zlib
 from typing import Any
 
 from stagereplay.records.ledger import Record
+from stagereplay.report.diagnostics import summarize_pair
 from stagereplay.report.stats import (
     MONTE_CARLO_TABLES,
     TWO_SAMPLE_TEST,
@@ -64,6 +65,7 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
         "discordant": {"live_only": live_only, "other_only": other_only},
         "mcnemar_p": None,
         "first_divergence": divergence,
+        **summarize_pair(ok, "live", construction),
     }
     if n:
         la, oa = sum(live_acc) / n, sum(other_acc) / n
@@ -93,6 +95,7 @@ def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str)
             "wilson": list(wilson_interval(k, n)) if n else None,
             "label_k": sum(not c["label_equal"] for c in first),
             "first_divergence": [c["first_divergence"] for c in first if not c["suffix_equal"]],
+            **(summarize_pair(mine, first[0]["a"], first[0]["b"]) if first else {}),
         })
     return {"checkpoint": checkpoint, "constructions": constructions, "precisions": precisions,
             "n": max((d["n"] for d in disagreements), default=0), "cells": cells, "disagreements": disagreements}

@@ -126,6 +126,9 @@ def build_tables(results: dict[str, Any]) -> list[Table]:
         tables.append(matched_table(results["matched"]))
     if results.get("precision_2x2"):
         tables.extend(precision_2x2_tables(results["precision_2x2"]))
+    diagnostics = diagnostics_table(results)
+    if diagnostics:
+        tables.append(diagnostics)
     if results.get("bridge"):
         tables.extend(bridge_tables(results["bridge"]))
     for t in results.get("transplant") or []:
@@ -218,6 +221,44 @@ def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
             "0/n is reported with its Wilson upper bound.",
         ),
     ]
+
+
+def _logit(x: float | None) -> str:
+    """A logit-scale number: 3 significant digits, 0 as 0."""
+    return NA if x is None else "0" if x == 0 else f"{x:.3g}"
+
+
+def _median(values: Any) -> float | None:
+    from statistics import median
+
+    xs = [v for v in (values.values() if isinstance(values, dict) else values or []) if v is not None]
+    return float(median(xs)) if xs else None
+
+
+def diagnostics_table(results: dict[str, Any]) -> Table | None:
+    """Why pairs diverged, one row per compared pair: margins, first-step logit difference, cache difference."""
+    rows = []
+    pairs = [(f"{m['checkpoint']} live vs {m['construction']} @{m['precision']}", m, m["suffix_disagreements"])
+             for m in results.get("matched") or []]
+    grid = results.get("precision_2x2") or {}
+    pairs += [(f"{grid['checkpoint']} 2x2 @{d['precision']}", d, d) for d in grid.get("disagreements") or []]
+    for label, s, kn in pairs:
+        if s.get("margins") is None:
+            continue
+        steps, at = s["margins"].get("steps") or {}, s["margins"]["at_divergence"]
+        layers = s.get("cache_diff") or []
+        k = _median([r["k_rel_l2"] for r in layers])
+        v = _median([r["v_rel_l2"] for r in layers])
+        rows.append([label, f"{kn['k']}/{kn['n']}", f"{_logit(at['median'])} / {_logit(steps.get('median'))}",
+                     _logit(_median(s.get("first_step_logit_maxabs"))), f"{_logit(k)} / {_logit(v)}"])
+    if not rows:
+        return None
+    headers = ("pair", "diverged", "margin: div / all", "step-1 logit diff", "cache K / V")
+    note = ("Medians over items. Margin: top-1 minus top-2 fp32 logit, at the first divergent token against all "
+            "steps of the reference arm. Step-1 logit diff: max-abs difference of the two arms' logits at the first "
+            "suffix step. Cache: relative L2 ||a-b||/||a|| of the boundary caches, median over layers of the "
+            "per-layer medians.")
+    return Table("table-diagnostics", "Why pairs diverged: margins, logits, caches", headers, _rows(rows), note)
 
 
 def bridge_tables(bridge: dict[str, Any]) -> list[Table]:
