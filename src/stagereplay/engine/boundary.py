@@ -106,7 +106,7 @@ class _TextWatch:
             # Not found in the previous window, so this occurrence ends in `new`: in this token's text.
             self.after = window[at + len(self.text) :]
             return True
-        self.tail = window[len(window) - len(self.text) + 1 :] if len(self.text) > 1 else ""
+        self.tail = window[-(len(self.text) - 1) :] if len(self.text) > 1 else ""
         return False
 
     def detail(self) -> dict[str, Any] | None:

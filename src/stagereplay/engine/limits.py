@@ -25,13 +25,15 @@ def model_context(config: Any) -> int:
     return int(getattr(config.get_text_config(), "max_position_embeddings", None) or 1 << 30)
 
 
-def stage1_budget(context: int, longest_prompt: int, max_new_tokens: int) -> int:
-    """The default stage-1 budget: `STAGE1_BUDGET`, or what the context leaves after prompt and suffix."""
-    return min(STAGE1_BUDGET, context - longest_prompt - max_new_tokens)
+def stage1_budget(context: int, longest_prompt: int, max_new_tokens: int, cap: int = STAGE1_BUDGET) -> int:
+    """The default stage-1 budget: `cap`, or what the context leaves after prompt and suffix."""
+    return min(cap, context - longest_prompt - max_new_tokens)
 
 
-def check_budgets(longest_prompt: int, stage1: int | None, max_new_tokens: int, context: int) -> int:
-    """The stage-1 budget to use: the one given if prompt + stage 1 + suffix fit the context, else the default.
+def check_budgets(longest_prompt: int, stage1: int | None, max_new_tokens: int, context: int,
+                  cap: int = STAGE1_BUDGET) -> int:
+    """The stage-1 budget to use: the one given if prompt + stage 1 + suffix fit the context, else the default
+    (`cap`, or less where the context leaves less).
 
     Raises a one-line error when the given budget does not fit, or when the default leaves no room.
     """
@@ -44,7 +46,7 @@ def check_budgets(longest_prompt: int, stage1: int | None, max_new_tokens: int, 
                 "lower --max-stage1-tokens or --max-new-tokens",
             )
         return stage1
-    budget = stage1_budget(context, longest_prompt, max_new_tokens)
+    budget = stage1_budget(context, longest_prompt, max_new_tokens, cap)
     if budget < 1:
         raise StageReplayError(
             f"longest prompt {longest_prompt} + suffix budget {max_new_tokens} leave no stage-1 tokens in the "

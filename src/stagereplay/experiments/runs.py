@@ -40,7 +40,7 @@ class Source:
 
 
 TOY_STAGE1_TOKENS = 256
-"""The embedded toy's stage-1 budget (its think blocks are tens of tokens)."""
+"""The embedded toy's default stage-1 budget, in place of 8192 (its think blocks are tens of tokens)."""
 
 
 def resolve_source(model: str | None, data: str | None, n: int | None, boundary: BoundaryRule | None,
@@ -51,8 +51,6 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
     A user's data without a boundary rule leaves the rule empty, for `prepare` to default from the tokenizer.
     """
     toy = model is None
-    if toy and decode.max_stage1_tokens is None:
-        decode = replace(decode, max_stage1_tokens=TOY_STAGE1_TOKENS)
     if model is None:
         from stagereplay.toy import toy_checkpoint
 
@@ -113,7 +111,7 @@ def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -
     import warnings
 
     from stagereplay.engine.boundary import default_rule, parse_boundary
-    from stagereplay.engine.limits import check_budgets, rope_scaling
+    from stagereplay.engine.limits import STAGE1_BUDGET, check_budgets, rope_scaling
 
     settings = source.settings
     defaulted = not settings.boundary
@@ -128,8 +126,9 @@ def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -
     context = model_context(config)
     longest = max(len(i.prompt_ids) for i in items)
     dc = settings.decode
-    given = dc.max_stage1_tokens is not None and not source.toy
-    budget = check_budgets(longest, dc.max_stage1_tokens, dc.max_new_tokens, context)
+    given = dc.max_stage1_tokens is not None
+    cap = TOY_STAGE1_TOKENS if source.toy else STAGE1_BUDGET
+    budget = check_budgets(longest, dc.max_stage1_tokens, dc.max_new_tokens, context, cap)
     settings = replace(settings, decode=replace(dc, max_stage1_tokens=budget))
     rope = rope_scaling(config)
     sequence = longest + budget + dc.max_new_tokens
@@ -138,8 +137,8 @@ def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -
                       f"and a sequence here may reach {sequence}: live and one-shot can then differ by algorithm, "
                       "not rounding (recorded in the manifest)", stacklevel=2)
     stage1 = {**source.stage1, "rule": settings.boundary, "rule_source": "default" if defaulted else "given",
-              "match": match, "budget": budget, "budget_source": "toy" if source.toy else "given" if given
-              else "default", "suffix_budget": dc.max_new_tokens, "longest_prompt": longest, "context": context,
+              "match": match, "budget": budget, "budget_source": "given" if given else
+              "toy default" if source.toy else "default", "suffix_budget": dc.max_new_tokens, "longest_prompt": longest, "context": context,
               "rope": rope.as_dict(sequence)}
     return replace(source, settings=settings, stage1=stage1)
 
