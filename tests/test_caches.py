@@ -182,3 +182,25 @@ def test_fingerprints_stream_bounded_chunks_with_the_same_digest(tiny_dir, arch,
     assert sizes and max(sizes) <= 256 and len(sizes) > 2 * len(state.cache.layers)
     # Negative control: one ulp anywhere changes the digest.
     assert cache_fingerprint(nudged(state.cache, 1, "v", (0, 0, len(state.prefix) - 2, 0))) != whole.hexdigest()
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("FalconH1Config", "hybrid layer"),
+    ("Qwen3NextConfig", "recurrent or linear-attention state"),
+    ("Mamba2Config", "recurrent or linear-attention state"),
+    ("Gemma3nTextConfig", "layer without K/V of its own"),
+])
+def test_other_hybrid_and_shared_kv_configs_are_refused(name, kind):
+    """The same rule on the configs of other architectures (their default shapes; no weights are built)."""
+    import transformers
+
+    with pytest.raises(StageReplayError, match=kind):
+        check_cache_kinds(getattr(transformers, name)())
+
+
+def test_lfm2_conv_layers_are_refused():
+    from transformers import Lfm2Config
+
+    with pytest.raises(StageReplayError, match="model type lfm2 has a recurrent or linear-attention state"):
+        check_cache_kinds(Lfm2Config(num_hidden_layers=6, full_attn_idxs=[2, 5]))
+    check_cache_kinds(Lfm2Config(num_hidden_layers=6))  # negative control: all attention layers pass

@@ -118,9 +118,9 @@ def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -
     if defaulted:
         rule = default_rule(tokenizer)
         if rule is None:
-            raise StageReplayError("no boundary rule given for --data, and the model's tokenizer and chat template "
-                                   "do not mark a think block", "pass --boundary-marker, --boundary-regex or "
-                                   "--boundary-after")
+            raise StageReplayError("no boundary rule given for --data, and none follows from the model (that takes "
+                                   "a </think> token and a chat template opening a think block)",
+                                   'pass --boundary-marker "</think>", --boundary-regex or --boundary-after')
         settings = replace(settings, boundary=rule.describe())
     match = parse_boundary(settings.boundary).bind(tokenizer).match_kind()
     context = model_context(config)
