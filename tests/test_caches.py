@@ -204,3 +204,35 @@ def test_lfm2_conv_layers_are_refused():
     with pytest.raises(StageReplayError, match="model type lfm2 has a recurrent or linear-attention state"):
         check_cache_kinds(Lfm2Config(num_hidden_layers=6, full_attn_idxs=[2, 5]))
     check_cache_kinds(Lfm2Config(num_hidden_layers=6))  # negative control: all attention layers pass
+
+
+@pytest.mark.parametrize("arch", SLIDING)
+def test_spans_from_the_config_are_the_spans_the_cache_holds(tiny_dir, arch):
+    """What `transplant` checks up front from the config (before a stage is frozen) is what a live cache holds."""
+    from transformers import AutoConfig
+
+    from stagereplay.engine.cache import layer_windows
+    from stagereplay.engine.transplant import held_spans
+
+    _lm, state = _state(tiny_dir, arch)
+    windows = layer_windows(AutoConfig.from_pretrained(tiny_dir(arch)))
+    length = len(state.prefix) - 1
+    assert held_spans(windows, length) == [layer_span(layer) for layer in state.cache.layers]
+    # Negative control: a window one larger predicts other spans.
+    assert held_spans([w + 1 if w else w for w in windows], length) != held_spans(windows, length)
+
+
+def test_transplant_positions_outside_every_window_are_refused_before_the_stage(tiny_dir):
+    from stagereplay.engine.model import ModelConfig
+    from stagereplay.experiments.transplant import TransplantConfig, check_selection
+
+    prefixes = [list(range(60)), list(range(45))]
+    mistral, gemma = ModelConfig(str(tiny_dir("mistral-sw"))), ModelConfig(str(tiny_dir("gemma2")))
+    with pytest.raises(StageReplayError, match="--positions 0:4 lie outside every selected layer's cache"):
+        check_selection(mistral, TransplantConfig(positions="0:4"), prefixes)
+    check_selection(mistral, TransplantConfig(positions="40:"), prefixes)  # inside both items' windows
+    check_selection(gemma, TransplantConfig(positions="0:4"), prefixes)  # gemma2's global layers hold them
+    with pytest.raises(StageReplayError, match="outside every selected layer"):
+        check_selection(gemma, TransplantConfig(layers="0,2", positions="0:4"), prefixes)  # its sliding layers
+    with pytest.raises(StageReplayError, match="out of range"):
+        check_selection(gemma, TransplantConfig(layers="0-9"), prefixes)

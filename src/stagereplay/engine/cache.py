@@ -78,6 +78,14 @@ def check_cache_kinds(config: Any, cache_implementation: str | None = None) -> N
             )
 
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Per layer, the sliding window of its cache (None for a full-attention layer), read from the config."""
+    from transformers import DynamicCache
+
+    return [getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+            for layer in DynamicCache(config=config).layers]
+
+
 def clone_cache(cache: Any) -> Any:
     """A deep copy that later forwards on either side cannot touch.
 

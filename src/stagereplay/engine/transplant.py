@@ -4,6 +4,7 @@ from another's. Used by the transplant experiment to test whether the cache carr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,24 @@ def parse_positions(spec: str | None, length: int) -> tuple[int, int]:
     return start, stop
 
 
+def held_spans(windows: Sequence[int | None], length: int) -> list[tuple[int, int]]:
+    """Per layer, the absolute positions [start, stop) a cache of `length` positions holds: all of them, or a
+    sliding window's last `window - 1` (`engine.cache.layer_windows` gives the windows)."""
+    return [(0, length) if w is None else (max(0, length - (w - 1)), length) for w in windows]
+
+
+def check_positions(positions: tuple[int, int], layers: Sequence[int], spans: Sequence[tuple[int, int]]) -> None:
+    """Refuse a position range that no selected layer holds: a transplant of it would silently move nothing."""
+    a, b = positions
+    chosen = [spans[i] for i in layers]
+    if chosen and all(min(b, stop) <= max(a, start) for start, stop in chosen):
+        held = ", ".join(sorted({f"{start}:{stop}" for start, stop in chosen}))
+        raise StageReplayError(
+            f"--positions {a}:{b} lie outside every selected layer's cache (they hold positions {held})",
+            "choose positions the layers still hold: a sliding-window layer keeps only its last window - 1",
+        )
+
+
 @dataclass(frozen=True)
 class TransplantSpec:
     """Which parts of the donor's cache replace the recipient's."""
@@ -59,16 +78,9 @@ def transplant(recipient: Any, donor: Any, spec: TransplantSpec) -> Any:
     """
     import torch
 
+    if spec.positions is not None:
+        check_positions(spec.positions, spec.layers, [layer_span(layer) for layer in recipient.layers])
     out = clone_cache(recipient)
-    if spec.positions is not None and spec.layers:
-        a, b = spec.positions
-        spans = [layer_span(out.layers[i]) for i in spec.layers]
-        if all(min(b, stop) <= max(a, start) for start, stop in spans):
-            held = ", ".join(sorted({f"{start}:{stop}" for start, stop in spans}))
-            raise StageReplayError(
-                f"--positions {a}:{b} lie outside every selected layer's cache (they hold positions {held})",
-                "choose positions the layers still hold: a sliding-window layer keeps only its last window - 1",
-            )
     with torch.inference_mode():
         for i in spec.layers:
             layer, theirs_layer = out.layers[i], donor.layers[i]
