@@ -182,7 +182,8 @@ def load_checked_config(path: Path) -> Any:
                                    "re-save the model with save_pretrained") from None
     generation = path / "generation_config.json"
     try:
-        implementation = json.loads(generation.read_text()).get("cache_implementation") if generation.is_file() else None
+        implementation = (json.loads(generation.read_text()).get("cache_implementation")
+                          if generation.is_file() else None)
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         implementation = None  # transformers reports a broken generation config itself
     check_cache_kinds(config, implementation)

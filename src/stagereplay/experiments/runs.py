@@ -136,10 +136,10 @@ def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -
         warnings.warn(f"RoPE scaling {rope.type!r} changes its frequencies past {rope.original_context} positions "
                       f"and a sequence here may reach {sequence}: live and one-shot can then differ by algorithm, "
                       "not rounding (recorded in the manifest)", stacklevel=2)
+    budget_source = "given" if given else "toy default" if source.toy else "default"
     stage1 = {**source.stage1, "rule": settings.boundary, "rule_source": "default" if defaulted else "given",
-              "match": match, "budget": budget, "budget_source": "given" if given else
-              "toy default" if source.toy else "default", "suffix_budget": dc.max_new_tokens, "longest_prompt": longest, "context": context,
-              "rope": rope.as_dict(sequence)}
+              "match": match, "budget": budget, "budget_source": budget_source, "suffix_budget": dc.max_new_tokens,
+              "longest_prompt": longest, "context": context, "rope": rope.as_dict(sequence)}
     return replace(source, settings=settings, stage1=stage1)
 
 
