@@ -39,12 +39,15 @@ Precision = Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32 
 Device = Annotated[str, typer.Option("--device", help="cpu | cuda | cuda:<i>")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads per process (fixed, recorded)")]
 AttnImpl = Annotated[str, typer.Option("--attn-impl", help="eager | sdpa")]
-Marker = Annotated[str | None, typer.Option("--boundary-marker", help="stage 1 ends with these tokens")]
-Regex = Annotated[str | None, typer.Option("--boundary-regex", help="stage 1 ends when its text matches")]
+Marker = Annotated[str | None, typer.Option("--boundary-marker", help=(
+    "stage 1 ends at the first token whose text completes this (default for a reasoning model: </think>)"))]
+Regex = Annotated[str | None, typer.Option("--boundary-regex", help=(
+    "stage 1 ends when its text matches (searched in the last 1024 characters and the new token's text)"))]
 After = Annotated[int | None, typer.Option("--boundary-after", help="stage 1 is the first N generated tokens")]
 Scorer = Annotated[str | None, typer.Option("--scorer", help="last-number | exact | regex:PATTERN")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="suffix length limit")]
-MaxStage1 = Annotated[int, typer.Option("--max-stage1-tokens", help="tokens allowed to reach the boundary")]
+MaxStage1 = Annotated[int | None, typer.Option("--max-stage1-tokens", help=(
+    "tokens allowed to reach the boundary (default: 8192 or what the context leaves; the toy: 256)"))]
 Sample = Annotated[bool, typer.Option("--sample/--greedy", help="seeded sampling instead of greedy")]
 Temperature = Annotated[float, typer.Option("--temperature")]
 TopK = Annotated[int, typer.Option("--top-k", help="sample from the top k tokens only (0 = all)")]
@@ -55,7 +58,7 @@ Executor = Annotated[str, typer.Option("--executor", help="local | ray")]
 Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables")]
 
 
-def _decode(max_new: int, max_stage1: int, sample: bool, temperature: float, top_k: int, seed: int,
+def _decode(max_new: int, max_stage1: int | None, sample: bool, temperature: float, top_k: int, seed: int,
             top_p: float = 1.0) -> Any:
     from stagereplay.engine.decode import DecodeConfig
 
@@ -78,7 +81,7 @@ def matched(
     threads: Threads = 1,
     attn_impl: AttnImpl = "sdpa",
     max_new_tokens: MaxNew = 128,
-    max_stage1_tokens: MaxStage1 = 256,
+    max_stage1_tokens: MaxStage1 = None,
     sample: Sample = False,
     temperature: Temperature = 1.0,
     top_k: TopK = 0,
@@ -252,7 +255,7 @@ def paper(
     boundary_after: After = None,
     scorer: Scorer = None,
     max_new_tokens: MaxNew = 128,
-    max_stage1_tokens: MaxStage1 = 256,
+    max_stage1_tokens: MaxStage1 = None,
     select: Annotated[str, typer.Option("--select", help="transplant selection at the primary checkpoint")] = "first:24",
     rows: Annotated[int, typer.Option("--rows", help="bridge rows")] = 12,
     sweep: Annotated[bool, typer.Option("--sweep/--no-sweep", help="layer sweep at the primary checkpoint")] = False,

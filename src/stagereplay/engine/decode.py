@@ -26,7 +26,8 @@ class DecodeConfig:
     """How continuations are decoded."""
 
     max_new_tokens: int = field(default=128, metadata={"help": "suffix length limit after the boundary"})
-    max_stage1_tokens: int = field(default=256, metadata={"help": "tokens allowed to reach the boundary"})
+    max_stage1_tokens: int | None = field(default=None, metadata={
+        "help": "tokens allowed to reach the boundary (none: 8192 or what the context leaves, engine.limits)"})
     sample: bool = field(default=False, metadata={"help": "seeded sampling instead of greedy"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     top_k: int = field(default=0, metadata={"help": "sample from the top k tokens only (0 = all)"})
@@ -34,7 +35,7 @@ class DecodeConfig:
     top_p: float = field(default=1.0, metadata={"help": "sample from the smallest set with this mass (1 = all)"})
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.max_stage1_tokens < 1:
+        if self.max_new_tokens < 1 or (self.max_stage1_tokens is not None and self.max_stage1_tokens < 1):
             raise StageReplayError("token limits must be at least 1", "pass positive --max-new-tokens")
         if self.sample and self.temperature <= 0:
             raise StageReplayError(

@@ -28,15 +28,10 @@ from stagereplay.engine.decode import (
     derive_seed,
     eos_ids,
 )
+from stagereplay.engine.limits import model_context, stage1_budget
 from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, set_determinism
 from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Item
-
-
-def model_context(config: Any) -> int:
-    """Positions the model was built for (unbounded when its config does not say)."""
-    return int(getattr(config.get_text_config(), "max_position_embeddings", None) or 1 << 30)
-
 
 CONSTRUCTIONS = ("live", "incremental", "oneshot", "chunked:<n>", "retokenized")
 
@@ -81,6 +76,7 @@ class BoundaryState:
     seed: int = 0  # the continuation's sampling seed, shared by every construction of one item
     live_suffix: Continuation | None = None  # for `live`: what the uninterrupted original loop went on to emit
     roundtrip: bool | None = None  # for `retokenized`: did decode -> encode return the same IDs?
+    match: dict[str, Any] | None = None  # for `live`: how the boundary rule matched, when there is more to say
 
     @property
     def stage1(self) -> tuple[int, ...]:
@@ -136,7 +132,8 @@ class LM:
         """
         dc = decode_config or DecodeConfig()
         prompt, item_id = self.check_prompt(item)
-        rule = boundary.bind(self.tokenizer)
+        watch = boundary.bind(self.tokenizer).watch()
+        budget = dc.max_stage1_tokens or stage1_budget(self.context, len(prompt), dc.max_new_tokens)
         cache = new_cache(self.model)
         logits = self.stepper.forward(prompt, cache, 0)
         past = len(prompt)
@@ -145,16 +142,16 @@ class LM:
         while True:
             token = pick(logits)
             generated.append(token)
-            if rule.reached(generated):
+            if watch.step(token):
                 break
-            if token in self.eos or len(generated) >= dc.max_stage1_tokens:
+            if token in self.eos or len(generated) >= budget:
                 raise NoBoundary(generated)
             logits = self.stepper.forward([token], cache, past)
             past += 1
         # `cache` now covers prompt + generated[:-1]; generated[-1] is the pending token P[T-1].
         state = BoundaryState(
             prefix=(*prompt, *generated), prompt_len=len(prompt), construction="live",
-            cache=clone_cache(cache), seed=derive_seed(dc.seed, item_id, "suffix"),
+            cache=clone_cache(cache), seed=derive_seed(dc.seed, item_id, "suffix"), match=watch.detail(),
         )
         if not keep_going:
             return state

@@ -21,7 +21,14 @@ from stagereplay.experiments.bridge import run_bridge
 from stagereplay.experiments.matched import MatchedConfig, run_matched
 from stagereplay.experiments.precision_2x2 import run_2x2
 from stagereplay.experiments.resample import ResampleConfig, run_resample
-from stagereplay.experiments.runs import finish, new_manifest, prepare, require_boundary, resolve_source
+from stagereplay.experiments.runs import (
+    finish,
+    new_manifest,
+    prepare,
+    print_header,
+    require_boundary,
+    resolve_source,
+)
 from stagereplay.experiments.transplant import TransplantConfig, run_transplant
 from stagereplay.records.ledger import atomic_write, open_run
 from stagereplay.report.results import AUDIT_FILE
@@ -64,7 +71,8 @@ def paper(
     later = ModelConfig(**{**asdict(source.model), "path": str(Path(later_model).resolve())}) if later_model else None
     if later is not None:
         check_model_dir(later.path)
-    lm, items, data_hash, determinism = prepare(source, ex)
+    source, lm, items, data_hash, determinism = prepare(source, ex)
+    print_header(source, quiet)
     extra = {"later": later.path} if later else {}
     manifest = new_manifest("paper", {"later_model": later.path if later else None, "select_primary": select_primary,
                                       "bridge_rows": bridge_rows, "sweep": sweep, "resample": resample,

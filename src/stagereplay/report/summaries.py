@@ -67,6 +67,8 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
         "first_divergence": divergence,
         **summarize_pair(ok, "live", construction),
     }
+    if any("marker_inside_token" in r.payload for r in ok):  # a marker matched on text (engine.boundary)
+        summary["n_marker_inside_token"] = sum(bool(r.payload.get("marker_inside_token")) for r in ok)
     if n:
         la, oa = sum(live_acc) / n, sum(other_acc) / n
         lo, hi = paired_bootstrap_ci(live_acc, other_acc, n_resamples=n_resamples, seed=seed)
