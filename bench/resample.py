@@ -15,8 +15,10 @@ boundary comes `--prefix` tokens after a random 32-token prompt, as a long reaso
 - `reprefill`: one-shot prefill of the prefix for every draw, then the same decode: what a tool that
   rebuilds the state per sample pays.
 
-The script asserts that `draw` and `reprefill` emit tokens (their counts are printed) and reports seconds per
-draw and per emitted token, with `draw / decode` (the clone's overhead) and `reprefill / draw`.
+The three are interleaved draw by draw, in rotating order, so that drift in the machine's speed hits them
+alike. The script reports time per draw and per emitted token (the three emit the same tokens on the toy; a
+fresh prefill may round differently in bf16, so the counts are printed), `draw / decode` (what the snapshot
+copy costs) and `reprefill / draw` (what a draw from one snapshot saves).
 """
 
 from __future__ import annotations
@@ -75,30 +77,35 @@ def main(argv: list[str] | None = None) -> None:
     dc = DecodeConfig(max_new_tokens=args.new_tokens, sample=True, temperature=0.6, top_p=0.95)
     states = [lm.live(p, rule, stage1, keep_going=False) for p in prompts]
 
-    def draw() -> int:
-        return sum(len(lm.continue_from(s, dc, seed=j).suffix) for s in states for j in range(args.k))
+    def draw(state: Any, j: int) -> int:
+        return len(lm.continue_from(state, dc, seed=j).suffix)
 
-    def decode() -> int:  # the same steps on caches cloned before the clock starts
-        clones = [[clone_cache(s.cache) for _ in range(args.k)] for s in states]
+    def decode(state: Any, j: int) -> int:  # the same steps on a cache cloned before the clock starts
+        cache = clone_cache(state.cache)
         start[0] = time.perf_counter()
-        return sum(len(lm._continue(c, s, dc, j).suffix) for s, cs in zip(states, clones, strict=True)
-                   for j, c in enumerate(cs))
+        return len(lm._continue(cache, state, dc, j).suffix)
 
-    def reprefill() -> int:
-        return sum(len(lm.continue_from(lm.construct(s, "oneshot"), dc, seed=j).suffix)
-                   for s in states for j in range(args.k))
+    def reprefill(state: Any, j: int) -> int:
+        return len(lm.continue_from(lm.construct(state, "oneshot"), dc, seed=j).suffix)
 
     lm.continue_from(states[0], dc, seed=0)  # warm-up: the captured step's first call compiles it
     start = [0.0]
-    timings: dict[str, list[float]] = {"draw": [], "decode": [], "reprefill": []}
-    tokens: dict[str, int] = {}
     methods = [("draw", draw), ("decode", decode), ("reprefill", reprefill)]
+    timings: dict[str, list[float]] = {name: [] for name, _ in methods}
+    tokens: dict[str, int] = {}
     for r in range(args.repeats):
-        for name, fn in methods[r % 3 :] + methods[: r % 3]:  # rotated, so no method always goes first
-            start[0] = time.perf_counter()
-            n = fn()
-            timings[name].append(time.perf_counter() - start[0])
-            tokens[name] = n
+        spent = dict.fromkeys(timings, 0.0)
+        count = dict.fromkeys(timings, 0)
+        # Interleaved draw by draw, in rotating order, so that drift in the machine's speed hits all three alike.
+        for i, (state, j) in enumerate((s, j) for s in states for j in range(args.k)):
+            k = (i + r) % 3
+            for name, fn in methods[k:] + methods[:k]:
+                start[0] = time.perf_counter()
+                count[name] += fn(state, j)
+                spent[name] += time.perf_counter() - start[0]
+        for name in timings:
+            timings[name].append(spent[name])
+            tokens[name] = count[name]
     draws = len(states) * args.k
     med: dict[str, Any] = {k: statistics.median(v) for k, v in timings.items()}
     prefix = statistics.mean(len(s.prefix) for s in states)
