@@ -223,9 +223,9 @@ def test_newer_schema_ledger_is_refused_by_name(tmp_path):
     shutil.copytree(FIXTURES / "newer_schema", run)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     result = runner.invoke(app, ["audit", str(run), "--verify-only"])
-    assert result.exit_code == 1 and "schema_version 2, newer than" in result.stderr
+    assert result.exit_code == 1 and "schema_version 3, newer than" in result.stderr
     resumed = runner.invoke(app, ["precision-2x2", str(run), "--quiet"])
-    assert resumed.exit_code == 2 and "schema_version 2, newer than this stagereplay's 1" in resumed.stderr
+    assert resumed.exit_code == 2 and "schema_version 3, newer than this stagereplay's 2" in resumed.stderr
     assert len(resumed.stderr.strip().splitlines()) == 1
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.name in before} == before
 

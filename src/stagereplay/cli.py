@@ -192,12 +192,15 @@ def audit(
         from stagereplay.runs import audit as run
 
         res = run(run_dir, verify_only, workers, executor, quiet)
+        for note in res.get("notes", []):
+            typer.echo(f"note: {note}", err=True)
         for b in res.get("broken_records", []):
             typer.echo(f"  ledger record {b['seq']}: {b['reason']}", err=True)
         for m in res.get("mismatches", []):
             typer.echo(f"  {m['what']}", err=True)
         if res.get("verify_only"):
-            typer.echo("ledger intact" if res["chain_ok"] else "ledger damaged")
+            typer.echo("ledger intact, bound and complete" if res["reproduced"] else "ledger damaged" if not
+                       res["chain_ok"] else "ledger intact, but its claims or completeness fail")
         else:
             t, c = res["trajectories"], res["comparisons"]
             typer.echo(f"trajectories reproduced {t['k']}/{t['n']}, comparisons reproduced {c['k']}/{c['n']}")
@@ -290,9 +293,13 @@ def merge(
     """Join runs made with --shard I/N into the run one process would have made; refuses mismatched shards."""
 
     def go() -> None:
+        from stagereplay.records.ledger import read_manifest
+        from stagereplay.records.shards import environment_notes
         from stagereplay.runs import merge
 
         typer.echo(f"merged {len(shards)} shards into {merge(shards, out)}")
+        for note in environment_notes(read_manifest(out)):
+            typer.echo(f"note: {note}", err=True)
 
     _run(go)
 

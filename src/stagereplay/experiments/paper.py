@@ -78,6 +78,6 @@ def paper(
             del lm  # one model in memory at a time
             run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)
             run_transplant(run, later, settings, "later", TransplantConfig(select="all-divergent"), ex, quiet)
-        summary = audit_run(run.path, run.manifest, run.records, ex, quiet)
+        summary = audit_run(run.path, run.manifest, run.records, ex, quiet, stored_results=False)
         atomic_write(run.path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
         return finish(run, quiet)

@@ -246,19 +246,20 @@ def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "prima
 
 def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, executor: str = "local",
           quiet: bool = False) -> dict[str, Any]:
-    """Check the ledger's integrity, then (unless `verify_only`) re-execute it; `reproduced` says if all held."""
+    """Check what needs no model (chain, binding to the manifest, completeness, derivable claims), then
+    (unless `verify_only`) re-execute the ledger and compare every field; `reproduced` says if all held."""
     import json
 
-    from stagereplay.experiments.audit import audit_run, verify_ledger
+    from stagereplay.experiments.audit import audit_run
+    from stagereplay.experiments.verify import verify_run
     from stagereplay.records.ledger import atomic_write
     from stagereplay.report.results import AUDIT_FILE
 
     path, manifest = _existing(run_dir, check_ledger=False)  # the audit reports damage instead of refusing
-    problems = verify_ledger(path)
-    if verify_only or problems:
-        return {"chain_ok": not problems, "broken_records": problems, "reproduced": not problems,
-                "verify_only": True}
-    with open_run(path, manifest) as run:
+    checked = verify_run(path, manifest)
+    if verify_only or checked["broken_records"]:
+        return checked
+    with open_run(path, manifest, extend=False) as run:
         summary = audit_run(path, run.manifest, run.records, ExecConfig(workers, executor), quiet)
         atomic_write(path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
         finish(run, quiet)
@@ -266,7 +267,9 @@ def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, exec
 
 
 def merge(shards: list[Path], out: Path, quiet: bool = True) -> Path:
-    """Join the shards of one `--shard I/N` command into the run one process would have made, with its report."""
+    """Join the shards of one `--shard I/N` command into the run one process would have made, with its report.
+    Shards computed in different environments merge (each record keeps its own); `shard_environments`
+    of the merged manifest names them."""
     merge_runs(shards, out)
     with open_run(out, read_manifest(out)) as run:
         finish(run, quiet)

@@ -54,3 +54,11 @@ def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]
     if audit.exists():
         results["audit"] = json.loads(audit.read_text())
     return results
+
+
+def comparable_results(results: dict[str, Any]) -> dict[str, Any]:
+    """results.json less what is not rebuilt from the ledger: its time stamp and the last audit's findings."""
+    out = json.loads(json.dumps(results))
+    out.get("run", {}).pop("created", None)
+    out.pop("audit", None)
+    return out
