@@ -7,10 +7,33 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer vendors click (0.2x on): its parser raises the vendored exceptions
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # an older typer on the real click
+    from click.exceptions import NoArgsIsHelpError, UsageError  # type: ignore[assignment]  # same names, older home
 
 from stagereplay.errors import StageReplayError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+class OneLineErrors(TyperGroup):
+    """Click's usage errors (a value of the wrong type, a missing or unknown option or command) as the one
+    `error: <problem>; <fix>` line and exit code 2 of every other bad input, not a usage box."""
+
+    def invoke(self, ctx: Any) -> Any:  # typer's vendored click.Context
+        try:
+            return super().invoke(ctx)
+        except NoArgsIsHelpError:
+            raise
+        except UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx else ctx.command_path
+            problem = " ".join(exc.format_message().split())
+            typer.echo(f"error: {problem.rstrip('.')}; see `{where} --help`", err=True)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Audit stage replay: live cache vs fresh prefill of identical token IDs.")
 toy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The embedded toy reasoning model.")
 app.add_typer(toy_app, name="toy")
@@ -280,6 +303,8 @@ def export(
             raise StageReplayError(f"unknown export format {format!r}", "use --format parquet or csv")
         if not (run_dir / "ledger.jsonl").exists():
             raise StageReplayError(f"no ledger.jsonl in {run_dir}", "point at a run directory")
+        if output is not None and output.is_dir():
+            raise StageReplayError(f"--output {output} is a directory", "pass the path of the file to write")
         typer.echo(f"wrote {export_ledger(run_dir, format, output)}")  # type: ignore[arg-type]  # checked above
 
     _run(go)
@@ -318,6 +343,9 @@ def toy_train(
 
         from stagereplay.toy.train import TrainConfig, train
 
+        for name, value in (("--steps", steps), ("--threads", threads)):
+            if value is not None and value < 1:
+                raise StageReplayError(f"{name} must be at least 1, got {value}", f"pass a positive {name}")
         changes = {k: v for k, v in {"steps": steps, "seed": seed, "threads": threads}.items() if v is not None}
         train(replace(TrainConfig(out=out), **changes))  # type: ignore[arg-type]  # only int fields are replaced
 

@@ -28,6 +28,9 @@ class ReplaySettings:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     scorer: str = field(default="last-number", metadata={"help": "last-number | exact | regex:PATTERN"})
 
+    def __post_init__(self) -> None:
+        scorer_by_name(self.scorer)  # an unknown scorer fails here, before any run directory exists
+
     def rule(self) -> BoundaryRule:
         return parse_boundary(self.boundary)
 

@@ -15,6 +15,7 @@ from typing import Any
 from stagereplay.engine.boundary import BoundaryRule
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.model import ModelConfig, check_model_dir
+from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.audit import audit_run
 from stagereplay.experiments.bridge import run_bridge
@@ -48,6 +49,9 @@ def paper(
 ) -> dict[str, Any]:
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
     checkpoint, audit, report."""
+    if bridge_rows < 1:
+        raise StageReplayError(f"--rows must be at least 1, got {bridge_rows}", "pass a positive --rows")
+    TransplantConfig(select=select_primary)  # a bad selection rule fails here, before any run directory exists
     if workers == 0:  # auto: one single-threaded process per core on a CPU (capped), one process per GPU run
         workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)

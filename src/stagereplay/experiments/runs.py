@@ -206,10 +206,11 @@ def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = ("increm
                   precisions: tuple[str, ...] = ("bf16", "fp32"), checkpoint: str = "primary", workers: int = 1,
                   executor: str = "local", quiet: bool = False) -> dict[str, Any]:
     """Hold the matched run's prefixes fixed; cross construction with precision."""
-    from stagereplay.experiments.precision_2x2 import run_2x2
+    from stagereplay.experiments.precision_2x2 import check_fixed_constructions, run_2x2
 
     path, manifest = _existing(run_dir)
     model, settings = _matched_stage(manifest, checkpoint)
+    check_fixed_constructions(constructions)
     for p in precisions:
         model.with_precision(p)  # validates the name before anything runs
     with open_run(path, manifest) as run:
@@ -234,11 +235,14 @@ def bridge(run_dir: str | Path, rows: int = 12, checkpoint: str = "primary", wor
 def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
                executor: str = "local", quiet: bool = False) -> dict[str, Any]:
     """Swap K/V between live and fresh boundary states of the selected divergent items, both directions."""
+    from stagereplay.engine.model import load_config_and_tokenizer
     from stagereplay.experiments.transplant import TransplantConfig, run_transplant
 
     path, manifest = _existing(run_dir)
     model, settings = _matched_stage(manifest, checkpoint)
     cfg = config or TransplantConfig(construction=manifest["stages"][f"matched/{checkpoint}"]["construction"])
+    hf_config, _ = load_config_and_tokenizer(model.path)
+    cfg.check_layers(hf_config.get_text_config().num_hidden_layers)
     with open_run(path, manifest) as run:
         run_transplant(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
         return finish(run, quiet)

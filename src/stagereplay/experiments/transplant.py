@@ -39,17 +39,31 @@ class TransplantConfig:
         if self.kv not in ("k", "v", "kv"):
             raise StageReplayError(f"unknown --kv {self.kv!r}", "use k, v or kv")
         parse_selection(self.select)
+        try:  # the syntax here (any layer count will do); the range against the model in `check_layers`
+            parse_layers(self.layers if self.layers not in ("all", "none") else "0", 1 << 30)
+        except StageReplayError:
+            raise StageReplayError(f"bad --layers {self.layers!r}", "use all, none, or low-high bands, e.g. 0-3,10") from None
+        if self.positions is not None:
+            start, stop = parse_positions(self.positions, 1 << 30)  # a slice's bounds, nothing allocated
+            if start >= stop:
+                raise StageReplayError(f"--positions {self.positions!r} selects no position",
+                                       "use A:B with A < B, e.g. 0:64")
+
+    def check_layers(self, n_layers: int) -> None:
+        """The layers exist in a model of `n_layers` layers (checked before any run directory changes)."""
+        parse_layers(self.layers, n_layers)
 
 
 def parse_selection(rule: str) -> tuple[str, int, int]:
     parts = rule.split(":")
     if parts == ["all-divergent"]:
         return "all", 0, 0
-    if parts[0] == "first" and len(parts) == 2 and parts[1].isdigit():
+    if parts[0] == "first" and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) > 0:
         return "first", int(parts[1]), 0
-    if parts[0] == "random" and len(parts) == 3 and parts[1].isdigit() and parts[2].lstrip("-").isdigit():
+    if (parts[0] == "random" and len(parts) == 3 and parts[1].isdigit() and int(parts[1]) > 0
+            and parts[2].lstrip("-").isdigit()):
         return "random", int(parts[1]), int(parts[2])
-    raise StageReplayError(f"unknown --select {rule!r}", "use all-divergent, first:K or random:K:SEED")
+    raise StageReplayError(f"unknown --select {rule!r}", "use all-divergent, first:K or random:K:SEED with K >= 1")
 
 
 def select(divergent: list[str], rule: str) -> list[str]:
