@@ -20,6 +20,7 @@ from stagereplay.experiments.common import Job, ReplaySettings
 from stagereplay.records.ledger import Record, diff_fields, items
 from stagereplay.records.manifest import binds
 from stagereplay.records.provenance import model_hashes
+from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
 from stagereplay.tasks import DataConfig, Item, load_items
 
@@ -105,11 +106,15 @@ def _model_key(stages: dict[str, Any], group: tuple[str, str, str]) -> tuple[str
     return model["path"], part or model["precision"]
 
 
-def input_findings(manifest: dict[str, Any], data_hash: str) -> list[dict[str, str]]:
+def input_findings(manifest: dict[str, Any], data_hash: str, item_ids: list[str]) -> list[dict[str, str]]:
     """The files at the manifest's paths must be the ones the run bound by hash: each stage's model
-    (config, weights, tokenizer, generation config) and the dataset. A path is only where to look."""
+    (config, weights, tokenizer, generation config) and the dataset, whose items (this shard's) must be the
+    manifest's item ids. A path is only where to look."""
     bound = manifest["config"].get("model_hashes", {})
-    findings = []
+    want = shard_items(item_ids, parse_shard(manifest["config"].get("shard")))
+    have = manifest["config"].get("item_ids", [])
+    findings = [{"item_id": i, "what": "config.item_ids lacks an item of the dataset"} for i in want if i not in have]
+    findings += [{"item_id": i, "what": "config.item_ids holds an item the dataset lacks"} for i in have if i not in want]
     if data_hash != manifest["config"].get("dataset_hash"):
         findings.append({"item_id": "", "what": f"the data at {manifest['config']['data'].get('path')} is not the "
                                                 "run's dataset (dataset_hash differs)"})
@@ -135,7 +140,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
 
     from stagereplay.engine.model import load_config_and_tokenizer
     from stagereplay.execution.jobs import run_jobs
-    from stagereplay.experiments.verify import verify_run
+    from stagereplay.experiments.verify import expected_units, verify_run
 
     checked = verify_run(run_dir, manifest, stored_results)
     mismatches: list[dict[str, str]] = list(checked["mismatches"])
@@ -145,12 +150,17 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     _, tokenizer = load_config_and_tokenizer(config["model"]["path"])  # the weights load where jobs run
     loaded, data_hash = load_items(DataConfig(**config["data"]), tokenizer)
     by_id = {i.id: i for i in loaded}
-    mismatches += input_findings(manifest, data_hash)
+    mismatches += input_findings(manifest, data_hash, [i.id for i in loaded])
     # Prefixes of the matched records: the fixed token states the other experiments start from.
     prefixes = {(r.checkpoint, r.item_id): r.payload.get("prefix_ids") for r in records if r.experiment == "matched"}
+    # Only the units the manifest declares, once each: a missing, extra or duplicated record is verify's finding.
+    declared = {(name, item, part) for name, stage in stages.items()
+                for item, part in expected_units(name, stage, config, records)}
     groups: dict[tuple[str, str, str], list[Record]] = {}
     for r in records:
-        if f"{r.experiment}/{r.checkpoint}" in stages:  # a record of an undeclared stage is verify's finding
+        unit = (f"{r.experiment}/{r.checkpoint}", r.item_id, r.part)
+        if unit in declared:
+            declared.discard(unit)
             groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment == "precision_2x2" else ""),
                               []).append(r)
     t_ok = t_n = c_ok = c_n = 0

@@ -22,8 +22,17 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments.common import comparison
 from stagereplay.experiments.transplant import divergent_ids, outcome, select
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
-from stagereplay.records.manifest import binding_problems, binds, chain_start, stage_name
+from stagereplay.records.manifest import (
+    binding_problems,
+    binds,
+    bound_config,
+    bound_stage,
+    chain_start,
+    stage_name,
+)
+from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
+from stagereplay.tasks.jsonl import file_sha256, read_rows
 from stagereplay.tasks.scoring import scorer_by_name
 
 STATUSES = ("ok", "no_boundary", "prefix_not_reproduced")
@@ -56,7 +65,7 @@ def verify_run(run_dir: Path, manifest: dict[str, Any], stored_results: bool = T
     chain, broken = read_chain(run_dir)
     broken += chain_problems(chain, chain_start(manifest)) + binding_problems(manifest, chain)
     records = items(chain)
-    findings = completeness(manifest, records)
+    findings = dataset_findings(manifest) + stage_model_findings(manifest) + completeness(manifest, records)
     stages = manifest.get("stages", {})
     matched = {(r.checkpoint, r.item_id): r for r in records if r.experiment == "matched"}
     for r in records:
@@ -68,6 +77,45 @@ def verify_run(run_dir: Path, manifest: dict[str, Any], stored_results: bool = T
     return {"chain_ok": not broken, "broken_records": broken, "mismatches": findings,
             "notes": [] if binds(manifest) else [SCHEMA_1_NOTE], "reproduced": not broken and not findings,
             "verify_only": True}
+
+
+def dataset_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
+    """The item ids are what the dataset gives: a JSONL file's ids (first `n`, this shard's), read without a
+    model when the file is at its path, and its hash; the toy task's count. The re-executing audit checks the
+    toy's ids themselves."""
+    config = manifest.get("config", {})
+    data, ids = config.get("data", {}), list(config.get("item_ids", []))
+    shard = parse_shard(config.get("shard"))
+    if data.get("path") is None:
+        n = data.get("n") or 200
+        expected_n = len(shard_items(list(range(n)), shard))
+        if len(ids) != expected_n:
+            return [{"item_id": "", "what": f"config.item_ids holds {len(ids)} ids, the toy task's n gives {expected_n}"}]
+        return []
+    path = Path(data["path"])
+    if not path.is_file():
+        return []  # a location only; the full audit reads the data where it is given
+    findings = []
+    if file_sha256(path) != config.get("dataset_hash"):
+        findings.append({"item_id": "", "what": f"the data at {path} is not the run's dataset (dataset_hash differs)"})
+    rows = [r.id for r in read_rows(path)]
+    want = shard_items(rows[: data.get("n") or len(rows)], shard)
+    findings += [{"item_id": i, "what": "config.item_ids lacks an item of the dataset"} for i in want if i not in ids]
+    findings += [{"item_id": i, "what": "config.item_ids holds an item the dataset lacks"} for i in ids if i not in want]
+    return findings
+
+
+def stage_model_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
+    """Every stage runs the run's model settings (precision, device, threads, attention); only the path (the
+    checkpoint) may differ, and a 2x2 stage's precisions are its parts."""
+    model = bound_config(manifest.get("config", {})).get("model", {})
+    findings = []
+    for name, stage in manifest.get("stages", {}).items():
+        differ = diff_fields(model, bound_stage(stage).get("model", {}))
+        if differ:
+            findings.append({"item_id": "", "what": f"stage {name}: model {', '.join(differ)} differs from the "
+                                                    "run's configuration"})
+    return findings
 
 
 def expected_units(name: str, stage: dict[str, Any], config: dict[str, Any], records: list[Record]
