@@ -16,7 +16,7 @@ from typing import Any
 
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings
+from stagereplay.experiments.common import Job, ReplaySettings, comparison_fp_schema_1
 from stagereplay.records.ledger import Record, diff_fields, items
 from stagereplay.records.manifest import binds
 from stagereplay.records.provenance import model_hashes
@@ -106,6 +106,14 @@ def _model_key(stages: dict[str, Any], group: tuple[str, str, str]) -> tuple[str
     return model["path"], part or model["precision"]
 
 
+def as_schema_1(item_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """A re-executed payload with its comparison fingerprints as ledger schema 1 wrote them."""
+    arms = {a["name"]: a for a in payload.get("arms", [])}
+    comparisons = [{**c, "fp": comparison_fp_schema_1(item_id, arms[c["a"]], arms[c["b"]])}
+                   for c in payload.get("comparisons", [])]
+    return {**payload, "comparisons": comparisons}
+
+
 def input_findings(manifest: dict[str, Any], data_hash: str, item_ids: list[str]) -> list[dict[str, str]]:
     """The files at the manifest's paths must be the ones the run bound by hash: each stage's model
     (config, weights, tokenizer, generation config) and the dataset, whose items (this shard's) must be the
@@ -179,6 +187,8 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
             todo = [r for r in group if r.item_id in by_id]
             jobs = [_job(r, stage, by_id[r.item_id], prefixes) for r in todo]
             for record, again in zip(todo, run_jobs(model, _work(experiment), jobs, ex), strict=True):
+                if not binds(manifest):
+                    again = as_schema_1(record.item_id, again)
                 a, b, c, d, bad = compare_payloads(record.item_id, record.payload, again)
                 t_ok, t_n, c_ok, c_n = t_ok + a, t_n + b, c_ok + c, c_n + d
                 mismatches += [{"item_id": record.item_id, "what": f"{where} {m}"} for m in bad]

@@ -91,6 +91,11 @@ def comparison(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> dict[str, 
     return {**fields, "fp": sha256_json(covered)}
 
 
+def comparison_fp_schema_1(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+    """The comparison fingerprint as ledger schema 1 wrote it (item, names, suffix fingerprints, labels only)."""
+    return sha256_json([item_id, a["name"], b["name"], a["suffix_fp"], b["suffix_fp"], a["correct"], b["correct"]])
+
+
 def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
     return {"status": "no_boundary", "prompt_ids": list(item.prompt_ids), "prefix_ids": None, "boundary": None,
             "generated_ids": list(generated), "answer": item.answer, "arms": [], "comparisons": []}

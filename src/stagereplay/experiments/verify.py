@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.engine.lm import ids_fingerprint
-from stagereplay.experiments.common import comparison
+from stagereplay.experiments.common import comparison, comparison_fp_schema_1
 from stagereplay.experiments.transplant import divergent_ids, outcome, select
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
 from stagereplay.records.manifest import (
@@ -71,7 +71,7 @@ def verify_run(run_dir: Path, manifest: dict[str, Any], stored_results: bool = T
     for r in records:
         stage = stages.get(stage_name(r))
         if stage is not None:
-            findings += claim_findings(r, stage, matched.get((r.checkpoint, r.item_id)))
+            findings += claim_findings(r, stage, matched.get((r.checkpoint, r.item_id)), binds(manifest))
     if stored_results:
         findings += results_findings(run_dir, manifest, records)
     return {"chain_ok": not broken, "broken_records": broken, "mismatches": findings,
@@ -178,8 +178,10 @@ def _selection_findings(name: str, stage: dict[str, Any], records: list[Record])
             for i in changed]
 
 
-def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None) -> list[dict[str, str]]:
-    """Every field of one item record that follows from its other fields (and its matched record), checked."""
+def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None, schema_2: bool = True
+                   ) -> list[dict[str, str]]:
+    """Every field of one item record that follows from its other fields (and its matched record), checked.
+    Schema 1 fingerprinted fewer comparison fields (`schema_2=False`)."""
     p, item = record.payload, record.item_id
     where = f"{stage_name(record)}{'@' + record.part if record.part else ''}"
     bad: list[str] = []
@@ -199,7 +201,10 @@ def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None
         if a is None or b is None:
             bad.append(f"comparison {c.get('a')} vs {c.get('b')}: an arm is missing")
             continue
-        for f in diff_fields(c, comparison(item, a, b)):
+        derived = comparison(item, a, b)
+        if not schema_2:
+            derived["fp"] = comparison_fp_schema_1(item, a, b)
+        for f in diff_fields(c, derived):
             bad.append(f"comparison {c['a']} vs {c['b']}: {f} does not follow from its arms")
     if record.experiment == "bridge" and status == "ok":
         bad += _bridge_claims(p, matched)
