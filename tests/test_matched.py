@@ -40,7 +40,8 @@ def test_bf16_oneshot_suffixes_disagree_and_are_reported(tmp_path, tiny_dir, ite
     m = res["matched"][0]
     assert m["n"] == 20 and m["n_boundary"] == 20
     assert m["replica_exact"]["live"]["k"] == 20 and m["replica_exact"]["oneshot"]["k"] == 20
-    assert m["suffix_disagreements"]["k"] >= 1
+    assert m["suffix_disagreements"]["k"] >= 1, "needs bf16 divergence with this CPU's kernels (a random bf16 " \
+        "Qwen2 diverges on some of 20 items on the machines this suite runs on); the properties below hold anywhere"
     assert len(m["first_divergence"]) == m["suffix_disagreements"]["k"]
     ledger = _items(out)
     assert len(ledger) == 20

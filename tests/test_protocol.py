@@ -52,7 +52,7 @@ def test_paper_runs_every_stage(paper_run):
 def test_bf16_disagreements_recur_in_the_2x2(paper_run):
     res = _results(paper_run)
     by = {d["precision"]: d for d in res["precision_2x2"]["disagreements"]}
-    assert by["bf16"]["k"] >= 1
+    assert by["bf16"]["k"] >= 1, "needs bf16 divergence with this CPU's kernels; the equality below holds anywhere"
     # In bf16, incremental is bit-exact with live, so its disagreements with oneshot are the matched ones.
     assert by["bf16"]["k"] == res["matched"][0]["suffix_disagreements"]["k"]
     fp32 = by["fp32"]

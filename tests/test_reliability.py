@@ -241,7 +241,7 @@ def test_hand_edited_ledger_is_refused_on_resume(tmp_path, tiny_dir, items_file,
     (out / "ledger.jsonl").write_text(text)
     result = runner.invoke(app, _args(tiny_dir("qwen2"), items_file, out))
     assert result.exit_code == 2
-    assert "was modified: record 0: content does not match its hash" in result.stderr
+    assert "was modified: record 2: content does not match its hash" in result.stderr  # after stage, environment
     assert (out / "ledger.jsonl").read_text() == text
 
 

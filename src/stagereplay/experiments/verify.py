@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,18 +67,31 @@ def verify_run(run_dir: Path, manifest: dict[str, Any], stored_results: bool = T
     chain, broken = read_chain(run_dir)
     broken += chain_problems(chain, chain_start(manifest)) + binding_problems(manifest, chain)
     records = items(chain)
-    findings = dataset_findings(manifest) + stage_model_findings(manifest) + completeness(manifest, records)
-    stages = manifest.get("stages", {})
-    matched = {(r.checkpoint, r.item_id): r for r in records if r.experiment == "matched"}
-    for r in records:
-        stage = stages.get(stage_name(r))
-        if stage is not None:
-            findings += claim_findings(r, stage, matched.get((r.checkpoint, r.item_id)), binds(manifest))
-    if stored_results:
-        findings += results_findings(run_dir, manifest, records)
+    findings: list[dict[str, str]] = []
+    if not broken:  # a broken chain is the finding; what it says is not to be trusted or derived from
+        findings += _guarded("", "the manifest", lambda: dataset_findings(manifest) + stage_model_findings(manifest))
+        findings += _guarded("", "the ledger", lambda: completeness(manifest, records))
+        stages = manifest.get("stages", {})
+        matched = {(r.checkpoint, r.item_id): r for r in records if r.experiment == "matched"}
+        for r in records:
+            stage = stages.get(stage_name(r))
+            if stage is not None:
+                findings += _guarded(r.item_id, stage_name(r), partial(
+                    claim_findings, r, stage, matched.get((r.checkpoint, r.item_id)), binds(manifest)))
+        if stored_results:
+            findings += _guarded("", "results.json", lambda: results_findings(run_dir, manifest, records))
     return {"chain_ok": not broken, "broken_records": broken, "mismatches": findings,
             "notes": [] if binds(manifest) else [SCHEMA_1_NOTE], "reproduced": not broken and not findings,
             "verify_only": True}
+
+
+def _guarded(item: str, where: str, check: Callable[[], list[dict[str, str]]]) -> list[dict[str, str]]:
+    """A check's findings; a record or manifest too malformed to check (a field missing, of another type) is
+    itself the finding, never a crash of the audit."""
+    try:
+        return check()
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, StopIteration) as exc:
+        return [{"item_id": item, "what": f"{where}: malformed ({type(exc).__name__}: {exc})"}]
 
 
 def dataset_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
