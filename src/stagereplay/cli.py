@@ -219,8 +219,9 @@ def audit(
             typer.echo(f"note: {note}", err=True)
         for b in res.get("broken_records", []):
             typer.echo(f"  ledger record {b['seq']}: {b['reason']}", err=True)
-        for m in res.get("mismatches", []):
-            typer.echo(f"  {m['what']}", err=True)
+        for m in res.get("mismatches", []):  # each names its item (unless about the whole run) and field
+            item = f"{m['item_id']}: " if m["item_id"] and m["item_id"] not in m["what"] else ""
+            typer.echo(f"  {item}{m['what']}", err=True)
         if res.get("verify_only"):
             typer.echo("ledger intact, bound and complete" if res["reproduced"] else "ledger damaged" if not
                        res["chain_ok"] else "ledger intact, but its claims or completeness fail")

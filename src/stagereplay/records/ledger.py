@@ -5,7 +5,11 @@
     RUN_DIR/ledger.jsonl    one record per line, each carrying the sha256 of the previous one
     RUN_DIR/.lock           held (flock) by the one process writing the run; records its pid
 
-A record is written whole (write, flush, fsync). A torn last line (a kill mid-write) is set aside and redone.
+The chain starts at the hash of the run's frozen identity (`records.manifest.chain_start`), so the manifest's
+configuration and item ids are bound; each stage's section enters the chain as a `stage` record before its
+first item, and each item's environment as an `environment` record before the first item it computed
+(`records.record` has the format). A record is written whole (write, fsync). A torn last line (a kill
+mid-write) is set aside and redone.
 """
 
 from __future__ import annotations
