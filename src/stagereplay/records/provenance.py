@@ -102,21 +102,17 @@ def _nvidia_driver() -> str | None:
         return None
 
 
-def _kernels() -> dict[str, Any]:
-    """The global switches that choose kernels: SDPA backends, reduced-precision reductions, CPU ISA, oneDNN."""
+def _kernels(device: str) -> dict[str, Any]:
+    """The global switches that choose this device's kernels: SDPA backends, reduced-precision reductions and
+    TF32 (CUDA only: on a CPU they choose nothing, so a CPU run does not depend on them), the float32 matmul
+    precision, the CPU ISA and oneDNN."""
     import torch
 
     cuda, cpu = torch.backends.cuda, torch.backends.cpu
-    return {
+    out: dict[str, Any] = {
         "sdpa": {"flash": cuda.flash_sdp_enabled(), "mem_efficient": cuda.mem_efficient_sdp_enabled(),
                  "math": cuda.math_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()},
-        "reduced_precision": {
-            "bf16_reduction": cuda.matmul.allow_bf16_reduced_precision_reduction,
-            "fp16_reduction": cuda.matmul.allow_fp16_reduced_precision_reduction,
-            "tf32_matmul": cuda.matmul.allow_tf32,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        },
+        "reduced_precision": {"float32_matmul_precision": torch.get_float32_matmul_precision()},
         "cpu": {
             "capability": cpu.get_cpu_capability(),
             "mkldnn_enabled": torch.backends.mkldnn.enabled,
@@ -125,6 +121,14 @@ def _kernels() -> dict[str, Any]:
                                                    "ONEDNN_DEFAULT_FPMATH_MODE")},
         },
     }
+    if device.startswith("cuda"):
+        out["reduced_precision"].update({
+            "bf16_reduction": cuda.matmul.allow_bf16_reduced_precision_reduction,
+            "fp16_reduction": cuda.matmul.allow_fp16_reduced_precision_reduction,
+            "tf32_matmul": cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        })
+    return out
 
 
 def environment(device: str, determinism: dict[str, Any]) -> dict[str, Any]:
@@ -144,5 +148,5 @@ def _environment(device: str, determinism: str) -> str:
         "git": git_revision(),
         "determinism": json.loads(determinism),
         **_cuda(device),
-        "kernels": _kernels(),
+        "kernels": _kernels(device),
     })
