@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import save_tiny_model
+from tiny import save_r1_model, save_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,20 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
         if arch not in made:
             made[arch] = save_tiny_model(root / arch, arch)
         return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def r1_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Folder factory: r1_dir("merged" | "added") -> an R1-shaped tiny model (tiny.save_r1_model), built once."""
+    root = tmp_path_factory.mktemp("r1-models")
+    made: dict[str, Path] = {}
+
+    def get(kind: str = "merged") -> Path:
+        if kind not in made:
+            made[kind] = save_r1_model(root / kind, kind)
+        return made[kind]
 
     return get
 
@@ -51,4 +65,4 @@ def items_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def attn_for(arch: str) -> str:
-    return "eager" if arch == "gemma2" else "sdpa"
+    return "eager" if arch.startswith("gemma") else "sdpa"

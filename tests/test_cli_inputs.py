@@ -55,7 +55,7 @@ MATCHED = [
     (["--construction", "chunked:x"], "unknown construction 'chunked:x'"),
     (["--construction", "twoshot"], "unknown construction 'twoshot'"),
     (["--construction", "live"], "live construction comes only from live generation"),
-    (["--boundary-marker", ""], "encodes to no tokens"),
+    (["--boundary-marker", ""], "empty boundary marker"),
     (["--boundary-regex", "("], "invalid --boundary-regex '('"),
     (["--boundary-regex", ""], "matches the empty text"),
     (["--boundary-regex", "x*"], "matches the empty text"),

@@ -15,7 +15,7 @@ import torch
 from conftest import attn_for
 from tiny import ARCHS
 
-from stagereplay.engine.cache import compare_caches, new_cache, nudged
+from stagereplay.engine.cache import compare_caches, layer_span, new_cache, nudged
 from stagereplay.engine.decode import DecodeConfig, Sampler, Stepper, capture_available, decode
 from stagereplay.engine.lm import load
 
@@ -119,7 +119,8 @@ def test_logits_and_cache_equal_generate_bitwise(tiny_dir, arch, precision):
         assert torch.equal(ours.view(torch.int32), theirs[0].view(torch.int32))
     assert compare_caches(cache, ref.cache) == []
     # Negative control: one ulp in one element of one layer is seen.
-    assert compare_caches(nudged(cache, 0, "k", (0, 0, 3, 0)), ref.cache) != []
+    pos = layer_span(cache.layers[0])[0] + 3  # absolute: a sliding layer 0 no longer holds position 3
+    assert compare_caches(nudged(cache, 0, "k", (0, 0, pos, 0)), ref.cache) != []
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

@@ -11,6 +11,7 @@ from forge import load, save, with_payload
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
+from stagereplay.records.ledger import Record
 from stagereplay.report.stats import wilson_interval
 
 runner = CliRunner()
@@ -150,3 +151,39 @@ def test_audit_reexecution_catches_what_the_hash_chain_cannot(paper_run, tmp_pat
     result = runner.invoke(app, ["audit", str(run), "--quiet"])
     assert result.exit_code == 1
     assert f"{target.item_id}: arm oneshot: suffix_ids not reproduced" in result.stderr
+
+
+def test_audit_reexecution_checks_the_diagnostics(paper_run, tmp_path):
+    """A margin or a cache difference the model does not reproduce is a mismatch, even with an intact chain."""
+    run = _copy(paper_run, tmp_path)
+    chain, manifest = load(run)
+    k, target = next((k, r) for k, r in enumerate(chain) if r.kind == "item" and r.experiment == "precision_2x2"
+                     and r.payload["diagnostics"]["pairs"])
+    payload = json.loads(json.dumps(target.payload))
+    pair = next(iter(payload["diagnostics"]["pairs"]))
+    payload["diagnostics"]["pairs"][pair]["cache"]["layers"][0]["k"]["rel_l2"] += 1e-3
+    chain[k] = target.model_copy(update={"payload": payload})
+    save(run, chain, manifest)
+    assert runner.invoke(app, ["audit", str(run), "--verify-only"]).exit_code == 0
+    result = runner.invoke(app, ["audit", str(run), "--quiet"])
+    assert result.exit_code == 1
+    assert f"{target.item_id}: diagnostics.pairs.{pair}.cache.layers.0.k.rel_l2 not reproduced" in result.stderr
+
+
+def test_every_comparison_of_the_protocol_has_diagnostics(paper_run):
+    """matched, 2x2 and bridge records: a step-1 logit difference per pair, cache differences for non-replicas."""
+    records = [Record.model_validate_json(x) for x in (paper_run / "ledger.jsonl").read_text().splitlines()]
+    for r in records:
+        if r.kind != "item" or r.experiment in ("transplant", "resample") or r.payload["status"] != "ok":
+            continue
+        pairs = r.payload["diagnostics"]["pairs"]
+        assert set(pairs) == {f"{c['a']} vs {c['b']}" for c in r.payload["comparisons"]}
+        for name, diag in pairs.items():
+            assert (diag["cache"] is None) == ("#replica" in name), name
+        if r.experiment == "bridge":  # incremental is bit-exact with live: no difference anywhere
+            cache = pairs["live vs incremental"]["cache"]
+            assert all(row["k"]["n_diff"] == row["v"]["n_diff"] == 0 for row in cache["layers"])
+    res = _results(paper_run)
+    fp32 = next(d for d in res["precision_2x2"]["disagreements"] if d["precision"] == "fp32")
+    bf16 = next(d for d in res["precision_2x2"]["disagreements"] if d["precision"] == "bf16")
+    assert max(fp32["first_step_logit_maxabs"].values()) < min(v for v in bf16["first_step_logit_maxabs"].values() if v)

@@ -136,7 +136,9 @@ def test_points_format(value: float, expected: str) -> None:
 def test_missing_sections_are_omitted() -> None:
     results = _results()
     results.update(precision_2x2=None, bridge=None, transplant=[], audit=None)
-    assert [t.id for t in build_tables(results)] == ["table-matched"]
+    ids = [t.id for t in build_tables(results)]
+    assert ids[0] == "table-matched"
+    assert not [i for i in ids if i.startswith(("table-2x2", "table-bridge", "table-transplant", "table-audit"))]
     results["matched"] = []
     assert build_tables(results) == []
 
@@ -183,6 +185,48 @@ def test_print_tables_to_a_console() -> None:
     assert "follows donor per band" not in out  # the long sweep table stays in the files
 
 
+@pytest.mark.parametrize("results", [_results, _paper_results], ids=["run_small", "paper"])
+def test_every_terminal_table_reads_at_80_columns(results) -> None:
+    """Cells wrap between words; a one-word cell such as a transplant direction is never cut."""
+    text = render_tables_text(results(), width=80)
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert re.search(r"│ live->oneshot +│", text) and re.search(r"│ oneshot->live +│", text)
+
+
+def test_rich_default_widths_cut_the_transplant_direction_at_80_columns() -> None:
+    """Negative control: the same transplant table with rich's own column widths ends in `live->on…`."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    table = next(t for t in build_tables(_paper_results()) if t.id == "table-transplant-primary")
+    rich = RichTable(title=table.title)
+    for header in table.headers:
+        rich.add_column(header)
+    for row in table.rows:
+        rich.add_row(*row)
+    buffer = io.StringIO()
+    Console(file=buffer, width=80, color_system=None).print(rich)
+    assert "…" in buffer.getvalue()
+
+
+def test_verdict_gives_each_answer_its_number() -> None:
+    from stagereplay.report.verdict import verdict
+
+    answers = dict(verdict(_paper_results()))
+    assert answers["Is replay faithful in bf16?"].startswith("no: 166/200 (83.0%)")
+    assert answers["Is replay faithful in fp32?"].startswith("yes") and "upper bound 1.88%" in answers[
+        "Is replay faithful in fp32?"]
+    assert answers["Does the cache carry the divergence?"].startswith("yes") and "lower bound 86.2%" in answers[
+        "Does the cache carry the divergence?"]
+    # Without the 2x2 the fp32 question is not answered from thin air.
+    results = _paper_results()
+    results["precision_2x2"] = None
+    assert dict(verdict(results))["Is replay faithful in fp32?"].startswith("not measured")
+
+
 # --- write_report --------------------------------------------------------------------------------
 
 
@@ -196,7 +240,11 @@ def test_write_report_files(tmp_path: Path) -> None:
     page = html.read_text()
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "the page must not fetch anything"
     assert "http://" not in page and "https://" not in page
-    assert page.count('<img alt="') == 3  # divergence, transplant outcomes, layer sweep
+    from stagereplay.report.figures import build_figures
+
+    figures = build_figures(_results())
+    assert {"fig-divergence", "fig-transplant", "fig-sweep-primary"} <= {f.id for f in figures}
+    assert page.count('<img alt="') >= len(figures)  # every figure the results call for, inline
     assert not list(run.glob(".*.tmp"))
 
 
@@ -277,7 +325,8 @@ def test_browser_dom_has_every_table_and_loaded_images(rendered: Path, tmp_path:
         "table-audit",
     ):
         assert f'id="{table_id}"' in dom, table_id
-    assert 'data-images-loaded="3/3"' in dom
+    n = rendered.read_text().count('<img alt="')
+    assert n >= 3 and f'data-images-loaded="{n}/{n}"' in dom
 
 
 def test_browser_image_check_catches_a_broken_image(tmp_path: Path) -> None:

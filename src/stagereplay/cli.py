@@ -62,25 +62,30 @@ Precision = Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32 
 Device = Annotated[str, typer.Option("--device", help="cpu | cuda | cuda:<i>")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads per process (fixed, recorded)")]
 AttnImpl = Annotated[str, typer.Option("--attn-impl", help="eager | sdpa")]
-Marker = Annotated[str | None, typer.Option("--boundary-marker", help="stage 1 ends with these tokens")]
-Regex = Annotated[str | None, typer.Option("--boundary-regex", help="stage 1 ends when its text matches")]
+Marker = Annotated[str | None, typer.Option("--boundary-marker", help=(
+    "stage 1 ends at the first token whose text completes this (default for a reasoning model: </think>)"))]
+Regex = Annotated[str | None, typer.Option("--boundary-regex", help=(
+    "stage 1 ends when its text matches (searched in the last 1024 characters and the new token's text)"))]
 After = Annotated[int | None, typer.Option("--boundary-after", help="stage 1 is the first N generated tokens")]
 Scorer = Annotated[str | None, typer.Option("--scorer", help="last-number | exact | regex:PATTERN")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="suffix length limit")]
-MaxStage1 = Annotated[int, typer.Option("--max-stage1-tokens", help="tokens allowed to reach the boundary")]
+MaxStage1 = Annotated[int | None, typer.Option("--max-stage1-tokens", help=(
+    "tokens allowed to reach the boundary (default: 8192 or what the context leaves; the toy: 256)"))]
 Sample = Annotated[bool, typer.Option("--sample/--greedy", help="seeded sampling instead of greedy")]
 Temperature = Annotated[float, typer.Option("--temperature")]
-TopK = Annotated[int, typer.Option("--top-k")]
+TopK = Annotated[int, typer.Option("--top-k", help="sample from the top k tokens only (0 = all)")]
+TopP = Annotated[float, typer.Option("--top-p", help="sample from the smallest set of this mass (1 = all)")]
 Seed = Annotated[int, typer.Option("--seed", help="base seed for sampling")]
 Workers = Annotated[int, typer.Option("--workers", help="local worker processes")]
 Executor = Annotated[str, typer.Option("--executor", help="local | ray")]
 Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables")]
 
 
-def _decode(max_new: int, max_stage1: int, sample: bool, temperature: float, top_k: int, seed: int) -> Any:
+def _decode(max_new: int, max_stage1: int | None, sample: bool, temperature: float, top_k: int, seed: int,
+            top_p: float = 1.0) -> Any:
     from stagereplay.engine.decode import DecodeConfig
 
-    return DecodeConfig(max_new, max_stage1, sample, temperature, top_k, seed)
+    return DecodeConfig(max_new, max_stage1, sample, temperature, top_k, seed, top_p)
 
 
 @app.command()
@@ -99,10 +104,11 @@ def matched(
     threads: Threads = 1,
     attn_impl: AttnImpl = "sdpa",
     max_new_tokens: MaxNew = 128,
-    max_stage1_tokens: MaxStage1 = 256,
+    max_stage1_tokens: MaxStage1 = None,
     sample: Sample = False,
     temperature: Temperature = 1.0,
     top_k: TopK = 0,
+    top_p: TopP = 1.0,
     seed: Seed = 0,
     workers: Workers = 1,
     executor: Executor = "local",
@@ -118,7 +124,7 @@ def matched(
 
         check_construction(construction)
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
-        dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed)
+        dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
             workers, executor, shard, quiet)
 
@@ -202,6 +208,36 @@ def transplant(
 
 
 @app.command()
+def resample(
+    run_dir: RunDir,
+    k: Annotated[int, typer.Option("--k", help="draws per boundary state and seed stream")] = 32,
+    temperature: Annotated[float, typer.Option("--temperature", help="sampling temperature")] = 0.6,
+    top_p: TopP = 0.95,
+    top_k: TopK = 0,
+    construction: Annotated[str, typer.Option(help="the fresh side: oneshot | incremental | chunked:<n> | "
+                                                   "retokenized")] = "oneshot",
+    n: Annotated[int | None, typer.Option("--n", help="first N items that reached the boundary")] = None,
+    precisions: Annotated[str | None, typer.Option(help="comma list (default: the run's precision)")] = None,
+    seed: Seed = 0,
+    checkpoint: Checkpoint = "primary",
+    workers: Workers = 1,
+    executor: Executor = "local",
+    quiet: Quiet = False,
+) -> None:
+    """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
+
+    def go() -> None:
+        from stagereplay.experiments.resample import ResampleConfig
+        from stagereplay.runs import resample as run
+
+        chosen = tuple(p for p in (precisions or "").split(",") if p)
+        cfg = ResampleConfig(k, temperature, top_p, top_k, construction, n, chosen, seed)
+        run(run_dir, cfg, checkpoint, workers, executor, quiet)
+
+    _run(go)
+
+
+@app.command()
 def audit(
     run_dir: RunDir,
     verify_only: Annotated[bool, typer.Option("--verify-only", help="check the ledger's integrity only")] = False,
@@ -246,10 +282,12 @@ def paper(
     boundary_after: After = None,
     scorer: Scorer = None,
     max_new_tokens: MaxNew = 128,
-    max_stage1_tokens: MaxStage1 = 256,
+    max_stage1_tokens: MaxStage1 = None,
     select: Annotated[str, typer.Option("--select", help="transplant selection at the primary checkpoint")] = "first:24",
     rows: Annotated[int, typer.Option("--rows", help="bridge rows")] = 12,
     sweep: Annotated[bool, typer.Option("--sweep/--no-sweep", help="layer sweep at the primary checkpoint")] = False,
+    resample: Annotated[int, typer.Option("--resample", help="K sampled draws per state (0: no resample stage)")] = 0,
+    resample_items: Annotated[int, typer.Option("--resample-items", help="items the resample stage draws on")] = 50,
     device: Device = "cpu",
     threads: Threads = 1,
     attn_impl: AttnImpl = "sdpa",
@@ -265,8 +303,9 @@ def paper(
 
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, False, 1.0, 0, 0)
-        res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device, threads,
-                  attn_impl, workers, executor, quiet)
+        res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device=device,
+                  threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
+                  resample=resample, resample_items=resample_items)
         typer.echo(f"report: {out / 'report.html'}")
         if not res["audit"]["reproduced"]:
             raise typer.Exit(1)
@@ -285,6 +324,22 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> 
             raise StageReplayError(f"no results.json in {run_dir}", "run an experiment into it first")
         md, html = write_report(run_dir)
         typer.echo(f"wrote {md} and {html}")
+
+    _run(go)
+
+
+@app.command()
+def show(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory")],
+    item_id: Annotated[str, typer.Argument(help="the item's id, as in the report's explorer")],
+    checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="only this model of the run")] = None,
+) -> None:
+    """One item's story: prompt, stage 1, both suffixes with the divergence marked, margins, cache per layer."""
+
+    def go() -> None:
+        from stagereplay.report.explorer import show_item
+
+        show_item(run_dir, item_id, checkpoint)
 
     _run(go)
 

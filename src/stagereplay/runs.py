@@ -4,12 +4,13 @@
     precision_2x2(run_dir, ...)  fixed prefixes, construction x precision
     bridge(run_dir, ...)         incremental vs live caches, bitwise
     transplant(run_dir, ...)     K/V swapped between the two boundary states
+    resample(run_dir, ...)       K sampled draws per boundary state: is the answer distribution kept?
     audit(run_dir, ...)          re-execute the ledger and check every claim
     merge(shards, out)           join `--shard I/N` runs
     paper(out, ...)              all of it, as the reference paper runs it        (experiments/paper.py)
 """
 
 from stagereplay.experiments.paper import paper
-from stagereplay.experiments.runs import audit, bridge, matched, merge, precision_2x2, transplant
+from stagereplay.experiments.runs import audit, bridge, matched, merge, precision_2x2, resample, transplant
 
-__all__ = ["audit", "bridge", "matched", "merge", "paper", "precision_2x2", "transplant"]
+__all__ = ["audit", "bridge", "matched", "merge", "paper", "precision_2x2", "resample", "transplant"]

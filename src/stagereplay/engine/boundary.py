@@ -1,17 +1,32 @@
-"""Boundary rules: where stage 1 of the model's own output ends, decided on the generated token IDs.
+"""Boundary rules: where stage 1 of the model's own output ends, decided token by token as it is generated.
 
-A rule is asked after every generated token whether stage 1 has just ended; the answer fixes the prefix
-`P = prompt + generated[:k]`, whose last token `P[T-1]` is the pending token of the boundary state.
+A rule, bound to a tokenizer, hands out a `Watch` per generation; the watch is told each generated token and
+says when stage 1 has just ended. That token is the boundary token `P[T-1]`, the pending token of the
+boundary state. Watches work incrementally: per step they look at the new token's text (and, for a regex, a
+bounded tail window), never at a re-decode of the whole of stage 1, whose length a reasoning trace puts in
+the thousands.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stagereplay.errors import StageReplayError
+
+THINK_MARKER = "</think>"
+"""The default rule for a model whose tokenizer has this token and whose chat template opens a think block."""
+
+
+class Watch(Protocol):
+    def step(self, token: int) -> bool:
+        """Take the next generated token; True when it has just completed stage 1."""
+        ...
+
+    def detail(self) -> dict[str, Any] | None:
+        """How the boundary was found, for the item's record; None where there is nothing to add."""
+        ...
 
 
 class BoundaryRule(Protocol):
@@ -19,42 +34,158 @@ class BoundaryRule(Protocol):
         """Resolve anything that needs the tokenizer (a marker's token IDs)."""
         ...
 
-    def reached(self, generated: Sequence[int]) -> bool:
-        """True when `generated` (all stage-1 tokens so far) has just completed stage 1."""
+    def watch(self) -> Watch:
+        """A fresh watch for one generation (bound rules only)."""
+        ...
+
+    def match_kind(self) -> str:
+        """How the rule matches (`token`, `text`, `regex` or `count`), for the manifest (bound rules only)."""
         ...
 
     def describe(self) -> str: ...
 
 
+class Detokenizer:
+    """The text each new token adds, with work per token bounded by a few tokens, not by the sequence.
+
+    Decoding token by token is not decoding the whole: byte-level BPE splits a character over several tokens
+    (each alone decodes to U+FFFD), and SentencePiece decoders drop the leading space of a decode. So each
+    step decodes only a short window, `[prefix:read]` with and without the new tokens, and keeps the
+    difference (the method of the incremental detokenizers in serving engines); text ending in an incomplete
+    character is held back until a later token completes it. The pieces join to `decode(all ids)`
+    (tests/test_reasoning.py checks it on the tokenizers the tests build).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window: tokens decoded again only for their effect on the next
+        self.read = 0  # tokens whose text has been handed out
+
+    def push(self, token: int) -> str:
+        """The text `token` completes (empty while a character is still incomplete)."""
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix : self.read], skip_special_tokens=False)
+        after = decode(self.ids[self.prefix :], skip_special_tokens=False)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return str(after[len(before) :])
+
+
+class _IdWatch:
+    """A one-token marker: stage 1 ends when its ID is generated."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def step(self, token: int) -> bool:
+        return token == self.token
+
+    def detail(self) -> dict[str, Any] | None:
+        return None
+
+
+class _TextWatch:
+    """A marker matched on decoded text: it may end inside a merged token, which is then the boundary token."""
+
+    def __init__(self, text: str, tokenizer: Any) -> None:
+        self.text = text
+        self.text_of = Detokenizer(tokenizer)
+        self.tail = ""  # the last len(text) - 1 characters: all an occurrence can start in before the new text
+        self.after = ""  # the boundary token's text after the marker (non-empty: the marker ended inside it)
+
+    def step(self, token: int) -> bool:
+        new = self.text_of.push(token)
+        if not new:
+            return False
+        window = self.tail + new
+        at = window.find(self.text)
+        if at >= 0:
+            # Not found in the previous window, so this occurrence ends in `new`: in this token's text.
+            self.after = window[at + len(self.text) :]
+            return True
+        self.tail = window[-(len(self.text) - 1) :] if len(self.text) > 1 else ""
+        return False
+
+    def detail(self) -> dict[str, Any] | None:
+        return {"boundary_match": "text", "marker_inside_token": bool(self.after)}
+
+
 @dataclass(frozen=True)
 class Marker:
-    """Stage 1 ends with the marker's token IDs, matched on the generated IDs (never on re-encoded text)."""
+    """Stage 1 ends at the first generated token whose decoded text completes the marker.
+
+    A marker that is exactly one token is matched on that token's ID. Otherwise it is matched on the decoded
+    text, so a marker the tokenizer writes only as part of a merged token (a token for `</think>\\n` and none
+    for `</think>`) still ends stage 1, at the merged token; the record then says the marker ended inside it.
+    """
 
     text: str
     ids: tuple[int, ...] = ()
+    tokenizer: Any = None
 
     def bind(self, tokenizer: Any) -> Marker:
+        if not self.text:
+            raise StageReplayError("empty boundary marker", "pass a non-empty --boundary-marker")
         ids = tuple(tokenizer.encode(self.text, add_special_tokens=False))
         if not ids:
             raise StageReplayError(f"boundary marker {self.text!r} encodes to no tokens", "pass a non-empty marker")
-        return Marker(self.text, ids)
+        return Marker(self.text, ids, tokenizer)
 
-    def reached(self, generated: Sequence[int]) -> bool:
-        if not self.ids:
+    def single_token(self) -> bool:
+        return len(self.ids) == 1 and self.tokenizer.decode(list(self.ids), skip_special_tokens=False) == self.text
+
+    def watch(self) -> Watch:
+        if self.tokenizer is None:
             raise RuntimeError("Marker.bind(tokenizer) must be called before use")
-        n = len(self.ids)
-        return len(generated) >= n and tuple(generated[-n:]) == self.ids
+        return _IdWatch(self.ids[0]) if self.single_token() else _TextWatch(self.text, self.tokenizer)
+
+    def match_kind(self) -> str:
+        return "token" if self.single_token() else "text"
 
     def describe(self) -> str:
         return f"marker:{self.text}"
 
 
+class _RegexWatch:
+    """A regex searched in the tail of the decoded text: the last `Regex.WINDOW` characters plus the new text."""
+
+    def __init__(self, pattern: re.Pattern[str], tokenizer: Any) -> None:
+        self.pattern = pattern
+        self.text_of = Detokenizer(tokenizer)
+        self.tail = ""
+        self.cut = False  # whether text before `tail` was dropped (then one guard character leads `tail`)
+
+    def step(self, token: int) -> bool:
+        new = self.text_of.push(token)
+        if not new:
+            return False
+        window = self.tail + new
+        # With text dropped, the guard character keeps `^` and lookbehinds from seeing a false start of text.
+        if self.pattern.search(window, 1 if self.cut else 0) is not None:
+            return True
+        if len(window) > Regex.WINDOW + 1:
+            window, self.cut = window[-(Regex.WINDOW + 1) :], True
+        self.tail = window
+        return False
+
+    def detail(self) -> dict[str, Any] | None:
+        return None
+
+
 @dataclass(frozen=True)
 class Regex:
-    """Stage 1 ends at the first generated token whose decoded text so far contains a match of `pattern`."""
+    """Stage 1 ends at the first generated token whose decoded text so far contains a match of `pattern`.
+
+    The text is searched incrementally: each step searches the last `WINDOW` characters and the new token's
+    text, so a match must fit within that window (any marker-like pattern does).
+    """
 
     pattern: str
     tokenizer: Any = None
+    WINDOW = 1024  # characters of stage 1 kept for the search, besides the new token's text
 
     def __post_init__(self) -> None:
         try:
@@ -68,15 +199,28 @@ class Regex:
     def bind(self, tokenizer: Any) -> Regex:
         return Regex(self.pattern, tokenizer)
 
-    def reached(self, generated: Sequence[int]) -> bool:
+    def watch(self) -> Watch:
         if self.tokenizer is None:
             raise RuntimeError("Regex.bind(tokenizer) must be called before use")
-        # Decoding the whole stage so far each step is quadratic, but stage 1 is short next to a forward pass.
-        text = self.tokenizer.decode(list(generated), skip_special_tokens=False)
-        return re.search(self.pattern, text) is not None
+        return _RegexWatch(re.compile(self.pattern), self.tokenizer)
+
+    def match_kind(self) -> str:
+        return "regex"
 
     def describe(self) -> str:
         return f"regex:{self.pattern}"
+
+
+class _CountWatch:
+    def __init__(self, n: int) -> None:
+        self.n, self.seen = n, 0
+
+    def step(self, token: int) -> bool:
+        self.seen += 1
+        return self.seen == self.n
+
+    def detail(self) -> dict[str, Any] | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -92,8 +236,11 @@ class After:
     def bind(self, tokenizer: Any) -> After:
         return self
 
-    def reached(self, generated: Sequence[int]) -> bool:
-        return len(generated) == self.n
+    def watch(self) -> Watch:
+        return _CountWatch(self.n)
+
+    def match_kind(self) -> str:
+        return "count"
 
     def describe(self) -> str:
         return f"after:{self.n}"
@@ -126,3 +273,12 @@ def boundary_from_options(marker: str | None, regex: str | None, after: int | No
     if after is not None:
         return After(after)
     return None
+
+
+def default_rule(tokenizer: Any) -> BoundaryRule | None:
+    """`</think>` for a reasoning model: its tokenizer has that token and its chat template opens a think block."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "<think>" not in template:
+        return None
+    marker = Marker(THINK_MARKER).bind(tokenizer)
+    return marker if marker.single_token() else None

@@ -1,21 +1,30 @@
 """K/V caches as data: snapshot, fingerprint and bitwise comparison (transplants: `engine.transplant`).
 
-Per-layer tensors follow transformers 5.x: `cache.layers[i].keys` / `.values`, shape [B, H_kv, T, D]
-(a sliding-window layer holds only its last `window - 1` positions).
+Per-layer tensors follow transformers 5.x: `cache.layers[i].keys` / `.values`, shape [B, H_kv, T, D].
+A sliding-window layer holds only its last `window - 1` positions, so row 0 of its tensors is not position 0:
+`layer_start` gives the absolute position of row 0, and every position this module reports is absolute.
+
+Costs are kept at what a long trace allows: comparisons run on the caches' device (`torch.equal` per tensor,
+locating the first difference only in an unequal one) and fingerprints stream bounded chunks to the host,
+never a whole cache at once.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from stagereplay.errors import StageReplayError
 
 if TYPE_CHECKING:
     import torch
 
 KV = ("k", "v")
+CHUNK_BYTES = 16 << 20
+"""Largest piece of a tensor copied to the host at once while fingerprinting."""
 
 
 def new_cache(model: Any) -> Any:
@@ -23,6 +32,58 @@ def new_cache(model: Any) -> Any:
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
+
+
+def _layer_kind(layer: Any) -> str:
+    name = type(layer).__name__
+    if "Linear" in name and "Attention" in name and ("Full" in name or "Sliding" in name):
+        return f"hybrid layer ({name}: recurrent state beside K/V)"
+    if "Linear" in name:
+        return f"recurrent or linear-attention state ({name})"
+    if name == "DummyLayer":
+        return "layer without K/V of its own (DummyLayer: shared KV or no attention)"
+    return f"non-K/V cache layer ({name})"
+
+
+def check_cache_kinds(config: Any, cache_implementation: str | None = None) -> None:
+    """Refuse, in one line, a model whose cache is not plain per-layer K/V.
+
+    Replay is audited on the K/V cache: it is fingerprinted, compared and transplanted as the whole boundary
+    state. A recurrent or linear-attention state (Mamba, and the hybrids Jamba, Bamba, Falcon-H1, LFM2,
+    Qwen3-Next), a layer reading another layer's K/V, or a static, quantized or offloaded cache chosen by
+    `cache_implementation` would be part of the state yet not fingerprinted, compared or transplanted.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    text = config.get_text_config()
+    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", "unknown")
+    if cache_implementation:
+        raise StageReplayError(
+            f"model type {model_type} asks for cache_implementation={cache_implementation!r} in its "
+            "generation_config, a cache that is not plain per-layer K/V",
+            "remove cache_implementation from generation_config.json to run on a dynamic K/V cache",
+        )
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception as exc:
+        raise StageReplayError(f"model type {model_type}: cannot lay out its cache ({type(exc).__name__})",
+                               "use a model whose layers hold plain K/V") from None
+    for i, layer in enumerate(layers):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise StageReplayError(
+                f"model type {model_type} has a {_layer_kind(layer)} in layer {i}, which stagereplay cannot "
+                "fingerprint, compare or transplant",
+                "use a model whose every layer holds plain K/V (full or sliding-window attention)",
+            )
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Per layer, the sliding window of its cache (None for a full-attention layer), read from the config."""
+    from transformers import DynamicCache
+
+    return [getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+            for layer in DynamicCache(config=config).layers]
 
 
 def clone_cache(cache: Any) -> Any:
@@ -42,17 +103,48 @@ def layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def layer_start(layer: Any) -> int:
+    """Absolute position of row 0 of a layer's tensors: 0, or how far a sliding window has moved."""
+    return int(layer.get_seq_length()) - int(layer.keys.shape[-2])
+
+
+def layer_span(layer: Any) -> tuple[int, int]:
+    """Half-open absolute positions [start, stop) the layer holds."""
+    start = layer_start(layer)
+    return start, start + int(layer.keys.shape[-2])
+
+
+def _host_chunks(t: torch.Tensor) -> Iterator[Any]:
+    """The bytes of `t` in row-major order, as host buffers of at most `CHUNK_BYTES` (a uint8 view: exact bits)."""
     import torch
 
-    t = t.detach().contiguous().cpu()
-    # A uint8 view sees the exact bits, whatever the dtype (numpy has no bf16).
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    t = t.detach()
+    if t.numel() == 0:
+        return
+    rows = t.reshape(-1, t.shape[-1]) if t.is_contiguous() else None
+    groups = [rows] if rows is not None else [t[idx] for idx in _leading_indices(t)]  # each [T, D], contiguous
+    for g in groups:
+        g = g.contiguous()  # a no-op for a [T, D] slice of a [B, H, T, D] tensor
+        step = max(1, CHUNK_BYTES // max(1, g.shape[-1] * g.element_size()))
+        for start in range(0, g.shape[0], step):
+            yield g[start : start + step].cpu().view(torch.uint8).numpy()
+
+
+def _leading_indices(t: torch.Tensor) -> Iterator[tuple[int, ...]]:
+    import itertools
+
+    return itertools.product(*(range(n) for n in t.shape[:-2]))
+
+
+def _header(t: torch.Tensor) -> bytes:
+    return f"{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape)}\n".encode()
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    header = f"{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape)}\n".encode()
-    return hashlib.sha256(header + _tensor_bytes(t)).hexdigest()
+    h = hashlib.sha256(_header(t))
+    for chunk in _host_chunks(t):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def layer_fingerprints(cache: Any) -> list[dict[str, str]]:
@@ -61,12 +153,13 @@ def layer_fingerprints(cache: Any) -> list[dict[str, str]]:
 
 
 def cache_fingerprint(cache: Any) -> str:
-    """sha256 over every layer's K then V, each with a dtype/shape header."""
+    """sha256 over every layer's K then V, each with a dtype/shape header, streamed in bounded chunks."""
     h = hashlib.sha256()
     for k, v in layer_tensors(cache):
         for t in (k, v):
-            h.update(f"{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape)}\n".encode())
-            h.update(_tensor_bytes(t))
+            h.update(_header(t))
+            for chunk in _host_chunks(t):
+                h.update(chunk)
     return h.hexdigest()
 
 
@@ -76,7 +169,7 @@ class CacheDifference:
 
     layer: int
     tensor: str  # "k" or "v"
-    position: int | None  # sequence position; None when the shapes or dtypes differ
+    position: int | None  # absolute sequence position; None when the shapes or dtypes differ
     reason: str = "value"
 
     def as_dict(self) -> dict[str, Any]:
@@ -87,39 +180,52 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     import torch
 
     # Compare bit patterns, not values: -0.0 == 0.0 and NaN != NaN would both hide or invent differences.
+    # A same-size dtype view needs no copy, even of a sliding window's strided slice.
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.detach().contiguous().view(view)
+    return t.detach().view(view)
 
 
 def compare_caches(a: Any, b: Any) -> list[CacheDifference]:
-    """Every (layer, K|V) whose bits differ, with the first differing sequence position. Empty = bit-exact."""
-    ta, tb = layer_tensors(a), layer_tensors(b)
-    if len(ta) != len(tb):
-        return [CacheDifference(min(len(ta), len(tb)), "k", None, "layer count")]
+    """Every (layer, K|V) whose bits differ, with the first differing absolute position. Empty = bit-exact."""
+    import torch
+
+    if len(a.layers) != len(b.layers):
+        return [CacheDifference(min(len(a.layers), len(b.layers)), "k", None, "layer count")]
     out = []
-    for i, (pa, pb) in enumerate(zip(ta, tb, strict=True)):
-        for name, x, y in zip(KV, pa, pb, strict=True):
-            if x.shape != y.shape or x.dtype != y.dtype:
+    for i, (la, lb) in enumerate(zip(a.layers, b.layers, strict=True)):
+        start = layer_start(la)
+        for name, x, y in ((n, getattr(la, attr), getattr(lb, attr)) for n, attr in zip(KV, ("keys", "values"),
+                                                                                        strict=True)):
+            if x.shape != y.shape or x.dtype != y.dtype or layer_start(lb) != start:
                 out.append(CacheDifference(i, name, None, "shape or dtype"))
                 continue
-            differs = (_bits(x) != _bits(y).to(x.device)).flatten(0, 1).any(dim=(0, 2))  # [T]
-            if bool(differs.any()):
-                out.append(CacheDifference(i, name, int(differs.nonzero()[0, 0]), "value"))
+            bx, by = _bits(x), _bits(y).to(x.device)
+            if torch.equal(bx, by):  # on the device, no copy: the common case costs one pass
+                continue
+            differs = (bx != by).flatten(0, 1).any(dim=(0, 2))  # [T]
+            out.append(CacheDifference(i, name, start + int(differs.nonzero()[0, 0]), "value"))
     return out
 
 
 def nudged(cache: Any, layer: int = 0, tensor: str = "k", index: Sequence[int] = (0, 0, 0, 0)) -> Any:
-    """A clone of `cache` with one element moved by one unit in the last place (for negative controls)."""
+    """A clone of `cache` with one element moved by one unit in the last place (for negative controls).
+
+    `index` is (batch, head, absolute position, dim); a position outside a sliding window's rows is refused.
+    """
     import torch
 
     out = clone_cache(cache)
     with torch.inference_mode():
-        t = out.layers[layer].keys if tensor == "k" else out.layers[layer].values
-        t = t.clone()
+        lay = out.layers[layer]
+        b, h, pos, d = index
+        row = pos - layer_start(lay)
+        if not 0 <= row < lay.keys.shape[-2]:
+            raise ValueError(f"position {pos} is not in layer {layer}'s span {layer_span(lay)}")
+        t = (lay.keys if tensor == "k" else lay.values).clone()
         bits = _bits(t)
-        bits[tuple(index)] += 1
+        bits[b, h, row, d] += 1
         if tensor == "k":
-            out.layers[layer].keys = t
+            lay.keys = t
         else:
-            out.layers[layer].values = t
+            lay.values = t
     return out

@@ -26,21 +26,25 @@ class DecodeConfig:
     """How continuations are decoded."""
 
     max_new_tokens: int = field(default=128, metadata={"help": "suffix length limit after the boundary"})
-    max_stage1_tokens: int = field(default=256, metadata={"help": "tokens allowed to reach the boundary"})
+    max_stage1_tokens: int | None = field(default=None, metadata={
+        "help": "tokens allowed to reach the boundary (none: 8192 or what the context leaves, engine.limits)"})
     sample: bool = field(default=False, metadata={"help": "seeded sampling instead of greedy"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     top_k: int = field(default=0, metadata={"help": "sample from the top k tokens only (0 = all)"})
     seed: int = field(default=0, metadata={"help": "base seed; each item and stage derives its own"})
+    top_p: float = field(default=1.0, metadata={"help": "sample from the smallest set with this mass (1 = all)"})
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.max_stage1_tokens < 1:
+        if self.max_new_tokens < 1 or (self.max_stage1_tokens is not None and self.max_stage1_tokens < 1):
             raise StageReplayError("token limits must be at least 1", "pass positive --max-new-tokens")
         if self.sample and not 0 < self.temperature < float("inf"):  # also refuses nan
             raise StageReplayError(
                 "--temperature must be positive when sampling", "pass e.g. --temperature 1.0"
             )
         if self.top_k < 0:
-            raise StageReplayError(f"--top-k must be 0 (all tokens) or more, got {self.top_k}", "pass --top-k 0 or more")
+            raise StageReplayError(f"--top-k must be 0 (off) or positive, got {self.top_k}", "pass e.g. --top-k 50")
+        if not 0 < self.top_p <= 1:
+            raise StageReplayError(f"--top-p must lie in (0, 1], got {self.top_p}", "pass e.g. --top-p 0.95")
 
 
 def derive_seed(base: int, *parts: str) -> int:
@@ -50,7 +54,14 @@ def derive_seed(base: int, *parts: str) -> int:
 
 
 class Sampler:
-    """Greedy argmax, or sampling from a `torch.Generator` seeded once per continuation."""
+    """Greedy argmax, or sampling from a `torch.Generator` seeded once per continuation.
+
+    Sampling applies what generate(do_sample=True) applies, in its order and with its arithmetic: fp32
+    logits, then temperature (when not 1), top-k (when not 0), top-p (when below 1), softmax, and one
+    `torch.multinomial` draw on a (1, V) row. A generator seeded with s draws what the global generator
+    draws after `torch.manual_seed(s)`, so one continuation equals generate()'s under that seed
+    (tests/test_resample.py checks it token for token).
+    """
 
     def __init__(self, config: DecodeConfig, seed: int, device: str) -> None:
         self.config = config
@@ -66,12 +77,24 @@ class Sampler:
         scores = logits.float()  # [V]; generate() also casts to fp32 before choosing
         if self.generator is None:
             return int(torch.argmax(scores))
-        scores = scores / self.config.temperature
-        if self.config.top_k:
-            kth = torch.topk(scores, self.config.top_k).values[-1]
+        return int(torch.multinomial(torch.softmax(self.warp(scores[None]), dim=-1), 1, generator=self.generator))
+
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """generate()'s sampling warpers on (1, V) fp32 scores: temperature, top-k, top-p."""
+        import torch
+
+        c = self.config
+        if c.temperature != 1.0:
+            scores = scores / c.temperature
+        if c.top_k:
+            kth = torch.topk(scores, min(c.top_k, scores.size(-1)))[0][..., -1, None]
             scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        if c.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=False)
+            remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - c.top_p)
+            remove[..., -1:] = 0  # keep at least the most likely token
+            scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        return scores
 
 
 class Stepper:
@@ -201,12 +224,20 @@ def decode(
     sampler: Sampler,
     max_new_tokens: int,
     eos: frozenset[int],
+    steps: list[torch.Tensor] | None = None,
 ) -> list[int]:
-    """Pick from `logits`, feed the pick, repeat; stop after EOS or `max_new_tokens` picks. Grows `cache`."""
+    """Pick from `logits`, feed the pick, repeat; stop after EOS or `max_new_tokens` picks. Grows `cache`.
+
+    With `steps`, each pick's logits [V] are appended to it as they are: a reference to the tensor the forward
+    made, no copy and no host sync, so the loop's pace and its numbers do not change (engine.diagnostics reduces
+    them after the loop).
+    """
     out: list[int] = []
     while True:
         token = sampler(logits)
         out.append(token)
+        if steps is not None:
+            steps.append(logits)
         if token in eos or len(out) >= max_new_tokens:
             return out
         logits = stepper.forward([token], cache, past)

@@ -28,15 +28,10 @@ from stagereplay.engine.decode import (
     derive_seed,
     eos_ids,
 )
+from stagereplay.engine.limits import model_context, stage1_budget
 from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, set_determinism
 from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Item
-
-
-def model_context(config: Any) -> int:
-    """Positions the model was built for (unbounded when its config does not say)."""
-    return int(getattr(config.get_text_config(), "max_position_embeddings", None) or 1 << 30)
-
 
 CONSTRUCTIONS = ("live", "incremental", "oneshot", "chunked:<n>", "retokenized")
 
@@ -62,6 +57,8 @@ class Continuation:
 
     suffix: tuple[int, ...]
     stop: str  # "eos" | "length"
+    steps: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+    """Each pick's logits [V], kept on the model's device until the item is recorded (engine.diagnostics)."""
 
     @property
     def fingerprint(self) -> str:
@@ -79,6 +76,7 @@ class BoundaryState:
     seed: int = 0  # the continuation's sampling seed, shared by every construction of one item
     live_suffix: Continuation | None = None  # for `live`: what the uninterrupted original loop went on to emit
     roundtrip: bool | None = None  # for `retokenized`: did decode -> encode return the same IDs?
+    match: dict[str, Any] | None = None  # for `live`: how the boundary rule matched, when there is more to say
 
     @property
     def stage1(self) -> tuple[int, ...]:
@@ -111,11 +109,13 @@ class LM:
 
     # -- live generation ------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Plain greedy decoding with the live loop (no boundary): the tokens generate() would give."""
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, decode_config: DecodeConfig | None = None,
+                 seed: int = 0) -> list[int]:
+        """Plain decoding with the live loop (no boundary): the tokens generate() would give, greedy by default;
+        with a sampling `decode_config`, those of generate(do_sample=True) after `torch.manual_seed(seed)`."""
         cache = new_cache(self.model)
         logits = self.stepper.forward(prompt_ids, cache, 0)
-        sampler = Sampler(DecodeConfig(), 0, self.config.device)
+        sampler = Sampler(decode_config or DecodeConfig(), seed, self.config.device)
         return decode(self.stepper, cache, logits, len(prompt_ids), sampler, max_new_tokens, self.eos)
 
     def live(
@@ -132,7 +132,8 @@ class LM:
         """
         dc = decode_config or DecodeConfig()
         prompt, item_id = self.check_prompt(item)
-        rule = boundary.bind(self.tokenizer)
+        watch = boundary.bind(self.tokenizer).watch()
+        budget = dc.max_stage1_tokens or stage1_budget(self.context, len(prompt), dc.max_new_tokens)
         cache = new_cache(self.model)
         logits = self.stepper.forward(prompt, cache, 0)
         past = len(prompt)
@@ -141,16 +142,16 @@ class LM:
         while True:
             token = pick(logits)
             generated.append(token)
-            if rule.reached(generated):
+            if watch.step(token):
                 break
-            if token in self.eos or len(generated) >= dc.max_stage1_tokens:
+            if token in self.eos or len(generated) >= budget:
                 raise NoBoundary(generated)
             logits = self.stepper.forward([token], cache, past)
             past += 1
         # `cache` now covers prompt + generated[:-1]; generated[-1] is the pending token P[T-1].
         state = BoundaryState(
             prefix=(*prompt, *generated), prompt_len=len(prompt), construction="live",
-            cache=clone_cache(cache), seed=derive_seed(dc.seed, item_id, "suffix"),
+            cache=clone_cache(cache), seed=derive_seed(dc.seed, item_id, "suffix"), match=watch.detail(),
         )
         if not keep_going:
             return state
@@ -189,16 +190,23 @@ class LM:
 
     # -- continuation ---------------------------------------------------------------------------------
 
-    def continue_from(self, state: BoundaryState, decode_config: DecodeConfig | None = None) -> Continuation:
-        """Feed the pending token on a clone of the state's cache and decode to EOS or the length limit."""
-        return self._continue(clone_cache(state.cache), state, decode_config or DecodeConfig())
+    def continue_from(self, state: BoundaryState, decode_config: DecodeConfig | None = None,
+                      seed: int | None = None) -> Continuation:
+        """Feed the pending token on a clone of the state's cache and decode to EOS or the length limit.
 
-    def _continue(self, cache: Any, state: BoundaryState, dc: DecodeConfig) -> Continuation:
+        The state is never touched, so many continuations (K sampled draws) can start from one snapshot: each
+        costs a cache copy and its decode steps, never a prefill. `seed` overrides the state's sampling seed.
+        """
+        return self._continue(clone_cache(state.cache), state, decode_config or DecodeConfig(), seed)
+
+    def _continue(self, cache: Any, state: BoundaryState, dc: DecodeConfig, seed: int | None = None
+                  ) -> Continuation:
         past = len(state.prefix) - 1
         logits = self.stepper.forward([state.prefix[-1]], cache, past)
-        pick = Sampler(dc, state.seed, self.config.device)
-        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos)
-        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length")
+        pick = Sampler(dc, state.seed if seed is None else seed, self.config.device)
+        steps: list[Any] = []
+        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos, steps)
+        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length", tuple(steps))
 
     # -- helpers --------------------------------------------------------------------------------------
 

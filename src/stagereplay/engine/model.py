@@ -167,14 +167,36 @@ def _load_tokenizer(path: Path) -> Any:
                                "save the model's tokenizer into the same directory") from None
 
 
+def load_checked_config(path: Path) -> Any:
+    """The model's config, refused up front (before any weights or run directory) if its cache is not plain K/V."""
+    from transformers import AutoConfig
+
+    from stagereplay.engine.cache import check_cache_kinds
+
+    with _quiet_transformers():
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise StageReplayError(f"cannot read the model config in {path}: {first[:200]}",
+                                   "re-save the model with save_pretrained") from None
+    generation = path / "generation_config.json"
+    try:
+        implementation = (json.loads(generation.read_text()).get("cache_implementation")
+                          if generation.is_file() else None)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        implementation = None  # transformers reports a broken generation config itself
+    check_cache_kinds(config, implementation)
+    return config
+
+
 def load_config_and_tokenizer(path: str) -> tuple[Any, Any]:
     """The model's config and tokenizer without its weights (what a parent process needs to check inputs)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     p = check_model_dir(path)
-    from transformers import AutoConfig
-
+    config = load_checked_config(p)
     with _quiet_transformers():
-        return AutoConfig.from_pretrained(p), _load_tokenizer(p)
+        return config, _load_tokenizer(p)
 
 
 def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
@@ -182,13 +204,14 @@ def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = check_model_dir(config.path)
     _check_device(config)
+    model_config = load_checked_config(path)
     from transformers import AutoModelForCausalLM
 
     with _quiet_transformers():
         tokenizer = _load_tokenizer(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype(config.precision), attn_implementation=config.attn_impl
+                path, config=model_config, dtype=torch_dtype(config.precision), attn_implementation=config.attn_impl
             )
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

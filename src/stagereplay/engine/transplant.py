@@ -4,10 +4,11 @@ from another's. Used by the transplant experiment to test whether the cache carr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagereplay.engine.cache import KV, clone_cache, layer_tensors
+from stagereplay.engine.cache import clone_cache, layer_span
 from stagereplay.errors import StageReplayError
 
 
@@ -31,7 +32,7 @@ def parse_layers(spec: str, n_layers: int) -> tuple[int, ...]:
 
 
 def parse_positions(spec: str | None, length: int) -> tuple[int, int]:
-    """`A:B` (half-open, either side optional) -> (start, stop) clipped to the cache length."""
+    """`A:B` (half-open absolute positions, either side optional) -> (start, stop) clipped to the cache length."""
     if spec is None:
         return 0, length
     lo, sep, hi = spec.partition(":")
@@ -41,39 +42,70 @@ def parse_positions(spec: str | None, length: int) -> tuple[int, int]:
     return start, stop
 
 
+def held_spans(windows: Sequence[int | None], length: int) -> list[tuple[int, int]]:
+    """Per layer, the absolute positions [start, stop) a cache of `length` positions holds: all of them, or a
+    sliding window's last `window - 1` (`engine.cache.layer_windows` gives the windows)."""
+    return [(0, length) if w is None else (max(0, length - (w - 1)), length) for w in windows]
+
+
+def check_positions(positions: tuple[int, int], layers: Sequence[int], spans: Sequence[tuple[int, int]]) -> None:
+    """Refuse a position range that no selected layer holds: a transplant of it would silently move nothing."""
+    a, b = positions
+    chosen = [spans[i] for i in layers]
+    if chosen and all(min(b, stop) <= max(a, start) for start, stop in chosen):
+        held = ", ".join(sorted({f"{start}:{stop}" for start, stop in chosen}))
+        raise StageReplayError(
+            f"--positions {a}:{b} lie outside every selected layer's cache (they hold positions {held})",
+            "choose positions the layers still hold: a sliding-window layer keeps only its last window - 1",
+        )
+
+
 @dataclass(frozen=True)
 class TransplantSpec:
     """Which parts of the donor's cache replace the recipient's."""
 
     layers: tuple[int, ...]
     kv: str = "kv"  # "k", "v" or "kv"
-    positions: tuple[int, int] | None = None  # half-open; None = every position
+    positions: tuple[int, int] | None = None  # half-open absolute positions; None = every position
 
 
 def transplant(recipient: Any, donor: Any, spec: TransplantSpec) -> Any:
     """A new cache: a clone of `recipient` with the selected K/V slices copied from `donor`.
 
-    Neither input is modified. Both caches must cover the same positions (same shapes per layer).
+    Neither input is modified. Both caches must cover the same positions (same shapes per layer). Positions
+    are absolute: on a sliding-window layer only those of `spec.positions` still inside its window move, and a
+    range outside every selected layer's span is refused rather than silently moving nothing.
     """
     import torch
 
+    if spec.positions is not None:
+        check_positions(spec.positions, spec.layers, [layer_span(layer) for layer in recipient.layers])
     out = clone_cache(recipient)
-    donors = layer_tensors(donor)
     with torch.inference_mode():
         for i in spec.layers:
-            layer = out.layers[i]
+            layer, theirs_layer = out.layers[i], donor.layers[i]
+            start, stop = layer_span(layer)
+            if layer_span(theirs_layer) != (start, stop):
+                raise StageReplayError(
+                    f"cannot transplant layer {i}: positions {layer_span(theirs_layer)} vs {(start, stop)}",
+                    "transplant only between boundary states of the same prefix",
+                )
             for name in spec.kv:
-                theirs = donors[i][KV.index(name)]
+                theirs = theirs_layer.keys if name == "k" else theirs_layer.values
                 mine = layer.keys if name == "k" else layer.values
                 if theirs.shape != mine.shape:
                     raise StageReplayError(
                         f"cannot transplant layer {i} {name.upper()}: shapes {tuple(theirs.shape)} vs {tuple(mine.shape)}",
                         "transplant only between boundary states of the same prefix",
                     )
-                new = theirs.clone() if spec.positions is None else mine.clone()
-                if spec.positions is not None:
-                    a, b = spec.positions
-                    new[:, :, a:b] = theirs[:, :, a:b]
+                if spec.positions is None:
+                    new = theirs.clone()
+                else:
+                    # Absolute [a, b) to this layer's rows: a sliding window's row 0 is position `start`.
+                    lo, hi = max(spec.positions[0], start) - start, min(spec.positions[1], stop) - start
+                    new = mine.clone()
+                    if lo < hi:
+                        new[:, :, lo:hi] = theirs[:, :, lo:hi]
                 if name == "k":
                     layer.keys = new
                 else:

@@ -26,6 +26,9 @@ from stagereplay.tasks import DataConfig, Item, load_items
 
 __all__ = ["audit_run", "compare_payloads", "verify_ledger"]
 
+PER_PRECISION = ("precision_2x2", "resample")
+"""Experiments whose records' `part` is the precision they ran at."""
+
 
 def verify_ledger(run_dir: Path) -> list[dict[str, Any]]:
     """Integrity only, no model: every line parses, every hash and link of the chain holds (from the
@@ -76,10 +79,11 @@ def _work(experiment: str) -> Callable[..., dict[str, Any]]:
     from stagereplay.experiments.bridge import bridge_item
     from stagereplay.experiments.matched import matched_item
     from stagereplay.experiments.precision_2x2 import grid_item
+    from stagereplay.experiments.resample import resample_item
     from stagereplay.experiments.transplant import transplant_item
 
     return {"matched": matched_item, "precision_2x2": grid_item, "bridge": bridge_item,
-            "transplant": transplant_item}[experiment]
+            "transplant": transplant_item, "resample": resample_item}[experiment]
 
 
 def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple[str, str], Any]) -> Job:
@@ -95,6 +99,10 @@ def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple
         extra = (("prefix", prefix), ("constructions", tuple(stage["constructions"])))
     elif record.experiment == "bridge":
         extra = (("prefix", prefix),)
+    elif record.experiment == "resample":
+        from stagereplay.experiments.resample import job_extra
+
+        extra = job_extra(stage, record.part, prefix)
     else:
         extra = (("prefix", prefix), ("config", tuple(stage["config"].items())))
     return Job(item, settings, record.part, extra)
@@ -148,7 +156,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
 
     from stagereplay.engine.model import load_config_and_tokenizer
     from stagereplay.execution.jobs import run_jobs
-    from stagereplay.experiments.verify import expected_units, verify_run
+    from stagereplay.experiments.verify import claimed, expected_units, verify_run
 
     checked = verify_run(run_dir, manifest, stored_results)
     mismatches: list[dict[str, str]] = list(checked["mismatches"])
@@ -169,7 +177,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
         unit = (f"{r.experiment}/{r.checkpoint}", r.item_id, r.part)
         if unit in declared:
             declared.discard(unit)
-            groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment == "precision_2x2" else ""),
+            groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment in PER_PRECISION else ""),
                               []).append(r)
     t_ok = t_n = c_ok = c_n = 0
     again_records: list[Record] = []
@@ -187,8 +195,8 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
             todo = [r for r in group if r.item_id in by_id]
             jobs = [_job(r, stage, by_id[r.item_id], prefixes) for r in todo]
             for record, again in zip(todo, run_jobs(model, _work(experiment), jobs, ex), strict=True):
-                if not binds(manifest):
-                    again = as_schema_1(record.item_id, again)
+                if not binds(manifest):  # what a schema 1 record claims, as it fingerprinted it
+                    again = claimed(as_schema_1(record.item_id, again), record.payload)
                 a, b, c, d, bad = compare_payloads(record.item_id, record.payload, again)
                 t_ok, t_n, c_ok, c_n = t_ok + a, t_n + b, c_ok + c, c_n + d
                 mismatches += [{"item_id": record.item_id, "what": f"{where} {m}"} for m in bad]

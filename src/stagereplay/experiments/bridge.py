@@ -10,6 +10,7 @@ from stagereplay.engine.lm import LM, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
+from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.precision_2x2 import fixed_prefixes
 from stagereplay.records.ledger import Run
 
@@ -26,8 +27,8 @@ def bridge_item(lm: LM, job: Job) -> dict[str, Any]:
     assert live.live_suffix is not None
     inc = lm.construct(live, "incremental")
     diffs = compare_caches(live.cache, inc.cache)
-    arms = [arm_record(lm, "live", live, live.live_suffix, live.stage1, item, s.scorer),
-            arm_record(lm, "incremental", inc, lm.continue_from(inc, s.decode), live.stage1, item, s.scorer)]
+    runs = {"live": (live, live.live_suffix), "incremental": (inc, lm.continue_from(inc, s.decode))}
+    arms = [arm_record(lm, name, state, cont, live.stage1, item, s.scorer) for name, (state, cont) in runs.items()]
     return {
         "status": "ok", "prompt_ids": list(item.prompt_ids), "prefix_ids": list(live.prefix),
         "boundary": len(live.prefix), "answer": item.answer,
@@ -37,6 +38,7 @@ def bridge_item(lm: LM, job: Job) -> dict[str, Any]:
         "layers": {"live": layer_fingerprints(live.cache), "incremental": layer_fingerprints(inc.cache)},
         "arms": arms,
         "comparisons": [comparison(item.id, arms[0], arms[1])],
+        "diagnostics": diagnose(runs, [("live", "incremental")], cache_pairs=[("live", "incremental")]),
     }
 
 

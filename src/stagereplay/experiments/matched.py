@@ -3,10 +3,10 @@ with an exact replica from scratch."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from stagereplay.engine.lm import LM, NoBoundary, check_construction
+from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import (
@@ -17,6 +17,7 @@ from stagereplay.experiments.common import (
     execute,
     no_boundary_payload,
 )
+from stagereplay.experiments.diagnose import diagnose
 from stagereplay.records.ledger import Run
 from stagereplay.tasks import DataConfig
 
@@ -43,7 +44,12 @@ class MatchedConfig:
 
 
 def matched_item(lm: LM, job: Job) -> dict[str, Any]:
-    """Live + replica, construction + replica; the comparisons between them. Pure in (model, item, settings)."""
+    """Live + replica, construction + replica; the comparisons between them. Pure in (model, item, settings).
+
+    Each replica's cache is dropped as soon as its record (with the cache fingerprint) is made: comparisons need
+    only the fingerprints, and the diagnostics compare the caches of live and the fresh construction alone. So
+    at most those two boundary caches and one continuation's cache are alive at a time.
+    """
     item, s = job.item, job.settings
     construction = job.get("construction", "oneshot")
     rule = s.rule()
@@ -51,20 +57,28 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
         live = lm.live(item, rule, s.decode)
     except NoBoundary as nb:
         return no_boundary_payload(item, nb.generated)
+    stage1 = live.stage1
+    assert live.live_suffix is not None
+    arms: list[dict[str, Any]] = []
+    runs: dict[str, tuple[BoundaryState, Continuation]] = {}
+
+    def record(name: str, state: BoundaryState, cont: Continuation, keep_cache: bool) -> None:
+        arms.append(arm_record(lm, name, state, cont, stage1, item, s.scorer))
+        runs[name] = (state if keep_cache else replace(state, cache=None), cont)
+
+    record("live", live, live.live_suffix, keep_cache=True)
     try:
         replica = lm.live(item, rule, s.decode)  # from scratch: the same construction run again
     except NoBoundary:
         replica = None
-    fresh = lm.construct(live, construction)
-    fresh_again = lm.construct(live, construction)
-    stage1 = live.stage1
-    assert live.live_suffix is not None
-    arms = [arm_record(lm, "live", live, live.live_suffix, stage1, item, s.scorer)]
+    replica_prefix_equal = replica is not None and replica.prefix == live.prefix
     if replica is not None and replica.live_suffix is not None:
-        arms.append(arm_record(lm, "live#replica", replica, replica.live_suffix, stage1, item, s.scorer))
-    arms.append(arm_record(lm, construction, fresh, lm.continue_from(fresh, s.decode), stage1, item, s.scorer))
-    arms.append(arm_record(lm, f"{construction}#replica", fresh_again, lm.continue_from(fresh_again, s.decode),
-                           stage1, item, s.scorer))
+        record("live#replica", replica, replica.live_suffix, keep_cache=False)
+    del replica
+    for name, keep in ((construction, True), (f"{construction}#replica", False)):
+        fresh = lm.construct(live, construction)
+        record(name, fresh, lm.continue_from(fresh, s.decode), keep_cache=keep)
+        del fresh
     by = {a["name"]: a for a in arms}
     pairs = [("live", construction), ("live", "live#replica"), (construction, f"{construction}#replica")]
     return {
@@ -72,10 +86,12 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
         "prompt_ids": list(item.prompt_ids),
         "prefix_ids": list(live.prefix),
         "boundary": len(live.prefix),
+        **(live.match or {}),  # a marker matched on text: whether it ended inside the boundary token
         "answer": item.answer,
-        "replica_prefix_equal": replica is not None and replica.prefix == live.prefix,
+        "replica_prefix_equal": replica_prefix_equal,
         "arms": arms,
         "comparisons": [comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by],
+        "diagnostics": diagnose(runs, pairs, cache_pairs=pairs[:1]),
     }
 
 

@@ -21,7 +21,15 @@ from stagereplay.experiments.audit import audit_run
 from stagereplay.experiments.bridge import run_bridge
 from stagereplay.experiments.matched import MatchedConfig, run_matched
 from stagereplay.experiments.precision_2x2 import run_2x2
-from stagereplay.experiments.runs import finish, new_manifest, prepare, require_boundary, resolve_source
+from stagereplay.experiments.resample import ResampleConfig, run_resample
+from stagereplay.experiments.runs import (
+    finish,
+    new_manifest,
+    prepare,
+    print_header,
+    require_boundary,
+    resolve_source,
+)
 from stagereplay.experiments.transplant import TransplantConfig, run_transplant
 from stagereplay.records.ledger import atomic_write, open_run
 from stagereplay.report.results import AUDIT_FILE
@@ -40,6 +48,8 @@ def paper(
     select_primary: str = "first:24",
     bridge_rows: int = 12,
     sweep: bool = False,
+    resample: int = 0,
+    resample_items: int = 50,
     device: str = "cpu",
     threads: int = 1,
     attn_impl: str = "sdpa",
@@ -48,7 +58,8 @@ def paper(
     quiet: bool = False,
 ) -> dict[str, Any]:
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
-    checkpoint, audit, report."""
+    checkpoint, audit, report. With `resample` = K > 0, also K sampled draws per boundary state on the first
+    `resample_items` items, at bf16 and fp32 (the primary checkpoint)."""
     if bridge_rows < 1:
         raise StageReplayError(f"--rows must be at least 1, got {bridge_rows}", "pass a positive --rows")
     TransplantConfig(select=select_primary)  # a bad selection rule fails here, before any run directory exists
@@ -64,10 +75,12 @@ def paper(
     later = ModelConfig(**{**asdict(source.model), "path": str(Path(later_model).resolve())}) if later_model else None
     if later is not None:
         check_model_dir(later.path)
-    lm, items, data_hash, determinism = prepare(source, ex)
+    source, lm, items, data_hash, determinism = prepare(source, ex)
+    print_header(source, quiet)
     extra = {"later": later.path} if later else {}
     manifest = new_manifest("paper", {"later_model": later.path if later else None, "select_primary": select_primary,
-                                      "bridge_rows": bridge_rows, "sweep": sweep},
+                                      "bridge_rows": bridge_rows, "sweep": sweep, "resample": resample,
+                                      "resample_items": resample_items},
                             source, items, data_hash, determinism, extra)
     with open_run(Path(out), manifest) as run:
         settings = source.settings
@@ -78,6 +91,9 @@ def paper(
         run_transplant(run, source.model, settings, "primary", TransplantConfig(select=select_primary, sweep=sweep),
                        ex, quiet)
         run_2x2(run, source.model, settings, "primary", ("incremental", "oneshot"), ("bf16", "fp32"), ex, quiet)
+        if resample:
+            cfg = ResampleConfig(k=resample, n=resample_items, precisions=("bf16", "fp32"))
+            run_resample(run, source.model, settings, "primary", cfg, ex, quiet)
         if later is not None:
             del lm  # one model in memory at a time
             run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)

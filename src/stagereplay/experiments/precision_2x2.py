@@ -11,6 +11,7 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
+from stagereplay.experiments.diagnose import diagnose
 from stagereplay.records.ledger import Run
 from stagereplay.tasks.base import Item
 
@@ -27,15 +28,16 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
     """Every construction at this process's precision on one fixed prefix, and their pairwise comparison."""
     item, s = job.item, job.settings
     state = fixed_state(item, job.get("prefix"), s)
-    arms = []
+    runs = {}
     for construction in job.get("constructions"):
         built = lm.construct(state, construction)
-        name = f"{construction}@{lm.config.precision}"
-        arms.append(arm_record(lm, name, built, lm.continue_from(built, s.decode), state.stage1, item, s.scorer))
+        runs[f"{construction}@{lm.config.precision}"] = (built, lm.continue_from(built, s.decode))
+    arms = [arm_record(lm, name, built, cont, state.stage1, item, s.scorer) for name, (built, cont) in runs.items()]
     comparisons = [comparison(item.id, a, b) for i, a in enumerate(arms) for b in arms[i + 1 :]]
+    pairs = [(c["a"], c["b"]) for c in comparisons]
     return {"status": "ok", "precision": lm.config.precision, "prompt_ids": list(item.prompt_ids),
             "prefix_ids": list(state.prefix), "boundary": len(state.prefix), "answer": item.answer,
-            "arms": arms, "comparisons": comparisons}
+            "arms": arms, "comparisons": comparisons, "diagnostics": diagnose(runs, pairs, cache_pairs=pairs)}
 
 
 def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:

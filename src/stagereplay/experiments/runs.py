@@ -6,12 +6,13 @@ a half-written run behind.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from stagereplay.engine.boundary import BoundaryRule
 from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.limits import model_context
 from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig, check_model_dir
 from stagereplay.errors import StageReplayError
@@ -31,12 +32,25 @@ class Source:
     model: ModelConfig
     data: DataConfig
     settings: ReplaySettings
+    stage1: dict[str, Any] = field(default_factory=dict)  # what `prepare` resolved: rule, budgets, RoPE
+
+    @property
+    def toy(self) -> bool:
+        return bool(self.stage1.get("toy"))
+
+
+TOY_STAGE1_TOKENS = 256
+"""The embedded toy's default stage-1 budget, in place of 8192 (its think blocks are tens of tokens)."""
 
 
 def resolve_source(model: str | None, data: str | None, n: int | None, boundary: BoundaryRule | None,
                    scorer: str | None, decode: DecodeConfig, precision: str, device: str, threads: int,
                    attn_impl: str, checkpoint: str = "primary") -> Source:
-    """Fill in the embedded toy defaults: its checkpoint, held-out items, marker and scorer."""
+    """Fill in the embedded toy defaults: its checkpoint, held-out items, marker, scorer and stage-1 budget.
+
+    A user's data without a boundary rule leaves the rule empty, for `prepare` to default from the tokenizer.
+    """
+    toy = model is None
     if model is None:
         from stagereplay.toy import toy_checkpoint
 
@@ -46,8 +60,7 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
 
         rule = f"marker:{TOY_MARKER}"
     elif boundary is None:
-        raise StageReplayError("no boundary rule given for --data",
-                               "pass --boundary-marker, --boundary-regex or --boundary-after")
+        rule = ""  # `prepare` picks `</think>` for a reasoning model's tokenizer, or refuses
     else:
         rule = boundary.describe()
     if scorer is None:
@@ -56,33 +69,93 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
                          attn_impl=attn_impl)
     check_model_dir(config.path)
     return Source(config, DataConfig(path=str(Path(data).resolve()) if data else None, n=n),
-                  ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
+                  ReplaySettings(boundary=rule, decode=decode, scorer=scorer), {"toy": toy})
 
 
-def prepare(source: Source, ex: ExecConfig) -> tuple[LM | None, list[Item], str, dict[str, Any]]:
+def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Item], str, dict[str, Any]]:
     """Load the model (when running in this process) and the items, before any run directory exists.
 
-    Returns the model (None when workers load their own), the items, the data hash and the determinism settings.
+    Returns the source with its boundary rule and stage-1 budget resolved (`fit_stage1`), the model (None when
+    workers load their own), the items, the data hash and the determinism settings.
     """
     from stagereplay.engine.decode import captures_steps
-    from stagereplay.engine.lm import check_prompt, model_context
+    from stagereplay.engine.lm import check_prompt
     from stagereplay.engine.model import load_config_and_tokenizer, set_determinism
 
     m = source.model
     lm: LM | None = None
     if ex.workers == 1 and ex.executor == "local":
         lm = cached_lm(m)
-        tokenizer, context, determinism = lm.tokenizer, lm.context, lm.determinism
+        config, tokenizer, determinism = lm.model.config, lm.tokenizer, lm.determinism
     else:  # workers load their own replicas; here only the config and tokenizer, to check the inputs up front
         determinism = set_determinism(m.threads, m.device)
         config, tokenizer = load_config_and_tokenizer(m.path)
-        context = model_context(config)
+    context = model_context(config)
     items, data_hash = load_items(source.data, tokenizer)
     for item in items:
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
+    source = fit_stage1(source, config, tokenizer, items)
     # Captured steps are bit-identical to eager ones (see engine.decode.Stepper); recorded all the same.
     determinism = {**determinism, "captured_steps": captures_steps(m.precision)}
-    return lm, items, data_hash, determinism
+    return source, lm, items, data_hash, determinism
+
+
+def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -> Source:
+    """Resolve the boundary rule and the stage-1 budget for this model and these items; refuse what cannot fit.
+
+    The rule defaults to `</think>` for a reasoning model (engine.boundary.default_rule). The budget defaults
+    to 8192 or what the context leaves after the longest prompt and the suffix budget; a budget given that
+    does not fit is refused (engine.limits). A length-dependent RoPE that a sequence may push past its
+    original context is warned about once and recorded.
+    """
+    import warnings
+
+    from stagereplay.engine.boundary import default_rule, parse_boundary
+    from stagereplay.engine.limits import STAGE1_BUDGET, check_budgets, rope_scaling
+
+    settings = source.settings
+    defaulted = not settings.boundary
+    if defaulted:
+        rule = default_rule(tokenizer)
+        if rule is None:
+            raise StageReplayError("no boundary rule given for --data, and none follows from the model (that takes "
+                                   "a </think> token and a chat template opening a think block)",
+                                   'pass --boundary-marker "</think>", --boundary-regex or --boundary-after')
+        settings = replace(settings, boundary=rule.describe())
+    match = parse_boundary(settings.boundary).bind(tokenizer).match_kind()
+    context = model_context(config)
+    longest = max(len(i.prompt_ids) for i in items)
+    dc = settings.decode
+    given = dc.max_stage1_tokens is not None
+    cap = TOY_STAGE1_TOKENS if source.toy else STAGE1_BUDGET
+    budget = check_budgets(longest, dc.max_stage1_tokens, dc.max_new_tokens, context, cap)
+    settings = replace(settings, decode=replace(dc, max_stage1_tokens=budget))
+    rope = rope_scaling(config)
+    sequence = longest + budget + dc.max_new_tokens
+    if rope.may_change(sequence):
+        warnings.warn(f"RoPE scaling {rope.type!r} changes its frequencies past {rope.original_context} positions "
+                      f"and a sequence here may reach {sequence}: live and one-shot can then differ by algorithm, "
+                      "not rounding (recorded in the manifest)", stacklevel=2)
+    budget_source = "given" if given else "toy default" if source.toy else "default"
+    stage1 = {**source.stage1, "rule": settings.boundary, "rule_source": "default" if defaulted else "given",
+              "match": match, "budget": budget, "budget_source": budget_source, "suffix_budget": dc.max_new_tokens,
+              "longest_prompt": longest, "context": context, "rope": rope.as_dict(sequence)}
+    return replace(source, settings=settings, stage1=stage1)
+
+
+def stage1_header(source: Source) -> str:
+    """One line for the top of a run: the boundary rule, how it matches, and the budgets in use."""
+    s = source.stage1
+    return (f"stage 1: {s['rule']} ({s['rule_source']}, matched on {s['match']}), budget {s['budget']} tokens "
+            f"({s['budget_source']}), suffix budget {s['suffix_budget']}, longest prompt {s['longest_prompt']}, "
+            f"context {s['context']}, RoPE {s['rope']['type']}")
+
+
+def print_header(source: Source, quiet: bool) -> None:
+    if not quiet:
+        import sys
+
+        print(stage1_header(source), file=sys.stderr)
 
 
 def new_manifest(command: str, config: dict[str, Any], source: Source, items: list[Item], data_hash: str,
@@ -103,6 +176,7 @@ def new_manifest(command: str, config: dict[str, Any], source: Source, items: li
             "dataset_hash": data_hash,
             "item_ids": [i.id for i in items],
             "model_hashes": {name: model_hashes(path) for name, path in models.items()},
+            "stage1": {k: v for k, v in source.stage1.items() if k != "toy"},
         },
         "environment": environment(source.model.device, determinism),
         "stages": {},
@@ -159,8 +233,9 @@ def matched(
     part = parse_shard(shard)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
                             threads, attn_impl)
+    source, lm, items, data_hash, determinism = prepare(source, ex)
+    print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)
-    lm, items, data_hash, determinism = prepare(source, ex)
     items = shard_items(items, part)
     identity: dict[str, Any] = {"construction": construction}
     if shard is not None:
@@ -245,6 +320,20 @@ def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "prima
     cfg.check_layers(hf_config.get_text_config().num_hidden_layers)
     with open_run(path, manifest) as run:
         run_transplant(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
+        return finish(run, quiet)
+
+
+def resample(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
+             executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+    """K seeded draws from the live, live-replica and fresh boundary states of each item: coupled and
+    independent designs (`experiments/resample.py`)."""
+    from stagereplay.experiments.resample import ResampleConfig, run_resample
+
+    path, manifest = _existing(run_dir)
+    model, settings = _matched_stage(manifest, checkpoint)
+    cfg = config or ResampleConfig()
+    with open_run(path, manifest) as run:
+        run_resample(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
         return finish(run, quiet)
 
 

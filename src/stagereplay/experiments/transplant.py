@@ -170,10 +170,29 @@ def divergent_items(run: Run, checkpoint: str, construction: str) -> list[tuple[
             for r in matched if r.item_id in divergent]
 
 
+def check_selection(model: ModelConfig, cfg: TransplantConfig, prefixes: list[list[int]]) -> None:
+    """Before the stage is frozen: `--layers` is valid and `--positions` lies inside a selected layer's cache
+    for every selected item (sliding-window layers hold only their last window - 1 positions)."""
+    from pathlib import Path
+
+    from stagereplay.engine.cache import layer_windows
+    from stagereplay.engine.model import load_checked_config
+    from stagereplay.engine.transplant import check_positions, held_spans
+
+    windows = layer_windows(load_checked_config(Path(model.path)))
+    layers = parse_layers(cfg.layers, len(windows))
+    if cfg.positions is None:
+        return
+    for prefix in prefixes:
+        length = len(prefix) - 1
+        check_positions(parse_positions(cfg.positions, length), layers, held_spans(windows, length))
+
+
 def run_transplant(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, cfg: TransplantConfig,
                    ex: ExecConfig, quiet: bool = False) -> None:
     candidates = divergent_items(run, checkpoint, cfg.construction)
     chosen = set(select([i.id for i, _ in candidates], cfg.select))
+    check_selection(model, cfg, [prefix for item, prefix in candidates if item.id in chosen])
     # Frozen before any transplant outcome exists: the rule and the items it picked.
     run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": asdict(model), "settings": settings.as_dict(),
                                                   "config": asdict(cfg), "selected": sorted(chosen)})

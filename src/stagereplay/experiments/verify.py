@@ -137,7 +137,7 @@ def expected_units(name: str, stage: dict[str, Any], config: dict[str, Any], rec
                    ) -> list[tuple[str, str]]:
     """The (item id, part) units a declared stage names, from the manifest and the matched records it starts
     from: matched, every item id; 2x2, every prefix of its matched run times each precision; bridge, its
-    first `rows` prefixes; transplant, its frozen selection."""
+    first `rows` prefixes; transplant, its frozen selection; resample, its frozen items times each precision."""
     experiment, _, checkpoint = name.partition("/")
     if experiment == "matched":
         return [(i, "") for i in config.get("item_ids", [])]
@@ -149,6 +149,8 @@ def expected_units(name: str, stage: dict[str, Any], config: dict[str, Any], rec
         return [(i, "") for i in ok[: stage.get("rows", 0)]]
     if experiment == "transplant":
         return [(i, "") for i in stage.get("selected", [])]
+    if experiment == "resample":
+        return [(i, p) for p in stage.get("precisions", []) for i in stage.get("items", [])]
     return []
 
 
@@ -278,8 +280,19 @@ def _transplant_claims(p: dict[str, Any], construction: str) -> list[str]:
     return bad
 
 
+def claimed(rebuilt: Any, stored: Any) -> Any:
+    """`rebuilt` restricted to the fields `stored` has: a results.json (or a schema 1 record) written by an
+    earlier version claims fewer fields, and only what it claims is checked."""
+    if isinstance(rebuilt, dict) and isinstance(stored, dict):
+        return {k: claimed(v, stored[k]) for k, v in rebuilt.items() if k in stored}
+    if isinstance(rebuilt, list) and isinstance(stored, list) and len(rebuilt) == len(stored):
+        return [claimed(a, b) for a, b in zip(rebuilt, stored, strict=True)]
+    return rebuilt
+
+
 def results_findings(run_dir: Path, manifest: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
-    """results.json must be what the ledger gives (less its time stamp and the last audit)."""
+    """Every field of results.json must be what the ledger gives (less its time stamp, the last audit and the
+    models' locations)."""
     path = run_dir / "results.json"
     if not path.exists():
         return []
@@ -287,6 +300,6 @@ def results_findings(run_dir: Path, manifest: dict[str, Any], records: list[Reco
         stored = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return [{"item_id": "", "what": "results.json is not valid JSON"}]
-    rebuilt = build_results(run_dir, manifest, records)
-    differ = diff_fields(comparable_results(stored), comparable_results(rebuilt), lists=True)
+    rebuilt = claimed(comparable_results(build_results(run_dir, manifest, records)), stored)
+    differ = diff_fields(comparable_results(stored), rebuilt, lists=True)
     return [{"item_id": "", "what": f"results.json {f} is not what the ledger gives"} for f in differ]

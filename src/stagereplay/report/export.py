@@ -34,9 +34,14 @@ COLUMNS: tuple[str, ...] = (
     "correct",
     "seq",
     "generated_ids",
+    "stream",
+    "draw",
+    "seed",
+    "answer",
 )
 """Output columns, in order. `part` is the ledger record's sub-unit key ("" when the experiment has none);
-`generated_ids` carries a `no_boundary` item's output, which has no arms."""
+`generated_ids` carries a `no_boundary` item's output, which has no arms. `stream`, `draw`, `seed` and `answer`
+belong to resample draws (one row per draw) and are empty elsewhere."""
 
 _ID_COLUMNS = frozenset({"prompt_ids", "prefix_ids", "suffix_ids", "generated_ids"})
 
@@ -85,6 +90,10 @@ def ledger_rows(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
                 "suffix_fp": arm.get("suffix_fp"),
                 "cache_fp": arm.get("cache_fp"),
                 "correct": arm.get("correct"),
+                "stream": arm.get("stream"),
+                "draw": arm.get("draw"),
+                "seed": arm.get("seed"),
+                "answer": arm.get("answer"),
             }
             yield {column: row[column] for column in COLUMNS}
 
@@ -120,6 +129,8 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
         "boundary": pa.int64(),
         "correct": pa.bool_(),
         "seq": pa.int64(),
+        "draw": pa.int64(),
+        "seed": pa.int64(),
         **dict.fromkeys(_ID_COLUMNS, ids),
     }
     schema = pa.schema([pa.field(c, types.get(c, pa.string())) for c in COLUMNS])

@@ -84,6 +84,19 @@ def build_figures(results: dict[str, Any]) -> list[ReportFigure]:
                     after=(f"table-sweep-{slug(ckpt)}",),
                 )
             )
+    resample = results.get("resample") or []
+    if resample:
+        figures.append(
+            ReportFigure(
+                "fig-resample",
+                "Resample: per-item answer distributions",
+                "Per item, total-variation distance between the answer distributions of live draws and fresh "
+                "draws (y) against that of live draws and more live draws (x: the null, sampling noise alone). "
+                "Points on the diagonal: replay keeps the distribution as well as live does itself.",
+                _png(resample_figure(resample)),
+                after=("table-resample-independent",),
+            )
+        )
     return figures
 
 
@@ -189,6 +202,26 @@ def sweep_figure(sweep: dict[str, Any], checkpoint: str) -> Figure:
     ax.set_yticks(range(len(bands)), [f"{kind} {band}" for kind, band in bands], fontsize=tick_size)
     ax.set_title(f"{checkpoint}: K/V layers transplanted ({sweep.get('n_layers', '?')} layers)", fontsize=9)
     fig.colorbar(image, ax=ax, label="share following donor", shrink=0.8)
+    return fig
+
+
+def resample_figure(entries: list[dict[str, Any]]) -> Figure:
+    """Per item, TV(live, fresh) against TV(live, live): points above the diagonal move the distribution."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3.4 * len(entries), 3.4), layout="constrained")
+    for i, e in enumerate(entries):
+        ax = fig.add_subplot(1, len(entries), i + 1)
+        ind = e["independent"]
+        ax.plot([0, 1], [0, 1], color="#a0aec0", linewidth=1, zorder=1)
+        ax.scatter(ind["tv_null"], ind["tv_fresh"], s=14, alpha=0.7, color="#2b6cb0", zorder=2)
+        ax.set_xlim(-0.03, 1.03)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_aspect("equal")
+        ax.set_title(f"{e['checkpoint']} @ {e['precision']}", fontsize=9)
+        ax.set_xlabel("TV live vs live (null)", fontsize=8)
+        ax.set_ylabel(f"TV live vs {e['construction']}", fontsize=8)
+        ax.grid(alpha=0.3)
     return fig
 
 

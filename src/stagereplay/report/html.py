@@ -8,6 +8,7 @@ reads back from the rendered DOM.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from html import escape
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ p.note { font-size: .85rem; color: #4a5568; margin: .2rem 0 1rem; max-width: 60r
 figure { margin: 1rem 0 2rem; } figure img { max-width: 100%; height: auto; border: 1px solid #e2e8f0; }
 figcaption { font-size: .85rem; color: #4a5568; max-width: 60rem; }
 nav ul { font-size: .9rem; columns: 2; }
+p.verdict { max-width: 60rem; background: #f7fafc; border-left: 3px solid #2b6cb0; padding: .5rem .8rem; }
 """
 
 _SCRIPT = """
@@ -41,8 +43,13 @@ window.addEventListener("load", function () {
 """
 
 
-def render_html(run: list[tuple[str, str]], tables: list[Table], figures: list[ReportFigure]) -> str:
-    """The whole page. `run` is (label, value) pairs for the header; every string is escaped."""
+def render_html(run: list[tuple[str, str]], tables: list[Table], figures: list[ReportFigure],
+                verdict: Sequence[tuple[str, str]] = (), explorer: str = "") -> str:
+    """The whole page. `run` is (label, value) pairs for the header; every string is escaped.
+
+    `verdict` is (question, answer) pairs shown first; `explorer` is the per-item section
+    (`report.explorer.explorer_html`, already escaped), shown last.
+    """
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -54,9 +61,11 @@ def render_html(run: list[tuple[str, str]], tables: list[Table], figures: list[R
         '<dl class="run">',
         *(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in run),
         "</dl>",
-        _nav(tables, figures),
+        _verdict(verdict),
+        _nav(tables, figures, bool(explorer)),
         "<main>",
         *_body(tables, figures),
+        explorer,
         "</main>",
         f"<script>{_SCRIPT}</script>",
         "</body></html>",
@@ -82,9 +91,17 @@ def _matches(table_id: str, pattern: str) -> bool:
     return table_id.startswith(pattern) if pattern.endswith("-") else table_id == pattern
 
 
-def _nav(tables: list[Table], figures: list[ReportFigure]) -> str:
+def _verdict(verdict: Sequence[tuple[str, str]]) -> str:
+    if not verdict:
+        return ""
+    said = " ".join(f"<strong>{escape(q)}</strong> {escape(a[0].upper() + a[1:])}" for q, a in verdict)
+    return f'<h2 id="verdict">Verdict</h2><p class="verdict">{said}</p>'
+
+
+def _nav(tables: list[Table], figures: list[ReportFigure], explorer: bool = False) -> str:
     links = [f'<li><a href="#{escape(t.id)}">{escape(t.title)}</a></li>' for t in tables]
     links += [f'<li><a href="#{escape(f.id)}">Figure: {escape(f.title)}</a></li>' for f in figures]
+    links += ['<li><a href="#explorer">Divergent items</a></li>'] if explorer else []
     return "<nav><ul>" + "".join(links) + "</ul></nav>"
 
 

@@ -12,6 +12,7 @@ from stagereplay.report.summaries import (
     summarize_2x2,
     summarize_bridge,
     summarize_matched,
+    summarize_resample,
     summarize_transplant,
 )
 
@@ -36,6 +37,7 @@ def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]
         "precision_2x2": None,
         "bridge": None,
         "transplant": [],
+        "resample": [],
         "audit": None,
     }
     for name, stage in stages.items():
@@ -50,6 +52,8 @@ def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]
             results["bridge"] = summarize_bridge(mine, checkpoint)
         elif experiment == "transplant":
             results["transplant"].append(summarize_transplant(mine, stage, checkpoint))
+        elif experiment == "resample":
+            results["resample"].extend(summarize_resample(mine, stage, checkpoint))
     audit = run_dir / AUDIT_FILE
     if audit.exists():
         results["audit"] = json.loads(audit.read_text())

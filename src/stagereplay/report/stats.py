@@ -8,6 +8,7 @@ Clopper-Pearson intervals, and `binomtest(...).pvalue` the exact McNemar p.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -111,3 +112,48 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     if len(a) != len(b):
         return min(len(a), len(b))
     return None
+
+
+def total_variation(a: Sequence[str | None], b: Sequence[str | None]) -> float:
+    """Total-variation distance between the empirical distributions of two samples of answers (None counts
+    as an answer of its own: "no answer found"): half the L1 distance of the two frequency vectors."""
+    if not a or not b:
+        raise ValueError("total variation needs two non-empty samples")
+    fa, fb = Counter(a), Counter(b)
+    return 0.5 * sum(abs(fa[x] / len(a) - fb[x] / len(b)) for x in fa.keys() | fb.keys())
+
+
+TWO_SAMPLE_TEST = "Fisher-Freeman-Halton"
+MONTE_CARLO_TABLES = 9_999
+
+
+def two_sample_answer_test(a: Sequence[str | None], b: Sequence[str | None], seed: int = 0) -> float:
+    """p of the Fisher-Freeman-Halton test that two samples of answers come from one distribution.
+
+    The 2 x m table (sample x answer) is tested with its margins fixed. With two answers it is Fisher's exact
+    test; with more, scipy draws `MONTE_CARLO_TABLES` tables with those margins from a generator seeded with
+    `seed` (so the p is reproducible, and never below 1 / (MONTE_CARLO_TABLES + 1)). One answer in all: p = 1.
+    """
+    from scipy.stats import MonteCarloMethod, fisher_exact
+
+    answers = sorted({*a, *b}, key=lambda x: (x is None, str(x)))
+    if len(answers) < 2:
+        return 1.0
+    fa, fb = Counter(a), Counter(b)
+    table = np.array([[fa[x] for x in answers], [fb[x] for x in answers]])  # (2, m)
+    if len(answers) == 2:
+        return float(fisher_exact(table).pvalue)
+    method = MonteCarloMethod(n_resamples=MONTE_CARLO_TABLES, rng=np.random.default_rng(seed))
+    return float(fisher_exact(table, method=method).pvalue)
+
+
+def benjamini_hochberg(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
+    """Which hypotheses the Benjamini-Hochberg step-up procedure rejects at false-discovery rate `alpha`."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    passed = [rank for rank, i in enumerate(order, start=1) if p_values[i] <= alpha * rank / m]
+    cutoff = max(passed, default=0)
+    rejected = [False] * m
+    for i in order[:cutoff]:
+        rejected[i] = True
+    return rejected

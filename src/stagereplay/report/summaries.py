@@ -6,10 +6,21 @@ same. The field-by-field format is `docs/results-schema.md`.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 from stagereplay.records.ledger import Record
-from stagereplay.report.stats import mcnemar_exact, paired_bootstrap_ci, wilson_interval
+from stagereplay.report.diagnostics import summarize_pair
+from stagereplay.report.stats import (
+    MONTE_CARLO_TABLES,
+    TWO_SAMPLE_TEST,
+    benjamini_hochberg,
+    mcnemar_exact,
+    paired_bootstrap_ci,
+    total_variation,
+    two_sample_answer_test,
+    wilson_interval,
+)
 
 
 def _cmp(record: Record, a: str, b: str) -> dict[str, Any] | None:
@@ -54,7 +65,10 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
         "discordant": {"live_only": live_only, "other_only": other_only},
         "mcnemar_p": None,
         "first_divergence": divergence,
+        **summarize_pair(ok, "live", construction),
     }
+    if any("marker_inside_token" in r.payload for r in ok):  # a marker matched on text (engine.boundary)
+        summary["n_marker_inside_token"] = sum(bool(r.payload.get("marker_inside_token")) for r in ok)
     if n:
         la, oa = sum(live_acc) / n, sum(other_acc) / n
         lo, hi = paired_bootstrap_ci(live_acc, other_acc, n_resamples=n_resamples, seed=seed)
@@ -83,6 +97,7 @@ def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str)
             "wilson": list(wilson_interval(k, n)) if n else None,
             "label_k": sum(not c["label_equal"] for c in first),
             "first_divergence": [c["first_divergence"] for c in first if not c["suffix_equal"]],
+            **(summarize_pair(mine, first[0]["a"], first[0]["b"]) if first else {}),
         })
     return {"checkpoint": checkpoint, "constructions": constructions, "precisions": precisions,
             "n": max((d["n"] for d in disagreements), default=0), "cells": cells, "disagreements": disagreements}
@@ -137,3 +152,74 @@ def summarize_transplant(records: list[Record], stage: dict[str, Any], checkpoin
                     smallest[d] = layers
         summary["sweep"] = {"n_layers": n_layers, "rows": rows, "smallest_band": smallest}
     return summary
+
+
+FDR = 0.05
+"""False-discovery rate of the Benjamini-Hochberg procedure over the items' answer-distribution tests."""
+
+
+def _draws(record: Record, state: str, stream: str) -> list[dict[str, Any]]:
+    return sorted((a for a in record.payload["arms"] if a["state"] == state and a["stream"] == stream),
+                  key=lambda a: a["draw"])
+
+
+def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
+    """mean(a - b) with its paired percentile bootstrap 95% CI over items."""
+    if not a:
+        return {"estimate": None, "ci": None}
+    lo, hi = paired_bootstrap_ci(a, b, seed=seed)
+    return {"estimate": sum(a) / len(a) - sum(b) / len(b), "ci": [lo, hi]}
+
+
+def summarize_resample(records: list[Record], stage: dict[str, Any], checkpoint: str) -> list[dict[str, Any]]:
+    """One entry per precision: coupled differences, independent answer distributions, the accuracy bias."""
+    cfg = stage["config"]
+    fresh = cfg["construction"]
+    out = []
+    for precision in stage["precisions"]:
+        mine = [r for r in records if r.part == precision]
+        ok = [r for r in mine if r.payload["status"] == "ok"]
+        coupled = {"draws": 0, "replica_differ": 0, "fresh_differ": 0, "answer_differ": 0, "label_differ": 0}
+        tv_fresh, tv_null, p_fresh, p_null = [], [], [], []
+        acc_live, acc_fresh, acc_null = [], [], []
+        for r in ok:
+            live, rep, fa = _draws(r, "live", "A"), _draws(r, "live#replica", "A"), _draws(r, fresh, "A")
+            fb, lc = _draws(r, fresh, "B"), _draws(r, "live", "C")
+            coupled["draws"] += len(live)
+            coupled["replica_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, rep, strict=True))
+            coupled["fresh_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, fa, strict=True))
+            coupled["answer_differ"] += sum(x["answer"] != y["answer"] for x, y in zip(live, fa, strict=True))
+            coupled["label_differ"] += sum(x["correct"] != y["correct"] for x, y in zip(live, fa, strict=True))
+            answers = {name: [d["answer"] for d in draws] for name, draws in (("A", live), ("B", fb), ("C", lc))}
+            test_seed = zlib.crc32(r.item_id.encode())  # per item, so a resumed or merged run gets the same p
+            tv_fresh.append(total_variation(answers["A"], answers["B"]))
+            tv_null.append(total_variation(answers["A"], answers["C"]))
+            p_fresh.append(two_sample_answer_test(answers["A"], answers["B"], test_seed))
+            p_null.append(two_sample_answer_test(answers["A"], answers["C"], test_seed))
+            acc_live.append(sum(d["correct"] for d in live) / len(live))
+            acc_fresh.append(sum(d["correct"] for d in fb) / len(fb))
+            acc_null.append(sum(d["correct"] for d in lc) / len(lc))
+        bias = _mean_ci(acc_live, acc_fresh)
+        out.append({
+            "checkpoint": checkpoint, "precision": precision, "construction": fresh,
+            "k": cfg["k"], "temperature": cfg["temperature"], "top_p": cfg["top_p"], "top_k": cfg["top_k"],
+            "seed": cfg["seed"], "n_items": len(ok), "n_not_reproduced": len(mine) - len(ok),
+            "live_source": ok[0].payload["live_source"] if ok else None,
+            "items": [r.item_id for r in ok],
+            "coupled": coupled,
+            "independent": {
+                "test": TWO_SAMPLE_TEST, "monte_carlo_tables": MONTE_CARLO_TABLES, "fdr": FDR,
+                "tv_fresh": tv_fresh, "tv_null": tv_null, "excess_tv": _mean_ci(tv_fresh, tv_null),
+                "p_values": p_fresh, "p_values_null": p_null,
+                "rejected_bh": sum(benjamini_hochberg(p_fresh, FDR)),
+                "rejected_bh_null": sum(benjamini_hochberg(p_null, FDR)),
+            },
+            "accuracy": {"live": _mean(acc_live), fresh: _mean(acc_fresh)},
+            "accuracy_bias": {**bias, "per_item": [a - b for a, b in zip(acc_live, acc_fresh, strict=True)]},
+            "accuracy_bias_null": _mean_ci(acc_live, acc_null),
+        })
+    return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None

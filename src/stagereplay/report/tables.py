@@ -126,10 +126,15 @@ def build_tables(results: dict[str, Any]) -> list[Table]:
         tables.append(matched_table(results["matched"]))
     if results.get("precision_2x2"):
         tables.extend(precision_2x2_tables(results["precision_2x2"]))
+    diagnostics = diagnostics_table(results)
+    if diagnostics:
+        tables.append(diagnostics)
     if results.get("bridge"):
         tables.extend(bridge_tables(results["bridge"]))
     for t in results.get("transplant") or []:
         tables.extend(transplant_tables(t))
+    if results.get("resample"):
+        tables.extend(resample_tables(results["resample"]))
     if results.get("audit"):
         tables.extend(audit_tables(results["audit"]))
     return tables
@@ -216,6 +221,44 @@ def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
             "0/n is reported with its Wilson upper bound.",
         ),
     ]
+
+
+def _logit(x: float | None) -> str:
+    """A logit-scale number: 3 significant digits, 0 as 0."""
+    return NA if x is None else "0" if x == 0 else f"{x:.3g}"
+
+
+def _median(values: Any) -> float | None:
+    from statistics import median
+
+    xs = [v for v in (values.values() if isinstance(values, dict) else values or []) if v is not None]
+    return float(median(xs)) if xs else None
+
+
+def diagnostics_table(results: dict[str, Any]) -> Table | None:
+    """Why pairs diverged, one row per compared pair: margins, first-step logit difference, cache difference."""
+    rows = []
+    pairs = [(f"{m['checkpoint']} live vs {m['construction']} @{m['precision']}", m, m["suffix_disagreements"])
+             for m in results.get("matched") or []]
+    grid = results.get("precision_2x2") or {}
+    pairs += [(f"{grid['checkpoint']} 2x2 @{d['precision']}", d, d) for d in grid.get("disagreements") or []]
+    for label, s, kn in pairs:
+        if s.get("margins") is None:
+            continue
+        steps, at = s["margins"].get("steps") or {}, s["margins"]["at_divergence"]
+        layers = s.get("cache_diff") or []
+        k = _median([r["k_rel_l2"] for r in layers])
+        v = _median([r["v_rel_l2"] for r in layers])
+        rows.append([label, f"{kn['k']}/{kn['n']}", f"{_logit(at['median'])} / {_logit(steps.get('median'))}",
+                     _logit(_median(s.get("first_step_logit_maxabs"))), f"{_logit(k)} / {_logit(v)}"])
+    if not rows:
+        return None
+    headers = ("pair", "diverged", "margin: div / all", "step-1 logit diff", "cache K / V")
+    note = ("Medians over items. Margin: top-1 minus top-2 fp32 logit, at the first divergent token against all "
+            "steps of the reference arm. Step-1 logit diff: max-abs difference of the two arms' logits at the first "
+            "suffix step. Cache: relative L2 ||a-b||/||a|| of the boundary caches, median over layers of the "
+            "per-layer medians.")
+    return Table("table-diagnostics", "Why pairs diverged: margins, logits, caches", headers, _rows(rows), note)
 
 
 def bridge_tables(bridge: dict[str, Any]) -> list[Table]:
@@ -307,6 +350,70 @@ def _layers(layers: list[int] | None, n_layers: Any) -> str:
         return "none found"
     span = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
     return f"layers {span} ({len(layers)} of {n_layers})"
+
+
+def _resample_where(e: dict[str, Any]) -> str:
+    return f"{e['checkpoint']} @ {e['precision']}"
+
+
+def _points_ci(d: dict[str, Any] | None) -> str:
+    """'+1.0 [-3.5, +5.5]' in points, or '-'."""
+    if not d or d.get("estimate") is None:
+        return NA
+    return f"{points(d['estimate'])} [{points(d['ci'][0])}, {points(d['ci'][1])}]"
+
+
+def _mean3(xs: list[float]) -> str:
+    return f"{sum(xs) / len(xs):.3f}" if xs else NA
+
+
+def _tv_ci(d: dict[str, Any] | None) -> str:
+    """A difference of TV distances with its CI, three decimals: '+0.012 [-0.004, +0.031]'."""
+    if not d or d.get("estimate") is None:
+        return NA
+    return f"{d['estimate'] + 0.0:+.3f} [{d['ci'][0] + 0.0:+.3f}, {d['ci'][1] + 0.0:+.3f}]"
+
+
+def resample_tables(entries: list[dict[str, Any]]) -> list[Table]:
+    """Coupled draws (shared seeds), then independent answer distributions and the accuracy bias."""
+    first = entries[0]
+    top_k = first["top_k"] or "off"
+    setting = (f"K = {first['k']} draws per state and seed stream, temperature {first['temperature']}, "
+               f"top-p {first['top_p']}, top-k {top_k}, seed {first['seed']}.")
+    coupled = []
+    independent = []
+    for e in entries:
+        c, ind = e["coupled"], e["independent"]
+        coupled.append([_resample_where(e), str(e["n_items"]), k_of_n(c["replica_differ"], c["draws"]),
+                        k_of_n(c["fresh_differ"], c["draws"]), k_of_n(c["answer_differ"], c["draws"])])
+        n = len(ind["p_values"])
+        independent.append([_resample_where(e), _mean3(ind["tv_fresh"]), _mean3(ind["tv_null"]),
+                            _tv_ci(ind["excess_tv"]), f"{ind['rejected_bh']}/{n} ({ind['rejected_bh_null']}/{n})",
+                            _points_ci(e["accuracy_bias"])])
+    fresh = first["construction"]
+    return [
+        Table(
+            "table-resample-coupled",
+            f"Resample, coupled: live vs {fresh}, draw j seeded alike on both sides",
+            ("where", "items", "replica differs", "fresh differs", "answer differs"),
+            tuple(tuple(r) for r in coupled),
+            f"{setting} Counts are over items x K draws. 'replica differs': live vs a live replica, the "
+            "negative control (must be 0). A differing draw is the cache's doing: the seed is shared.",
+        ),
+        Table(
+            "table-resample-independent",
+            f"Resample, independent: answer distributions, live vs {fresh}",
+            ("where", "TV fresh", "TV null", "excess TV [95% CI]", "BH rejects (null)", "acc. bias pts [CI]"),
+            tuple(tuple(r) for r in independent),
+            f"Mean total-variation distance between the answer distributions of live draws (seeds A) and fresh "
+            f"draws (seeds B), and of live against more live draws (seeds C: the null). Excess TV = mean TV "
+            f"fresh - mean TV null, paired bootstrap over items. Per item, {first['independent']['test']} test "
+            f"(exact with two answers, else {first['independent']['monte_carlo_tables']} seeded Monte Carlo "
+            f"tables), Benjamini-Hochberg at FDR {first['independent']['fdr']}. Accuracy bias: per item, "
+            "accuracy of live draws minus fresh draws (what resampling-importance methods compute), mean "
+            "and paired bootstrap CI, in points.",
+        ),
+    ]
 
 
 def audit_tables(audit: dict[str, Any]) -> list[Table]:

@@ -19,6 +19,15 @@ def _as_number(text: str) -> float | None:
         return None
 
 
+def last_number_answer(output: str) -> str | None:
+    """The last number in the output, normalised (commas dropped, `12.0` -> `12`); None if there is none."""
+    found = _NUMBER.findall(output)
+    value = _as_number(found[-1]) if found else None
+    if value is None:
+        return None
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
 def last_number(output: str, answer: str) -> bool:
     """The last number in the output equals the gold number (commas ignored, 12 == 12.0)."""
     found = _NUMBER.findall(output)
@@ -33,18 +42,28 @@ def exact_match(output: str, answer: str) -> bool:
     return output.strip() == answer.strip()
 
 
-def regex_scorer(pattern: str) -> Scorer:
-    """Group 1 (or the whole match) of the first match of `pattern` equals the gold answer, stripped."""
-    compiled = re.compile(pattern)
+@dataclass(frozen=True)
+class PatternScorer:
+    """Group 1 (or the whole match) of the first match of `pattern` is the answer; correct when it equals the
+    gold answer, stripped."""
 
-    def score(output: str, answer: str) -> bool:
-        match = compiled.search(output)
+    pattern: str
+
+    def extract(self, output: str) -> str | None:
+        match = re.search(self.pattern, output)
         if match is None:
-            return False
-        got = match.group(1) if compiled.groups else match.group(0)
-        return got.strip() == answer.strip()
+            return None
+        return (match.group(1) if match.re.groups else match.group(0)).strip()
 
-    return score
+    def __call__(self, output: str, answer: str) -> bool:
+        got = self.extract(output)
+        return got is not None and got == answer.strip()
+
+
+def regex_scorer(pattern: str) -> Scorer:
+    """A `PatternScorer` for `pattern` (compiled once here, so a bad pattern fails up front)."""
+    re.compile(pattern)
+    return PatternScorer(pattern)
 
 
 @dataclass(frozen=True)

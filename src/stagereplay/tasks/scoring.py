@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from stagereplay.errors import StageReplayError
-from stagereplay.tasks.base import Scorer, exact_match, last_number, regex_scorer
+from stagereplay.tasks.base import Scorer, exact_match, last_number, last_number_answer, regex_scorer
 from stagereplay.tasks.toy import toy_scorer
 
 SCORERS: dict[str, Scorer] = {"last-number": last_number, "exact": exact_match}
@@ -25,3 +26,15 @@ def scorer_by_name(name: str) -> Scorer:
     if name not in SCORERS:
         raise StageReplayError(f"unknown --scorer {name!r}", f"use one of {', '.join(SCORERS)}, toy or regex:PATTERN")
     return SCORERS[name]
+
+
+def answer_extractor(name: str) -> Callable[[str], str | None]:
+    """What the scorer `name` reads as the answer of an output (None: no answer found), so that the answers of
+    many sampled continuations can be counted as a distribution."""
+    scorer = scorer_by_name(name)
+    extract: Callable[[str], str | None] | None = getattr(scorer, "extract", None)
+    if extract is not None:
+        return extract
+    if name == "last-number":
+        return last_number_answer
+    return str.strip

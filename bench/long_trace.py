@@ -1,0 +1,191 @@
+"""Cost of a long reasoning trace: `matched` with a 2,048-token stage 1 on R1-Distill-1.5B's cache shape.
+
+    python bench/long_trace.py                          # 4 items, stage 1 of 2048, suffix 256, CPU, 1 thread
+    python bench/long_trace.py --stage1 256 --items 2   # a quick look
+    python bench/long_trace.py --device cuda
+
+A random Qwen2 with DeepSeek-R1-Distill-Qwen-1.5B's cache (28 layers, 2 KV heads of 128) but a narrow hidden
+size (256, 2 query heads, MLP 512, vocabulary 1024) so that a CPU runs it: the forwards are cheap, the caches
+full size, which is the worst case for the work outside the forwards. Each item runs the whole `matched`
+protocol through `stagereplay.runs.matched` (live + replica, one-shot + replica, ledger, report). Stage 1 ends
+after exactly `--stage1` tokens (`after:N`); EOS is made unreachable so every suffix runs to `--suffix`.
+
+Printed: wall time in forwards (`Stepper.forward`), time outside them in the item loop, split into
+fingerprints, clones, ledger writes and the rest (sampling, boundary watch, records), bytes streamed to the
+host for fingerprints, and peak RSS against the weights and one cache. The last line is
+`overhead X.XX% of forward time, peak RSS N MiB`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+LAYERS, KV_HEADS, HEAD_DIM = 28, 2, 128  # DeepSeek-R1-Distill-Qwen-1.5B's cache shape
+HIDDEN, HEADS, MLP, VOCAB = 256, 2, 512, 1024
+
+
+def build(out: Path, seed: int = 0) -> Path:
+    """Save the random model, its tokenizer (every ID decodes) with EOS out of reach."""
+    import torch
+    from random_model import save_tokenizer  # bench/ is on sys.path when this runs as a script
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+        model.lm_head.weight[2] = 0.0  # EOS logit 0, below the largest of 1023 random ones: suffixes run full length
+    model.to(torch.bfloat16).save_pretrained(out)
+    save_tokenizer(out, VOCAB)
+    return out
+
+
+class Clock:
+    """Wall time and calls of wrapped functions, by name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+                self.calls[name] = self.calls.get(name, 0) + 1
+
+        setattr(owner, attr, timed)
+
+
+def instrument(clock: Clock, streamed: list[int]) -> None:
+    """Time forwards, fingerprints, clones, ledger writes and the item loop; count bytes sent to the hasher."""
+    from stagereplay.engine import cache, decode, lm
+    from stagereplay.experiments import matched
+    from stagereplay.records import ledger
+
+    clock.wrap(decode.Stepper, "forward", "forwards")
+    clock.wrap(cache, "cache_fingerprint", "fingerprints")
+    clock.wrap(lm, "cache_fingerprint", "fingerprints")  # lm.py binds the name at import
+    clock.wrap(lm, "clone_cache", "clones")
+    clock.wrap(ledger.Run, "append", "ledger")
+    clock.wrap(matched, "run_matched", "item loop")
+    chunks: Callable[..., Any] = cache._host_chunks
+
+    def counted(t: Any) -> Any:
+        for c in chunks(t):
+            streamed[0] += c.nbytes
+            yield c
+
+    cache._host_chunks = counted  # type: ignore[assignment]  # a counting wrapper of the same generator
+
+
+def warm_up(model: Path, args: argparse.Namespace, clock: Clock) -> None:
+    """Load the model the run will reuse (one per process) and capture its decode step, then zero the clock:
+    dynamo's one-time capture is a cost of the process, not of the items."""
+    from stagereplay.engine.model import ModelConfig
+    from stagereplay.execution.local import cached_lm
+
+    config = ModelConfig(path=str(model.resolve()), precision=args.precision, device=args.device,
+                         threads=args.threads)
+    lm = cached_lm(config)
+    lm.generate(lm.tokenizer.encode("Q: 1+1=? Think.\n"), 8)
+    clock.seconds.clear()
+    clock.calls.clear()
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--items", type=int, default=4)
+    p.add_argument("--stage1", type=int, default=2048)
+    p.add_argument("--suffix", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from stagereplay.engine.boundary import After
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.runs import matched
+
+    clock, streamed = Clock(), [0]
+    instrument(clock, streamed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build(Path(tmp) / "model")
+        data = Path(tmp) / "items.jsonl"
+        data.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"Q: {10 + i}+{20 + i}=? Think.\n",
+                                            "answer": str(30 + 2 * i)}) + "\n" for i in range(args.items)))
+        weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
+        warm_up(model, args, clock)
+        start = time.perf_counter()
+        results = matched(Path(tmp) / "run", model=str(model), data=str(data), boundary=After(args.stage1),
+                          decode=DecodeConfig(max_new_tokens=args.suffix, max_stage1_tokens=args.stage1),
+                          precision=args.precision, device=args.device, threads=args.threads, quiet=True)
+        total = time.perf_counter() - start
+        ledger = [json.loads(line) for line in (Path(tmp) / "run" / "ledger.jsonl").read_text().splitlines()]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    s = clock.seconds
+    forwards, loop = s.get("forwards", 0.0), s.get("item loop", 0.0)
+    outside = loop - forwards
+    named = {k: s.get(k, 0.0) for k in ("fingerprints", "clones", "ledger")}
+    rest = outside - sum(named.values())
+    lengths = [(r["payload"]["boundary"], len(r["payload"]["arms"][0]["suffix_ids"])) for r in ledger]
+    positions = max(b + n for b, n in lengths)
+    cache_mib = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2 * positions / 2**20  # K and V, bf16, every position
+    m = results["matched"][0]
+    print(f"model: random Qwen2, {LAYERS} layers, {KV_HEADS} KV heads of {HEAD_DIM}, hidden {HIDDEN}; "
+          f"weights {weights:.0f} MiB; {args.precision}, {args.device}, {torch.get_num_threads()} thread(s)")
+    print(f"items {len(ledger)}: prefix lengths (prompt + stage 1) {[b for b, _ in lengths]}, "
+          f"suffixes {[n for _, n in lengths]}; one cache of {positions} positions = {cache_mib:.1f} MiB")
+    print(f"matched: live replica exact {m['replica_exact']['live']['k']}/{m['n_boundary']}, "
+          f"suffix disagreements {m['suffix_disagreements']['k']}/{m['n_boundary']}")
+    print(f"{'':24}{'seconds':>10}{'calls':>9}")
+    print(f"{'command total':24}{total:10.2f}")
+    print(f"{'item loop':24}{loop:10.2f}")
+    print(f"{'  in forwards':24}{forwards:10.2f}{clock.calls.get('forwards', 0):9d}")
+    print(f"{'  outside forwards':24}{outside:10.2f}")
+    for k, v in named.items():
+        print(f"{'    ' + k:24}{v:10.2f}{clock.calls.get(k, 0):9d}")
+    print(f"{'    rest':24}{rest:10.2f}")
+    print(f"bytes streamed to the host for fingerprints: {streamed[0] / 2**20:.1f} MiB "
+          f"({streamed[0] / max(1, clock.calls.get('fingerprints', 1)) / 2**20:.1f} MiB per fingerprint)")
+    print(f"peak RSS {peak:.0f} MiB (now {rss_mib():.0f} MiB); weights {weights:.0f} MiB, one cache "
+          f"{cache_mib:.1f} MiB")
+    overhead = 100 * outside / forwards if forwards else float("nan")
+    figures = {"total_s": total, "loop_s": loop, "forward_s": forwards, "outside_s": outside, **named,
+               "rest_s": rest, "streamed_bytes": streamed[0], "peak_rss_mib": peak, "weights_mib": weights,
+               "cache_mib": cache_mib, "overhead_pct": overhead, "lengths": lengths}
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"overhead {overhead:.2f}% of forward time, peak RSS {peak:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""One item's story, from its ledger record: prompt, stage 1, the two suffixes aligned at the first divergent
+token, each arm's margin and top-5 there, and the per-layer cache difference.
+
+The report's per-item explorer (`explorer_html`, one anchor `id="item-<item_id>"` per divergent item) and the
+terminal's `stagereplay show RUN ITEM` (`print_story`) render the same `Story`. Token texts come from the run's
+tokenizer when its model directory is still there; otherwise tokens print as `<id>`, so a run folder archived
+without its model still renders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stagereplay.records.ledger import Record
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+Decoder = Callable[[int], str]
+CONTEXT_CHARS = 60  # how much of the common text before the divergent token is shown
+
+
+@dataclass(frozen=True)
+class Story:
+    """One compared pair of one item (matched: live vs the fresh construction)."""
+
+    item_id: str
+    checkpoint: str
+    precision: str
+    a: str
+    b: str
+    prompt: tuple[int, ...]
+    stage1: tuple[int, ...]
+    suffixes: tuple[tuple[int, ...], tuple[int, ...]]
+    correct: tuple[bool, bool]
+    first_step_logit_maxabs: float | None
+    divergence: dict[str, Any] | None  # step, logit_maxabs, a/b: {margin, top: [[id, logit]]}; None if equal
+    cache: dict[str, Any] | None  # engine.diagnostics.cache_difference
+
+    @property
+    def anchor(self) -> str:
+        return f"item-{self.item_id}"
+
+
+def stories(records: list[Record], item_id: str | None = None) -> list[Story]:
+    """Every matched record with diagnostics (of `item_id` only, when given), as its live-vs-fresh story."""
+    out = []
+    for r in records:
+        p = r.payload
+        if r.experiment != "matched" or p.get("status") != "ok" or not p.get("diagnostics"):
+            continue
+        if item_id is not None and r.item_id != item_id:
+            continue
+        main = p["comparisons"][0]  # matched records list live vs the construction first
+        a, b = main["a"], main["b"]
+        arms = {arm["name"]: arm for arm in p["arms"]}
+        diag = p["diagnostics"]["pairs"].get(f"{a} vs {b}") or {}
+        out.append(Story(
+            item_id=r.item_id, checkpoint=r.checkpoint, precision=arms[a]["precision"], a=a, b=b,
+            prompt=tuple(p["prompt_ids"]), stage1=tuple(p["prefix_ids"][len(p["prompt_ids"]):]),
+            suffixes=(tuple(arms[a]["suffix_ids"]), tuple(arms[b]["suffix_ids"])),
+            correct=(arms[a]["correct"], arms[b]["correct"]),
+            first_step_logit_maxabs=diag.get("first_step_logit_maxabs"), divergence=diag.get("divergence"),
+            cache=diag.get("cache"),
+        ))
+    return out
+
+
+def token_decoder(manifest: dict[str, Any]) -> Decoder:
+    """Token id -> its text, by the run's tokenizer if it loads from the manifest's model path, else `<id>`."""
+    path = ((manifest.get("config") or {}).get("model") or {}).get("path")
+    tokenizer = None
+    if path and Path(path).is_dir():
+        try:
+            from stagereplay.engine.model import load_config_and_tokenizer
+
+            tokenizer = load_config_and_tokenizer(path)[1]
+        except Exception:  # a report must render even when the model folder is broken or moved
+            tokenizer = None
+    cache: dict[int, str] = {}
+
+    def decode(token: int) -> str:
+        if token not in cache:
+            text = tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else f"<{token}>"
+            cache[token] = text.replace("\n", "⏎")
+        return cache[token]
+
+    return decode
+
+
+def _text(ids: tuple[int, ...], decode: Decoder) -> str:
+    return "".join(decode(t) for t in ids)
+
+
+def aligned(story: Story, decode: Decoder) -> tuple[str, tuple[str, str], tuple[str, str]]:
+    """(common text before the divergence, trimmed), and per arm (its divergent token, the rest of its suffix)."""
+    d = story.divergence["step"] if story.divergence else len(story.suffixes[0])
+    common = _text(story.suffixes[0][:d], decode)
+    if len(common) > CONTEXT_CHARS:
+        common = "…" + common[-CONTEXT_CHARS:]
+    a, b = ((decode(s[d]) if d < len(s) else "", _text(s[d + 1 :], decode)) for s in story.suffixes)
+    return common, a, b
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else "0" if x == 0 else f"{x:.3g}"
+
+
+def margins_line(story: Story) -> str:
+    d = story.divergence
+    first = f"max-abs logit difference at the first suffix step {_num(story.first_step_logit_maxabs)}"
+    if d is None:
+        return f"Suffixes agree; {first}."
+    return (f"Margin (top-1 minus top-2 logit) at suffix token {d['step']}: {story.a} {_num(d['a']['margin'])}, "
+            f"{story.b} {_num(d['b']['margin'])}; max-abs logit difference there {_num(d['logit_maxabs'])}; {first}.")
+
+
+def top_rows(story: Story, decode: Decoder) -> list[tuple[str, str, str, str, str]]:
+    """(rank, token a, logit a, token b, logit b) at the first divergent step."""
+    d = story.divergence
+    if d is None:
+        return []
+    ta, tb = d["a"]["top"], d["b"]["top"]
+    return [(str(i + 1), repr(decode(x[0]))[1:-1], _num(x[1]), repr(decode(y[0]))[1:-1], _num(y[1]))
+            for i, (x, y) in enumerate(zip(ta, tb, strict=False))]
+
+
+def layer_rows(story: Story) -> list[tuple[str, str, str, str, str]]:
+    """(layer, K rel L2, V rel L2, K max-abs, V max-abs) of the live vs fresh cache."""
+    if not story.cache:
+        return []
+    return [(str(row["layer"]), _num(row["k"]["rel_l2"]), _num(row["v"]["rel_l2"]), _num(row["k"]["maxabs"]),
+             _num(row["v"]["maxabs"])) for row in story.cache["layers"]]
+
+
+# --- HTML ----------------------------------------------------------------------------------------
+
+_CSS = """
+section.item { border-top: 1px solid #e2e8f0; padding: .4rem 0 .8rem; }
+section.item h3 { font-size: 1rem; margin: .4rem 0; } section.item h3 small { font-weight: normal; color: #4a5568; }
+section.item:target { background: #fffbea; }
+.align { overflow-x: auto; font-family: ui-monospace, monospace; font-size: .85rem; white-space: pre; }
+.align .arm { display: inline-block; width: 11rem; color: #4a5568; font-family: system-ui, sans-serif; }
+.align .same { color: #718096; } .align mark { background: #fbd38d; font-weight: 600; }
+.ctx { font-size: .8rem; color: #4a5568; overflow-wrap: anywhere; }
+.scroll { overflow-x: auto; } table.cache td, table.top5 td { font-family: ui-monospace, monospace; }
+"""
+
+
+def _mark(token: str) -> str:
+    return f"<mark>{escape(token)}</mark>" if token else "<mark>(ended)</mark>"
+
+
+def story_html(story: Story, decode: Decoder) -> str:
+    common, (ta, ra), (tb, rb) = aligned(story, decode)
+    ok = {True: "✓", False: "✗"}
+    lines = [f'<div><span class="arm">{escape(name)} {ok[c]}</span><span class="same">{escape(common)}</span>'
+             f"{_mark(tok)}{escape(rest)}</div>"
+             for name, c, tok, rest in ((story.a, story.correct[0], ta, ra), (story.b, story.correct[1], tb, rb))]
+    step = story.divergence["step"] if story.divergence else None
+    top = top_rows(story, decode)
+    top_html = ""
+    if top:
+        head = (f"<tr><th>rank</th><th>{escape(story.a)}</th><th>logit</th><th>{escape(story.b)}</th>"
+                "<th>logit</th></tr>")
+        body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in top)
+        top_html = f'<table class="top5"><thead>{head}</thead><tbody>{body}</tbody></table>'
+    cache_html = ""
+    layers = layer_rows(story)
+    if layers:
+        cols = "".join(f"<th>layer {escape(r[0])}</th>" for r in layers)
+        k = "".join(f"<td>{escape(r[1])}</td>" for r in layers)
+        v = "".join(f"<td>{escape(r[2])}</td>" for r in layers)
+        cache_html = (f'<div class="scroll"><table class="cache"><thead><tr><th>cache, rel. L2</th>{cols}</tr>'
+                      f"</thead><tbody><tr><th>K</th>{k}</tr><tr><th>V</th>{v}</tr></tbody></table></div>")
+    return (
+        f'<section class="item" id="{escape(story.anchor)}"><h3>{escape(story.item_id)} <small>'
+        f"{escape(story.checkpoint)} · {escape(story.a)} vs {escape(story.b)} @ {escape(story.precision)} · "
+        f"first divergence at suffix token {step}</small></h3>"
+        f'<p class="ctx">prompt: <code>{escape(_text(story.prompt, decode))}</code> · stage 1: '
+        f"<code>{escape(_text(story.stage1, decode))}</code></p>"
+        f'<div class="align">{"".join(lines)}</div>{top_html}'
+        f'<p class="note">{escape(margins_line(story))}</p>{cache_html}</section>'
+    )
+
+
+def explorer_html(records: list[Record], decode: Decoder) -> str:
+    """The explorer section: an index of divergent items, then one anchored section per item. Empty if none."""
+    mine = [s for s in stories(records) if s.divergence is not None]
+    if not mine:
+        return ""
+    seen: set[str] = set()
+    rows, sections = [], []
+    for s in mine:
+        d = s.divergence or {}
+        rows.append(f'<tr><td><a href="#{escape(s.anchor)}">{escape(s.item_id)}</a></td><td>{escape(s.checkpoint)}'
+                    f"</td><td>{d.get('step')}</td><td>{_num(d['a']['margin'])}</td><td>{_num(d['b']['margin'])}"
+                    f"</td><td>{_num(d.get('logit_maxabs'))}</td></tr>")
+        if s.item_id in seen:  # the same item diverged at a second checkpoint: one anchor per item
+            sections.append(story_html(s, decode).replace(f'id="{escape(s.anchor)}"', "", 1))
+        else:
+            sections.append(story_html(s, decode))
+        seen.add(s.item_id)
+    index = ('<table id="table-explorer"><thead><tr><th>item</th><th>checkpoint</th><th>first divergence</th>'
+             "<th>margin, live</th><th>margin, fresh</th><th>logit max-abs diff</th></tr></thead><tbody>"
+             + "".join(rows) + "</tbody></table>")
+    note = ('<p class="note">Every item whose live and fresh suffixes differ. Margin: the top-1 minus top-2 fp32 '
+            "logit at the first divergent token; the highlighted token is where the suffixes part.</p>")
+    return (f'<style>{_CSS}</style><h2 id="explorer">Divergent items ({len(mine)})</h2>{index}{note}'
+            + "".join(sections))
+
+
+# --- terminal ------------------------------------------------------------------------------------
+
+
+def print_story(story: Story, decode: Decoder, console: Console) -> None:
+    """`stagereplay show`: the story in a terminal, readable at 80 columns."""
+    from rich.table import Table
+    from rich.text import Text
+
+    console.print(Text(f"{story.item_id} · {story.checkpoint} · {story.a} vs {story.b} @ {story.precision}",
+                       style="bold"))
+    console.print(Text("prompt:  ") + Text(_text(story.prompt, decode)))
+    console.print(Text("stage 1: ") + Text(_text(story.stage1, decode)))
+    if story.divergence is None:
+        label = f"both ({'correct' if story.correct[0] else 'wrong'})"
+        console.print(Text(f"{label}: ") + Text(_text(story.suffixes[0], decode)), overflow="fold")
+    else:
+        # The divergent token in brackets (and reversed where the terminal has styles): both rows share the text
+        # before it, so the brackets line up.
+        common, a, b = aligned(story, decode)
+        width = max(len(story.a), len(story.b)) + 11
+        for name, c, (tok, rest) in ((story.a, story.correct[0], a), (story.b, story.correct[1], b)):
+            line = Text(f"{name} ({'correct' if c else 'wrong'})".ljust(width)) + Text(common, style="dim")
+            line += Text(f"[{tok or '(ended)'}]", style="reverse bold") + Text(rest)
+            console.print(line, overflow="fold")
+    console.print(margins_line(story))
+    top = top_rows(story, decode)
+    if top:
+        table = Table(title="Top 5 at the first divergent token", title_justify="left")
+        for header in ("rank", story.a, "logit", story.b, "logit"):
+            table.add_column(header, overflow="fold")
+        for row in top:
+            table.add_row(*row)
+        console.print(table)
+    layers = layer_rows(story)
+    if layers:
+        table = Table(title=f"Cache, {story.a} vs {story.b}, per layer", title_justify="left")
+        for header in ("layer", "K rel L2", "V rel L2", "K max-abs", "V max-abs"):
+            table.add_column(header, justify="right")
+        for row in layers:
+            table.add_row(*row)
+        console.print(table)
+        bands = Table(title=f"Cache, {story.a} vs {story.b}, per position band (all layers)", title_justify="left")
+        for header in ("band", "positions", "K rel L2", "V rel L2", "K max-abs", "V max-abs"):
+            bands.add_column(header, justify="right")
+        for band in story.cache["bands"]:  # type: ignore[index]  # layer rows imply a cache
+            bands.add_row(band["band"], f"{band['start']}-{band['end'] - 1}", _num(band["k"]["rel_l2"]),
+                          _num(band["v"]["rel_l2"]), _num(band["k"]["maxabs"]), _num(band["v"]["maxabs"]))
+        console.print(bands)
+
+
+def show_item(run_dir: Path, item_id: str, checkpoint: str | None = None, console: Console | None = None) -> None:
+    """Print every matched story of `item_id` in the run (of one checkpoint, when given)."""
+    from rich.console import Console
+
+    from stagereplay.errors import StageReplayError
+    from stagereplay.records.ledger import items, read_ledger, read_manifest
+
+    manifest = read_manifest(run_dir)
+    records = [r for r in items(read_ledger(run_dir, strict=False)) if checkpoint in (None, r.checkpoint)]
+    found = stories(records, item_id)
+    if not found:
+        known = any(r.item_id == item_id for r in records)
+        why = "has no matched record with diagnostics" if known else "is not in this run"
+        raise StageReplayError(f"item {item_id!r} {why}", "pick an item id from the report's divergent items")
+    console = console or Console()
+    decode = token_decoder(manifest)
+    for story in found:
+        print_story(story, decode, console)
