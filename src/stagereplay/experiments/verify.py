@@ -37,7 +37,7 @@ from stagereplay.report.results import build_results, comparable_results
 from stagereplay.tasks.jsonl import file_sha256, read_rows
 from stagereplay.tasks.scoring import scorer_by_name
 
-STATUSES = ("ok", "no_boundary", "prefix_not_reproduced")
+STATUSES = ("ok", "no_boundary", "prefix_not_reproduced", "not_reproduced")
 SCHEMA_1_NOTE = ("ledger schema 1: its manifest is not bound into the hash chain, so an edit of the manifest "
                  "alone goes unseen; re-run the experiments to get a bound run")
 
@@ -239,7 +239,7 @@ def _arm_claims(record: Record, stage: dict[str, Any]) -> list[str]:
         name = a.get("name")
         if a.get("suffix_fp") != ids_fingerprint(a.get("suffix_ids") or []):
             bad.append(f"arm {name}: suffix_fp is not the fingerprint of its suffix_ids")
-        if a.get("correct") != bool(scorer(a.get("text", ""), p.get("answer", ""))):
+        if "text" in a and a.get("correct") != bool(scorer(a["text"], p.get("answer", ""))):  # resample keeps none
             bad.append(f"arm {name}: correct is not what scorer {stage['settings']['scorer']} gives its text")
         if a.get("precision") != precision:
             bad.append(f"arm {name}: precision {a.get('precision')} is not the stage's {precision}")
