@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import load
-    from stagereplay.records.ledger import read_ledger
+    from stagereplay.records.ledger import items, read_ledger
     from stagereplay.runs import matched
 
     model = args.model
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 quiet=True,
             )
             matched_times.append(time.perf_counter() - t0)
-            records = read_ledger(Path(tmp) / "run")
+            records = items(read_ledger(Path(tmp) / "run"))  # the item records, not the stage and environment ones
             ledgers.add(records[-1].hash)
         t0 = time.perf_counter()
         lm = load(model, args.precision, args.device, args.threads)

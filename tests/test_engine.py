@@ -119,9 +119,15 @@ def test_fp32_compute_matches_fp32_bitwise(tiny_dir):
     sa, sb = a.live(prompt, After(10)), b.live(prompt, After(10))
     assert compare_caches(sa.cache, sb.cache) == []
     assert sa.live_suffix == sb.live_suffix
-    # Negative control: plain bf16 does not give those numbers.
+    # Negative control: plain bf16 does not give those numbers. Compared in fp32, so that the values differ,
+    # not only the dtype.
     c = load(str(tiny_dir("qwen2")), precision="bf16", device=DEVICE)
-    assert compare_caches(sa.cache, c.live(prompt, After(10)).cache) != []
+    bf16 = c.live(prompt, After(10)).cache
+    as_fp32 = clone_cache(bf16)
+    for layer in as_fp32.layers:
+        layer.keys, layer.values = layer.keys.float(), layer.values.float()
+    differences = compare_caches(sa.cache, as_fp32)
+    assert differences and all(d.reason == "value" for d in differences)
 
 
 def test_sampling_is_seeded_and_shared_across_constructions(tiny_dir):
@@ -130,5 +136,10 @@ def test_sampling_is_seeded_and_shared_across_constructions(tiny_dir):
     prompt = lm.tokenizer.encode(PROMPTS[1])
     s1, s2 = lm.live(prompt, After(8), dc), lm.live(prompt, After(8), dc)
     assert s1.live_suffix == s2.live_suffix
+    # A construction draws from the same seeded stream: incremental is bit-exact with live, so its sampled
+    # continuation is the live one token for token.
+    incremental = lm.construct(s1, "incremental")
+    assert compare_caches(s1.cache, incremental.cache) == []
+    assert lm.continue_from(incremental, dc) == s1.live_suffix
     other = lm.live(prompt, After(8), DecodeConfig(max_new_tokens=20, sample=True, seed=4))
     assert (s1.stage1, s1.live_suffix) != (other.stage1, other.live_suffix)

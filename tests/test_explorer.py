@@ -30,7 +30,8 @@ def run(tmp_path_factory, tiny_dir, items_file) -> Path:
 
 
 def _matched(run: Path) -> list[Record]:
-    return [r for r in read_ledger(run) if r.experiment == "matched" and r.payload["status"] == "ok"]
+    return [r for r in read_ledger(run) if r.kind == "item" and r.experiment == "matched"
+            and r.payload["status"] == "ok"]
 
 
 def _divergent(run: Path) -> list[Record]:

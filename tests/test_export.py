@@ -14,7 +14,7 @@ import pytest
 
 from stagereplay.report.export import COLUMNS, export_ledger
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run_small"
+FIXTURE = Path(__file__).parent / "fixtures" / "run_paper"  # made by fixtures/make_fixtures.py
 
 
 @pytest.fixture
@@ -25,7 +25,9 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 def _ledger(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    """The item records (the chain's stage and environment records give no rows)."""
+    records = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("kind", "item") == "item"]
 
 
 def _expected_rows(records: list[dict[str, Any]]) -> list[tuple[int, str | None, dict[str, Any]]]:
@@ -52,10 +54,11 @@ def test_fixture_has_the_cases_the_export_must_handle(run_dir: Path) -> None:
 
 def test_fixture_ledger_is_a_valid_hash_chain(run_dir: Path) -> None:
     """The fixture is written as the ledger writes records: the ledger's own parser and hash agree."""
-    from stagereplay.records.ledger import GENESIS, parse_record
+    from stagereplay.records.ledger import parse_record, read_manifest
+    from stagereplay.records.manifest import chain_start
 
     path = run_dir / "ledger.jsonl"
-    prev = GENESIS
+    prev = chain_start(read_manifest(run_dir))
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         record = parse_record(line, lineno, path)
         assert (record.seq, record.prev_hash, record.computed_hash()) == (lineno - 1, prev, record.hash)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fixtures.make_toy_golden import HERE, run_golden
+from fixtures.make_toy_golden import HERE, run_golden, without_environment
 
 SRC = Path(__file__).parents[1] / "src"
 CYCLES_TOOL = Path(__file__).parents[2] / "shared" / "tools" / "import_cycles.py"
@@ -63,9 +63,10 @@ def test_no_import_circles():
 
 
 def test_ledger_is_byte_identical_to_the_golden_run(tmp_path):
-    """A real toy run's ledger, made by `fixtures/make_toy_golden.py`; the same command must make the same bytes."""
-    golden = (HERE / "ledger.jsonl").read_bytes()
-    again = run_golden(tmp_path / "run").read_bytes()
+    """A real toy run's ledger, made by `fixtures/make_toy_golden.py`; the same command must make the same bytes
+    (less the environment that computed them: machine, versions, commit)."""
+    golden = without_environment((HERE / "ledger.jsonl").read_bytes())
+    again = without_environment(run_golden(tmp_path / "run").read_bytes())
     assert again == golden
 
 
@@ -79,4 +80,5 @@ def test_the_golden_comparison_tells_another_run_apart(tmp_path):
     args = [a if a != "fp32" else "bf16" for a in GOLDEN_ARGS]
     result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "bf16")])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "bf16" / "ledger.jsonl").read_bytes() != (HERE / "ledger.jsonl").read_bytes()
+    golden = without_environment((HERE / "ledger.jsonl").read_bytes())
+    assert without_environment((tmp_path / "bf16" / "ledger.jsonl").read_bytes()) != golden

@@ -11,6 +11,12 @@ from stagereplay.cli import app
 runner = CliRunner()
 
 
+def _items(run):
+    """The ledger's item records (its stage and environment records aside)."""
+    records = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "item"]
+
+
 def _matched(tmp_path, model, data, *extra):
     out = tmp_path / "run"
     args = ["matched", "--model", str(model), "--data", str(data), "--out", str(out), "--quiet", *extra]
@@ -34,9 +40,10 @@ def test_bf16_oneshot_suffixes_disagree_and_are_reported(tmp_path, tiny_dir, ite
     m = res["matched"][0]
     assert m["n"] == 20 and m["n_boundary"] == 20
     assert m["replica_exact"]["live"]["k"] == 20 and m["replica_exact"]["oneshot"]["k"] == 20
-    assert m["suffix_disagreements"]["k"] >= 1
+    assert m["suffix_disagreements"]["k"] >= 1, "needs bf16 divergence with this CPU's kernels (a random bf16 " \
+        "Qwen2 diverges on some of 20 items on the machines this suite runs on); the properties below hold anywhere"
     assert len(m["first_divergence"]) == m["suffix_disagreements"]["k"]
-    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    ledger = _items(out)
     assert len(ledger) == 20
     diverged = [r for r in ledger if not r["payload"]["comparisons"][0]["suffix_equal"]]
     assert len(diverged) == m["suffix_disagreements"]["k"]
@@ -56,7 +63,7 @@ def test_no_boundary_items_are_recorded_and_counted(tmp_path, tiny_dir, items_fi
     assert result.exit_code == 2
     m = json.loads((out / "results.json").read_text())["matched"][0]
     assert (m["n"], m["n_boundary"], m["n_no_boundary"]) == (3, 0, 3)
-    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    ledger = _items(out)
     assert [r["payload"]["status"] for r in ledger] == ["no_boundary"] * 3
     assert all(len(r["payload"]["generated_ids"]) == 6 for r in ledger)
 

@@ -173,7 +173,8 @@ def test_matched_on_a_marker_inside_a_merged_token(r1_dir, tmp_path):
     assert (results["n"], results["n_boundary"], results["n_marker_inside_token"]) == (2, 2, 2)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config"]["stage1"]["match"] == "text"
-    record = json.loads((out / "ledger.jsonl").read_text().splitlines()[0])["payload"]
+    record = next(r for r in map(json.loads, (out / "ledger.jsonl").read_text().splitlines())
+                  if r["kind"] == "item")["payload"]
     r1 = _r1(path)
     assert record["prefix_ids"] == r1["prompt_ids"] + r1["reply"][: r1["boundary_step"] + 1]
     assert record["marker_inside_token"] is True

@@ -34,7 +34,12 @@ def _cli(*args: str) -> subprocess.Popen:
 
 
 def _records(run: Path) -> list[dict]:
+    """Every record of the chain: stage and environment records, then items."""
     return [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+
+
+def _items(run: Path) -> list[dict]:
+    return [r for r in _records(run) if r["kind"] == "item"]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,7 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_pa
     assert final.returncode == 0, final.stderr
     got, want = _records(out), _records(reference)
     assert [r["seq"] for r in got] == list(range(len(want)))  # no gaps
-    assert len({r["item_id"] for r in got}) == len(got)  # no duplicates
+    assert len({r["item_id"] for r in _items(out)}) == len(_items(out)) == 16  # no duplicates
     assert [r["hash"] for r in got] == [r["hash"] for r in want]  # same content, same chain
     assert (out / "ledger.jsonl").read_bytes() == (reference / "ledger.jsonl").read_bytes()
     assert progress == sorted(progress)
@@ -97,8 +102,7 @@ def test_second_writer_is_refused_with_the_holders_pid(tmp_path, tiny_dir, items
     assert second.exit_code == 2
     assert f"being written by process {first.pid}" in second.stderr
     assert first.wait(timeout=300) == 0, first.stderr.read()
-    records = _records(out)
-    assert len(records) == 10 and verify_ledger(out) == []
+    assert len(_items(out)) == 10 and verify_ledger(out) == []
 
 
 def test_different_configuration_into_an_existing_run_names_the_fields(tmp_path, tiny_dir, items_file, reference):
@@ -215,7 +219,7 @@ def test_boundary_never_reached_keeps_the_records_and_fails(tmp_path, tiny_dir, 
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "no item reached the boundary marker:~~~~~ within 6" in lines[0]
-    assert [r["payload"]["status"] for r in _records(out)] == ["no_boundary"] * 3
+    assert [r["payload"]["status"] for r in _items(out)] == ["no_boundary"] * 3
 
 
 def test_newer_schema_ledger_is_refused_by_name(tmp_path):
@@ -223,9 +227,9 @@ def test_newer_schema_ledger_is_refused_by_name(tmp_path):
     shutil.copytree(FIXTURES / "newer_schema", run)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     result = runner.invoke(app, ["audit", str(run), "--verify-only"])
-    assert result.exit_code == 1 and "schema_version 2, newer than" in result.stderr
+    assert result.exit_code == 1 and "schema_version 3, newer than" in result.stderr
     resumed = runner.invoke(app, ["precision-2x2", str(run), "--quiet"])
-    assert resumed.exit_code == 2 and "schema_version 2, newer than this stagereplay's 1" in resumed.stderr
+    assert resumed.exit_code == 2 and "schema_version 3, newer than this stagereplay's 2" in resumed.stderr
     assert len(resumed.stderr.strip().splitlines()) == 1
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.name in before} == before
 
@@ -237,7 +241,7 @@ def test_hand_edited_ledger_is_refused_on_resume(tmp_path, tiny_dir, items_file,
     (out / "ledger.jsonl").write_text(text)
     result = runner.invoke(app, _args(tiny_dir("qwen2"), items_file, out))
     assert result.exit_code == 2
-    assert "was modified: record 0: content does not match its hash" in result.stderr
+    assert "was modified: record 2: content does not match its hash" in result.stderr  # after stage, environment
     assert (out / "ledger.jsonl").read_text() == text
 
 

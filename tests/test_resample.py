@@ -100,7 +100,7 @@ def test_resample_records_draws_seeds_and_results(resampled):
     assert stage["seeds"]["base"] == 0 and set(stage["seeds"]["streams"]) == {"A", "B", "C"}
     assert stage["config"]["k"] == 4 and stage["precisions"] == ["bf16", "fp32"]
     records = [json.loads(x) for x in (resampled / "ledger.jsonl").read_text().splitlines()]
-    draws = [r for r in records if r["experiment"] == "resample"]
+    draws = [r for r in records if r["kind"] == "item" and r["experiment"] == "resample"]
     assert len(draws) == 2 * 3
     for r in draws:
         arms = r["payload"]["arms"]
@@ -131,7 +131,7 @@ def test_the_audit_re_executes_every_draw(resampled, tmp_path):
     shutil.copytree(resampled, forged)
     lines = (forged / "ledger.jsonl").read_text().splitlines()
     records = [Record(**json.loads(x)) for x in lines]
-    target = next(i for i, r in enumerate(records) if r.experiment == "resample")
+    target = next(i for i, r in enumerate(records) if r.kind == "item" and r.experiment == "resample")
     arm = records[target].payload["arms"][7]
     arm["suffix_ids"] = [arm["suffix_ids"][0], *arm["suffix_ids"]]
     from stagereplay.engine.lm import ids_fingerprint

@@ -25,7 +25,8 @@ def test_merged_shards_equal_the_unsharded_run(tmp_path, tiny_dir, items_file):
     whole = _matched(model, items_file, tmp_path / "whole")
     s0 = _matched(model, items_file, tmp_path / "s0", "--shard", "0/2")
     s1 = _matched(model, items_file, tmp_path / "s1", "--shard", "1/2")
-    assert len((s0 / "ledger.jsonl").read_text().splitlines()) == 3
+    items = [json.loads(x) for x in (s0 / "ledger.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in items] == ["stage", "environment", "item", "item", "item"]
     result = runner.invoke(app, ["merge", str(s1), str(s0), "--out", str(tmp_path / "merged")])
     assert result.exit_code == 0, result.stderr
     merged = tmp_path / "merged"
@@ -50,6 +51,44 @@ def test_merge_refuses_mismatched_or_incomplete_shards(tmp_path, tiny_dir, items
     shutil.copytree(s0, twice)
     result = runner.invoke(app, ["merge", str(s0), str(twice), "--out", str(tmp_path / "m3")])
     assert result.exit_code == 2 and "exactly once" in result.stderr
+
+
+def test_merge_refuses_shards_of_another_model_and_names_its_hashes(tmp_path, tiny_dir, items_file):
+    from tiny import save_tiny_model
+
+    s0 = _matched(tiny_dir("qwen2"), items_file, tmp_path / "s0", "--shard", "0/2")
+    other = save_tiny_model(tmp_path / "other-model", "qwen2", seed=7)
+    s1 = _matched(other, items_file, tmp_path / "s1", "--shard", "1/2")
+    result = runner.invoke(app, ["merge", str(s0), str(s1), "--out", str(tmp_path / "m")])
+    assert result.exit_code == 2 and "different model or tokenizer" in result.stderr
+    assert "config.model_hashes.primary.weights" in result.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_merge_keeps_each_shards_environment_and_reports_the_difference(tmp_path, tiny_dir, items_file):
+    """Shards computed on two machines merge; each record keeps the environment that computed it."""
+    from forge import load, save
+
+    model = tiny_dir("qwen2")
+    s0 = _matched(model, items_file, tmp_path / "s0", "--shard", "0/2")
+    s1 = _matched(model, items_file, tmp_path / "s1", "--shard", "1/2")
+    chain, manifest = load(s1)  # as if shard 1 ran elsewhere: another machine's environment
+    from stagereplay.records.ledger import sha256_json
+
+    env = next(r for r in chain if r.kind == "environment")
+    other = {**env.payload, "machine": f"{env.payload['machine']}-elsewhere"}
+    chain = [r.model_copy(update={"env": sha256_json(other), **({"payload": other} if r is env else {})})
+             if r.env == env.env else r for r in chain]
+    save(s1, chain, manifest)
+    assert runner.invoke(app, ["audit", str(s1), "--verify-only"]).exit_code == 0
+    result = runner.invoke(app, ["merge", str(s0), str(s1), "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.stderr
+    assert "note: shard 0/2 was computed in environment" in result.stderr
+    assert "note: shard 1/2 was computed in environment" in result.stderr
+    merged = [json.loads(x) for x in (tmp_path / "m" / "ledger.jsonl").read_text().splitlines()]
+    machines = sorted(r["payload"]["machine"] for r in merged if r["kind"] == "environment")
+    assert machines == [env.payload["machine"], other["machine"]]
+    assert runner.invoke(app, ["audit", str(tmp_path / "m"), "--verify-only"]).exit_code == 0
 
 
 def test_two_local_workers_write_the_same_ledger_as_one(tmp_path, tiny_dir, items_file):

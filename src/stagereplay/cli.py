@@ -7,10 +7,33 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer vendors click (0.2x on): its parser raises the vendored exceptions
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # an older typer on the real click
+    from click.exceptions import NoArgsIsHelpError, UsageError  # type: ignore[assignment]  # same names, older home
 
 from stagereplay.errors import StageReplayError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+class OneLineErrors(TyperGroup):
+    """Click's usage errors (a value of the wrong type, a missing or unknown option or command) as the one
+    `error: <problem>; <fix>` line and exit code 2 of every other bad input, not a usage box."""
+
+    def invoke(self, ctx: Any) -> Any:  # typer's vendored click.Context
+        try:
+            return super().invoke(ctx)
+        except NoArgsIsHelpError:
+            raise
+        except UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx else ctx.command_path
+            problem = " ".join(exc.format_message().split())
+            typer.echo(f"error: {problem.rstrip('.')}; see `{where} --help`", err=True)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Audit stage replay: live cache vs fresh prefill of identical token IDs.")
 toy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The embedded toy reasoning model.")
 app.add_typer(toy_app, name="toy")
@@ -228,12 +251,16 @@ def audit(
         from stagereplay.runs import audit as run
 
         res = run(run_dir, verify_only, workers, executor, quiet)
+        for note in res.get("notes", []):
+            typer.echo(f"note: {note}", err=True)
         for b in res.get("broken_records", []):
             typer.echo(f"  ledger record {b['seq']}: {b['reason']}", err=True)
-        for m in res.get("mismatches", []):
-            typer.echo(f"  {m['what']}", err=True)
+        for m in res.get("mismatches", []):  # each names its item (unless about the whole run) and field
+            item = f"{m['item_id']}: " if m["item_id"] and m["item_id"] not in m["what"] else ""
+            typer.echo(f"  {item}{m['what']}", err=True)
         if res.get("verify_only"):
-            typer.echo("ledger intact" if res["chain_ok"] else "ledger damaged")
+            typer.echo("ledger intact, bound and complete" if res["reproduced"] else "ledger damaged" if not
+                       res["chain_ok"] else "ledger intact, but its claims or completeness fail")
         else:
             t, c = res["trajectories"], res["comparisons"]
             typer.echo(f"trajectories reproduced {t['k']}/{t['n']}, comparisons reproduced {c['k']}/{c['n']}")
@@ -332,6 +359,8 @@ def export(
             raise StageReplayError(f"unknown export format {format!r}", "use --format parquet or csv")
         if not (run_dir / "ledger.jsonl").exists():
             raise StageReplayError(f"no ledger.jsonl in {run_dir}", "point at a run directory")
+        if output is not None and output.is_dir():
+            raise StageReplayError(f"--output {output} is a directory", "pass the path of the file to write")
         typer.echo(f"wrote {export_ledger(run_dir, format, output)}")  # type: ignore[arg-type]  # checked above
 
     _run(go)
@@ -345,9 +374,13 @@ def merge(
     """Join runs made with --shard I/N into the run one process would have made; refuses mismatched shards."""
 
     def go() -> None:
+        from stagereplay.records.ledger import read_manifest
+        from stagereplay.records.shards import environment_notes
         from stagereplay.runs import merge
 
         typer.echo(f"merged {len(shards)} shards into {merge(shards, out)}")
+        for note in environment_notes(read_manifest(out)):
+            typer.echo(f"note: {note}", err=True)
 
     _run(go)
 
@@ -366,6 +399,9 @@ def toy_train(
 
         from stagereplay.toy.train import TrainConfig, train
 
+        for name, value in (("--steps", steps), ("--threads", threads)):
+            if value is not None and value < 1:
+                raise StageReplayError(f"{name} must be at least 1, got {value}", f"pass a positive {name}")
         changes = {k: v for k, v in {"steps": steps, "seed": seed, "threads": threads}.items() if v is not None}
         train(replace(TrainConfig(out=out), **changes))  # type: ignore[arg-type]  # only int fields are replaced
 

@@ -189,9 +189,12 @@ class Regex:
 
     def __post_init__(self) -> None:
         try:
-            re.compile(self.pattern)
+            compiled = re.compile(self.pattern)
         except re.error as exc:
             raise StageReplayError(f"invalid --boundary-regex {self.pattern!r}: {exc}", "fix the pattern") from None
+        if compiled.search("") is not None:  # it would end stage 1 before its first token
+            raise StageReplayError(f"--boundary-regex {self.pattern!r} matches the empty text",
+                                   "pass a pattern that matches the end of stage 1")
 
     def bind(self, tokenizer: Any) -> Regex:
         return Regex(self.pattern, tokenizer)

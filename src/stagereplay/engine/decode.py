@@ -37,7 +37,7 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or (self.max_stage1_tokens is not None and self.max_stage1_tokens < 1):
             raise StageReplayError("token limits must be at least 1", "pass positive --max-new-tokens")
-        if self.sample and self.temperature <= 0:
+        if self.sample and not 0 < self.temperature < float("inf"):  # also refuses nan
             raise StageReplayError(
                 "--temperature must be positive when sampling", "pass e.g. --temperature 1.0"
             )

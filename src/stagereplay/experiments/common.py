@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from stagereplay.engine.boundary import BoundaryRule, parse_boundary
@@ -13,6 +14,7 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.jobs import run_jobs
 from stagereplay.records.ledger import Run, sha256_json
+from stagereplay.records.provenance import environment
 from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
@@ -25,6 +27,9 @@ class ReplaySettings:
     boundary: str = field(metadata={"help": "marker:TEXT | regex:PATTERN | after:N"})
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     scorer: str = field(default="last-number", metadata={"help": "last-number | exact | regex:PATTERN"})
+
+    def __post_init__(self) -> None:
+        scorer_by_name(self.scorer)  # an unknown scorer fails here, before any run directory exists
 
     def rule(self) -> BoundaryRule:
         return parse_boundary(self.boundary)
@@ -66,17 +71,29 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
     return arm
 
 
+ARM_CLAIMS = ("name", "suffix_fp", "cache_fp", "correct")
+"""The arm fields a comparison's fingerprint covers."""
+
+
 def comparison(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two arms side by side, with a fingerprint over item, arm names, suffix fingerprints and labels."""
-    return {
+    """Two arms side by side. Its fingerprint covers every field a result depends on: the item, both arms'
+    names, suffix and cache fingerprints and labels, and the comparison's own fields (so an audit that
+    reproduces the fingerprint has reproduced them all)."""
+    fields = {
         "a": a["name"],
         "b": b["name"],
         "suffix_equal": a["suffix_fp"] == b["suffix_fp"],
         "cache_equal": a["cache_fp"] == b["cache_fp"],
         "label_equal": a["correct"] == b["correct"],
         "first_divergence": first_divergence(a["suffix_ids"], b["suffix_ids"]),
-        "fp": sha256_json([item_id, a["name"], b["name"], a["suffix_fp"], b["suffix_fp"], a["correct"], b["correct"]]),
     }
+    covered = [item_id, [a[k] for k in ARM_CLAIMS], [b[k] for k in ARM_CLAIMS], fields]
+    return {**fields, "fp": sha256_json(covered)}
+
+
+def comparison_fp_schema_1(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+    """The comparison fingerprint as ledger schema 1 wrote it (item, names, suffix fingerprints, labels only)."""
+    return sha256_json([item_id, a["name"], b["name"], a["suffix_fp"], b["suffix_fp"], a["correct"], b["correct"]])
 
 
 def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
@@ -84,9 +101,15 @@ def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
             "generated_ids": list(generated), "answer": item.answer, "arms": [], "comparisons": []}
 
 
+def with_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
+    """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one)."""
+    return {"payload": work(lm, job), "environment": environment(lm.config.device, lm.determinism)}
+
+
 def execute(run: Run, experiment: str, checkpoint: str, model: ModelConfig, work: Work, jobs: Sequence[Job],
             ex: ExecConfig, lm: LM | None = None, quiet: bool = False) -> None:
-    """Run every job not yet in the ledger, appending records in job order, with a progress bar."""
+    """Run every job not yet in the ledger, appending records in job order with the environment that
+    computed each, with a progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     pending = [j for j in jobs if not run.done(experiment, checkpoint, j.item.id, j.part)]
@@ -94,6 +117,7 @@ def execute(run: Run, experiment: str, checkpoint: str, model: ModelConfig, work
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   disable=quiet, transient=False) as bar:
         task = bar.add_task(label, total=len(jobs), completed=len(jobs) - len(pending))
-        for job, payload in zip(pending, run_jobs(model, work, pending, ex, lm), strict=False):
-            run.append(experiment, checkpoint, job.item.id, payload, job.part)
+        done = run_jobs(model, partial(with_environment, work), pending, ex, lm)
+        for job, out in zip(pending, done, strict=False):
+            run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
             bar.advance(task)

@@ -15,6 +15,7 @@ from typing import Any
 from stagereplay.engine.boundary import BoundaryRule
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.model import ModelConfig, check_model_dir
+from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.audit import audit_run
 from stagereplay.experiments.bridge import run_bridge
@@ -59,6 +60,9 @@ def paper(
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
     checkpoint, audit, report. With `resample` = K > 0, also K sampled draws per boundary state on the first
     `resample_items` items, at bf16 and fp32 (the primary checkpoint)."""
+    if bridge_rows < 1:
+        raise StageReplayError(f"--rows must be at least 1, got {bridge_rows}", "pass a positive --rows")
+    TransplantConfig(select=select_primary)  # a bad selection rule fails here, before any run directory exists
     if workers == 0:  # auto: one single-threaded process per core on a CPU (capped), one process per GPU run
         workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)
@@ -94,6 +98,6 @@ def paper(
             del lm  # one model in memory at a time
             run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)
             run_transplant(run, later, settings, "later", TransplantConfig(select="all-divergent"), ex, quiet)
-        summary = audit_run(run.path, run.manifest, run.records, ex, quiet)
+        summary = audit_run(run.path, run.manifest, run.records, ex, quiet, stored_results=False)
         atomic_write(run.path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
         return finish(run, quiet)

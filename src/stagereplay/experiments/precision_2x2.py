@@ -8,6 +8,7 @@ from typing import Any
 from stagereplay.engine.decode import derive_seed
 from stagereplay.engine.lm import LM, BoundaryState, check_construction
 from stagereplay.engine.model import ModelConfig
+from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
 from stagereplay.experiments.diagnose import diagnose
@@ -49,12 +50,18 @@ def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:
     return out
 
 
-def run_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str,
-            constructions: tuple[str, ...], precisions: tuple[str, ...], ex: ExecConfig, quiet: bool = False) -> None:
+def check_fixed_constructions(constructions: tuple[str, ...]) -> None:
+    """Constructions that rebuild a state from fixed token IDs (all but live, which only generation makes)."""
     for c in constructions:
         check_construction(c)
     if "live" in constructions:
-        raise ValueError("live is not a fixed-prefix construction")
+        raise StageReplayError("live is not a fixed-prefix construction", "use incremental, oneshot, chunked:<n> "
+                                                                          "or retokenized")
+
+
+def run_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str,
+            constructions: tuple[str, ...], precisions: tuple[str, ...], ex: ExecConfig, quiet: bool = False) -> None:
+    check_fixed_constructions(constructions)
     run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": asdict(model), "settings": settings.as_dict(),
                                                   "constructions": list(constructions),
                                                   "precisions": list(precisions)})

@@ -281,10 +281,11 @@ def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = ("increm
                   precisions: tuple[str, ...] = ("bf16", "fp32"), checkpoint: str = "primary", workers: int = 1,
                   executor: str = "local", quiet: bool = False) -> dict[str, Any]:
     """Hold the matched run's prefixes fixed; cross construction with precision."""
-    from stagereplay.experiments.precision_2x2 import run_2x2
+    from stagereplay.experiments.precision_2x2 import check_fixed_constructions, run_2x2
 
     path, manifest = _existing(run_dir)
     model, settings = _matched_stage(manifest, checkpoint)
+    check_fixed_constructions(constructions)
     for p in precisions:
         model.with_precision(p)  # validates the name before anything runs
     with open_run(path, manifest) as run:
@@ -309,11 +310,14 @@ def bridge(run_dir: str | Path, rows: int = 12, checkpoint: str = "primary", wor
 def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
                executor: str = "local", quiet: bool = False) -> dict[str, Any]:
     """Swap K/V between live and fresh boundary states of the selected divergent items, both directions."""
+    from stagereplay.engine.model import load_config_and_tokenizer
     from stagereplay.experiments.transplant import TransplantConfig, run_transplant
 
     path, manifest = _existing(run_dir)
     model, settings = _matched_stage(manifest, checkpoint)
     cfg = config or TransplantConfig(construction=manifest["stages"][f"matched/{checkpoint}"]["construction"])
+    hf_config, _ = load_config_and_tokenizer(model.path)
+    cfg.check_layers(hf_config.get_text_config().num_hidden_layers)
     with open_run(path, manifest) as run:
         run_transplant(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
         return finish(run, quiet)
@@ -335,19 +339,20 @@ def resample(run_dir: str | Path, config: Any = None, checkpoint: str = "primary
 
 def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, executor: str = "local",
           quiet: bool = False) -> dict[str, Any]:
-    """Check the ledger's integrity, then (unless `verify_only`) re-execute it; `reproduced` says if all held."""
+    """Check what needs no model (chain, binding to the manifest, completeness, derivable claims), then
+    (unless `verify_only`) re-execute the ledger and compare every field; `reproduced` says if all held."""
     import json
 
-    from stagereplay.experiments.audit import audit_run, verify_ledger
+    from stagereplay.experiments.audit import audit_run
+    from stagereplay.experiments.verify import verify_run
     from stagereplay.records.ledger import atomic_write
     from stagereplay.report.results import AUDIT_FILE
 
     path, manifest = _existing(run_dir, check_ledger=False)  # the audit reports damage instead of refusing
-    problems = verify_ledger(path)
-    if verify_only or problems:
-        return {"chain_ok": not problems, "broken_records": problems, "reproduced": not problems,
-                "verify_only": True}
-    with open_run(path, manifest) as run:
+    checked = verify_run(path, manifest)
+    if verify_only or checked["broken_records"]:
+        return checked
+    with open_run(path, manifest, extend=False) as run:
         summary = audit_run(path, run.manifest, run.records, ExecConfig(workers, executor), quiet)
         atomic_write(path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
         finish(run, quiet)
@@ -355,7 +360,9 @@ def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, exec
 
 
 def merge(shards: list[Path], out: Path, quiet: bool = True) -> Path:
-    """Join the shards of one `--shard I/N` command into the run one process would have made, with its report."""
+    """Join the shards of one `--shard I/N` command into the run one process would have made, with its report.
+    Shards computed in different environments merge (each record keeps its own); `shard_environments`
+    of the merged manifest names them."""
     merge_runs(shards, out)
     with open_run(out, read_manifest(out)) as run:
         finish(run, quiet)

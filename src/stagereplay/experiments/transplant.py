@@ -17,7 +17,7 @@ from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_po
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings, arm_record, execute
-from stagereplay.records.ledger import Run
+from stagereplay.records.ledger import Record, Run
 from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
 
@@ -39,17 +39,31 @@ class TransplantConfig:
         if self.kv not in ("k", "v", "kv"):
             raise StageReplayError(f"unknown --kv {self.kv!r}", "use k, v or kv")
         parse_selection(self.select)
+        try:  # the syntax here (any layer count will do); the range against the model in `check_layers`
+            parse_layers(self.layers if self.layers not in ("all", "none") else "0", 1 << 30)
+        except StageReplayError:
+            raise StageReplayError(f"bad --layers {self.layers!r}", "use all, none, or low-high bands, e.g. 0-3,10") from None
+        if self.positions is not None:
+            start, stop = parse_positions(self.positions, 1 << 30)  # a slice's bounds, nothing allocated
+            if start >= stop:
+                raise StageReplayError(f"--positions {self.positions!r} selects no position",
+                                       "use A:B with A < B, e.g. 0:64")
+
+    def check_layers(self, n_layers: int) -> None:
+        """The layers exist in a model of `n_layers` layers (checked before any run directory changes)."""
+        parse_layers(self.layers, n_layers)
 
 
 def parse_selection(rule: str) -> tuple[str, int, int]:
     parts = rule.split(":")
     if parts == ["all-divergent"]:
         return "all", 0, 0
-    if parts[0] == "first" and len(parts) == 2 and parts[1].isdigit():
+    if parts[0] == "first" and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) > 0:
         return "first", int(parts[1]), 0
-    if parts[0] == "random" and len(parts) == 3 and parts[1].isdigit() and parts[2].lstrip("-").isdigit():
+    if (parts[0] == "random" and len(parts) == 3 and parts[1].isdigit() and int(parts[1]) > 0
+            and parts[2].lstrip("-").isdigit()):
         return "random", int(parts[1]), int(parts[2])
-    raise StageReplayError(f"unknown --select {rule!r}", "use all-divergent, first:K or random:K:SEED")
+    raise StageReplayError(f"unknown --select {rule!r}", "use all-divergent, first:K or random:K:SEED with K >= 1")
 
 
 def select(divergent: list[str], rule: str) -> list[str]:
@@ -71,7 +85,7 @@ def sweep_bands(n_layers: int) -> list[tuple[str, tuple[int, ...]]]:
     return bands
 
 
-def _outcome(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[int, ...]) -> dict[str, Any]:
+def outcome(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[int, ...]) -> dict[str, Any]:
     if suffix == donor:
         outcome = "donor"
     elif suffix == recipient:
@@ -115,7 +129,7 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
         out = {}
         for d, r in pairs:
             state, cont = _swap(lm, states[r], states[d], TransplantSpec(layers, cfg.kv, positions), job)
-            out[f"{d}->{r}"] = _outcome(cont.suffix, own[d].suffix, own[r].suffix)
+            out[f"{d}->{r}"] = outcome(cont.suffix, own[d].suffix, own[r].suffix)
             if arm_prefix is not None:
                 arms.append(arm_record(lm, f"{arm_prefix}{d}->{r}", state, cont, live.stage1, item, s.scorer))
         return out
@@ -136,16 +150,24 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
     return payload
 
 
-def divergent_items(run: Run, checkpoint: str, construction: str) -> list[tuple[Item, list[int]]]:
+def divergent_ids(matched: list[Record], construction: str) -> list[str]:
+    """The matched records (in ledger order) whose live and fresh suffixes differ: what a selection picks from."""
     out = []
-    for r in run.find("matched", checkpoint):
+    for r in matched:
         p = r.payload
         if p["status"] != "ok":
             continue
-        main = next(c for c in p["comparisons"] if c["a"] == "live" and c["b"] == construction)
-        if not main["suffix_equal"]:
-            out.append((Item(r.item_id, tuple(p["prompt_ids"]), p["answer"]), p["prefix_ids"]))
+        main = next((c for c in p["comparisons"] if c["a"] == "live" and c["b"] == construction), None)
+        if main is not None and not main["suffix_equal"]:
+            out.append(r.item_id)
     return out
+
+
+def divergent_items(run: Run, checkpoint: str, construction: str) -> list[tuple[Item, list[int]]]:
+    matched = run.find("matched", checkpoint)
+    divergent = set(divergent_ids(matched, construction))
+    return [(Item(r.item_id, tuple(r.payload["prompt_ids"]), r.payload["answer"]), r.payload["prefix_ids"])
+            for r in matched if r.item_id in divergent]
 
 
 def check_selection(model: ModelConfig, cfg: TransplantConfig, prefixes: list[list[int]]) -> None:

@@ -5,14 +5,17 @@
     RUN_DIR/ledger.jsonl    one record per line, each carrying the sha256 of the previous one
     RUN_DIR/.lock           held (flock) by the one process writing the run; records its pid
 
-A record is written whole (write, flush, fsync). A torn last line (a kill mid-write) is set aside and redone.
+The chain starts at the hash of the run's frozen identity (`records.manifest.chain_start`), so the manifest's
+configuration and item ids are bound; each stage's section enters the chain as a `stage` record before its
+first item, and each item's environment as an `environment` record before the first item it computed
+(`records.record` has the format). A record is written whole (write, fsync). A torn last line (a kill
+mid-write) is set aside and redone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -20,46 +23,25 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import Any, Literal
 
 from stagereplay.errors import StageReplayError
+from stagereplay.records.manifest import binding_problems, bound_stage, chain_start
+from stagereplay.records.record import (
+    GENESIS,
+    SCHEMA_VERSION,
+    Record,
+    canonical_json,
+    chain_problems,
+    diff_fields,
+    parse_record,
+    sha256_json,
+)
 
-SCHEMA_VERSION = 1
-GENESIS = "0" * 64
+__all__ = ["GENESIS", "SCHEMA_VERSION", "Record", "Run", "atomic_output", "atomic_write", "canonical_json",
+           "chain_problems", "diff_fields", "open_run", "parse_record", "read_ledger", "read_manifest",
+           "sha256_json"]
 MANIFEST, LEDGER, LOCK, RESULTS = "manifest.json", "ledger.jsonl", ".lock", "results.json"
-
-
-class Record(BaseModel):
-    """One ledger line: the outcome of one experiment on one item (and part, e.g. a precision)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schema_version: int = Field(SCHEMA_VERSION, description="ledger record format version")
-    seq: int = Field(description="0-based position in the ledger")
-    experiment: str = Field(description="matched | precision_2x2 | bridge | transplant")
-    checkpoint: str = Field(description="which model of the run: primary, later, ...")
-    item_id: str = Field(description="the item this record is about")
-    part: str = Field("", description="sub-unit of the item for experiments that split it (e.g. a precision)")
-    payload: dict[str, Any] = Field(description="token IDs, fingerprints, labels: experiment-specific")
-    prev_hash: str = Field(description="hash of the previous record (GENESIS for the first)")
-    hash: str = Field("", description="sha256 of this record's canonical JSON without this field")
-
-    @property
-    def key(self) -> tuple[str, str, str, str]:
-        return (self.experiment, self.checkpoint, self.item_id, self.part)
-
-    def computed_hash(self) -> str:
-        return sha256_json(self.model_dump(exclude={"hash"}))
-
-
-def canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def sha256_json(obj: Any) -> str:
-    return hashlib.sha256(canonical_json(obj)).hexdigest()
 
 
 @contextlib.contextmanager
@@ -89,45 +71,9 @@ def atomic_write(path: Path, data: str | bytes) -> None:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
 
 
-def parse_record(line: str, lineno: int, path: Path) -> Record:
-    """Parse one ledger line, refusing newer schema versions by name."""
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError:
-        raise StageReplayError(f"{path} line {lineno} is not valid JSON",
-                               "run `stagereplay audit --verify-only` on the run to see the damage") from None
-    version = raw.get("schema_version") if isinstance(raw, dict) else None
-    if isinstance(version, int) and version > SCHEMA_VERSION:
-        raise StageReplayError(
-            f"{path} line {lineno} has ledger schema_version {version}, newer than this stagereplay's {SCHEMA_VERSION}",
-            "upgrade stagereplay to read it",
-        )
-    try:
-        return Record.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise StageReplayError(f"{path} line {lineno} is not a valid ledger record ({where}: {first['msg']})",
-                               "restore the ledger from a copy or start a new run") from None
-
-
-def chain_problems(records: list[Record]) -> list[dict[str, Any]]:
-    """Every break in the hash chain or sequence, as {seq, reason}: empty means intact."""
-    problems: list[dict[str, Any]] = []
-    prev = GENESIS
-    for i, r in enumerate(records):
-        if r.seq != i:
-            problems.append({"seq": i, "reason": f"seq is {r.seq}, expected {i}"})
-        if r.prev_hash != prev:
-            problems.append({"seq": i, "reason": f"prev_hash does not match record {i - 1}"})
-        if r.computed_hash() != r.hash:
-            problems.append({"seq": i, "reason": "content does not match its hash"})
-        prev = r.hash
-    return problems
-
-
 def read_ledger(run_dir: Path, *, strict: bool = True) -> list[Record]:
-    """All complete records. A torn last line (no newline) is ignored here; `strict` also checks the chain."""
+    """Every complete record, of every kind (the chain). A torn last line (no newline) is ignored here;
+    `strict` also checks the chain, from the manifest's identity, and its binding to the manifest."""
     path = run_dir / LEDGER
     if not path.exists():
         return []
@@ -136,7 +82,8 @@ def read_ledger(run_dir: Path, *, strict: bool = True) -> list[Record]:
     complete = lines[:-1]  # the part after the last newline is either empty or torn
     records = [parse_record(line, i + 1, path) for i, line in enumerate(complete)]
     if strict:
-        problems = chain_problems(records)
+        manifest = read_manifest(run_dir) if (run_dir / MANIFEST).exists() else {}
+        problems = chain_problems(records, chain_start(manifest)) or binding_problems(manifest, records)
         if problems:
             first = problems[0]
             raise StageReplayError(f"ledger {path} was modified: record {first['seq']}: {first['reason']}",
@@ -144,46 +91,51 @@ def read_ledger(run_dir: Path, *, strict: bool = True) -> list[Record]:
     return records
 
 
+def items(chain: list[Record]) -> list[Record]:
+    """The item records of a chain (the outcomes), without its stage and environment records."""
+    return [r for r in chain if r.kind == "item"]
+
+
 def read_manifest(run_dir: Path) -> dict[str, Any]:
     path = run_dir / MANIFEST
     if not path.exists():
         raise StageReplayError(f"no manifest.json in {run_dir}", "point at a run directory made by stagereplay")
     try:
-        manifest: dict[str, Any] = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise StageReplayError(f"{path} is not valid JSON", "restore the manifest from a copy") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("config", {}), dict):
+        raise StageReplayError(f"{path} is not a stagereplay manifest", "restore the manifest from a copy")
     version = manifest.get("schema_version", 0)
+    if not isinstance(version, int):
+        raise StageReplayError(f"{path} has no valid schema_version", "restore the manifest from a copy")
     if version > SCHEMA_VERSION:
         raise StageReplayError(f"{path} has manifest schema_version {version}, newer than {SCHEMA_VERSION}",
                                "upgrade stagereplay to read it")
     return manifest
 
 
-def diff_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted names of the fields whose values differ between two JSON-like objects."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        out: list[str] = []
-        for k in sorted(set(old) | set(new)):
-            out += diff_fields(old.get(k), new.get(k), f"{prefix}{k}.")
-        return out
-    return [] if old == new else [prefix.rstrip(".")]
-
-
 class Run:
-    """A run directory opened for writing by this process (see `open_run`)."""
+    """A run directory opened for writing by this process (see `open_run`).
 
-    def __init__(self, path: Path, manifest: dict[str, Any], records: list[Record]):
+    `chain` is every record in file order; `records` only the items (what experiments and reports read)."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], chain: list[Record]):
         self.path = path
         self.manifest = manifest
-        self.records = records
-        self._keys = {r.key for r in records}
+        self.chain = chain
+        self.records = items(chain)
+        self._keys = {r.key for r in self.records}
+        self._staged = {(r.experiment, r.checkpoint) for r in chain if r.kind == "stage"}
+        self._environments = {r.env for r in chain if r.kind == "environment"}
 
     @property
     def last_hash(self) -> str:
-        return self.records[-1].hash if self.records else GENESIS
+        return self.chain[-1].hash if self.chain else chain_start(self.manifest)
 
     def begin_stage(self, name: str, config: dict[str, Any]) -> None:
-        """Freeze one experiment's configuration in the manifest before its first record, or check it is unchanged."""
+        """Freeze one experiment's configuration in the manifest and the chain before its first record, or
+        check that it is unchanged."""
         stages = self.manifest.setdefault("stages", {})
         config = json.loads(json.dumps(config))  # normalise tuples etc. to what JSON will give back
         if name in stages:
@@ -193,9 +145,14 @@ class Run:
                     f"{self.path} already holds a {name} run with a different configuration ({', '.join(differ)})",
                     "use the same options to resume, or a new --out",
                 )
-            return
-        stages[name] = config
-        atomic_write(self.path / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
+        else:
+            stages[name] = config
+            atomic_write(self.path / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
+        experiment, _, checkpoint = name.partition("/")
+        if (experiment, checkpoint) not in self._staged:
+            # Also after a kill between the manifest's write and this record's: the resumed run adds it.
+            self._write("stage", experiment, checkpoint, "", "", bound_stage(config), "")
+            self._staged.add((experiment, checkpoint))
 
     def done(self, experiment: str, checkpoint: str, item_id: str, part: str = "") -> bool:
         return (experiment, checkpoint, item_id, part) in self._keys
@@ -203,24 +160,38 @@ class Run:
     def find(self, experiment: str, checkpoint: str) -> list[Record]:
         return [r for r in self.records if r.experiment == experiment and r.checkpoint == checkpoint]
 
-    def append(self, experiment: str, checkpoint: str, item_id: str, payload: dict[str, Any], part: str = "") -> Record:
-        """Write one whole record (write, flush, fsync), chained to the last."""
+    def append(self, experiment: str, checkpoint: str, item_id: str, payload: dict[str, Any], part: str = "",
+               environment: dict[str, Any] | None = None) -> Record:
+        """Write one item record, chained to the last; its environment (the process that computed it) goes
+        in full into the chain first if this is its first record."""
         key = (experiment, checkpoint, item_id, part)
         if key in self._keys:
             raise RuntimeError(f"duplicate ledger record {key}")
-        record = Record(schema_version=SCHEMA_VERSION, seq=len(self.records), experiment=experiment,
-                        checkpoint=checkpoint, item_id=item_id, part=part, payload=payload,
+        if (experiment, checkpoint) not in self._staged:
+            raise RuntimeError(f"{experiment}/{checkpoint} has no stage record; call begin_stage first")
+        env = sha256_json(environment) if environment is not None else ""
+        if environment is not None and env not in self._environments:
+            self._write("environment", "", "", "", "", environment, env)
+            self._environments.add(env)
+        record = self._write("item", experiment, checkpoint, item_id, part, payload, env)
+        self.records.append(record)
+        self._keys.add(key)
+        return record
+
+    def _write(self, kind: Literal["item", "stage", "environment"], experiment: str, checkpoint: str, item_id: str,
+               part: str, payload: dict[str, Any], env: str) -> Record:
+        """Make, hash and write one whole record (write, fsync), chained to the last."""
+        record = Record(schema_version=SCHEMA_VERSION, seq=len(self.chain), kind=kind, experiment=experiment,
+                        checkpoint=checkpoint, item_id=item_id, part=part, payload=payload, env=env,
                         prev_hash=self.last_hash, hash="")
         record = record.model_copy(update={"hash": record.computed_hash()})
-        line = canonical_json(record.model_dump()) + b"\n"
         fd = os.open(self.path / LEDGER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
+            os.write(fd, record.line())
             os.fsync(fd)
         finally:
             os.close(fd)
-        self.records.append(record)
-        self._keys.add(key)
+        self.chain.append(record)
         return record
 
     def write_results(self, results: dict[str, Any]) -> None:
@@ -262,8 +233,12 @@ def _set_aside_torn_tail(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def open_run(path: Path, manifest: dict[str, Any], identity: tuple[str, ...] = ("config",)) -> Iterator[Run]:
+def open_run(path: Path, manifest: dict[str, Any], identity: tuple[str, ...] = ("config",), extend: bool = True
+             ) -> Iterator[Run]:
     """Create or resume a run directory under a lock.
+
+    A run of an older ledger schema opens only to be read (`extend=False`: the audit, which rewrites its
+    results and report but adds no record): one chain never mixes two schemas.
 
     A new run gets `manifest` written atomically before anything else. An existing run is resumed only when the
     manifest's `identity` sections are equal; otherwise the differing fields are named. If this call created
@@ -286,6 +261,10 @@ def open_run(path: Path, manifest: dict[str, Any], identity: tuple[str, ...] = (
             if differ:
                 raise StageReplayError(f"{path} holds a run with a different configuration ({', '.join(differ)})",
                                        "use the same options to resume, or a new --out")
+            version = existing.get("schema_version", 0)
+            if extend and version < SCHEMA_VERSION:
+                raise StageReplayError(f"{path} is a run of ledger schema {version}, which this stagereplay audits "
+                                       "but does not extend", "start a new run with another --out")
             _set_aside_torn_tail(path)
             run = Run(path, existing, read_ledger(path))
         else:

@@ -1,8 +1,18 @@
-"""What a manifest records about where and how a run was made: versions, commit, hashes, device."""
+"""Where and how a run was made: versions, commit, input hashes, and the numerics of each writing process.
+
+`environment` is what the manifest records for the command's process and what each ledger item records (by
+hash, in full once) for the process that computed it: a worker of a pool, a Ray actor on another machine,
+a shard made elsewhere. Beside versions and device it holds what picks kernels, since two machines with
+the same versions can still compute different bits: CUDA, cuDNN and driver versions and the GPU, the SDPA
+backends enabled, the reduced-precision-reduction flags, and the CPU ISA and oneDNN settings.
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
+import os
 import platform
 import subprocess
 import sys
@@ -30,6 +40,7 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+@functools.cache
 def git_revision() -> dict[str, Any]:
     """The commit of the stagereplay source tree and whether it had uncommitted changes (None outside git)."""
     here = Path(__file__).resolve().parent
@@ -53,29 +64,89 @@ def _hash_files(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def model_hashes(path: str | Path) -> dict[str, str]:
+def model_hashes(path: str | Path) -> dict[str, Any]:
+    """What identifies a model directory: config, weights, tokenizer files (together and each), and the
+    generation config (where EOS comes from)."""
     p = Path(path)
     weights = [*p.glob("*.safetensors"), *p.glob("*.bin")]
+    tokenizer = [p / n for n in TOKENIZER_FILES if (p / n).exists()]
+    generation = p / "generation_config.json"
     return {
         "config": _hash_files([p / "config.json"]),
         "weights": _hash_files(weights),
-        "tokenizer": _hash_files([p / n for n in TOKENIZER_FILES if (p / n).exists()]),
+        "tokenizer": _hash_files(tokenizer),
+        "tokenizer_files": {f.name: _hash_files([f]) for f in tokenizer},
+        "generation_config": _hash_files([generation]) if generation.exists() else None,
     }
 
 
-def environment(device: str, determinism: dict[str, Any]) -> dict[str, Any]:
+def _cuda(device: str) -> dict[str, Any]:
     import torch
 
-    device_name = "cpu"
+    out: dict[str, Any] = {"cuda": torch.version.cuda, "cudnn": None, "driver": None, "gpu": None,
+                           "capability": None}
     if device.startswith("cuda") and torch.cuda.is_available():
-        device_name = torch.cuda.get_device_name(torch.device(device))
-    return {
+        dev = torch.device(device)
+        out["cudnn"] = torch.backends.cudnn.version()
+        out["gpu"] = torch.cuda.get_device_name(dev)
+        out["capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
+        out["driver"] = _nvidia_driver()
+    return out
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout.split("\n")[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _kernels(device: str) -> dict[str, Any]:
+    """The global switches that choose this device's kernels: SDPA backends, reduced-precision reductions and
+    TF32 (CUDA only: on a CPU they choose nothing, so a CPU run does not depend on them), the float32 matmul
+    precision, the CPU ISA and oneDNN."""
+    import torch
+
+    cuda, cpu = torch.backends.cuda, torch.backends.cpu
+    out: dict[str, Any] = {
+        "sdpa": {"flash": cuda.flash_sdp_enabled(), "mem_efficient": cuda.mem_efficient_sdp_enabled(),
+                 "math": cuda.math_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()},
+        "reduced_precision": {"float32_matmul_precision": torch.get_float32_matmul_precision()},
+        "cpu": {
+            "capability": cpu.get_cpu_capability(),
+            "mkldnn_enabled": torch.backends.mkldnn.enabled,
+            "mkldnn_available": torch.backends.mkldnn.is_available(),
+            "env": {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                                                   "ONEDNN_DEFAULT_FPMATH_MODE")},
+        },
+    }
+    if device.startswith("cuda"):
+        out["reduced_precision"].update({
+            "bf16_reduction": cuda.matmul.allow_bf16_reduced_precision_reduction,
+            "fp16_reduction": cuda.matmul.allow_fp16_reduced_precision_reduction,
+            "tf32_matmul": cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        })
+    return out
+
+
+def environment(device: str, determinism: dict[str, Any]) -> dict[str, Any]:
+    """This process's environment for work on `device` under `determinism` (what `set_determinism` set)."""
+    return json.loads(_environment(device, json.dumps(determinism, sort_keys=True)))
+
+
+@functools.cache
+def _environment(device: str, determinism: str) -> str:
+    """Cached per process (git and nvidia-smi run once); JSON so that callers cannot mutate the cache."""
+    return json.dumps({
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "machine": platform.machine(),
         "device": device,
-        "device_name": device_name,
         "packages": package_versions(),
         "git": git_revision(),
-        "determinism": determinism,
-    }
+        "determinism": json.loads(determinism),
+        **_cuda(device),
+        "kernels": _kernels(device),
+    })

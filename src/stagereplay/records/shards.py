@@ -2,6 +2,10 @@
 
 A merged run is the run that one process would have made: the same manifest identity (less the shard), the
 records in canonical order (experiment stage order, then item order of the dataset), the hash chain rebuilt.
+Shards must agree on everything the chain binds except their items: model, tokenizer, generation-config and
+dataset hashes and every setting (their paths may differ: shards made on other machines). Each record keeps
+the environment that computed it; shards computed in different environments merge, and the merged manifest
+names each shard's environments (`shard_environments`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.records.ledger import Record, diff_fields, open_run, read_ledger, read_manifest
+from stagereplay.records.ledger import (
+    SCHEMA_VERSION,
+    Record,
+    diff_fields,
+    items,
+    open_run,
+    read_ledger,
+    read_manifest,
+)
+from stagereplay.records.manifest import bound_config, bound_stage
 
 
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
@@ -32,10 +45,21 @@ def shard_items(items: list[Any], shard: tuple[int, int] | None) -> list[Any]:
 
 
 def _identity(manifest: dict[str, Any]) -> dict[str, Any]:
-    config = dict(manifest.get("config", {}))
+    """What shards of one run share: the bound configuration less the shard and its items, and the stages."""
+    config = bound_config(manifest.get("config", {}))
     config.pop("shard", None)
     config.pop("item_ids", None)
-    return {"config": config, "stages": manifest.get("stages", {})}
+    stages = {name: bound_stage(stage) for name, stage in manifest.get("stages", {}).items()}
+    return {"schema_version": manifest.get("schema_version"), "config": config, "stages": stages}
+
+
+def environment_notes(manifest: dict[str, Any]) -> list[str]:
+    """One line per shard when the shards of a merged run were computed in different environments."""
+    envs = manifest.get("shard_environments", {})
+    if len({tuple(v) for v in envs.values()}) <= 1:
+        return []
+    return [f"shard {spec} was computed in environment {', '.join(h[:12] for h in hashes)}"
+            for spec, hashes in envs.items()]
 
 
 def merge_runs(shards: list[Path], out: Path) -> Path:
@@ -45,9 +69,17 @@ def merge_runs(shards: list[Path], out: Path) -> Path:
     if not shards:
         raise StageReplayError("no shard directories given", "pass the --out folders of every shard")
     manifests = [read_manifest(p) for p in shards]
+    for path, m in zip(shards, manifests, strict=True):
+        if m.get("schema_version") != SCHEMA_VERSION:
+            raise StageReplayError(f"shard {path} has ledger schema {m.get('schema_version')}, not {SCHEMA_VERSION}",
+                                   "merge it with the stagereplay that made it")
     base = _identity(manifests[0])
     for path, m in zip(shards[1:], manifests[1:], strict=True):
         differ = diff_fields(base, _identity(m))
+        models = [f for f in differ if f.startswith("config.model_hashes.")]
+        if models:
+            raise StageReplayError(f"shard {path} was made with a different model or tokenizer "
+                                   f"({', '.join(models)} differ)", "merge only shards of one model")
         if differ:
             raise StageReplayError(f"shard {path} was made with a different configuration ({', '.join(differ)})",
                                    "merge only shards of one command")
@@ -69,17 +101,21 @@ def merge_runs(shards: list[Path], out: Path) -> Path:
         order += [x[j] for x in lists if j < len(x)]
     position = {item: k for k, item in enumerate(order)}
     stage_order = list(manifests[0].get("stages", {}))
-    records: list[Record] = [r for path in shards for r in read_ledger(path)]
+    chains = [read_ledger(path) for path in shards]
+    environments = {r.env: r.payload for chain in chains for r in chain if r.kind == "environment"}
+    records: list[Record] = [r for chain in chains for r in items(chain)]
     records.sort(key=lambda r: (stage_order.index(f"{r.experiment}/{r.checkpoint}"), r.part, position[r.item_id]))
     manifest = json.loads(json.dumps(manifests[0]))
     manifest["config"].pop("shard")
     manifest["config"]["item_ids"] = order
     manifest["merged_from"] = [str(p) for p in shards]
+    manifest["shard_environments"] = {spec: sorted({r.env for r in items(chain)})
+                                      for spec, chain in zip(specs, chains, strict=True)}
     if out.exists():
         raise StageReplayError(f"--out {out} already exists", "merge into a new folder")
     with open_run(out, {**manifest, "stages": {}}) as run:
         for name, stage in manifests[0].get("stages", {}).items():
             run.begin_stage(name, stage)
         for r in records:
-            run.append(r.experiment, r.checkpoint, r.item_id, r.payload, r.part)
+            run.append(r.experiment, r.checkpoint, r.item_id, r.payload, r.part, environments.get(r.env))
     return out

@@ -269,10 +269,10 @@ def show_item(run_dir: Path, item_id: str, checkpoint: str | None = None, consol
     from rich.console import Console
 
     from stagereplay.errors import StageReplayError
-    from stagereplay.records.ledger import read_ledger, read_manifest
+    from stagereplay.records.ledger import items, read_ledger, read_manifest
 
     manifest = read_manifest(run_dir)
-    records = [r for r in read_ledger(run_dir, strict=False) if checkpoint in (None, r.checkpoint)]
+    records = [r for r in items(read_ledger(run_dir, strict=False)) if checkpoint in (None, r.checkpoint)]
     found = stories(records, item_id)
     if not found:
         known = any(r.item_id == item_id for r in records)

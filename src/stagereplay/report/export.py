@@ -60,8 +60,11 @@ def iter_ledger(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def ledger_rows(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """One row per (record, arm); one row with `arm = None` for a record without arms."""
+    """One row per (item record, arm); one row with `arm = None` for a record without arms. The chain's
+    stage and environment records (ledger schema 2) are provenance, not rows."""
     for record in records:
+        if record.get("kind", "item") != "item":
+            continue
         payload = record.get("payload") or {}
         base = {
             "experiment": record.get("experiment"),

@@ -58,3 +58,13 @@ def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]
     if audit.exists():
         results["audit"] = json.loads(audit.read_text())
     return results
+
+
+def comparable_results(results: dict[str, Any]) -> dict[str, Any]:
+    """results.json less what the ledger does not decide: its time stamp, the last audit's findings and the
+    models' locations (the chain binds their hashes, not where they lie)."""
+    out = json.loads(json.dumps(results))
+    for key in ("created", "model", "later_model"):
+        out.get("run", {}).pop(key, None)
+    out.pop("audit", None)
+    return out

@@ -57,11 +57,15 @@ def read_rows(path: Path) -> list[Row]:
         raise StageReplayError(f"data file not found: {path}", "pass --data a JSONL file")
     rows: list[Row] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw_line in enumerate(f, start=1):
+            where = f"{path} line {lineno}"
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError:
+                raise StageReplayError(f"{where} is not UTF-8 text", "save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path} line {lineno}"
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError as exc:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
+from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Scorer, exact_match, last_number, last_number_answer, regex_scorer
 from stagereplay.tasks.toy import toy_scorer
 
@@ -15,9 +17,14 @@ def scorer_by_name(name: str) -> Scorer:
     if name == "toy":  # the embedded task's own scorer
         return toy_scorer
     if name.startswith("regex:"):
-        return regex_scorer(name.removeprefix("regex:"))
+        pattern = name.removeprefix("regex:")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise StageReplayError(f"invalid --scorer {name!r}: {exc}", "fix the pattern") from None
+        return regex_scorer(pattern)
     if name not in SCORERS:
-        raise ValueError(f"unknown scorer {name!r}: use one of {', '.join(SCORERS)}, toy or regex:PATTERN")
+        raise StageReplayError(f"unknown --scorer {name!r}", f"use one of {', '.join(SCORERS)}, toy or regex:PATTERN")
     return SCORERS[name]
 
 

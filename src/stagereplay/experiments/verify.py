@@ -1,0 +1,305 @@
+"""The audit's model-free half (`stagereplay audit --verify-only`): what holds without running a model.
+
+    chain         every line parses; every hash and link holds, from the manifest's identity hash
+    binding       the manifest's configuration, item ids and stages are the ones the chain was made under
+    completeness  each unit a declared stage names has exactly one record, and no record is outside them
+    claims        every field that follows from other recorded fields follows: comparisons from their arms,
+                  labels from the scorer, fingerprints from token IDs, transplant outcomes from the arms,
+                  a transplant selection from its rule, results.json from the ledger
+
+What needs the model (token IDs and cache fingerprints themselves) is the re-executing audit's part.
+A finding is {item_id, what}, naming the stage and field; a chain break is {seq, reason}.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from stagereplay.engine.lm import ids_fingerprint
+from stagereplay.experiments.common import comparison, comparison_fp_schema_1
+from stagereplay.experiments.transplant import divergent_ids, outcome, select
+from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
+from stagereplay.records.manifest import (
+    binding_problems,
+    binds,
+    bound_config,
+    bound_stage,
+    chain_start,
+    stage_name,
+)
+from stagereplay.records.shards import parse_shard, shard_items
+from stagereplay.report.results import build_results, comparable_results
+from stagereplay.tasks.jsonl import file_sha256, read_rows
+from stagereplay.tasks.scoring import scorer_by_name
+
+STATUSES = ("ok", "no_boundary", "prefix_not_reproduced", "not_reproduced")
+SCHEMA_1_NOTE = ("ledger schema 1: its manifest is not bound into the hash chain, so an edit of the manifest "
+                 "alone goes unseen; re-run the experiments to get a bound run")
+
+
+def read_chain(run_dir: Path) -> tuple[list[Record], list[dict[str, Any]]]:
+    """The records that parse, and the damage: a torn last line, a line that does not parse."""
+    path = run_dir / "ledger.jsonl"
+    if not path.exists():
+        return [], [{"seq": 0, "reason": f"no ledger.jsonl in {run_dir}"}]
+    data = path.read_bytes()
+    problems: list[dict[str, Any]] = []
+    if data and not data.endswith(b"\n"):
+        problems.append({"seq": data.count(b"\n"), "reason": "incomplete last record (torn write)"})
+    records: list[Record] = []
+    for i, line in enumerate(data.split(b"\n")[:-1]):  # after the last newline: empty, or torn (reported above)
+        try:
+            records.append(parse_record(line.decode("utf-8"), i + 1, path))
+        except Exception as exc:  # a damaged line is a finding, not a crash
+            problems.append({"seq": i, "reason": str(exc).split(";")[0]})
+            break
+    return records, problems
+
+
+def verify_run(run_dir: Path, manifest: dict[str, Any], stored_results: bool = True) -> dict[str, Any]:
+    """Chain, binding, completeness and every derivable claim; `reproduced` is False on any finding.
+    `stored_results=False` leaves out results.json (a run about to rewrite it)."""
+    chain, broken = read_chain(run_dir)
+    broken += chain_problems(chain, chain_start(manifest)) + binding_problems(manifest, chain)
+    records = items(chain)
+    findings: list[dict[str, str]] = []
+    if not broken:  # a broken chain is the finding; what it says is not to be trusted or derived from
+        findings += _guarded("", "the manifest", lambda: dataset_findings(manifest) + stage_model_findings(manifest))
+        findings += _guarded("", "the ledger", lambda: completeness(manifest, records))
+        stages = manifest.get("stages", {})
+        matched = {(r.checkpoint, r.item_id): r for r in records if r.experiment == "matched"}
+        for r in records:
+            stage = stages.get(stage_name(r))
+            if stage is not None:
+                findings += _guarded(r.item_id, stage_name(r), partial(
+                    claim_findings, r, stage, matched.get((r.checkpoint, r.item_id)), binds(manifest)))
+        if stored_results:
+            findings += _guarded("", "results.json", lambda: results_findings(run_dir, manifest, records))
+    return {"chain_ok": not broken, "broken_records": broken, "mismatches": findings,
+            "notes": [] if binds(manifest) else [SCHEMA_1_NOTE], "reproduced": not broken and not findings,
+            "verify_only": True}
+
+
+def _guarded(item: str, where: str, check: Callable[[], list[dict[str, str]]]) -> list[dict[str, str]]:
+    """A check's findings; a record or manifest too malformed to check (a field missing, of another type) is
+    itself the finding, never a crash of the audit."""
+    try:
+        return check()
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, StopIteration) as exc:
+        return [{"item_id": item, "what": f"{where}: malformed ({type(exc).__name__}: {exc})"}]
+
+
+def dataset_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
+    """The item ids are what the dataset gives: a JSONL file's ids (first `n`, this shard's), read without a
+    model when the file is at its path, and its hash; the toy task's count. The re-executing audit checks the
+    toy's ids themselves."""
+    config = manifest.get("config", {})
+    data, ids = config.get("data", {}), list(config.get("item_ids", []))
+    shard = parse_shard(config.get("shard"))
+    if data.get("path") is None:
+        n = data.get("n") or 200
+        expected_n = len(shard_items(list(range(n)), shard))
+        if len(ids) != expected_n:
+            return [{"item_id": "", "what": f"config.item_ids holds {len(ids)} ids, the toy task's n gives {expected_n}"}]
+        return []
+    path = Path(data["path"])
+    if not path.is_file():
+        return []  # a location only; the full audit reads the data where it is given
+    findings = []
+    if file_sha256(path) != config.get("dataset_hash"):
+        findings.append({"item_id": "", "what": f"the data at {path} is not the run's dataset (dataset_hash differs)"})
+    rows = [r.id for r in read_rows(path)]
+    want = shard_items(rows[: data.get("n") or len(rows)], shard)
+    findings += [{"item_id": i, "what": "config.item_ids lacks an item of the dataset"} for i in want if i not in ids]
+    findings += [{"item_id": i, "what": "config.item_ids holds an item the dataset lacks"} for i in ids if i not in want]
+    return findings
+
+
+def stage_model_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
+    """Every stage runs the run's model settings (precision, device, threads, attention); only the path (the
+    checkpoint) may differ, and a 2x2 stage's precisions are its parts."""
+    model = bound_config(manifest.get("config", {})).get("model", {})
+    findings = []
+    for name, stage in manifest.get("stages", {}).items():
+        differ = diff_fields(model, bound_stage(stage).get("model", {}))
+        if differ:
+            findings.append({"item_id": "", "what": f"stage {name}: model {', '.join(differ)} differs from the "
+                                                    "run's configuration"})
+    return findings
+
+
+def expected_units(name: str, stage: dict[str, Any], config: dict[str, Any], records: list[Record]
+                   ) -> list[tuple[str, str]]:
+    """The (item id, part) units a declared stage names, from the manifest and the matched records it starts
+    from: matched, every item id; 2x2, every prefix of its matched run times each precision; bridge, its
+    first `rows` prefixes; transplant, its frozen selection; resample, its frozen items times each precision."""
+    experiment, _, checkpoint = name.partition("/")
+    if experiment == "matched":
+        return [(i, "") for i in config.get("item_ids", [])]
+    ok = [r.item_id for r in records if r.experiment == "matched" and r.checkpoint == checkpoint
+          and r.payload.get("status") == "ok"]
+    if experiment == "precision_2x2":
+        return [(i, p) for p in stage.get("precisions", []) for i in ok]
+    if experiment == "bridge":
+        return [(i, "") for i in ok[: stage.get("rows", 0)]]
+    if experiment == "transplant":
+        return [(i, "") for i in stage.get("selected", [])]
+    if experiment == "resample":
+        return [(i, p) for p in stage.get("precisions", []) for i in stage.get("items", [])]
+    return []
+
+
+def completeness(manifest: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
+    """A missing, extra or duplicated record, per declared stage; a record of a stage the manifest lacks."""
+    stages, config = manifest.get("stages", {}), manifest.get("config", {})
+    findings: list[dict[str, str]] = []
+    counts = Counter((stage_name(r), r.item_id, r.part) for r in records)
+    for name, item, _ in counts:
+        if name not in stages:
+            findings.append({"item_id": item, "what": f"{name}: a record for a stage the manifest does not declare"})
+    for name, stage in stages.items():
+        expected = expected_units(name, stage, config, records)
+        where = name
+        for item, part in expected:
+            k = counts.get((name, item, part), 0)
+            at = f"{where}{'@' + part if part else ''}"
+            if k == 0:
+                findings.append({"item_id": item, "what": f"{at}: no record, but the manifest declares one"})
+            elif k > 1:
+                findings.append({"item_id": item, "what": f"{at}: {k} records, one expected"})
+        wanted = set(expected)
+        for n, item, part in counts:
+            if n == name and (item, part) not in wanted:
+                at = f"{where}{'@' + part if part else ''}"
+                findings.append({"item_id": item, "what": f"{at}: a record the manifest does not declare"})
+        if name.startswith("transplant/"):
+            findings += _selection_findings(name, stage, records)
+    return findings
+
+
+def _selection_findings(name: str, stage: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
+    """The frozen selection must be what its rule picks from the matched run's divergent items."""
+    checkpoint = name.partition("/")[2]
+    rule, construction = stage["config"]["select"], stage["config"]["construction"]
+    matched = [r for r in records if r.experiment == "matched" and r.checkpoint == checkpoint]
+    picked = sorted(select(divergent_ids(matched, construction), rule))
+    if picked == sorted(stage.get("selected", [])):
+        return []
+    changed = sorted(set(picked) ^ set(stage.get("selected", [])))
+    return [{"item_id": i, "what": f"{name}: selected is not what rule {rule} picks from the matched records"}
+            for i in changed]
+
+
+def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None, schema_2: bool = True
+                   ) -> list[dict[str, str]]:
+    """Every field of one item record that follows from its other fields (and its matched record), checked.
+    Schema 1 fingerprinted fewer comparison fields (`schema_2=False`)."""
+    p, item = record.payload, record.item_id
+    where = f"{stage_name(record)}{'@' + record.part if record.part else ''}"
+    bad: list[str] = []
+    status = p.get("status")
+    if status not in STATUSES:
+        bad.append(f"status {status!r} is not one of {', '.join(STATUSES)}")
+    if status == "ok":
+        if p.get("boundary") != len(p.get("prefix_ids") or []):
+            bad.append("boundary is not the prefix's length")
+        if matched is not None and record.experiment != "matched" and p.get("prefix_ids") != matched.payload.get(
+                "prefix_ids") and record.experiment != "bridge":
+            bad.append("prefix_ids are not the matched run's")
+    bad += _arm_claims(record, stage)
+    arms = {a.get("name"): a for a in p.get("arms", [])}
+    for c in p.get("comparisons", []):
+        a, b = arms.get(c.get("a")), arms.get(c.get("b"))
+        if a is None or b is None:
+            bad.append(f"comparison {c.get('a')} vs {c.get('b')}: an arm is missing")
+            continue
+        derived = comparison(item, a, b)
+        if not schema_2:
+            derived["fp"] = comparison_fp_schema_1(item, a, b)
+        for f in diff_fields(c, derived):
+            bad.append(f"comparison {c['a']} vs {c['b']}: {f} does not follow from its arms")
+    if record.experiment == "bridge" and status == "ok":
+        bad += _bridge_claims(p, matched)
+    if record.experiment == "transplant" and status == "ok":
+        bad += _transplant_claims(p, stage["config"]["construction"])
+    return [{"item_id": item, "what": f"{where} {b}"} for b in bad]
+
+
+def _arm_claims(record: Record, stage: dict[str, Any]) -> list[str]:
+    p = record.payload
+    scorer = scorer_by_name(stage["settings"]["scorer"])
+    precision = record.part or stage["model"]["precision"]
+    bad = []
+    for a in p.get("arms", []):
+        name = a.get("name")
+        if a.get("suffix_fp") != ids_fingerprint(a.get("suffix_ids") or []):
+            bad.append(f"arm {name}: suffix_fp is not the fingerprint of its suffix_ids")
+        if "text" in a and a.get("correct") != bool(scorer(a["text"], p.get("answer", ""))):  # resample keeps none
+            bad.append(f"arm {name}: correct is not what scorer {stage['settings']['scorer']} gives its text")
+        if a.get("precision") != precision:
+            bad.append(f"arm {name}: precision {a.get('precision')} is not the stage's {precision}")
+    return bad
+
+
+def _bridge_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
+    bad = []
+    layers = p.get("layers", {})
+    bitwise = layers.get("live") == layers.get("incremental")
+    if p.get("cache_equal") != bitwise:
+        bad.append("cache_equal does not follow from the layer fingerprints")
+    if (not p.get("differences")) != bitwise:
+        bad.append("first_difference does not follow from the layer fingerprints")
+    first = (p.get("comparisons") or [{}])[0]
+    if first.get("cache_equal") != p.get("cache_equal"):
+        bad.append("cache_equal differs from its comparison's")
+    if matched is not None and p.get("prefix_matches_matched_run") != (
+            p.get("prefix_ids") == matched.payload.get("prefix_ids")):
+        bad.append("prefix_matches_matched_run does not follow from the matched record")
+    return bad
+
+
+def _transplant_claims(p: dict[str, Any], construction: str) -> list[str]:
+    arms = {a["name"]: a["suffix_ids"] for a in p.get("arms", [])}
+    bad = []
+    if "live" in arms and construction in arms and p.get("baseline_diverges") != (arms["live"] != arms[construction]):
+        bad.append("baseline_diverges does not follow from the live and fresh arms")
+    for key, prefix in (("directions", ""), ("control", "control:")):
+        for direction, recorded in p.get(key, {}).items():
+            donor, _, recipient = direction.partition("->")
+            got = arms.get(f"{prefix}{direction}")
+            if got is None or donor not in arms or recipient not in arms:
+                bad.append(f"{key}.{direction}: its arms are missing")
+                continue
+            for f in diff_fields(recorded, outcome(tuple(got), tuple(arms[donor]), tuple(arms[recipient]))):
+                bad.append(f"{key}.{direction}.{f} does not follow from the arms")
+    return bad
+
+
+def claimed(rebuilt: Any, stored: Any) -> Any:
+    """`rebuilt` restricted to the fields `stored` has: a results.json (or a schema 1 record) written by an
+    earlier version claims fewer fields, and only what it claims is checked."""
+    if isinstance(rebuilt, dict) and isinstance(stored, dict):
+        return {k: claimed(v, stored[k]) for k, v in rebuilt.items() if k in stored}
+    if isinstance(rebuilt, list) and isinstance(stored, list) and len(rebuilt) == len(stored):
+        return [claimed(a, b) for a, b in zip(rebuilt, stored, strict=True)]
+    return rebuilt
+
+
+def results_findings(run_dir: Path, manifest: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
+    """Every field of results.json must be what the ledger gives (less its time stamp, the last audit and the
+    models' locations)."""
+    path = run_dir / "results.json"
+    if not path.exists():
+        return []
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return [{"item_id": "", "what": "results.json is not valid JSON"}]
+    rebuilt = claimed(comparable_results(build_results(run_dir, manifest, records)), stored)
+    differ = diff_fields(comparable_results(stored), rebuilt, lists=True)
+    return [{"item_id": "", "what": f"results.json {f} is not what the ledger gives"} for f in differ]

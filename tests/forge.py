@@ -1,0 +1,59 @@
+"""A careful forger's tools: edit a run's manifest and records, then recompute everything a checksum would
+catch (fingerprints that follow from an edit, comparisons, stage records, the identity hash, every link and
+hash of the chain), so that only what the audit re-derives can tell."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stagereplay.engine.lm import ids_fingerprint
+from stagereplay.experiments.common import comparison
+from stagereplay.records.ledger import Record, canonical_json, items, read_manifest
+from stagereplay.records.manifest import bound_stage, chain_start
+from stagereplay.report.results import build_results
+
+
+def load(run: Path) -> tuple[list[Record], dict[str, Any]]:
+    chain = [Record.model_validate_json(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    return chain, read_manifest(run)
+
+
+def save(run: Path, chain: list[Record], manifest: dict[str, Any]) -> None:
+    """Write the manifest, refresh each stage record from it, rebuild the chain from its identity hash, and
+    rebuild results.json from the forged records."""
+    (run / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    stages = manifest.get("stages", {})
+    prev, lines, rebuilt = chain_start(manifest), [], []
+    for i, r in enumerate(chain):
+        update: dict[str, Any] = {"seq": i, "prev_hash": prev}
+        name = f"{r.experiment}/{r.checkpoint}"
+        if r.kind == "stage" and name in stages:
+            update["payload"] = bound_stage(stages[name])
+        r = r.model_copy(update=update)
+        r = r.model_copy(update={"hash": r.computed_hash()})
+        lines.append(canonical_json(r.model_dump()) + b"\n")
+        rebuilt.append(r)
+        prev = r.hash
+    (run / "ledger.jsonl").write_bytes(b"".join(lines))
+    results = build_results(run, manifest, items(rebuilt))
+    (run / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def with_payload(record: Record, payload: dict[str, Any], recompare: bool = True) -> Record:
+    """The record with `payload`; with `recompare`, its suffix fingerprints and comparisons recomputed from the
+    arms as the experiment would have written them."""
+    payload = json.loads(json.dumps(payload))
+    if recompare:
+        for arm in payload.get("arms", []):
+            arm["suffix_fp"] = ids_fingerprint(arm["suffix_ids"])
+        arms = {a["name"]: a for a in payload.get("arms", [])}
+        payload["comparisons"] = [comparison(record.item_id, arms[c["a"]], arms[c["b"]])
+                                  for c in payload.get("comparisons", [])]
+    return record.model_copy(update={"payload": payload})
+
+
+def edit(record: Record) -> dict[str, Any]:
+    """A deep copy of the record's payload to edit."""
+    return json.loads(json.dumps(record.payload))
