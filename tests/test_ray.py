@@ -8,7 +8,7 @@ import pytest
 
 from stagereplay.engine.boundary import After
 from stagereplay.engine.decode import DecodeConfig
-from stagereplay.records.ledger import read_ledger
+from stagereplay.records.ledger import items, read_ledger
 from stagereplay.runs import matched
 
 try:
@@ -45,12 +45,14 @@ def test_ray_ledger_equals_local_ledger(tmp_path, tiny_dir, items_file, local_ra
     _matched(tmp_path / "ray", model, items_file, workers=2, executor="ray")
     assert ray.is_initialized()  # a cluster run_ray did not start is left alone
     _matched(tmp_path / "local", model, items_file, workers=1, executor="local")
-    by_ray, local = read_ledger(tmp_path / "ray"), read_ledger(tmp_path / "local")
+    by_ray, local = items(read_ledger(tmp_path / "ray")), items(read_ledger(tmp_path / "local"))
     assert len(local) == 6
     assert [r.item_id for r in by_ray] == [r.item_id for r in local]  # job order, whatever finished first
     for a, b in zip(by_ray, local, strict=True):
         assert a.payload == b.payload
-        assert a.hash == b.hash and a.prev_hash == b.prev_hash
+        assert a.env == b.env  # the actors' environment is the parent's: one machine, one set of versions
+    # The whole chains, stage and environment records included, are the same bytes.
+    assert (tmp_path / "ray" / "ledger.jsonl").read_bytes() == (tmp_path / "local" / "ledger.jsonl").read_bytes()
     # Negative control: one token changed in one payload changes that record's hash.
     changed = local[3].payload | {"prefix_ids": [*local[3].payload["prefix_ids"][:-1], -1]}
     assert local[3].model_copy(update={"payload": changed}).computed_hash() != by_ray[3].hash
