@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,32 +13,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import save_r1_model, save_tiny_model
 
 
+def _built_once(root: Path, build: Callable[[Path, str], Path]) -> Callable[[str], Path]:
+    """`get(key)` -> `build(root / key, key)`, made on the first call for that key and kept for the session."""
+    made: dict[str, Path] = {}
+
+    def get(key: str) -> Path:
+        if key not in made:
+            made[key] = build(root / key, key)
+        return made[key]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
     """Folder factory: tiny_dir("qwen2") -> a saved random model of that architecture (built once a session)."""
-    root = tmp_path_factory.mktemp("tiny-models")
-    made: dict[str, Path] = {}
-
-    def get(arch: str = "qwen2") -> Path:
-        if arch not in made:
-            made[arch] = save_tiny_model(root / arch, arch)
-        return made[arch]
-
-    return get
+    get = _built_once(tmp_path_factory.mktemp("tiny-models"), save_tiny_model)
+    return lambda arch="qwen2": get(arch)
 
 
 @pytest.fixture(scope="session")
 def r1_dir(tmp_path_factory: pytest.TempPathFactory):
     """Folder factory: r1_dir("merged" | "added") -> an R1-shaped tiny model (tiny.save_r1_model), built once."""
-    root = tmp_path_factory.mktemp("r1-models")
-    made: dict[str, Path] = {}
-
-    def get(kind: str = "merged") -> Path:
-        if kind not in made:
-            made[kind] = save_r1_model(root / kind, kind)
-        return made[kind]
-
-    return get
+    get = _built_once(tmp_path_factory.mktemp("r1-models"), save_r1_model)
+    return lambda kind="merged": get(kind)
 
 
 @pytest.fixture(scope="session")
