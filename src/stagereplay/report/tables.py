@@ -14,17 +14,28 @@ signed points with one decimal, e.g. `+1.0 [-3.5, +5.5]`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stagereplay.report.figures import slug
-from stagereplay.report.stats import wilson_interval
+from stagereplay.report.format import (
+    NA,
+    Table,
+    as_rows,
+    bound,
+    count_of,
+    interval,
+    k_of_n,
+    p_value,
+    pct,
+    points,
+    wilson_or_given,
+    yes_no,
+)
+from stagereplay.report.resample_tables import resample_tables
 
 SCHEMA_VERSION = 1
 """The `results.json` schema this renderer reads."""
-NA = "-"
-
 _TRANSPLANT_HEADERS = (
     "direction",
     "layers",
@@ -34,71 +45,6 @@ _TRANSPLANT_HEADERS = (
     "follows recipient",
     "neither",
 )
-
-
-@dataclass(frozen=True)
-class Table:
-    """A renderer-neutral table; `id` is the HTML element id (`table-matched`, `table-2x2`, ...)."""
-
-    id: str
-    title: str
-    headers: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-    note: str = ""
-    terminal: bool = True
-    """False for long detail tables (the full layer sweep) that only the report files carry."""
-
-
-# --- number formatting ---------------------------------------------------------------------------
-
-
-def pct(x: float | None) -> str:
-    """A proportion in percent, one decimal: 0.62 -> '62.0%'."""
-    return NA if x is None else f"{100 * x:.1f}%"
-
-
-def bound(x: float) -> str:
-    """An interval bound in percent: two decimals below 10% (0.018845 -> '1.88%'), else one ('86.2%')."""
-    v = 100 * x
-    return f"{v:.2f}%" if v < 10 else f"{v:.1f}%"
-
-
-def interval(ci: tuple[float, float] | None) -> str:
-    """'[0.00%, 1.88%]'."""
-    return NA if ci is None else f"[{bound(ci[0])}, {bound(ci[1])}]"
-
-
-def k_of_n(k: int, n: int) -> str:
-    """'166/200 (83.0%)'; a count over zero has no percentage."""
-    return f"{k}/{n} ({pct(k / n)})" if n else f"{k}/{n}"
-
-
-def points(x: float) -> str:
-    """A difference of proportions in signed points: 0.01 -> '+1.0', -0.035 -> '-3.5'."""
-    return f"{round(100 * x, 1) + 0.0:+.1f}"  # + 0.0 turns -0.0 into 0.0
-
-
-def p_value(p: float | None) -> str:
-    return NA if p is None else f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
-
-
-def _kn(d: dict[str, Any] | None) -> str:
-    return NA if d is None else k_of_n(int(d["k"]), int(d["n"]))
-
-
-def _wilson(k: int, n: int, given: Any) -> tuple[float, float] | None:
-    """The stored interval when present (the report shows what the run computed), else Wilson 95%."""
-    if given is not None:
-        return float(given[0]), float(given[1])
-    return wilson_interval(k, n) if n else None
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
-def _rows(rows: list[list[str]]) -> tuple[tuple[str, ...], ...]:
-    return tuple(tuple(str(c) for c in row) for row in rows)
 
 
 # --- results -> tables ---------------------------------------------------------------------------
@@ -164,10 +110,10 @@ def matched_table(matched: list[dict[str, Any]]) -> Table:
         columns.append(
             [
                 f"{m['n']} ({m['n_boundary']} / {m['n_no_boundary']})",
-                _kn(m["replica_exact"].get("live")),
-                _kn(m["replica_exact"].get(c)),
-                _kn(m["suffix_disagreements"]),
-                _kn(m["label_disagreements"]),
+                count_of(m["replica_exact"].get("live")),
+                count_of(m["replica_exact"].get(c)),
+                count_of(m["suffix_disagreements"]),
+                count_of(m["label_disagreements"]),
                 pct(accuracy.get("live")),
                 pct(accuracy.get(c)),
                 ci,
@@ -184,7 +130,7 @@ def matched_table(matched: list[dict[str, Any]]) -> Table:
             f" CI: paired percentile bootstrap over items, {d.get('n_resamples')} resamples, "
             f"seed {d.get('seed')}, confidence {d.get('confidence')}."
         )
-    return Table("table-matched", "Matched: live cache vs fresh prefill", headers, _rows(rows), note)
+    return Table("table-matched", "Matched: live cache vs fresh prefill", headers, as_rows(rows), note)
 
 
 def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
@@ -203,21 +149,21 @@ def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
     for d in grid["disagreements"]:
         k, n = int(d["k"]), int(d["n"])
         label = k_of_n(int(d["label_k"]), n) if d.get("label_k") is not None else NA
-        disagreements.append([d["precision"], k_of_n(k, n), interval(_wilson(k, n, d.get("wilson"))), label])
+        disagreements.append([d["precision"], k_of_n(k, n), interval(wilson_or_given(k, n, d.get("wilson"))), label])
     ckpt = grid["checkpoint"]
     return [
         Table(
             "table-2x2",
             f"Fixed-prefix 2x2 ({ckpt}): accuracy",
             ("construction", *precisions),
-            _rows(accuracy),
+            as_rows(accuracy),
             f"All {grid['n']} prefixes held fixed; only construction and precision change.",
         ),
         Table(
             "table-2x2-disagreements",
             f"Fixed-prefix 2x2 ({ckpt}): {a} vs {b} disagreements",
             ("precision", "suffix disagreements", "Wilson 95%", "label disagreements"),
-            _rows(disagreements),
+            as_rows(disagreements),
             "0/n is reported with its Wilson upper bound.",
         ),
     ]
@@ -258,7 +204,7 @@ def diagnostics_table(results: dict[str, Any]) -> Table | None:
             "steps of the reference arm. Step-1 logit diff: max-abs difference of the two arms' logits at the first "
             "suffix step. Cache: relative L2 ||a-b||/||a|| of the boundary caches, median over layers of the "
             "per-layer medians.")
-    return Table("table-diagnostics", "Why pairs diverged: margins, logits, caches", headers, _rows(rows), note)
+    return Table("table-diagnostics", "Why pairs diverged: margins, logits, caches", headers, as_rows(rows), note)
 
 
 def bridge_tables(bridge: dict[str, Any]) -> list[Table]:
@@ -269,7 +215,7 @@ def bridge_tables(bridge: dict[str, Any]) -> list[Table]:
             "table-bridge",
             f"Bridge ({bridge['checkpoint']}): incremental vs live cache",
             ("rows", "caches bit-exact", "suffixes equal"),
-            _rows(summary),
+            as_rows(summary),
         )
     ]
     rows = []
@@ -278,10 +224,10 @@ def bridge_tables(bridge: dict[str, Any]) -> list[Table]:
             continue
         fd = i.get("first_difference")
         where = f"layer {fd['layer']}, {fd['tensor']}, position {fd['position']}" if fd else NA
-        rows.append([i["item_id"], _yes(i["cache_equal"]), where, _yes(i["suffix_equal"])])
+        rows.append([i["item_id"], yes_no(i["cache_equal"]), where, yes_no(i["suffix_equal"])])
     if rows:
         headers = ("item", "cache equal", "first difference", "suffix equal")
-        tables.append(Table("table-bridge-differences", "Bridge rows that differ", headers, _rows(rows)))
+        tables.append(Table("table-bridge-differences", "Bridge rows that differ", headers, as_rows(rows)))
     return tables
 
 
@@ -298,7 +244,7 @@ def transplant_tables(t: dict[str, Any]) -> list[Table]:
     )
     tables = [
         Table(
-            f"table-transplant-{slug(ckpt)}", f"Transplant ({ckpt})", _TRANSPLANT_HEADERS, _rows(rows), note
+            f"table-transplant-{slug(ckpt)}", f"Transplant ({ckpt})", _TRANSPLANT_HEADERS, as_rows(rows), note
         )
     ]
     if t.get("sweep") and t["sweep"].get("rows"):
@@ -308,7 +254,7 @@ def transplant_tables(t: dict[str, Any]) -> list[Table]:
 
 def _direction_row(d: dict[str, Any], layers: str, kv: str) -> list[str]:
     n, donor = int(d["n"]), int(d["follows_donor"])
-    ci = _wilson(donor, n, d.get("donor_wilson"))
+    ci = wilson_or_given(donor, n, d.get("donor_wilson"))
     return [
         d["direction"],
         layers,
@@ -333,13 +279,13 @@ def _sweep_tables(sweep: dict[str, Any], ckpt: str) -> list[Table]:
             f"table-sweep-summary-{slug(ckpt)}",
             f"Layer sweep ({ckpt}): smallest band whose K/V makes every continuation follow the donor",
             ("direction", "smallest band"),
-            _rows(summary),
+            as_rows(summary),
         ),
         Table(
             f"table-sweep-{slug(ckpt)}",
             f"Layer sweep ({ckpt}): follows donor per band",
             ("kind", "layers", *directions),
-            _rows(detail),
+            as_rows(detail),
             terminal=False,
         ),
     ]
@@ -352,84 +298,20 @@ def _layers(layers: list[int] | None, n_layers: Any) -> str:
     return f"layers {span} ({len(layers)} of {n_layers})"
 
 
-def _resample_where(e: dict[str, Any]) -> str:
-    return f"{e['checkpoint']} @ {e['precision']}"
-
-
-def _points_ci(d: dict[str, Any] | None) -> str:
-    """'+1.0 [-3.5, +5.5]' in points, or '-'."""
-    if not d or d.get("estimate") is None:
-        return NA
-    return f"{points(d['estimate'])} [{points(d['ci'][0])}, {points(d['ci'][1])}]"
-
-
-def _mean3(xs: list[float]) -> str:
-    return f"{sum(xs) / len(xs):.3f}" if xs else NA
-
-
-def _tv_ci(d: dict[str, Any] | None) -> str:
-    """A difference of TV distances with its CI, three decimals: '+0.012 [-0.004, +0.031]'."""
-    if not d or d.get("estimate") is None:
-        return NA
-    return f"{d['estimate'] + 0.0:+.3f} [{d['ci'][0] + 0.0:+.3f}, {d['ci'][1] + 0.0:+.3f}]"
-
-
-def resample_tables(entries: list[dict[str, Any]]) -> list[Table]:
-    """Coupled draws (shared seeds), then independent answer distributions and the accuracy bias."""
-    first = entries[0]
-    top_k = first["top_k"] or "off"
-    setting = (f"K = {first['k']} draws per state and seed stream, temperature {first['temperature']}, "
-               f"top-p {first['top_p']}, top-k {top_k}, seed {first['seed']}.")
-    coupled = []
-    independent = []
-    for e in entries:
-        c, ind = e["coupled"], e["independent"]
-        coupled.append([_resample_where(e), str(e["n_items"]), k_of_n(c["replica_differ"], c["draws"]),
-                        k_of_n(c["fresh_differ"], c["draws"]), k_of_n(c["answer_differ"], c["draws"])])
-        n = len(ind["p_values"])
-        independent.append([_resample_where(e), _mean3(ind["tv_fresh"]), _mean3(ind["tv_null"]),
-                            _tv_ci(ind["excess_tv"]), f"{ind['rejected_bh']}/{n} ({ind['rejected_bh_null']}/{n})",
-                            _points_ci(e["accuracy_bias"])])
-    fresh = first["construction"]
-    return [
-        Table(
-            "table-resample-coupled",
-            f"Resample, coupled: live vs {fresh}, draw j seeded alike on both sides",
-            ("where", "items", "replica differs", "fresh differs", "answer differs"),
-            tuple(tuple(r) for r in coupled),
-            f"{setting} Counts are over items x K draws. 'replica differs': live vs a live replica, the "
-            "negative control (must be 0). A differing draw is the cache's doing: the seed is shared.",
-        ),
-        Table(
-            "table-resample-independent",
-            f"Resample, independent: answer distributions, live vs {fresh}",
-            ("where", "TV fresh", "TV null", "excess TV [95% CI]", "BH rejects (null)", "acc. bias pts [CI]"),
-            tuple(tuple(r) for r in independent),
-            f"Mean total-variation distance between the answer distributions of live draws (seeds A) and fresh "
-            f"draws (seeds B), and of live against more live draws (seeds C: the null). Excess TV = mean TV "
-            f"fresh - mean TV null, paired bootstrap over items. Per item, {first['independent']['test']} test "
-            f"(exact with two answers, else {first['independent']['monte_carlo_tables']} seeded Monte Carlo "
-            f"tables), Benjamini-Hochberg at FDR {first['independent']['fdr']}. Accuracy bias: per item, "
-            "accuracy of live draws minus fresh draws (what resampling-importance methods compute), mean "
-            "and paired bootstrap CI, in points.",
-        ),
-    ]
-
-
 def audit_tables(audit: dict[str, Any]) -> list[Table]:
     broken = audit.get("broken_records") or []
     mismatches = audit.get("mismatches") or []
     rows = [
         ["items audited", str(audit["items"])],
-        ["trajectory fingerprints reproduced", _kn(audit["trajectories"])],
-        ["comparison fingerprints reproduced", _kn(audit["comparisons"])],
-        ["ledger hash chain intact", _yes(audit["chain_ok"])],
+        ["trajectory fingerprints reproduced", count_of(audit["trajectories"])],
+        ["comparison fingerprints reproduced", count_of(audit["comparisons"])],
+        ["ledger hash chain intact", yes_no(audit["chain_ok"])],
         ["broken ledger records", ", ".join(_record(b) for b in broken) if broken else "none"],
         ["mismatches", str(len(mismatches))],
     ]
-    tables = [Table("table-audit", "Audit: re-executed from the saved ledger", ("", "result"), _rows(rows))]
+    tables = [Table("table-audit", "Audit: re-executed from the saved ledger", ("", "result"), as_rows(rows))]
     if mismatches:
-        detail = _rows([[m["item_id"], m["what"]] for m in mismatches])
+        detail = as_rows([[m["item_id"], m["what"]] for m in mismatches])
         tables.append(Table("table-audit-mismatches", "Audit mismatches", ("item", "what"), detail))
     return tables
 
