@@ -191,22 +191,23 @@ class LM:
     # -- continuation ---------------------------------------------------------------------------------
 
     def continue_from(self, state: BoundaryState, decode_config: DecodeConfig | None = None,
-                      seed: int | None = None) -> Continuation:
+                      seed: int | None = None, keep_steps: bool = True) -> Continuation:
         """Feed the pending token on a clone of the state's cache and decode to EOS or the length limit.
 
         The state is never touched, so many continuations (K sampled draws) can start from one snapshot: each
-        costs a cache copy and its decode steps, never a prefill. `seed` overrides the state's sampling seed.
+        costs a cache copy and its decode steps, never a prefill. `seed` overrides the state's sampling seed;
+        `keep_steps=False` keeps no per-step logits (steps x vocabulary) where no diagnostics will read them.
         """
-        return self._continue(clone_cache(state.cache), state, decode_config or DecodeConfig(), seed)
+        return self._continue(clone_cache(state.cache), state, decode_config or DecodeConfig(), seed, keep_steps)
 
-    def _continue(self, cache: Any, state: BoundaryState, dc: DecodeConfig, seed: int | None = None
-                  ) -> Continuation:
+    def _continue(self, cache: Any, state: BoundaryState, dc: DecodeConfig, seed: int | None = None,
+                  keep_steps: bool = True) -> Continuation:
         past = len(state.prefix) - 1
         logits = self.stepper.forward([state.prefix[-1]], cache, past)
         pick = Sampler(dc, state.seed if seed is None else seed, self.config.device)
-        steps: list[Any] = []
+        steps: list[Any] | None = [] if keep_steps else None
         suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos, steps)
-        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length", tuple(steps))
+        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length", tuple(steps or ()))
 
     # -- helpers --------------------------------------------------------------------------------------
 

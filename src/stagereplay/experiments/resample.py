@@ -108,7 +108,7 @@ def resample_item(lm: LM, job: Job) -> dict[str, Any]:
         cache_fp = state.fingerprint()
         for j in range(cfg.k):
             seed = draw_seed(cfg.seed, item.id, stream, j)
-            cont = lm.continue_from(state, dc, seed)
+            cont = lm.continue_from(state, dc, seed, keep_steps=False)
             text = lm.text([*live.stage1, *cont.suffix])
             arms.append({
                 "name": f"{name}:{stream}{j}", "state": name, "stream": stream, "draw": j, "seed": seed,
