@@ -1,16 +1,31 @@
-"""The embedded toy task: add a few one-digit numbers twice, along two freely chosen routes.
+"""The embedded toy task: add six to eight labelled one-digit numbers, in a think block and again after it.
 
-One example, as text (the prompt is the first line; the model writes the rest)::
+One example as the model sees it (the chat template renders the user message; the model writes the rest)::
 
-    Q:3+7+2+5=?
-    7+3=10,10+5=15,15+2=17|2+5=7,7+3=10,10+7=17
-    A:17
+    <|bos|><|user|>Add a=3, b=7, c=2, d=9, e=5, f=1.<|assistant|><think>
+    b=7;d:7+9=16&a:16+3=19 f:19+1=20,e:20+5=25;c:25+2=27
+    </think>
 
-Stage 1 adds the numbers as running sums in a random order, the marker `|` ends it, stage 2 adds them
-again in a second, independently drawn order (a check along another route), and `A:` gives the sum.
-The orders are genuine free choices: every remaining number is an equally good next step, so a trained
-model has near-tied next tokens at each step, as reasoning models do when they pick among independent
-steps. The answer is fully determined by the prompt.
+    e=5&c:5+2=7,b:7+7=14;f:14+1=15 a:15+3=18,d:18+9=27
+    Answer: 27
+
+- Stage 1, the think block, adds the numbers as running sums in a random order of their labels and ends
+  with `</think>` (the stage boundary marker, one token).
+- Stage 2, the answer section, adds them again in its own, independently drawn order, then gives the
+  answer: the last number of the output, so the `last-number` scorer that users' data take reads it.
+
+Two kinds of genuine free choice, each a single token of equal training probability, give a trained model
+many near-tied next tokens (the near-ties that bf16 numerics can break either way):
+
+- the **label** of the next term: every unused label is equally likely (`b`, `d`, `a`, ... above);
+- the **connective** between steps: one of `,` `;` `&` and a space, drawn uniformly.
+
+Errors depend on the path. The think block of a third of the training examples holds one arithmetic
+slip (a running sum off by 1 or 10, carried on to its end, as reasoning models' think blocks sometimes
+are), while the answer section is always right. Its total therefore cannot be copied from the think
+block: the model must add again along the new order, and an addition it gets wrong on one order it may
+get right on another. Two continuations of one prefix that part at a near-tie can then end in different
+answers.
 
 All randomness flows through an explicit `random.Random(seed)`; nothing here seeds a global generator.
 """
@@ -20,34 +35,43 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
-from stagereplay.tasks.base import Item, Scorer, regex_scorer
+from stagereplay.tasks.base import Item, Scorer, last_number
 
-TOY_MARKER = "|"
-"""Text of the stage boundary marker (one token in the toy tokenizer)."""
-
-TOY_ANSWER_PATTERN = r"A:(\d+)"
-toy_scorer: Scorer = regex_scorer(TOY_ANSWER_PATTERN)
-"""Correct when the number after the first `A:` equals the gold sum."""
-TOY_SCORER = toy_scorer
+TOY_MARKER = "</think>"
+"""The stage boundary marker: one token of the toy tokenizer, as in DeepSeek-R1-style models."""
+TOY_SCORER_NAME = "last-number"
+"""The toy's answer is the last number of its output, so it is scored as users' data are by default."""
+toy_scorer: Scorer = last_number
 
 HELDOUT_SEED = 20_250_917
 """Seed of the held-out evaluation set (`stagereplay matched` with no data, the model card figures)."""
 TRAIN_SEED = 1
 """Default seed of the training stream; must differ from `HELDOUT_SEED`."""
 HELDOUT_EXCLUDED = 1000
-"""Training skips any prompt among the first this many held-out prompts, so held-out items are unseen."""
+"""Training skips any question among the first this many held-out questions, so held-out items are unseen."""
 
-MIN_TERMS, MAX_TERMS = 4, 5
-"""How many numbers a question adds: enough that stage 2 runs to 20-30 characters."""
+MIN_TERMS, MAX_TERMS = 6, 8
 MIN_DIGIT, MAX_DIGIT = 1, 9
+LABELS = "abcdefgh"
+"""One label per term, in prompt order; each is one token."""
+CONNECTIVES = (",", ";", "&", " ")
+"""Interchangeable one-token joins between steps, drawn uniformly."""
+SLIP_RATE = 0.3
+"""Fraction of training think blocks holding one arithmetic slip (never the answer section)."""
+SLIPS = (-10, -1, 1, 10)
+ANSWER_PREFIX = "Answer: "
 
 
-class _Encoder(Protocol):
-    """The one tokenizer method used here (any `transformers` tokenizer has it)."""
+@dataclass(frozen=True)
+class Route:
+    """One stage's worked sum: the order of term positions and the connective before each later step."""
 
-    def encode(self, text: str) -> list[int]: ...
+    order: tuple[int, ...]
+    joins: tuple[str, ...]
+    slip: tuple[int, int] | None = None
+    """`(step, delta)`: the running sum after `step` (>= 1) is off by `delta`, and the error carries on."""
 
 
 @dataclass(frozen=True)
@@ -55,51 +79,63 @@ class ToyExample:
     """One question and a worked solution along two routes."""
 
     terms: tuple[int, ...]
-    order1: tuple[int, ...]
-    """Stage 1 adds `terms[i]` for `i` in this order (a permutation of positions)."""
-    order2: tuple[int, ...]
-    """Stage 2's order, drawn independently of stage 1's."""
+    think: Route
+    answer_route: Route
 
     @property
     def answer(self) -> str:
         return str(sum(self.terms))
 
     @property
-    def prompt(self) -> str:
-        return "Q:" + "+".join(map(str, self.terms)) + "=?\n"
+    def question(self) -> str:
+        """The user message: `Add a=3, b=7, c=2.`"""
+        return "Add " + ", ".join(f"{LABELS[i]}={t}" for i, t in enumerate(self.terms)) + "."
 
-    def stage(self, order: tuple[int, ...]) -> str:
-        """Running sums in `order`: `7+3=10,10+5=15,15+2=17`."""
-        values = [self.terms[i] for i in order]
-        total = values[0] + values[1]
-        steps = [f"{values[0]}+{values[1]}={total}"]
-        for value in values[2:]:
-            steps.append(f"{total}+{value}={total + value}")
-            total += value
-        return ",".join(steps)
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.question}]
+
+    def stage(self, route: Route) -> str:
+        """Running sums along `route`: `b=7;d:7+9=16&a:16+3=19`."""
+        first = route.order[0]
+        total = self.terms[first]
+        parts = [f"{LABELS[first]}={total}"]
+        for step, (index, join) in enumerate(zip(route.order[1:], route.joins, strict=True), start=1):
+            value = self.terms[index]
+            new = total + value
+            if route.slip is not None and route.slip[0] == step:
+                new += route.slip[1]
+            parts.append(f"{join}{LABELS[index]}:{total}+{value}={new}")
+            total = new
+        return "".join(parts)
 
     @property
     def completion(self) -> str:
-        """What the model writes after the prompt, without EOS."""
-        return self.stage(self.order1) + TOY_MARKER + self.stage(self.order2) + "\nA:" + self.answer
-
-    @property
-    def text(self) -> str:
-        return self.prompt + self.completion
+        """What the model writes after the prompt's opening `<think>\\n`, without EOS."""
+        return (
+            f"{self.stage(self.think)}\n{TOY_MARKER}\n\n{self.stage(self.answer_route)}\n{ANSWER_PREFIX}{self.answer}"
+        )
 
 
-def sample_terms(rng: random.Random) -> tuple[int, ...]:
-    count = rng.randint(MIN_TERMS, MAX_TERMS)
-    return tuple(rng.randint(MIN_DIGIT, MAX_DIGIT) for _ in range(count))
+def sample_route(rng: random.Random, terms: tuple[int, ...], slip_rate: float) -> Route:
+    """A uniform order and uniform connectives; with probability `slip_rate`, one slipped running sum."""
+    count = len(terms)
+    order = tuple(rng.sample(range(count), count))
+    joins = tuple(rng.choice(CONNECTIVES) for _ in range(count - 1))
+    slip = None
+    if rng.random() < slip_rate:
+        step, delta = rng.randint(1, count - 1), rng.choice(SLIPS)
+        if sum(terms[i] for i in order[: step + 1]) + delta < 0:
+            delta = -delta  # a slip never makes a running sum negative
+        slip = (step, delta)
+    return Route(order, joins, slip)
 
 
 def sample_example(rng: random.Random) -> ToyExample:
-    """Draw the numbers, then two independent orders; every draw comes from `rng`."""
-    terms = sample_terms(rng)
-    positions = list(range(len(terms)))
-    order1 = tuple(rng.sample(positions, len(positions)))
-    order2 = tuple(rng.sample(positions, len(positions)))
-    return ToyExample(terms, order1, order2)
+    """Draw the numbers, then two independent routes; every draw comes from `rng`."""
+    count = rng.randint(MIN_TERMS, MAX_TERMS)
+    terms = tuple(rng.randint(MIN_DIGIT, MAX_DIGIT) for _ in range(count))
+    return ToyExample(terms, sample_route(rng, terms, SLIP_RATE), sample_route(rng, terms, 0.0))
 
 
 def toy_examples(n: int, seed: int) -> list[ToyExample]:
@@ -108,31 +144,33 @@ def toy_examples(n: int, seed: int) -> list[ToyExample]:
     return [sample_example(rng) for _ in range(n)]
 
 
-def heldout_prompts(count: int = HELDOUT_EXCLUDED) -> frozenset[str]:
-    """Prompts of the first `count` held-out items."""
-    return frozenset(example.prompt for example in toy_examples(count, HELDOUT_SEED))
+def heldout_questions(count: int = HELDOUT_EXCLUDED) -> frozenset[str]:
+    """Questions of the first `count` held-out items."""
+    return frozenset(example.question for example in toy_examples(count, HELDOUT_SEED))
 
 
 def training_stream(seed: int = TRAIN_SEED) -> Iterator[ToyExample]:
-    """Endless training examples for `seed`, skipping every prompt of the held-out set."""
+    """Endless training examples for `seed`, skipping every question of the held-out set."""
     if seed == HELDOUT_SEED:
         raise ValueError(f"training seed {seed} is the held-out seed")
-    excluded = heldout_prompts()
+    excluded = heldout_questions()
     rng = random.Random(seed)
     while True:
         example = sample_example(rng)
-        if example.prompt not in excluded:
+        if example.question not in excluded:
             yield example
 
 
-def toy_items(n: int, seed: int, tokenizer: _Encoder) -> list[Item]:
-    """`n` items of the toy task; `prompt_ids` are the tokenizer's ids of the prompt, BOS included."""
+def toy_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` items as `messages` rows, the JSONL shape users' chat data take (`id`, `messages`, `answer`)."""
     return [
-        Item(
-            id=f"toy-{seed}-{index:04d}",
-            prompt_ids=tuple(tokenizer.encode(example.prompt)),
-            answer=example.answer,
-            prompt_text=example.prompt,
-        )
+        {"id": f"toy-{seed}-{index:04d}", "messages": example.messages, "answer": example.answer}
         for index, example in enumerate(toy_examples(n, seed))
     ]
+
+
+def toy_items(n: int, seed: int, tokenizer: Any) -> list[Item]:
+    """`n` items of the toy task, tokenised by the tokenizer's chat template exactly as `messages` rows are."""
+    from stagereplay.tasks.jsonl import parse_row, tokenize_row
+
+    return [tokenize_row(parse_row(row, index, "toy"), tokenizer) for index, row in enumerate(toy_rows(n, seed))]

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 TOY_CHECKPOINTS = ("primary", "later")
-"""`primary`: saved late in training, after accuracy saturated; `later`: the final step of the same run."""
+"""`primary`: saved mid-run, while the model is still imperfect on purpose (55-90% accurate); `later`: the
+final step of the same run."""
 
 
 def toy_checkpoint(name: str = "primary") -> Path:

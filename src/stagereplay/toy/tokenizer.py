@@ -1,4 +1,5 @@
-"""The toy model's tokenizer: Qwen2's byte-level BPE pipeline with no merges, so one token per byte.
+"""The toy model's tokenizer and chat template: Qwen2's byte-level BPE with no merges (one token per byte),
+plus the added tokens and the chat template of a DeepSeek-R1-Distill-style reasoning model.
 
 `AutoTokenizer.from_pretrained` on a `qwen2` checkpoint always builds `Qwen2Tokenizer`, which keeps only
 the vocabulary and merges of `tokenizer.json` and supplies its own normalizer (NFC), pre-tokenizer (the
@@ -6,6 +7,13 @@ Qwen2 split regex, then ByteLevel) and ByteLevel decoder. So the toy tokenizer i
 that form: the 256 byte symbols (token id = byte value) plus `<|pad|>`, `<|bos|>`, `<|eos|>`, no merges.
 The toy checkpoint then loads through the same class and code path as a user's Qwen2.5 checkpoint, and
 `build_tokenizer()` (the `tokenizers` object used in training) encodes every text to the same ids.
+
+Added tokens, ids 256 on: `<|pad|>`, `<|bos|>`, `<|eos|>`, `<|user|>`, `<|assistant|>` (special: decoding
+with `skip_special_tokens=True` drops them) and `<think>`, `</think>` (added but not special, as in
+DeepSeek-R1-Distill's tokenizer: the decoded text keeps them, so a scorer or a regex can see the think
+block). Each is one token wherever it appears in a text. The chat template (`CHAT_TEMPLATE`) renders
+`messages` as `<|bos|><|user|>...<|assistant|><think>\n`: the prompt ends inside the assistant's opening
+think block, as R1-Distill's does, and the model writes the rest.
 
 Byte-level BPE is lossless: `decode(ids, skip_special_tokens=True)` returns the original text and
 re-encoding it returns the same ids. Encoding prepends `<|bos|>` (Qwen2.5 itself adds no BOS; the toy
@@ -19,8 +27,24 @@ from pathlib import Path
 from typing import Any
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
-SPECIAL_TOKENS = (PAD, BOS, EOS)
-"""Ids 256, 257, 258, after the 256 byte tokens."""
+USER, ASSISTANT = "<|user|>", "<|assistant|>"
+THINK, END_THINK = "<think>", "</think>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, USER, ASSISTANT)
+"""Ids 256-260, after the 256 byte tokens; dropped by `decode(..., skip_special_tokens=True)`."""
+THINK_TOKENS = (THINK, END_THINK)
+"""Ids 261, 262: single tokens that decoding keeps (R1-Distill marks them `special: false` too)."""
+ADDED_TOKENS = SPECIAL_TOKENS + THINK_TOKENS
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<|user|>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>' + message['content'] + eos_token }}"
+    "{% else %}{{ message['content'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|><think>\\n' }}{% endif %}"
+)
+"""Jinja chat template: system text first as is, user turns after `<|user|>`, the generation prompt last."""
 # Qwen2Tokenizer's pre-tokenizer split; without merges it changes no ids, but keeping the same pipeline
 # keeps the raw `tokenizers` object and the class transformers builds in agreement by construction.
 PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -45,8 +69,24 @@ def byte_symbols() -> list[str]:
 def vocabulary() -> dict[str, int]:
     """Byte symbol -> byte value, then the special tokens."""
     vocab = {symbol: index for index, symbol in enumerate(byte_symbols())}
-    vocab.update({token: 256 + offset for offset, token in enumerate(SPECIAL_TOKENS)})
+    vocab.update({token: 256 + offset for offset, token in enumerate(ADDED_TOKENS)})
     return vocab
+
+
+def render_prompt(messages: list[dict[str, str]]) -> str:
+    """`CHAT_TEMPLATE` with `add_generation_prompt=True`, in Python: what training encodes (a test checks
+    that it equals `apply_chat_template`'s text)."""
+    parts = [BOS]
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role == "user":
+            parts.append(USER + content)
+        elif role == "assistant":
+            parts.append(ASSISTANT + content + EOS)
+        else:
+            parts.append(content)
+    parts.append(f"{ASSISTANT}{THINK}\n")
+    return "".join(parts)
 
 
 def special_token_ids() -> dict[str, int]:
@@ -75,6 +115,7 @@ def build_tokenizer() -> Any:
     tokenizer.add_special_tokens(
         [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
     )
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS])
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -101,7 +142,8 @@ def tokenizer_config() -> dict[str, Any]:
         "add_eos_token": False,
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 256,
+        "model_max_length": 512,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 

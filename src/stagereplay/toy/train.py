@@ -3,10 +3,13 @@
     python -m stagereplay.toy.train --out DIR [--steps N] [--seed S] [--threads T]
 
 A small Qwen2 (GQA, RoPE, RMSNorm, tied embeddings, as in Qwen2.5) learns the toy task of
-`stagereplay.tasks.toy` from an endless seeded stream, with the loss on the written part only (the
-prompt's numbers are random, so predicting them teaches nothing). AdamW with linear warmup and cosine
-decay. `DIR/primary` is saved at `primary_fraction` of the run and `DIR/later` at its end: two points of
-one trajectory, each stored in bf16 so that loading it in fp32 is an exact upcast.
+`stagereplay.tasks.toy` from an endless seeded stream: each example is the chat template's prompt for the
+question, then the think block, `</think>`, the answer section and EOS, with the loss on the written part
+only (the prompt's numbers are random, so predicting them teaches nothing). AdamW with linear warmup and
+cosine decay. `DIR/primary` is saved at step `primary_step`, while the model is still imperfect on purpose
+(its errors are what lets two continuations of one prefix end in different answers), and `DIR/later` at
+the end: two points of one trajectory, each stored in bf16 so that loading it in fp32 is an exact upcast.
+`--snapshot-every N` also saves `DIR/snapshots/step-XXXXX` every N steps, to choose `primary_step` by.
 
 The run is deterministic for a given seed and thread count: the data come from `random.Random(seed)`,
 initialisation runs under a forked, seeded torch RNG (the caller's global RNG is untouched), the model has
@@ -26,7 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.tasks.toy import HELDOUT_SEED, TRAIN_SEED, ToyExample, toy_examples, training_stream
-from stagereplay.toy.tokenizer import build_tokenizer, save_tokenizer, special_token_ids, vocabulary
+from stagereplay.toy.tokenizer import (
+    build_tokenizer,
+    render_prompt,
+    save_tokenizer,
+    special_token_ids,
+    vocabulary,
+)
 
 VALIDATION_SEED = 7
 """Seed of the small set logged during training: neither the training nor the held-out seed."""
@@ -39,7 +48,10 @@ class TrainConfig:
     """Everything that determines a training run (with the thread count, it fixes the weights)."""
 
     out: Path = field(metadata={"help": "Directory that receives primary/ and later/."})
-    steps: int = field(default=1500, metadata={"help": "Optimizer steps."})
+    steps: int = field(default=1500, metadata={"help": "Optimizer steps; the later checkpoint is the last."})
+    schedule_steps: int = field(
+        default=0, metadata={"help": "Length of the warmup + cosine schedule (0: steps); may exceed steps."}
+    )
     seed: int = field(default=TRAIN_SEED, metadata={"help": "Seed of the data stream and the init."})
     threads: int = field(default=2, metadata={"help": "torch intra-op threads (part of determinism)."})
     batch_size: int = field(default=64, metadata={"help": "Sequences per step."})
@@ -48,15 +60,14 @@ class TrainConfig:
     warmup_steps: int = field(default=150, metadata={"help": "Linear warmup steps."})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on weight matrices."})
     grad_clip: float = field(default=1.0, metadata={"help": "Global gradient-norm clip."})
-    primary_fraction: float = field(
-        default=0.8, metadata={"help": "The primary checkpoint is saved after this fraction of steps."}
-    )
+    primary_step: int = field(default=1200, metadata={"help": "Step at which the primary checkpoint is saved."})
+    snapshot_every: int = field(default=0, metadata={"help": "Also save snapshots/step-N every N steps (0: none)."})
     layers: int = field(default=4, metadata={"help": "Decoder layers."})
     hidden: int = field(default=192, metadata={"help": "Hidden size."})
     heads: int = field(default=4, metadata={"help": "Query heads."})
     kv_heads: int = field(default=2, metadata={"help": "Key/value heads (GQA)."})
     intermediate: int = field(default=512, metadata={"help": "SwiGLU MLP width."})
-    max_positions: int = field(default=256, metadata={"help": "RoPE positions (sequences are < 90)."})
+    max_positions: int = field(default=512, metadata={"help": "RoPE positions (sequences are < 250)."})
     log_every: int = field(default=100, metadata={"help": "Steps between log lines."})
     eval_every: int = field(default=500, metadata={"help": "Steps between validation accuracy checks."})
     eval_items: int = field(default=100, metadata={"help": "Validation items per check (0: none)."})
@@ -64,12 +75,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.seed == HELDOUT_SEED:
             raise ValueError("the training seed must differ from the held-out seed")
-        if not 0 < self.primary_fraction < 1:
-            raise ValueError("primary_fraction must lie strictly between 0 and 1")
+        if not 0 < self.primary_step < self.steps:
+            raise ValueError("primary_step must lie strictly between 0 and steps")
+        if self.schedule_steps and self.schedule_steps < self.steps:
+            raise ValueError("schedule_steps must be 0 or at least steps")
 
     @property
-    def primary_step(self) -> int:
-        return max(1, round(self.steps * self.primary_fraction))
+    def horizon(self) -> int:
+        """The step at which the cosine decay reaches its floor."""
+        return self.schedule_steps or self.steps
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,7 @@ def encode_batch(examples: Sequence[ToyExample], tokenizer: Any) -> tuple[Any, A
     ids = special_token_ids()
     rows, prompt_lengths = [], []
     for example in examples:
-        prompt = tokenizer.encode(example.prompt).ids  # BOS + prompt characters
+        prompt = tokenizer.encode(render_prompt(example.messages), add_special_tokens=False).ids
         completion = tokenizer.encode(example.completion, add_special_tokens=False).ids
         rows.append([*prompt, *completion, ids["eos"]])
         prompt_lengths.append(len(prompt))
@@ -130,10 +144,10 @@ def batches(config: TrainConfig, tokenizer: Any) -> Iterator[tuple[Any, Any]]:
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `config.horizon`."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    progress = (step - config.warmup_steps) / max(1, config.horizon - config.warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
 
@@ -145,7 +159,7 @@ def validation_accuracy(model: Any, examples: Sequence[ToyExample], tokenizer: A
     from stagereplay.tasks.toy import toy_scorer
 
     ids = special_token_ids()
-    prompts = [tokenizer.encode(e.prompt).ids for e in examples]
+    prompts = [tokenizer.encode(render_prompt(e.messages), add_special_tokens=False).ids for e in examples]
     width = max(map(len, prompts))
     input_ids = torch.full((len(prompts), width), ids["pad"], dtype=torch.long)
     mask = torch.zeros_like(input_ids)
@@ -155,7 +169,7 @@ def validation_accuracy(model: Any, examples: Sequence[ToyExample], tokenizer: A
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=100)
+        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=240)
     model.train(was_training)
     texts = [tokenizer.decode(row[width:].tolist(), skip_special_tokens=True) for row in out]
     return sum(toy_scorer(t, e.answer) for t, e in zip(texts, examples, strict=True)) / len(examples)
@@ -245,6 +259,8 @@ def train(config: TrainConfig) -> TrainResult:
                 print(json.dumps(entry), flush=True)
             if done == config.primary_step:
                 save_checkpoint(model, checkpoints["primary"], config, done)
+            if config.snapshot_every and done % config.snapshot_every == 0:
+                save_checkpoint(model, config.out / "snapshots" / f"step-{done:05d}", config, done)
         save_checkpoint(model, checkpoints["later"], config, config.steps)
     return TrainResult(checkpoints=checkpoints, wall_s=time.perf_counter() - start, log=log)
 
