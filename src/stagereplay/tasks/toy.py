@@ -20,12 +20,12 @@ many near-tied next tokens (the near-ties that bf16 numerics can break either wa
 - the **label** of the next term: every unused label is equally likely (`b`, `d`, `a`, ... above);
 - the **connective** between steps: one of `,` `;` `&` and a space, drawn uniformly.
 
-Errors depend on the path. The think block of a third of the training examples holds one arithmetic
-slip (a running sum off by 1 or 10, carried on to its end, as reasoning models' think blocks sometimes
-are), while the answer section is always right. Its total therefore cannot be copied from the think
-block: the model must add again along the new order, and an addition it gets wrong on one order it may
-get right on another. Two continuations of one prefix that part at a near-tie can then end in different
-answers.
+Errors are meant to depend on the path. The think block of 30% of the training examples holds one
+arithmetic slip (a running sum off by 1 or 10, carried on to its end, as reasoning models' think blocks
+sometimes are), while the answer section is always right, so copying the think block's route or total is
+wrong on those examples: the data reward adding again along the new order, where an addition got wrong on
+one order may come out right on another. (How far a trained checkpoint follows this is measured in the
+model card.)
 
 All randomness flows through an explicit `random.Random(seed)`; nothing here seeds a global generator.
 """
