@@ -161,11 +161,11 @@ def test_the_independent_test_has_power_on_states_built_to_differ():
     lm = load(str(toy_checkpoint("primary")), precision="bf16")
     items = load_items(DataConfig(n=8), lm.tokenizer)[0]
     a, b = next((x, y) for x in items for y in items if x.answer != y.answer)
-    answer_of = answer_extractor("toy")
-    dc = DecodeConfig(max_new_tokens=64, sample=True, **SAMPLING)
+    answer_of = answer_extractor("last-number")
+    dc = DecodeConfig(max_new_tokens=128, sample=True, **SAMPLING)
 
     def answers(item):
-        state = lm.live(item, Marker("|"), DecodeConfig(max_new_tokens=64), keep_going=False)
+        state = lm.live(item, Marker("</think>"), DecodeConfig(max_new_tokens=128), keep_going=False)
         return [answer_of(lm.text([*state.stage1, *lm.continue_from(state, dc, seed=j).suffix])) for j in range(12)]
 
     live_a, other = answers(a), answers(b)

@@ -21,8 +21,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
-from stagereplay.tasks.base import last_number, scorer_by_name
+from stagereplay.tasks.base import last_number
 from stagereplay.tasks.jsonl import parse_row, tokenize_row
+from stagereplay.tasks.scoring import scorer_by_name
 from stagereplay.tasks.toy import (
     ANSWER_PREFIX,
     CONNECTIVES,
@@ -137,9 +138,9 @@ def test_heldout_is_disjoint_from_training() -> None:
 
 def test_scorer_reads_the_answer_line() -> None:
     assert scorer_by_name(TOY_SCORER_NAME) is toy_scorer
-    text = "a=3;b:3+4=7\n</think>\n\nb=4,a:4+3=7\nAnswer: 7"
-    assert toy_scorer(text, "7")
-    assert not toy_scorer(text.replace("Answer: 7", "Answer: 8"), "7")
+    text = "a=31;b:31+46=77\n</think>\n\nb=46,a:46+31=77\nAnswer: 77"
+    assert toy_scorer(text, "77")
+    assert not toy_scorer(text.replace("Answer: 77", "Answer: 78"), "77")
 
 
 @pytest.mark.parametrize("loaded", ["saved", "packaged"])
@@ -228,7 +229,7 @@ def greedy(name: str, n: int) -> tuple[str, ...]:
         for item in toy_items(n, HELDOUT_SEED, tokenizer):
             prompt = torch.tensor([item.prompt_ids])
             out = model.generate(
-                prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=256
+                prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=320
             )
             outputs.append(tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True))
     return tuple(outputs)
@@ -247,7 +248,7 @@ def test_checkpoints_are_small_bf16_qwen2() -> None:
         generation = json.loads((directory / "generation_config.json").read_text())
         assert generation["eos_token_id"] == special_token_ids()["eos"]
         assert isinstance(load(name), Qwen2ForCausalLM)
-        # room for the prompt, the default 256 stage-1 and 128 suffix tokens
+        # room for a 64-token prompt, a 256-token think block and the default 128-token suffix budget
         assert config["max_position_embeddings"] >= 64 + 256 + 128
         total += (directory / "model.safetensors").stat().st_size
     assert total <= 20_000_000
@@ -296,3 +297,50 @@ def test_training_is_deterministic_and_saves_loadable_checkpoints(tmp_path: Path
     assert tokenizer.eos_token_id == special_token_ids()["eos"]
     assert tokenizer.apply_chat_template([{"role": "user", "content": "Add a=1, b=2."}],
                                          add_generation_prompt=True, tokenize=False).endswith("<think>\n")
+
+
+def _item_records(run: Path) -> list[dict[str, Any]]:
+    records = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in ("item_id", "payload")} for r in records if r["kind"] == "item"]
+
+
+def test_default_run_takes_a_reasoning_models_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no arguments `matched` runs the toy as a user's R1 model runs: `messages` rows through the chat
+    template, `</think>` defaulted from the tokenizer, the `last-number` scorer and the generic stage-1
+    budget; and `--data` of the file `stagereplay toy items` writes is the same run, with the same data hash."""
+    from typer.testing import CliRunner
+
+    from stagereplay.cli import app
+
+    runner = CliRunner()
+    common = ["--n", "2", "--workers", "1", "--quiet"]
+    default = runner.invoke(app, ["matched", *common, "--out", str(tmp_path / "default")])
+    assert default.exit_code == 0, default.output
+    config = json.loads((tmp_path / "default" / "manifest.json").read_text())["config"]
+    stage1 = config["stage1"]
+    assert (stage1["rule"], stage1["rule_source"], stage1["match"]) == (f"marker:{TOY_MARKER}", "default", "token")
+    assert stage1["budget_source"] == "default"
+    assert stage1["budget"] == stage1["context"] - stage1["longest_prompt"] - stage1["suffix_budget"]
+    assert config["settings"]["scorer"] == "last-number"
+
+    items = tmp_path / "items.jsonl"
+    written = runner.invoke(app, ["toy", "items", "--n", "2", "--out", str(items)])
+    assert written.exit_code == 0, written.output
+    again = runner.invoke(app, ["toy", "items", "--n", "2", "--out", str(items)])
+    assert again.exit_code != 0 and "already exists" in again.output
+    from_file = runner.invoke(app, ["matched", "--data", str(items), *common, "--out", str(tmp_path / "file")])
+    assert from_file.exit_code == 0, from_file.output
+    file_config = json.loads((tmp_path / "file" / "manifest.json").read_text())["config"]
+    assert file_config["dataset_hash"] == config["dataset_hash"]
+    assert file_config["stage1"] == stage1 and file_config["settings"] == config["settings"]
+    assert _item_records(tmp_path / "file") == _item_records(tmp_path / "default")
+
+    # Without a model, the audit checks the toy's items by the same hash: other rows are another dataset.
+    from stagereplay.experiments.verify import dataset_findings
+    from stagereplay.tasks import toy
+
+    manifest = json.loads((tmp_path / "default" / "manifest.json").read_text())
+    assert dataset_findings(manifest) == []
+    real = toy.toy_jsonl
+    monkeypatch.setattr(toy, "toy_jsonl", lambda n, seed: real(n, seed + 1))
+    assert [f["what"] for f in dataset_findings(manifest) if "dataset_hash differs" in f["what"]]

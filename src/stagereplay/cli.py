@@ -70,7 +70,7 @@ After = Annotated[int | None, typer.Option("--boundary-after", help="stage 1 is 
 Scorer = Annotated[str | None, typer.Option("--scorer", help="last-number | exact | regex:PATTERN")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="suffix length limit")]
 MaxStage1 = Annotated[int | None, typer.Option("--max-stage1-tokens", help=(
-    "tokens allowed to reach the boundary (default: 8192 or what the context leaves; the toy: 256)"))]
+    "tokens allowed to reach the boundary (default: 8192 or what the context leaves)"))]
 Sample = Annotated[bool, typer.Option("--sample/--greedy", help="seeded sampling instead of greedy")]
 Temperature = Annotated[float, typer.Option("--temperature")]
 TopK = Annotated[int, typer.Option("--top-k", help="sample from the top k tokens only (0 = all)")]
@@ -404,6 +404,27 @@ def toy_train(
                 raise StageReplayError(f"{name} must be at least 1, got {value}", f"pass a positive {name}")
         changes = {k: v for k, v in {"steps": steps, "seed": seed, "threads": threads}.items() if v is not None}
         train(replace(TrainConfig(out=out), **changes))  # type: ignore[arg-type]  # only int fields are replaced
+
+    _run(go)
+
+
+@toy_app.command("items")
+def toy_items_command(
+    out: Annotated[Path, typer.Option("--out", help="JSONL file to write (refused if it exists)")],
+    n: Annotated[int, typer.Option("--n", help="held-out items")] = 200,
+) -> None:
+    """Write the toy's held-out items as `messages` JSONL: `--data` of this file runs exactly the default items."""
+
+    def go() -> None:
+        from stagereplay.records.ledger import atomic_write
+        from stagereplay.tasks.toy import HELDOUT_SEED, toy_jsonl
+
+        if n < 1:
+            raise StageReplayError(f"--n must be at least 1, got {n}", "pass a positive --n")
+        if out.exists():
+            raise StageReplayError(f"{out} already exists", "pass a new --out path")
+        atomic_write(out, toy_jsonl(n, HELDOUT_SEED))
+        typer.echo(f"wrote {n} toy items to {out}")
 
     _run(go)
 

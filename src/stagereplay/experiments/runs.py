@@ -34,42 +34,28 @@ class Source:
     settings: ReplaySettings
     stage1: dict[str, Any] = field(default_factory=dict)  # what `prepare` resolved: rule, budgets, RoPE
 
-    @property
-    def toy(self) -> bool:
-        return bool(self.stage1.get("toy"))
-
-
-TOY_STAGE1_TOKENS = 256
-"""The embedded toy's default stage-1 budget, in place of 8192 (its think blocks are tens of tokens)."""
-
 
 def resolve_source(model: str | None, data: str | None, n: int | None, boundary: BoundaryRule | None,
                    scorer: str | None, decode: DecodeConfig, precision: str, device: str, threads: int,
                    attn_impl: str, checkpoint: str = "primary") -> Source:
-    """Fill in the embedded toy defaults: its checkpoint, held-out items, marker, scorer and stage-1 budget.
+    """Fill in the embedded toy's checkpoint and held-out items when no model or data is given.
 
-    A user's data without a boundary rule leaves the rule empty, for `prepare` to default from the tokenizer.
+    Nothing else is special to the toy: with no boundary rule the rule is left empty for `prepare` to default
+    from the tokenizer (`</think>` for a reasoning model's, the toy's included), and the scorer defaults to
+    `last-number`, so the toy takes the path a user's reasoning model takes.
     """
-    toy = model is None
     if model is None:
         from stagereplay.toy import toy_checkpoint
 
         model = str(toy_checkpoint(checkpoint))
-    if data is None and boundary is None:
-        from stagereplay.tasks.toy import TOY_MARKER
-
-        rule = f"marker:{TOY_MARKER}"
-    elif boundary is None:
-        rule = ""  # `prepare` picks `</think>` for a reasoning model's tokenizer, or refuses
-    else:
-        rule = boundary.describe()
+    rule = "" if boundary is None else boundary.describe()
     if scorer is None:
-        scorer = "toy" if data is None else "last-number"
+        scorer = "last-number"
     config = ModelConfig(path=str(Path(model).resolve()), precision=precision, device=device, threads=threads,
                          attn_impl=attn_impl)
     check_model_dir(config.path)
     return Source(config, DataConfig(path=str(Path(data).resolve()) if data else None, n=n),
-                  ReplaySettings(boundary=rule, decode=decode, scorer=scorer), {"toy": toy})
+                  ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
 
 
 def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Item], str, dict[str, Any]]:
@@ -127,8 +113,7 @@ def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -
     longest = max(len(i.prompt_ids) for i in items)
     dc = settings.decode
     given = dc.max_stage1_tokens is not None
-    cap = TOY_STAGE1_TOKENS if source.toy else STAGE1_BUDGET
-    budget = check_budgets(longest, dc.max_stage1_tokens, dc.max_new_tokens, context, cap)
+    budget = check_budgets(longest, dc.max_stage1_tokens, dc.max_new_tokens, context, STAGE1_BUDGET)
     settings = replace(settings, decode=replace(dc, max_stage1_tokens=budget))
     rope = rope_scaling(config)
     sequence = longest + budget + dc.max_new_tokens
@@ -136,7 +121,7 @@ def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -
         warnings.warn(f"RoPE scaling {rope.type!r} changes its frequencies past {rope.original_context} positions "
                       f"and a sequence here may reach {sequence}: live and one-shot can then differ by algorithm, "
                       "not rounding (recorded in the manifest)", stacklevel=2)
-    budget_source = "given" if given else "toy default" if source.toy else "default"
+    budget_source = "given" if given else "default"
     stage1 = {**source.stage1, "rule": settings.boundary, "rule_source": "default" if defaulted else "given",
               "match": match, "budget": budget, "budget_source": budget_source, "suffix_budget": dc.max_new_tokens,
               "longest_prompt": longest, "context": context, "rope": rope.as_dict(sequence)}
@@ -176,7 +161,7 @@ def new_manifest(command: str, config: dict[str, Any], source: Source, items: li
             "dataset_hash": data_hash,
             "item_ids": [i.id for i in items],
             "model_hashes": {name: model_hashes(path) for name, path in models.items()},
-            "stage1": {k: v for k, v in source.stage1.items() if k != "toy"},
+            "stage1": source.stage1,
         },
         "environment": environment(source.model.device, determinism),
         "stages": {},

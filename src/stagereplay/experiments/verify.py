@@ -13,6 +13,7 @@ A finding is {item_id, what}, naming the stage and field; a chain break is {seq,
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -95,26 +96,30 @@ def _guarded(item: str, where: str, check: Callable[[], list[dict[str, str]]]) -
 
 
 def dataset_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
-    """The item ids are what the dataset gives: a JSONL file's ids (first `n`, this shard's), read without a
-    model when the file is at its path, and its hash; the toy task's count. The re-executing audit checks the
-    toy's ids themselves."""
+    """The item ids are what the dataset gives, and the dataset is the run's (its hash), read without a model:
+    a JSONL file's ids (first `n`, this shard's) when the file is at its path; the toy task's rows, which are
+    generated (`tasks.toy.toy_jsonl`) and hashed as a file's bytes are."""
     config = manifest.get("config", {})
     data, ids = config.get("data", {}), list(config.get("item_ids", []))
     shard = parse_shard(config.get("shard"))
-    if data.get("path") is None:
-        n = data.get("n") or 200
-        expected_n = len(shard_items(list(range(n)), shard))
-        if len(ids) != expected_n:
-            return [{"item_id": "", "what": f"config.item_ids holds {len(ids)} ids, the toy task's n gives {expected_n}"}]
-        return []
-    path = Path(data["path"])
-    if not path.is_file():
-        return []  # a location only; the full audit reads the data where it is given
     findings = []
-    if file_sha256(path) != config.get("dataset_hash"):
-        findings.append({"item_id": "", "what": f"the data at {path} is not the run's dataset (dataset_hash differs)"})
-    rows = [r.id for r in read_rows(path)]
-    want = shard_items(rows[: data.get("n") or len(rows)], shard)
+    if data.get("path") is None:
+        from stagereplay.tasks.toy import HELDOUT_SEED, toy_jsonl
+
+        text = toy_jsonl(data.get("n") or 200, HELDOUT_SEED)
+        if hashlib.sha256(text.encode()).hexdigest() != config.get("dataset_hash"):
+            findings.append({"item_id": "", "what": "the toy task's items are not the run's dataset "
+                                                    "(dataset_hash differs)"})
+        want = shard_items([json.loads(line)["id"] for line in text.splitlines()], shard)
+    else:
+        path = Path(data["path"])
+        if not path.is_file():
+            return []  # a location only; the full audit reads the data where it is given
+        if file_sha256(path) != config.get("dataset_hash"):
+            findings.append({"item_id": "", "what": f"the data at {path} is not the run's dataset "
+                                                    "(dataset_hash differs)"})
+        rows = [r.id for r in read_rows(path)]
+        want = shard_items(rows[: data.get("n") or len(rows)], shard)
     findings += [{"item_id": i, "what": "config.item_ids lacks an item of the dataset"} for i in want if i not in ids]
     findings += [{"item_id": i, "what": "config.item_ids holds an item the dataset lacks"} for i in ids if i not in want]
     return findings

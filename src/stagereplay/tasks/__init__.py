@@ -28,13 +28,15 @@ class DataConfig:
 
 
 def load_items(config: DataConfig, tokenizer: Any) -> tuple[list[Item], str]:
-    """The items to run and a hash of their source (file bytes, or the toy generator's identity)."""
+    """The items to run and the SHA-256 of their JSONL: the file's bytes, or the toy rows' (`toy_jsonl`)."""
     if config.path is None:
-        from stagereplay.tasks.toy import HELDOUT_SEED, toy_items
+        import hashlib
+
+        from stagereplay.tasks.toy import HELDOUT_SEED, toy_items, toy_jsonl
 
         n = config.n or 200
         items = toy_items(n, HELDOUT_SEED, tokenizer)
-        return items, f"toy:{HELDOUT_SEED}:{n}"
+        return items, hashlib.sha256(toy_jsonl(n, HELDOUT_SEED).encode()).hexdigest()
     path = Path(config.path)
     rows = read_rows(path)
     if config.n is not None and config.n > len(rows):

@@ -1,13 +1,13 @@
-"""The embedded toy task: add six to eight labelled one-digit numbers, in a think block and again after it.
+"""The embedded toy task: add six to eight labelled two-digit numbers, in a think block and again after it.
 
 One example as the model sees it (the chat template renders the user message; the model writes the rest)::
 
-    <|bos|><|user|>Add a=3, b=7, c=2, d=9, e=5, f=1.<|assistant|><think>
-    b=7;d:7+9=16&a:16+3=19 f:19+1=20,e:20+5=25;c:25+2=27
+    <|bos|><|user|>Add a=25, b=18, c=42, d=25, e=73, f=67.<|assistant|><think>
+    d=25 f:25+67=92 b:92+18=110,a:110+25=135 e:135+73=208&c:208+42=250
     </think>
 
-    e=5&c:5+2=7,b:7+7=14;f:14+1=15 a:15+3=18,d:18+9=27
-    Answer: 27
+    b=18,e:18+73=91,a:91+25=116 f:116+67=183;d:183+25=208 c:208+42=250
+    Answer: 250
 
 - Stage 1, the think block, adds the numbers as running sums in a random order of their labels and ends
   with `</think>` (the stage boundary marker, one token).
@@ -20,18 +20,21 @@ many near-tied next tokens (the near-ties that bf16 numerics can break either wa
 - the **label** of the next term: every unused label is equally likely (`b`, `d`, `a`, ... above);
 - the **connective** between steps: one of `,` `;` `&` and a space, drawn uniformly.
 
-Errors are meant to depend on the path. The think block of 30% of the training examples holds one
-arithmetic slip (a running sum off by 1 or 10, carried on to its end, as reasoning models' think blocks
-sometimes are), while the answer section is always right, so copying the think block's route or total is
-wrong on those examples: the data reward adding again along the new order, where an addition got wrong on
-one order may come out right on another. (How far a trained checkpoint follows this is measured in the
-model card.)
+Errors are meant to depend on the path. Each step adds a two-digit term to a running sum of up to three
+digits, written most significant digit first, so a small model's mistakes are carries it gets wrong; which
+carries a route meets depends on its order (the running sums differ), so an addition got wrong on one route
+may come out right on another. The think block of 30% of the training examples holds one arithmetic slip (a
+running sum off by 1 or 10, carried on to its end, as reasoning models' think blocks sometimes are), while
+the answer section is always right, so copying the think block's route or total is wrong on those examples:
+the data reward adding again along the new order. (How far a trained checkpoint follows this is measured in
+the model card.)
 
 All randomness flows through an explicit `random.Random(seed)`; nothing here seeds a global generator.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,7 +56,7 @@ HELDOUT_EXCLUDED = 1000
 """Training skips any question among the first this many held-out questions, so held-out items are unseen."""
 
 MIN_TERMS, MAX_TERMS = 6, 8
-MIN_DIGIT, MAX_DIGIT = 1, 9
+MIN_VALUE, MAX_VALUE = 10, 99
 LABELS = "abcdefgh"
 """One label per term, in prompt order; each is one token."""
 CONNECTIVES = (",", ";", "&", " ")
@@ -134,7 +137,7 @@ def sample_route(rng: random.Random, terms: tuple[int, ...], slip_rate: float) -
 def sample_example(rng: random.Random) -> ToyExample:
     """Draw the numbers, then two independent routes; every draw comes from `rng`."""
     count = rng.randint(MIN_TERMS, MAX_TERMS)
-    terms = tuple(rng.randint(MIN_DIGIT, MAX_DIGIT) for _ in range(count))
+    terms = tuple(rng.randint(MIN_VALUE, MAX_VALUE) for _ in range(count))
     return ToyExample(terms, sample_route(rng, terms, SLIP_RATE), sample_route(rng, terms, 0.0))
 
 
@@ -167,6 +170,12 @@ def toy_rows(n: int, seed: int) -> list[dict[str, Any]]:
         {"id": f"toy-{seed}-{index:04d}", "messages": example.messages, "answer": example.answer}
         for index, example in enumerate(toy_examples(n, seed))
     ]
+
+
+def toy_jsonl(n: int, seed: int) -> str:
+    """The rows of `toy_rows` as JSONL text: the bytes whose SHA-256 is a toy run's data hash, so a file holding
+    this text (`stagereplay toy items`) run with `--data` gives the same items and the same hash."""
+    return "".join(json.dumps(row) + "\n" for row in toy_rows(n, seed))
 
 
 def toy_items(n: int, seed: int, tokenizer: Any) -> list[Item]:

@@ -11,13 +11,12 @@ A **choice point** is a greedy step where the training data hold several single-
 equal probability (`stagereplay.tasks.toy`): the label of the next term (every unused label) and the
 connective between steps (four). At each one the top-1 minus top-2 logit gap is recorded; a gap under
 `NEAR_TIE` is a near-tie, small enough for bf16 rounding to break either way. `--write-items` also writes
-the rows as JSONL for `stagereplay matched --data FILE --boundary-marker "</think>"`.
+the rows as JSONL (as `stagereplay toy items` does), for `stagereplay matched --data FILE`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -31,14 +30,14 @@ from stagereplay.tasks.toy import (
     LABELS,
     TOY_MARKER,
     toy_items,
-    toy_rows,
+    toy_jsonl,
     toy_scorer,
 )
 from stagereplay.toy import TOY_CHECKPOINTS, toy_checkpoint
 
 PRECISIONS = ("fp32", "bf16")
-MAX_NEW_TOKENS = 256
-"""Outputs run to about 170 tokens; the slack lets a wandering output show as wrong."""
+MAX_NEW_TOKENS = 320
+"""Outputs run to about 220 tokens at most; the slack lets a wandering output show as wrong."""
 NEAR_TIE = 0.1
 """A choice point is near-tied when its top-1 and top-2 logits differ by less than this (nats)."""
 
@@ -176,8 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     if args.write_items:
-        rows = toy_rows(args.n, HELDOUT_SEED)
-        args.write_items.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        args.write_items.write_text(toy_jsonl(args.n, HELDOUT_SEED))
     directories = {name: (args.root / name if args.root else toy_checkpoint(name)) for name in TOY_CHECKPOINTS}
     tokenizer = AutoTokenizer.from_pretrained(directories["primary"])
     items = toy_items(args.n, HELDOUT_SEED, tokenizer)

@@ -67,7 +67,7 @@ class TrainConfig:
     heads: int = field(default=4, metadata={"help": "Query heads."})
     kv_heads: int = field(default=2, metadata={"help": "Key/value heads (GQA)."})
     intermediate: int = field(default=512, metadata={"help": "SwiGLU MLP width."})
-    max_positions: int = field(default=512, metadata={"help": "RoPE positions (sequences are < 250)."})
+    max_positions: int = field(default=512, metadata={"help": "RoPE positions (training sequences are under 300 tokens)."})
     log_every: int = field(default=50, metadata={"help": "Steps between log lines."})
     eval_every: int = field(default=100, metadata={"help": "Steps between validation accuracy checks."})
     eval_items: int = field(default=100, metadata={"help": "Validation items per check (0: none)."})
@@ -169,7 +169,7 @@ def validation_accuracy(model: Any, examples: Sequence[ToyExample], tokenizer: A
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=240)
+        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=320)
     model.train(was_training)
     texts = [tokenizer.decode(row[width:].tolist(), skip_special_tokens=True) for row in out]
     return sum(toy_scorer(t, e.answer) for t, e in zip(texts, examples, strict=True)) / len(examples)
