@@ -1,11 +1,13 @@
 """Wall time and peak memory of the whole protocol: `stagereplay paper` with 1 and 2 worker processes.
 
     python bench/paper.py [--n 200] [--workers 1,2] [--model DIR --later-model DIR --data FILE
-                          --boundary-after N] [--json OUT]
+                          --boundary-after N] [--json OUT] [--keep DIR]
 
 Each run is a fresh subprocess (`stagereplay paper --quiet --out <tmp> ...`). Peak RSS is that of the whole
 process tree (the command and its worker processes), sampled every 50 ms and summed over the tree; the
 largest single process is reported beside it. With no model options it runs on the embedded toy checkpoints.
+`--keep DIR` keeps the run directory of the last `--workers` value (its report holds the tables of the run
+that was timed).
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--boundary-after", type=int, default=None, help="stage 1 is the first N generated tokens")
     p.add_argument("--max-new-tokens", type=int, default=None, help="suffix length limit")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument("--keep", type=Path, default=None, help="keep the last run's directory here (a new path)")
     return p.parse_args(argv)
 
 
@@ -161,12 +164,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"the embedded toy checkpoint(s) {', '.join(missing)} are missing: pass --model/--later-model"
             )
             return 2
+    if args.keep is not None and args.keep.exists():
+        print(f"--keep {args.keep} already exists: pass a new path")
+        return 2
     rows = []
+    workers = [int(x) for x in args.workers.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        for w in (int(x) for x in args.workers.split(",")):
+        for w in workers:
             out = Path(tmp) / f"paper-w{w}"
             rows.append(run_paper(args, w, out))
-            shutil.rmtree(out)
+            if args.keep is not None and w == workers[-1]:
+                shutil.move(str(out), args.keep)
+            else:
+                shutil.rmtree(out)
     same = len({r["ledger_sha256"] for r in rows}) == 1
     print(
         f"stagereplay paper --n {args.n} ({args.model or 'embedded toy'}), {args.threads} thread(s) per process"

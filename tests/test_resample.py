@@ -186,6 +186,9 @@ def test_total_variation_and_the_two_sample_test():
     c = ["1"] * 6 + ["2"] * 3 + ["3"] * 3
     assert two_sample_answer_test(a, c, seed=5) == two_sample_answer_test(a, c, seed=5)
     assert two_sample_answer_test(["1"] * 12, ["2"] * 6 + ["3"] * 6) < 0.001
+    # A table for which scipy returns p as a (1,) array, not a scalar: still one float.
+    p = two_sample_answer_test(["358", "422", "348", "348"], ["291", "352", "348", "348"], seed=1506673553)
+    assert isinstance(p, float) and 0 < p <= 1
 
 
 def test_benjamini_hochberg():

@@ -144,7 +144,8 @@ def two_sample_answer_test(a: Sequence[str | None], b: Sequence[str | None], see
     if len(answers) == 2:
         return float(fisher_exact(table).pvalue)
     method = MonteCarloMethod(n_resamples=MONTE_CARLO_TABLES, rng=np.random.default_rng(seed))
-    return float(fisher_exact(table, method=method).pvalue)
+    # scipy returns some tables' p as a (1,) array rather than a scalar (a 2 x 5 table of 4 + 4 draws, say)
+    return float(np.ravel(fisher_exact(table, method=method).pvalue)[0])
 
 
 def benjamini_hochberg(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:

@@ -1,13 +1,14 @@
 """The embedded toy task: add six to eight labelled two-digit numbers, in a think block and again after it.
 
-One example as the model sees it (the chat template renders the user message; the model writes the rest)::
+One example as the model sees it, the first of the training stream (the chat template renders the user
+message; the model writes the rest)::
 
-    <|bos|><|user|>Add a=25, b=18, c=42, d=25, e=73, f=67.<|assistant|><think>
-    d=25 f:25+67=92 b:92+18=110,a:110+25=135 e:135+73=208&c:208+42=250
+    <|bos|><|user|>Add a=82, b=18, c=42, d=25, e=73, f=67.<|assistant|><think>
+    d=25 f:25+67=92 b:92+18=110,a:110+82=192 e:192+73=265&c:265+42=307
     </think>
 
-    b=18,e:18+73=91,a:91+25=116 f:116+67=183;d:183+25=208 c:208+42=250
-    Answer: 250
+    b=18,e:18+73=91,a:91+82=173 f:173+67=240;d:240+25=265 c:265+42=307
+    Answer: 307
 
 - Stage 1, the think block, adds the numbers as running sums in a random order of their labels and ends
   with `</think>` (the stage boundary marker, one token).
@@ -21,9 +22,9 @@ many near-tied next tokens (the near-ties that bf16 numerics can break either wa
 - the **connective** between steps: one of `,` `;` `&` and a space, drawn uniformly.
 
 Errors are meant to depend on the path. Each step adds a two-digit term to a running sum of up to three
-digits, written most significant digit first, so a small model's mistakes are carries it gets wrong; which
-carries a route meets depends on its order (the running sums differ), so an addition got wrong on one route
-may come out right on another. The think block of 30% of the training examples holds one arithmetic slip (a
+digits, written most significant digit first, so a small model's mistakes are carries and copies it gets
+wrong; the running sums a route meets depend on its order, so an addition got wrong on one route may come
+out right on another. The think block of 30% of the training examples holds one arithmetic slip (a
 running sum off by 1 or 10, carried on to its end, as reasoning models' think blocks sometimes are), while
 the answer section is always right, so copying the think block's route or total is wrong on those examples:
 the data reward adding again along the new order. (How far a trained checkpoint follows this is measured in

@@ -48,19 +48,19 @@ class TrainConfig:
     """Everything that determines a training run (with the thread count, it fixes the weights)."""
 
     out: Path = field(metadata={"help": "Directory that receives primary/ and later/."})
-    steps: int = field(default=800, metadata={"help": "Optimizer steps; the later checkpoint is the last."})
+    steps: int = field(default=900, metadata={"help": "Optimizer steps; the later checkpoint is the last."})
     schedule_steps: int = field(
-        default=1500, metadata={"help": "Length of the warmup + cosine schedule (0: steps); may exceed steps."}
+        default=2500, metadata={"help": "Length of the warmup + cosine schedule (0: steps); may exceed steps."}
     )
     seed: int = field(default=TRAIN_SEED, metadata={"help": "Seed of the data stream and the init."})
-    threads: int = field(default=1, metadata={"help": "torch intra-op threads (part of determinism)."})
+    threads: int = field(default=2, metadata={"help": "torch intra-op threads (part of determinism)."})
     batch_size: int = field(default=64, metadata={"help": "Sequences per step."})
     lr: float = field(default=2e-3, metadata={"help": "Peak AdamW learning rate."})
     min_lr_ratio: float = field(default=0.05, metadata={"help": "Cosine floor, as a fraction of lr."})
     warmup_steps: int = field(default=150, metadata={"help": "Linear warmup steps."})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay on weight matrices."})
     grad_clip: float = field(default=1.0, metadata={"help": "Global gradient-norm clip."})
-    primary_step: int = field(default=600, metadata={"help": "Step at which the primary checkpoint is saved."})
+    primary_step: int = field(default=800, metadata={"help": "Step at which the primary checkpoint is saved."})
     snapshot_every: int = field(default=0, metadata={"help": "Also save snapshots/step-N every N steps (0: none)."})
     layers: int = field(default=4, metadata={"help": "Decoder layers."})
     hidden: int = field(default=192, metadata={"help": "Hidden size."})
@@ -70,7 +70,7 @@ class TrainConfig:
     max_positions: int = field(default=512, metadata={"help": "RoPE positions (training sequences are under 300 tokens)."})
     log_every: int = field(default=50, metadata={"help": "Steps between log lines."})
     eval_every: int = field(default=100, metadata={"help": "Steps between validation accuracy checks."})
-    eval_items: int = field(default=100, metadata={"help": "Validation items per check (0: none)."})
+    eval_items: int = field(default=50, metadata={"help": "Validation items per check (0: none)."})
 
     def __post_init__(self) -> None:
         if self.seed == HELDOUT_SEED:
