@@ -13,7 +13,6 @@ A finding is {item_id, what}, naming the stage and field; a chain break is {seq,
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -98,19 +97,19 @@ def _guarded(item: str, where: str, check: Callable[[], list[dict[str, str]]]) -
 def dataset_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
     """The item ids are what the dataset gives, and the dataset is the run's (its hash), read without a model:
     a JSONL file's ids (first `n`, this shard's) when the file is at its path; the toy task's rows, which are
-    generated (`tasks.toy.toy_jsonl`) and hashed as a file's bytes are."""
+    generated and hashed (`tasks.toy.toy_data_hash`) as a file's bytes are."""
     config = manifest.get("config", {})
     data, ids = config.get("data", {}), list(config.get("item_ids", []))
     shard = parse_shard(config.get("shard"))
     findings = []
     if data.get("path") is None:
-        from stagereplay.tasks.toy import HELDOUT_SEED, toy_jsonl
+        from stagereplay.tasks.toy import HELDOUT_SEED, toy_data_hash, toy_rows
 
-        text = toy_jsonl(data.get("n") or 200, HELDOUT_SEED)
-        if hashlib.sha256(text.encode()).hexdigest() != config.get("dataset_hash"):
+        n = data.get("n") or 200
+        if toy_data_hash(n, HELDOUT_SEED) != config.get("dataset_hash"):
             findings.append({"item_id": "", "what": "the toy task's items are not the run's dataset "
                                                     "(dataset_hash differs)"})
-        want = shard_items([json.loads(line)["id"] for line in text.splitlines()], shard)
+        want = shard_items([row["id"] for row in toy_rows(n, HELDOUT_SEED)], shard)
     else:
         path = Path(data["path"])
         if not path.is_file():

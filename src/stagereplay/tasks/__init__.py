@@ -30,13 +30,10 @@ class DataConfig:
 def load_items(config: DataConfig, tokenizer: Any) -> tuple[list[Item], str]:
     """The items to run and the SHA-256 of their JSONL: the file's bytes, or the toy rows' (`toy_jsonl`)."""
     if config.path is None:
-        import hashlib
-
-        from stagereplay.tasks.toy import HELDOUT_SEED, toy_items, toy_jsonl
+        from stagereplay.tasks.toy import HELDOUT_SEED, toy_data_hash, toy_items
 
         n = config.n or 200
-        items = toy_items(n, HELDOUT_SEED, tokenizer)
-        return items, hashlib.sha256(toy_jsonl(n, HELDOUT_SEED).encode()).hexdigest()
+        return toy_items(n, HELDOUT_SEED, tokenizer), toy_data_hash(n, HELDOUT_SEED)
     path = Path(config.path)
     rows = read_rows(path)
     if config.n is not None and config.n > len(rows):

@@ -35,6 +35,7 @@ All randomness flows through an explicit `random.Random(seed)`; nothing here see
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterator
@@ -177,6 +178,11 @@ def toy_jsonl(n: int, seed: int) -> str:
     """The rows of `toy_rows` as JSONL text: the bytes whose SHA-256 is a toy run's data hash, so a file holding
     this text (`stagereplay toy items`) run with `--data` gives the same items and the same hash."""
     return "".join(json.dumps(row) + "\n" for row in toy_rows(n, seed))
+
+
+def toy_data_hash(n: int, seed: int) -> str:
+    """A toy run's dataset hash: the SHA-256 of `toy_jsonl`, as a data file's is of its bytes."""
+    return hashlib.sha256(toy_jsonl(n, seed).encode()).hexdigest()
 
 
 def toy_items(n: int, seed: int, tokenizer: Any) -> list[Item]:
