@@ -67,7 +67,8 @@ Marker = Annotated[str | None, typer.Option("--boundary-marker", help=(
 Regex = Annotated[str | None, typer.Option("--boundary-regex", help=(
     "stage 1 ends when its text matches (searched in the last 1024 characters and the new token's text)"))]
 After = Annotated[int | None, typer.Option("--boundary-after", help="stage 1 is the first N generated tokens")]
-Scorer = Annotated[str | None, typer.Option("--scorer", help="last-number | exact | regex:PATTERN")]
+Scorer = Annotated[str | None, typer.Option("--scorer", help=(
+    "last-number | exact | math (LaTeX answers: the last \\boxed{}, through math-verify) | regex:PATTERN"))]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="suffix length limit")]
 MaxStage1 = Annotated[int | None, typer.Option("--max-stage1-tokens", help=(
     "tokens allowed to reach the boundary (default: 8192 or what the context leaves)"))]

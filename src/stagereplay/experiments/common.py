@@ -26,7 +26,7 @@ class ReplaySettings:
 
     boundary: str = field(metadata={"help": "marker:TEXT | regex:PATTERN | after:N"})
     decode: DecodeConfig = field(default_factory=DecodeConfig)
-    scorer: str = field(default="last-number", metadata={"help": "last-number | exact | regex:PATTERN"})
+    scorer: str = field(default="last-number", metadata={"help": "last-number | exact | math | regex:PATTERN"})
 
     def __post_init__(self) -> None:
         scorer_by_name(self.scorer)  # an unknown scorer fails here, before any run directory exists

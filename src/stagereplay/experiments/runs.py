@@ -146,7 +146,10 @@ def print_header(source: Source, quiet: bool) -> None:
 def new_manifest(command: str, config: dict[str, Any], source: Source, items: list[Item], data_hash: str,
                  determinism: dict[str, Any], extra_models: dict[str, str] | None = None) -> dict[str, Any]:
     """The frozen record of what this run is. `config` is its identity: resuming requires it unchanged."""
+    from stagereplay.tasks.scoring import scorer_versions
+
     models = {"primary": source.model.path, **(extra_models or {})}
+    scorer_packages = scorer_versions(source.settings.scorer)  # math-verify's version decides `math` labels
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "stagereplay",
@@ -162,6 +165,7 @@ def new_manifest(command: str, config: dict[str, Any], source: Source, items: li
             "item_ids": [i.id for i in items],
             "model_hashes": {name: model_hashes(path) for name, path in models.items()},
             "stage1": source.stage1,
+            **({"scorer_packages": scorer_packages} if scorer_packages else {}),
         },
         "environment": environment(source.model.device, determinism),
         "stages": {},
