@@ -101,6 +101,8 @@ def test_gsm8k_rows_need_no_mapping(tmp_path):
 
     pq.write_table(pa.Table.from_pylist([{"question": "2+3?", "answer": "2+3=5\n#### 5"}]), path)
     assert read_rows(path)[0] == [Row("item-00000", "5", prompt="2+3?")]
+    chat = read_rows(path, "user=question")[0]  # as a chat, the answer is still the number after ####
+    assert chat == [Row("item-00000", "5", messages=({"role": "user", "content": "2+3?"},))]
 
 
 def test_hub_specs_parse():

@@ -41,6 +41,8 @@ def parse_row(raw: Any, index: int, where: str) -> Row:
         raise StageReplayError(f"{where}: missing 'answer'", "give every row an 'answer' (or map one: --columns "
                                                               "answer=COLUMN)")
     answer = str(raw["answer"])
+    if "question" in raw and "####" in answer:  # a GSM8K row whose question is mapped (--columns user=question)
+        answer = _gsm8k_answer(answer, where)
     if "messages" in raw:
         msgs = raw["messages"]
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
