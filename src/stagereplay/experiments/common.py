@@ -71,6 +71,19 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
     return arm
 
 
+def token_texts(lm: LM, payload: dict[str, Any]) -> dict[str, str]:
+    """Each token the record shows, decoded alone (special tokens kept), keyed by its id as text: the prompt,
+    stage 1, every arm's suffix and the top-5 candidates at each first divergence. The report's explorer and
+    `stagereplay show` render tokens from these, so they read the ledger, never the model's tokenizer."""
+    ids = {*payload.get("prefix_ids", []), *payload.get("prompt_ids", [])}
+    for arm in payload.get("arms", []):
+        ids.update(arm.get("suffix_ids", []))
+    for pair in ((payload.get("diagnostics") or {}).get("pairs") or {}).values():
+        for side in ("a", "b"):
+            ids.update(int(t) for t, _ in ((pair.get("divergence") or {}).get(side) or {}).get("top", []))
+    return {str(t): str(lm.tokenizer.decode([t], skip_special_tokens=False)) for t in sorted(ids)}
+
+
 ARM_CLAIMS = ("name", "suffix_fp", "cache_fp", "correct")
 """The arm fields a comparison's fingerprint covers."""
 
