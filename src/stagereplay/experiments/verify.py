@@ -96,8 +96,8 @@ def _guarded(item: str, where: str, check: Callable[[], list[dict[str, str]]]) -
 
 def dataset_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
     """The item ids are what the dataset gives, and the dataset is the run's (its hash), read without a model:
-    a JSONL file's ids (first `n`, this shard's) when the file is at its path; the toy task's rows, which are
-    generated and hashed (`tasks.toy.toy_data_hash`) as a file's bytes are."""
+    the data's ids (first `n`, this shard's) when it is at its location, in any format (`tasks.sources`); the
+    toy task's rows, which are generated and hashed (`tasks.toy.toy_data_hash`) as a file's bytes are."""
     config = manifest.get("config", {})
     data, ids = config.get("data", {}), list(config.get("item_ids", []))
     shard = parse_shard(config.get("shard"))
