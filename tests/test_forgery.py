@@ -5,7 +5,7 @@ finding each must produce, naming the item and the field.
 it; two (a cache fingerprint, a suffix token with its fingerprint, each with the comparisons recomputed) are
 consistent with everything recorded, and only re-execution can tell: for those the table asserts that
 `--verify-only` passes, so the line between the two audits is stated, not assumed. The full audit must
-catch them all. The README's bad-input table lists the same rows.
+catch them all. The documentation's bad-input page (docs/reference/errors.md) lists the same rows.
 """
 
 from __future__ import annotations

@@ -55,7 +55,12 @@ def _run(fn: Callable[[], T]) -> T:
 
 # Options shared by commands that load a model.
 Model = Annotated[str | None, typer.Option("--model", help="local model directory (default: the embedded toy)")]
-Data = Annotated[str | None, typer.Option("--data", help="JSONL items (default: the toy task's held-out items)")]
+Data = Annotated[str | None, typer.Option("--data", help=(
+    "items: a JSONL, JSON, CSV or Parquet file, a datasets.save_to_disk folder, or hf:NAME[:CONFIG][:SPLIT] "
+    "(default: the toy task's held-out items)"))]
+Columns = Annotated[str | None, typer.Option("--columns", help=(
+    "map the data's fields: TARGET=COLUMN,... with TARGET prompt, messages, user (a one-message chat), answer or "
+    "id (GSM8K and MATH-style problem/answer/unique_id rows need none)"))]
 N = Annotated[int | None, typer.Option("--n", help="run the first N items")]
 Out = Annotated[Path, typer.Option("--out", help="run directory (created, or resumed)")]
 Precision = Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32 | fp32-compute")]
@@ -67,7 +72,8 @@ Marker = Annotated[str | None, typer.Option("--boundary-marker", help=(
 Regex = Annotated[str | None, typer.Option("--boundary-regex", help=(
     "stage 1 ends when its text matches (searched in the last 1024 characters and the new token's text)"))]
 After = Annotated[int | None, typer.Option("--boundary-after", help="stage 1 is the first N generated tokens")]
-Scorer = Annotated[str | None, typer.Option("--scorer", help="last-number | exact | regex:PATTERN")]
+Scorer = Annotated[str | None, typer.Option("--scorer", help=(
+    "last-number | exact | math (LaTeX answers: the last \\boxed{}, through math-verify) | regex:PATTERN"))]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="suffix length limit")]
 MaxStage1 = Annotated[int | None, typer.Option("--max-stage1-tokens", help=(
     "tokens allowed to reach the boundary (default: 8192 or what the context leaves)"))]
@@ -114,6 +120,7 @@ def matched(
     executor: Executor = "local",
     shard: Annotated[str | None, typer.Option("--shard", help="I/N: run every N-th item from the I-th")] = None,
     quiet: Quiet = False,
+    columns: Columns = None,
 ) -> None:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
@@ -126,7 +133,7 @@ def matched(
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
-            workers, executor, shard, quiet)
+            workers, executor, shard, quiet, columns)
 
     _run(go)
 

@@ -26,7 +26,7 @@ class ReplaySettings:
 
     boundary: str = field(metadata={"help": "marker:TEXT | regex:PATTERN | after:N"})
     decode: DecodeConfig = field(default_factory=DecodeConfig)
-    scorer: str = field(default="last-number", metadata={"help": "last-number | exact | regex:PATTERN"})
+    scorer: str = field(default="last-number", metadata={"help": "last-number | exact | math | regex:PATTERN"})
 
     def __post_init__(self) -> None:
         scorer_by_name(self.scorer)  # an unknown scorer fails here, before any run directory exists
@@ -69,6 +69,19 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
     if state.roundtrip is not None:
         arm["roundtrip"] = state.roundtrip
     return arm
+
+
+def token_texts(lm: LM, payload: dict[str, Any]) -> dict[str, str]:
+    """Each token the record shows, decoded alone (special tokens kept), keyed by its id as text: the prompt,
+    stage 1, every arm's suffix and the top-5 candidates at each first divergence. The report's explorer and
+    `stagereplay show` render tokens from these, so they read the ledger, never the model's tokenizer."""
+    ids = {*payload.get("prefix_ids", []), *payload.get("prompt_ids", [])}
+    for arm in payload.get("arms", []):
+        ids.update(arm.get("suffix_ids", []))
+    for pair in ((payload.get("diagnostics") or {}).get("pairs") or {}).values():
+        for side in ("a", "b"):
+            ids.update(int(t) for t, _ in ((pair.get("divergence") or {}).get(side) or {}).get("top", []))
+    return {str(t): str(lm.tokenizer.decode([t], skip_special_tokens=False)) for t in sorted(ids)}
 
 
 ARM_CLAIMS = ("name", "suffix_fp", "cache_fp", "correct")

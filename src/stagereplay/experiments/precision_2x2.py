@@ -10,7 +10,7 @@ from stagereplay.engine.lm import LM, BoundaryState, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
+from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute, token_texts
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.records.ledger import Run
 from stagereplay.tasks.base import Item
@@ -35,9 +35,10 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
     arms = [arm_record(lm, name, built, cont, state.stage1, item, s.scorer) for name, (built, cont) in runs.items()]
     comparisons = [comparison(item.id, a, b) for i, a in enumerate(arms) for b in arms[i + 1 :]]
     pairs = [(c["a"], c["b"]) for c in comparisons]
-    return {"status": "ok", "precision": lm.config.precision, "prompt_ids": list(item.prompt_ids),
-            "prefix_ids": list(state.prefix), "boundary": len(state.prefix), "answer": item.answer,
-            "arms": arms, "comparisons": comparisons, "diagnostics": diagnose(runs, pairs, cache_pairs=pairs)}
+    payload = {"status": "ok", "precision": lm.config.precision, "prompt_ids": list(item.prompt_ids),
+               "prefix_ids": list(state.prefix), "boundary": len(state.prefix), "answer": item.answer,
+               "arms": arms, "comparisons": comparisons, "diagnostics": diagnose(runs, pairs, cache_pairs=pairs)}
+    return {**payload, "token_texts": token_texts(lm, payload)}
 
 
 def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:

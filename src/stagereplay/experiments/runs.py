@@ -23,6 +23,7 @@ from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run, read_ledge
 from stagereplay.records.provenance import environment, model_hashes, now, package_versions
 from stagereplay.records.shards import merge_runs, parse_shard, shard_items
 from stagereplay.tasks import DataConfig, Item, load_items
+from stagereplay.tasks.sources import HF_PREFIX
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Source:
 
 def resolve_source(model: str | None, data: str | None, n: int | None, boundary: BoundaryRule | None,
                    scorer: str | None, decode: DecodeConfig, precision: str, device: str, threads: int,
-                   attn_impl: str, checkpoint: str = "primary") -> Source:
+                   attn_impl: str, checkpoint: str = "primary", columns: str | None = None) -> Source:
     """Fill in the embedded toy's checkpoint and held-out items when no model or data is given.
 
     Nothing else is special to the toy: with no boundary rule the rule is left empty for `prepare` to default
@@ -54,7 +55,9 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
     config = ModelConfig(path=str(Path(model).resolve()), precision=precision, device=device, threads=threads,
                          attn_impl=attn_impl)
     check_model_dir(config.path)
-    return Source(config, DataConfig(path=str(Path(data).resolve()) if data else None, n=n),
+    if data and not data.startswith(HF_PREFIX):
+        data = str(Path(data).resolve())  # a file or folder; an hf: name stays as given
+    return Source(config, DataConfig(path=data or None, n=n, columns=columns),
                   ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
 
 
@@ -146,7 +149,10 @@ def print_header(source: Source, quiet: bool) -> None:
 def new_manifest(command: str, config: dict[str, Any], source: Source, items: list[Item], data_hash: str,
                  determinism: dict[str, Any], extra_models: dict[str, str] | None = None) -> dict[str, Any]:
     """The frozen record of what this run is. `config` is its identity: resuming requires it unchanged."""
+    from stagereplay.tasks.scoring import scorer_versions
+
     models = {"primary": source.model.path, **(extra_models or {})}
+    scorer_packages = scorer_versions(source.settings.scorer)  # math-verify's version decides `math` labels
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "stagereplay",
@@ -156,12 +162,13 @@ def new_manifest(command: str, config: dict[str, Any], source: Source, items: li
         "config": {
             **config,
             "model": asdict(source.model),
-            "data": asdict(source.data),
+            "data": source.data.as_dict(),
             "settings": source.settings.as_dict(),
             "dataset_hash": data_hash,
             "item_ids": [i.id for i in items],
             "model_hashes": {name: model_hashes(path) for name, path in models.items()},
             "stage1": source.stage1,
+            **({"scorer_packages": scorer_packages} if scorer_packages else {}),
         },
         "environment": environment(source.model.device, determinism),
         "stages": {},
@@ -207,17 +214,19 @@ def matched(
     executor: str = "local",
     shard: str | None = None,
     quiet: bool = False,
+    columns: str | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) the matched experiment into `out`; return results.json's content.
 
-    With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards.
+    With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards. `columns`
+    maps the data's fields (`prompt=problem,answer=answer,id=unique_id`).
     """
     from stagereplay.experiments.matched import MatchedConfig, run_matched
 
     ex = ExecConfig(workers, executor)
     part = parse_shard(shard)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
-                            threads, attn_impl)
+                            threads, attn_impl, columns=columns)
     source, lm, items, data_hash, determinism = prepare(source, ex)
     print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)

@@ -122,6 +122,11 @@ def matched_table(matched: list[dict[str, Any]]) -> Table:
                 p_value(m.get("mcnemar_p")),
             ]
         )
+    if any("n_marker_inside_token" in m for m in matched):  # a marker matched on text (engine.boundary)
+        labels.insert(1, "boundary marker ended inside a token")
+        for m, col in zip(matched, columns, strict=True):
+            inside = m.get("n_marker_inside_token")
+            col.insert(1, NA if inside is None else k_of_n(inside, m["n_boundary"]))
     rows = [[label, *(col[i] for col in columns)] for i, label in enumerate(labels)]
     headers = ("", *(f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}" for m in matched))
     note = "Disagreements and accuracies are over items that reached the stage boundary."
