@@ -322,6 +322,7 @@ def paper(
     model: Model = None,
     later_model: Annotated[str | None, typer.Option("--later-model", help="second checkpoint")] = None,
     data: Data = None,
+    columns: Columns = None,
     n: Annotated[int, typer.Option("--n")] = 200,
     boundary_marker: Marker = None,
     boundary_regex: Regex = None,
@@ -353,7 +354,7 @@ def paper(
         dc = _decode(max_new_tokens, max_stage1_tokens, False, 1.0, 0, 0)
         res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device=device,
                   threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
-                  resample=resample, resample_items=resample_items, audit_sample=audit_sample or None)
+                  resample=resample, resample_items=resample_items, audit_sample=audit_sample or None, columns=columns)
         from stagereplay.experiments.audit import exit_code
 
         typer.echo(f"report: {out / 'report.html'}")
