@@ -114,6 +114,12 @@ def matched(
     executor: Executor = "local",
     shard: Annotated[str | None, typer.Option("--shard", help="I/N: run every N-th item from the I-th")] = None,
     quiet: Quiet = False,
+    engine: Annotated[str, typer.Option("--engine", help=(
+        "hf (ours) | vllm: live, oneshot and prefix-cache arms in vLLM (docs/engines.md)"))] = "hf",
+    cross: Annotated[str | None, typer.Option("--cross", help=(
+        "hf: also continue the serving engine's prefixes in ours (the hf-oneshot arm)"))] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help=(
+        "the serving engine's K/V block size (its prefix cache reuses whole blocks)"))] = 32,
 ) -> None:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
@@ -126,7 +132,7 @@ def matched(
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
-            workers, executor, shard, quiet)
+            workers, executor, shard, quiet, engine, cross, block_size)
 
     _run(go)
 

@@ -40,8 +40,10 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
     for r in ok:
         arms = {a["name"]: a for a in r.payload["arms"]}
         lr, orr = _cmp(r, "live", "live#replica"), _cmp(r, construction, f"{construction}#replica")
-        rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] and r.payload["replica_prefix_equal"])
-        rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"])
+        # cache_equal is None where an engine records no cache fingerprint: the tokens then decide alone.
+        rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] is not False
+                         and r.payload["replica_prefix_equal"])
+        rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"] is not False)
         main = _cmp(r, "live", construction)
         assert main is not None
         if not main["suffix_equal"]:
@@ -67,6 +69,13 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
         "first_divergence": divergence,
         **summarize_pair(ok, "live", construction),
     }
+    cached = [a for r in ok for a in r.payload["arms"] if a["name"] == construction and "num_cached_tokens" in a]
+    if cached:  # a serving engine's arm: how much of the prefix its cache supplied, and how much decoding wrote
+        summary["prefix_cache"] = {
+            "n": len(cached), "hits": sum(a["num_cached_tokens"] > 0 for a in cached),
+            "num_cached_tokens": sum(a["num_cached_tokens"] for a in cached),
+            "cached_from_decode": sum(a.get("cached_from_decode", 0) for a in cached),
+            "hits_with_decode_blocks": sum(a.get("cached_from_decode", 0) > 0 for a in cached)}
     if any("marker_inside_token" in r.payload for r in ok):  # a marker matched on text (engine.boundary)
         summary["n_marker_inside_token"] = sum(bool(r.payload.get("marker_inside_token")) for r in ok)
     if n:

@@ -122,8 +122,15 @@ def matched_table(matched: list[dict[str, Any]]) -> Table:
             ]
         )
     rows = [[label, *(col[i] for col in columns)] for i, label in enumerate(labels)]
-    headers = ("", *(f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}" for m in matched))
+    headers = ("", *(f"{m['engine'] + ' ' if m.get('engine') else ''}{m['checkpoint']}: live vs {m['construction']} "
+                     f"@ {m['precision']}" for m in matched))
     note = "Disagreements and accuracies are over items that reached the stage boundary."
+    for m in matched:
+        pc = m.get("prefix_cache")
+        if pc and pc["hits"]:
+            note += (f" {m['construction']} @ {m['precision']}: {pc['hits']}/{pc['n']} requests hit the prefix cache, "
+                     f"{pc['hits_with_decode_blocks']} of them on blocks live's decoding wrote "
+                     f"({pc['cached_from_decode']} of {pc['num_cached_tokens']} cached positions).")
     d = next((m["accuracy_diff"] for m in matched if m.get("accuracy_diff")), None)
     if d:
         note += (
