@@ -9,7 +9,8 @@ which):
     Generation.top                           the top-k (token id, logprob) of every step, best first
     version() / settings()                   what fixes its numbers, for the manifest and the environment
 
-A second engine (SGLang, llama.cpp) is one module with a class of this shape and one line in `ENGINES`.
+A second engine (SGLang, llama.cpp) is one module (`require()`, `load(...)` and a class of this shape) and one
+line in `ENGINES`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ class ServingEngine(Protocol):
     def settings(self) -> dict[str, Any]:
         """The engine's settings and the environment variables that change its numbers, as it runs them."""
         ...
+
+
+def require_engine(config: EngineConfig) -> None:
+    """A one-line refusal, before anything loads, when the engine is not installed here."""
+    import importlib
+
+    importlib.import_module(ENGINES[config.name]).require()
 
 
 def load_engine(config: EngineConfig, model_path: str, precision: str, threads: int, device: str

@@ -28,14 +28,14 @@ ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_T
        "VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES")
 
 
-def _import_vllm() -> Any:
-    try:
-        import vllm
-    except ImportError:
+def require() -> None:
+    """Refuse up front, without importing vLLM (its settings are read at import: `load` sets them first)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
         raise StageReplayError("--engine vllm needs vLLM installed",
                                "pip install 'stagereplay[vllm]' on a GPU machine; on a CPU see the README's vLLM "
-                               "section (its own venv)") from None
-    return vllm
+                               "section (its own venv)")
 
 
 class VLLMEngine:
@@ -61,7 +61,9 @@ class VLLMEngine:
         (choice,) = out.outputs
         top = []
         for step in choice.logprobs or []:  # one {token id: Logprob} per generated token, the pick included
-            ranked = sorted(step.items(), key=lambda kv: (kv[1].rank, kv[0]))[:TOP_LOGPROBS]
+            # By logprob, ties by token id: greedy argmax picks the lowest id among tied logits (bf16 ties are
+            # common exactly at near-ties), so the pick comes first, as in our engine's record.
+            ranked = sorted(step.items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:TOP_LOGPROBS]
             top.append(tuple((int(t), float(lp.logprob)) for t, lp in ranked))
         return Generation(tuple(int(t) for t in choice.token_ids), tuple(top), int(out.num_cached_tokens or 0),
                           str(choice.finish_reason))
@@ -89,7 +91,8 @@ def load(config: EngineConfig, model_path: str, precision: str, threads: int, de
     for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
                        ("OMP_NUM_THREADS", str(threads)), ("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))):
         os.environ.setdefault(key, value)
-    vllm = _import_vllm()
+    require()
+    import vllm
     kwargs: dict[str, Any] = {}
     if device.startswith("cuda"):
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization

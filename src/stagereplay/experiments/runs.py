@@ -259,7 +259,7 @@ def serving_arms(engine: str, cross: str | None, block_size: int, construction: 
         if cross is not None:
             raise StageReplayError("--cross replays a serving engine's prefixes", "pass it with --engine vllm")
         return None
-    from stagereplay.engine.serving import EngineConfig
+    from stagereplay.engine.serving import EngineConfig, require_engine
     from stagereplay.experiments.serving import ServingArms
 
     config = EngineConfig(engine, block_size=block_size)
@@ -273,6 +273,7 @@ def serving_arms(engine: str, cross: str | None, block_size: int, construction: 
                                "compare across engines", "drop --sample")
     if precision not in ("bf16", "fp16", "fp32"):
         raise StageReplayError(f"--engine {engine} does not run precision {precision}", "use bf16, fp16 or fp32")
+    require_engine(config)
     return ServingArms(config, cross or "")
 
 
