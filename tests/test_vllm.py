@@ -195,3 +195,32 @@ def test_what_a_vllm_run_cannot_do_is_refused_before_anything_runs(tmp_path, ext
     (line,) = result.stderr.strip().splitlines()
     assert says in line and line.startswith("error: ")
     assert not out.exists()
+
+
+def test_precision_2x2_crosses_the_arms_with_precision_and_audits(fp32_run, tmp_path):
+    """On the run's prefixes at its own precision: the fresh request reproduces the matched oneshot arm, live
+    at that precision rewrites the stage-1 blocks the prefix-cache arm reuses, and the audit re-executes it all."""
+    import shutil
+
+    run = tmp_path / "grid"
+    shutil.copytree(fp32_run, run)
+    result = runner.invoke(app, ["precision-2x2", str(run), "--precisions", "fp32", "--quiet"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    grid = [r["payload"] for r in lines if r["kind"] == "item" and r["experiment"] == "precision_2x2"]
+    matched = {tuple(p["prefix_ids"]): _arms(p) for p in _records(fp32_run)}
+    assert len(grid) == len(matched)
+    for p in grid:
+        arms = _arms(p)
+        assert set(arms) == {"oneshot@fp32", "prefix-cache@fp32", "hf-oneshot@fp32"}
+        assert arms["oneshot@fp32"]["suffix_ids"] == matched[tuple(p["prefix_ids"])]["oneshot"]["suffix_ids"]
+        assert arms["prefix-cache@fp32"]["live_prefix_equal"] and arms["prefix-cache@fp32"]["cached_from_decode"] > 0
+    results = json.loads((run / "results.json").read_text())["precision_2x2"]
+    assert results["constructions"] == ["oneshot", "prefix-cache", "hf-oneshot"]
+    assert [(x["a"], x["b"]) for x in results["disagreements"][0]["pairs"]] == [
+        ("oneshot@fp32", "hf-oneshot@fp32"), ("prefix-cache@fp32", "hf-oneshot@fp32")]
+    result = runner.invoke(app, ["audit", str(run), "--quiet"])
+    assert result.exit_code == 0, result.output
+    # Negative control: a construction that is not an arm of the run is refused.
+    result = runner.invoke(app, ["precision-2x2", str(run), "--constructions", "incremental", "--quiet"])
+    assert result.exit_code == 2 and "is not an arm of this vllm run" in result.stderr

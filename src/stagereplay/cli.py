@@ -144,7 +144,8 @@ Checkpoint = Annotated[str, typer.Option("--checkpoint", help="which model of th
 @app.command("precision-2x2")
 def precision_2x2(
     run_dir: RunDir,
-    constructions: Annotated[str, typer.Option(help="comma list")] = "incremental,oneshot",
+    constructions: Annotated[str | None, typer.Option(help=(
+        "comma list (default: incremental,oneshot; on a vLLM run its arms oneshot,prefix-cache[,hf-oneshot])"))] = None,
     precisions: Annotated[str, typer.Option(help="comma list of bf16, fp16, fp32, fp32-compute")] = "bf16,fp32",
     checkpoint: Checkpoint = "primary",
     workers: Workers = 1,
@@ -156,8 +157,8 @@ def precision_2x2(
     def go() -> None:
         from stagereplay.runs import precision_2x2 as run
 
-        run(run_dir, tuple(constructions.split(",")), tuple(precisions.split(",")), checkpoint, workers, executor,
-            quiet)
+        run(run_dir, tuple(constructions.split(",")) if constructions else (), tuple(precisions.split(",")),
+            checkpoint, workers, executor, quiet)
 
     _run(go)
 

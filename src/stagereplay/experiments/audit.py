@@ -82,10 +82,10 @@ def _work(experiment: str, stage: dict[str, Any]) -> Callable[..., dict[str, Any
     from stagereplay.experiments.resample import resample_item
     from stagereplay.experiments.transplant import transplant_item
 
-    if "engine" in stage:  # a serving engine's matched run: re-executed in that engine
-        from stagereplay.experiments.serving import serving_matched_item
+    if "engine" in stage:  # a serving engine's records: re-executed in that engine
+        from stagereplay.experiments.serving_jobs import serving_work
 
-        return serving_matched_item
+        return serving_work(experiment)
     return {"matched": matched_item, "precision_2x2": grid_item, "bridge": bridge_item,
             "transplant": transplant_item, "resample": resample_item}[experiment]
 
@@ -97,10 +97,10 @@ def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple
     settings = ReplaySettings(s["boundary"], DecodeConfig(**s["decode"]), s["scorer"])
     prefix = prefixes.get((record.checkpoint, record.item_id))
     extra: tuple[tuple[str, Any], ...]
-    if record.experiment == "matched" and "engine" in stage:
-        from stagereplay.experiments.serving import job_extra as serving_extra
+    if "engine" in stage:
+        from stagereplay.experiments.serving_jobs import serving_job_extra
 
-        extra = serving_extra(stage)
+        extra = serving_job_extra(record.experiment, stage, prefix)
     elif record.experiment == "matched":
         extra = (("construction", stage["construction"]),)
     elif record.experiment == "precision_2x2":

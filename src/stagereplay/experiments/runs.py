@@ -315,14 +315,30 @@ def refuse_serving(manifest: dict[str, Any], checkpoint: str, what: str) -> None
         raise refuse_cache_access(engine["name"], what)
 
 
-def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = ("incremental", "oneshot"),
+def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = (),
                   precisions: tuple[str, ...] = ("bf16", "fp32"), checkpoint: str = "primary", workers: int = 1,
                   executor: str = "local", quiet: bool = False) -> dict[str, Any]:
-    """Hold the matched run's prefixes fixed; cross construction with precision."""
+    """Hold the matched run's prefixes fixed; cross construction with precision. No constructions given:
+    incremental and oneshot, or on a serving engine's run its arms (oneshot, prefix-cache, hf-oneshot)."""
     from stagereplay.experiments.precision_2x2 import check_fixed_constructions, run_2x2
 
     path, manifest = _existing(run_dir)
     model, settings = _matched_stage(manifest, checkpoint)
+    served = manifest["stages"][f"matched/{checkpoint}"].get("engine")
+    if served is not None:  # a serving engine's run: its arms crossed with precision, in that engine
+        from stagereplay.experiments.serving import arms_of
+        from stagereplay.experiments.serving_2x2 import check_serving_constructions, run_serving_2x2
+
+        arms = arms_of(manifest["stages"][f"matched/{checkpoint}"])
+        constructions = constructions or arms.fresh
+        check_serving_constructions(constructions, arms)
+        for p in precisions:
+            serving_arms(served["name"], arms.cross or None, served["block_size"], "oneshot",
+                         ExecConfig(workers, executor), DecodeConfig(), p)
+        with open_run(path, manifest) as run:
+            run_serving_2x2(run, model, settings, checkpoint, arms, constructions, precisions, quiet)
+            return finish(run, quiet)
+    constructions = constructions or ("incremental", "oneshot")
     check_fixed_constructions(constructions)
     for p in precisions:
         model.with_precision(p)  # validates the name before anything runs

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from stagereplay.engine.boundary import stage1_end
@@ -30,7 +31,7 @@ from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.serving import TOP_LOGPROBS, EngineConfig, Generation, ServingEngine, load_engine
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import ExecConfig
+from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.experiments.common import Job, ReplaySettings, comparison, execute, no_boundary_payload
 from stagereplay.records.ledger import Run
 from stagereplay.records.provenance import environment
@@ -66,11 +67,6 @@ class ServingArms:
 def arms_of(stage: dict[str, Any]) -> ServingArms:
     """The arms a manifest stage declares."""
     return ServingArms(EngineConfig(**stage["engine"]), stage.get("cross", ""))
-
-
-def job_extra(stage: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """A matched job's extras as the manifest stage gives them (for the audit's re-execution)."""
-    return arms_of(stage).extra()
 
 
 # One engine per process, as one model per process in `execution.local`: two precisions load one after the other.
@@ -128,8 +124,9 @@ def hf_top_logprobs(steps: Sequence[Any], k: int) -> list[list[list[float]]]:
     return [[[int(t), float(v)] for t, v in zip(i, x, strict=True)] for i, x in zip(ids, values, strict=True)]
 
 
-def _arm(lm: LM, name: str, construction: str, engine: str, suffix: Sequence[int], top: Any, stage1: Sequence[int],
-         item: Item, scorer: str, cache_fp: str | None = None) -> dict[str, Any]:
+def arm_of(lm: LM, name: str, construction: str, engine: str, suffix: Sequence[int], top: Any,
+           stage1: Sequence[int], item: Item, scorer: str, cache_fp: str | None = None) -> dict[str, Any]:
+    """One arm of either engine: suffix, fingerprints, label (of stage 1 + suffix), top-k logprobs per step."""
     text = lm.text([*stage1, *suffix])
     return {
         "name": name, "construction": construction, "engine": engine, "precision": lm.config.precision,
@@ -138,6 +135,17 @@ def _arm(lm: LM, name: str, construction: str, engine: str, suffix: Sequence[int
         "correct": bool(scorer_by_name(scorer)(text, item.answer)),
         "top_logprobs": [[[int(t), float(v)] for t, v in step] for step in top],
     }
+
+
+def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation, start: int, max_new: int,
+               stage1: Sequence[int], item: Item, scorer: str, prompt_len: int) -> dict[str, Any]:
+    """A serving engine's arm: the suffix from `start` in its output, and what its prefix cache supplied."""
+    arm = arm_of(lm, name, construction, engine, g.tokens[start : start + max_new], g.top[start : start + max_new],
+                 stage1, item, scorer)
+    arm["num_cached_tokens"] = g.cached
+    if construction == "prefix-cache":
+        arm["cached_from_decode"] = max(0, g.cached - prompt_len)  # cached positions past the prompt: decode's
+    return arm
 
 
 def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
@@ -169,12 +177,8 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     arms: list[dict[str, Any]] = []
 
     def served(name: str, construction: str, g: Generation, start: int = 0) -> None:
-        suffix, top = g.tokens[start : start + max_new], g.top[start : start + max_new]
-        arm = _arm(lm, name, construction, engine.name, suffix, top, stage1, item, s.scorer)
-        arm["num_cached_tokens"] = g.cached
-        if construction == "prefix-cache":
-            arm["cached_from_decode"] = max(0, g.cached - len(prompt))  # cached positions live's decode wrote
-        arms.append(arm)
+        arms.append(served_arm(lm, engine.name, name, construction, g, start, max_new, stage1, item, s.scorer,
+                               len(prompt)))
 
     served("live", "live", first, end + 1)
     served("prefix-cache", "prefix-cache", engine.generate(prefix, max_new, reuse=True))
@@ -192,7 +196,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
         for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):
             built = lm.construct(state, "oneshot")
             cont = lm.continue_from(built, s.decode)
-            arms.append(_arm(lm, name, "oneshot", cross, cont.suffix, hf_top_logprobs(cont.steps, TOP_LOGPROBS), stage1, item,
+            arms.append(arm_of(lm, name, "oneshot", cross, cont.suffix, hf_top_logprobs(cont.steps, TOP_LOGPROBS), stage1, item,
                              s.scorer, built.fingerprint()))
             del built, cont
         fresh.append(f"{cross}-oneshot")
@@ -213,9 +217,9 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     }
 
 
-def with_engine_environment(lm: LM, job: Job) -> dict[str, Any]:
-    """`serving_matched_item` and the environment that ran it, the engine's version and settings included."""
-    payload = serving_matched_item(lm, job)
+def with_engine_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
+    """`work(lm, job)` and the environment that ran it, the engine's version and settings included."""
+    payload = work(lm, job)
     engine = cached_engine(EngineConfig(**dict(job.get("engine"))), lm)
     return {"payload": payload, "environment": {**environment(lm.config.device, lm.determinism),
                                                 "engine": engine.settings()}}
@@ -231,4 +235,4 @@ def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, 
         "engine": arms.engine.as_dict(), "cross": arms.cross, "arms": list(arms.fresh)})
     jobs = [Job(item, settings, extra=arms.extra()) for item in items]
     execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(), lm, quiet,
-            env_work=with_engine_environment)
+            env_work=partial(with_engine_environment, serving_matched_item))

@@ -101,7 +101,9 @@ def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str)
         first = [r.payload["comparisons"][0] for r in mine if r.payload["comparisons"]]
         k = sum(not c["suffix_equal"] for c in first)
         n = len(first)
+        more = _more_pairs(mine)
         disagreements.append({
+            **({"pairs": more} if more else {}),
             "precision": precision, "k": k, "n": n,
             "wilson": list(wilson_interval(k, n)) if n else None,
             "label_k": sum(not c["label_equal"] for c in first),
@@ -110,6 +112,20 @@ def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str)
         })
     return {"checkpoint": checkpoint, "constructions": constructions, "precisions": precisions,
             "n": max((d["n"] for d in disagreements), default=0), "cells": cells, "disagreements": disagreements}
+
+
+def _more_pairs(records: list[Record]) -> list[dict[str, Any]]:
+    """With three or more arms (a serving engine's run), every compared pair past the first: its disagreements."""
+    ok = [r for r in records if len(r.payload["comparisons"]) > 1]
+    if not ok:
+        return []
+    out = []
+    for j, c in enumerate(ok[0].payload["comparisons"][1:], start=1):
+        cs = [r.payload["comparisons"][j] for r in ok]
+        k, n = sum(not x["suffix_equal"] for x in cs), len(cs)
+        out.append({"a": c["a"], "b": c["b"], "k": k, "n": n, "wilson": list(wilson_interval(k, n)),
+                    "label_k": sum(not x["label_equal"] for x in cs)})
+    return out
 
 
 def summarize_bridge(records: list[Record], checkpoint: str) -> dict[str, Any]:

@@ -157,6 +157,11 @@ def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
         k, n = int(d["k"]), int(d["n"])
         label = k_of_n(int(d["label_k"]), n) if d.get("label_k") is not None else NA
         disagreements.append([d["precision"], k_of_n(k, n), interval(wilson_or_given(k, n, d.get("wilson"))), label])
+        for pair in d.get("pairs") or []:  # a serving engine's run crosses three arms: every other pair too
+            pk, pn = int(pair["k"]), int(pair["n"])
+            names = f"{pair['a'].split('@')[0]} vs {pair['b'].split('@')[0]}"
+            disagreements.append([f"{d['precision']}: {names}", k_of_n(pk, pn),
+                                  interval(wilson_or_given(pk, pn, pair.get("wilson"))), k_of_n(int(pair["label_k"]), pn)])
     ckpt = grid["checkpoint"]
     return [
         Table(
