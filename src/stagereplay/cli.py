@@ -157,7 +157,7 @@ def precision_2x2(
     def go() -> None:
         from stagereplay.runs import precision_2x2 as run
 
-        run(run_dir, tuple(constructions.split(",")) if constructions else (), tuple(precisions.split(",")),
+        run(run_dir, tuple(constructions.split(",")) if constructions is not None else (), tuple(precisions.split(",")),
             checkpoint, workers, executor, quiet)
 
     _run(go)
