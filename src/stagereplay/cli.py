@@ -121,6 +121,12 @@ def matched(
     shard: Annotated[str | None, typer.Option("--shard", help="I/N: run every N-th item from the I-th")] = None,
     quiet: Quiet = False,
     columns: Columns = None,
+    engine: Annotated[str, typer.Option("--engine", help=(
+        "hf (ours) | vllm: live, oneshot and prefix-cache arms in vLLM (docs/engines.md)"))] = "hf",
+    cross: Annotated[str | None, typer.Option("--cross", help=(
+        "hf: also continue the serving engine's prefixes in ours (the hf-oneshot arm)"))] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help=(
+        "the serving engine's K/V block size (its prefix cache reuses whole blocks)"))] = 32,
 ) -> None:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
@@ -133,7 +139,7 @@ def matched(
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
-            workers, executor, shard, quiet, columns)
+            workers, executor, shard, quiet, columns, engine, cross, block_size)
 
     _run(go)
 
@@ -158,7 +164,8 @@ def _where(model: str | None, later_model: str | None, data: str | None = None) 
 @app.command("precision-2x2")
 def precision_2x2(
     run_dir: RunDir,
-    constructions: Annotated[str, typer.Option(help="comma list")] = "incremental,oneshot",
+    constructions: Annotated[str | None, typer.Option(help=(
+        "comma list (default: incremental,oneshot; on a vLLM run its arms oneshot,prefix-cache[,hf-oneshot])"))] = None,
     precisions: Annotated[str, typer.Option(help="comma list of bf16, fp16, fp32, fp32-compute")] = "bf16,fp32",
     checkpoint: Checkpoint = "primary",
     workers: Workers = 1,
@@ -172,8 +179,8 @@ def precision_2x2(
     def go() -> None:
         from stagereplay.runs import precision_2x2 as run
 
-        run(run_dir, tuple(constructions.split(",")), tuple(precisions.split(",")), checkpoint, workers, executor,
-            quiet, _where(model, later_model))
+        run(run_dir, tuple(constructions.split(",")) if constructions is not None else (), tuple(precisions.split(",")),
+            checkpoint, workers, executor, quiet, _where(model, later_model))
 
     _run(go)
 

@@ -96,7 +96,8 @@ def comparison(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> dict[str, 
         "a": a["name"],
         "b": b["name"],
         "suffix_equal": a["suffix_fp"] == b["suffix_fp"],
-        "cache_equal": a["cache_fp"] == b["cache_fp"],
+        # An engine that does not expose its cache records no fingerprint: equality is then unknown, not true.
+        "cache_equal": None if a["cache_fp"] is None or b["cache_fp"] is None else a["cache_fp"] == b["cache_fp"],
         "label_equal": a["correct"] == b["correct"],
         "first_divergence": first_divergence(a["suffix_ids"], b["suffix_ids"]),
     }
@@ -120,9 +121,10 @@ def with_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
 
 
 def execute(run: Run, experiment: str, checkpoint: str, model: ModelConfig, work: Work, jobs: Sequence[Job],
-            ex: ExecConfig, lm: LM | None = None, quiet: bool = False) -> None:
+            ex: ExecConfig, lm: LM | None = None, quiet: bool = False, env_work: Work | None = None) -> None:
     """Run every job not yet in the ledger, appending records in job order with the environment that
-    computed each, with a progress bar."""
+    computed each, with a progress bar. `env_work` returns a job's payload and environment itself (a serving
+    engine adds its own to the environment); by default `work`'s payload gets `with_environment`'s."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     pending = [j for j in jobs if not run.done(experiment, checkpoint, j.item.id, j.part)]
@@ -130,7 +132,7 @@ def execute(run: Run, experiment: str, checkpoint: str, model: ModelConfig, work
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   disable=quiet, transient=False) as bar:
         task = bar.add_task(label, total=len(jobs), completed=len(jobs) - len(pending))
-        done = run_jobs(model, partial(with_environment, work), pending, ex, lm)
+        done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, lm)
         for job, out in zip(pending, done, strict=False):
             run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
             bar.advance(task)
