@@ -132,6 +132,7 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
             out[f"{d}->{r}"] = outcome(cont.suffix, own[d].suffix, own[r].suffix)
             if arm_prefix is not None:
                 arms.append(arm_record(lm, f"{arm_prefix}{d}->{r}", state, cont, live.stage1, item, s.scorer))
+            del state  # before the next direction's transplant: at most four caches alive (README)
         return out
 
     payload: dict[str, Any] = {
