@@ -15,8 +15,9 @@ Printed:
 - the peak RSS of the run (the high-water mark is reset after the floor, where the kernel allows);
 - the weights, one boundary cache at the longest prefix + suffix, and the most K/V caches the engine made that
   were alive at once (counted by weak references over every cache `new_cache` and `clone_cache` return);
-- the full logits the continuations kept (the largest sum over one item's continuations), read from what each
-  continuation holds, so the same script measures any version of the engine.
+- the full logits the continuations kept (the largest sum over one item's continuations, each read as it
+  returns), from what each continuation holds, so the same script measures any version of the engine (the
+  diagnostics' replay of a divergent step adds one [V] per divergent pair while the item's record is made).
 
 The target is peak <= 1.15 x (floor + weights + the most caches alive x one cache). The last line is
 `peak RSS N MiB, floor F MiB, caches C MiB, logits kept L MiB`.
