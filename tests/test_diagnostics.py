@@ -16,8 +16,8 @@ from stagereplay.engine.diagnostics import (
     cache_difference,
     logit_comparison,
     position_bands,
-    step_margins,
 )
+from stagereplay.engine.steps import StepRecord
 
 
 def _cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> SimpleNamespace:
@@ -37,15 +37,37 @@ def _copy(layers):
 # --- logits --------------------------------------------------------------------------------------
 
 
+def _record(logits: torch.Tensor, picks=None, watch=()) -> StepRecord:
+    """A StepRecord fed the rows of `logits` [S, V] as steps, picking `picks` (argmax by default)."""
+    record = StepRecord(logits.shape[0], watch)
+    for i, row in enumerate(logits):
+        record.add(row, int(torch.argmax(row)) if picks is None else picks[i])
+    return record
+
+
 def test_step_margins_are_top1_minus_top2_per_step():
     logits = torch.tensor([[1.0, 3.0, 2.5], [0.0, -1.0, 4.0], [2.0, 2.0, 1.0]])  # [S=3, V=3]
-    assert step_margins(logits) == [0.5, 4.0, 0.0]  # a tie is a margin of 0
+    record = _record(logits)
+    assert record.margins() == [0.5, 4.0, 0.0]  # a tie is a margin of 0
+    assert record.values.tolist() == [[3.0, 2.5, 1.0], [4.0, 0.0, -1.0], [2.0, 2.0, 1.0]]  # k = min(5, V)
+    assert record.ids[:2].tolist() == [[1, 2, 0], [2, 0, 1]]
+
+
+def test_a_step_record_keeps_full_logits_only_at_step_0_and_where_a_watched_suffix_is_left():
+    logits = torch.randn((6, 50), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    picks = [int(torch.argmax(row.float())) for row in logits]
+    same, off3 = list(picks), [*picks[:3], picks[3] + 1, *picks[4:]]
+    record = _record(logits, picks, watch=[same, off3, picks[:2]])
+    assert sorted(record.full) == [0, 3]  # the equal suffix and the shorter one are never left
+    assert record.full[3] is logits[3] or torch.equal(record.full[3], logits[3])
+    # Negative control: without watching, only the first step is kept.
+    assert sorted(_record(logits, picks).full) == [0]
 
 
 def test_logit_comparison_at_the_first_divergent_step():
     a = torch.tensor([[0.0, 1.0, 5.0, 2.0], [0.0, 3.0, 2.9, 1.0]])
     b = torch.tensor([[0.0, 1.0, 5.25, 2.0], [0.0, 2.9, 3.0, 1.0]])
-    out = logit_comparison(a, b, divergence=1)
+    out = logit_comparison(a[0], b[0], 1, a[1], b[1])
     assert out["first_step_logit_maxabs"] == 0.25
     d = out["divergence"]
     assert d["step"] == 1 and math.isclose(d["logit_maxabs"], 0.1, rel_tol=1e-6)
@@ -57,17 +79,19 @@ def test_tied_logits_list_in_the_order_greedy_picks_them():
     """argmax takes the lowest id among tied maxima; the recorded top-1 must be the token the arm emitted."""
     a = torch.tensor([[0.0, 2.0, 0.0, 2.0, 2.0, 1.0]])
     b = torch.tensor([[0.0, 1.0, 0.0, 2.0, 2.0, 1.0]])
-    d = logit_comparison(a, b, divergence=0)["divergence"]
+    d = logit_comparison(a[0], b[0], 0, a[0], b[0])["divergence"]
     assert [t for t, _ in d["a"]["top"]] == [1, 3, 4, 5, 0] and d["a"]["top"][0][0] == int(torch.argmax(a[0]))
     assert [t for t, _ in d["b"]["top"]] == [3, 4, 1, 5, 0] and d["a"]["margin"] == 0.0
 
 
 def test_logit_comparison_of_agreeing_arms_has_no_divergence_block():
     a = torch.zeros((3, 5))
-    out = logit_comparison(a, a.clone(), divergence=None)
+    out = logit_comparison(a[0], a[0].clone(), None)
     assert out == {"first_step_logit_maxabs": 0.0, "divergence": None}
     # Negative control: the same logits with a divergence index do get the block.
-    assert logit_comparison(a, a.clone(), divergence=2)["divergence"] is not None
+    assert logit_comparison(a[0], a[0].clone(), 2, a[2], a[2].clone())["divergence"] is not None
+    # An arm with no logits at the divergent step (it stopped before it) gets none.
+    assert logit_comparison(a[0], a[0].clone(), 2, a[2], None)["divergence"] is None
 
 
 # --- caches --------------------------------------------------------------------------------------
@@ -132,7 +156,8 @@ def test_position_bands_cover_prompt_and_stage1(prompt_len, n, names):
 
 @pytest.mark.parametrize("capture", [False, True])
 def test_recording_steps_changes_no_token_and_no_logit(tiny_dir, capture):
-    """The loop keeps a reference to each step's logits: the same picks, and the logits each step chose from."""
+    """The loop reduces each step as it goes: the same picks, and each step's record is that of the logits the
+    step chose from (every step's logits kept here, by a subclass, to check against)."""
     from stagereplay.engine.cache import new_cache
     from stagereplay.engine.decode import DecodeConfig, Sampler, Stepper, decode
     from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer
@@ -140,15 +165,30 @@ def test_recording_steps_changes_no_token_and_no_logit(tiny_dir, capture):
     model, _ = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir("qwen2")), precision="bf16"))
     prompt = [5, 9, 23, 40, 17, 3, 61]
 
-    def run(steps):
+    class KeepAll(StepRecord):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.all: list[torch.Tensor] = []
+
+        def add(self, logits: torch.Tensor, token: int) -> None:
+            self.all.append(logits)
+            super().add(logits, token)
+
+    def run(record):
         stepper = Stepper(model, "cpu", capture=capture)
         cache = new_cache(model)
         logits = stepper.forward(prompt, cache, 0)
         sampler = Sampler(DecodeConfig(), 0, "cpu")
-        return decode(stepper, cache, logits, len(prompt), sampler, 24, frozenset(), steps)
+        return decode(stepper, cache, logits, len(prompt), sampler, 24, frozenset(), record)
 
-    steps: list[torch.Tensor] = []
-    assert run(steps) == run(None)
-    assert len(steps) == 24
-    assert [int(torch.argmax(x.float())) for x in steps] == run(None)  # each recorded step is the one picked from
-    assert len({x.data_ptr() for x in steps}) == len(steps)  # distinct tensors: no step overwrote another
+    plain = run(None)
+    record = KeepAll(24, watch=[[*plain[:5], plain[5] + 1]])
+    assert run(record) == plain
+    assert record.n == 24 and sorted(record.full) == [0, 5]
+    assert [int(torch.argmax(x.float())) for x in record.all] == plain  # each recorded step is the one picked from
+    assert len({x.data_ptr() for x in record.all}) == 24  # distinct tensors: no step overwrote another
+    stacked = torch.stack(record.all).float()  # [S, V]: what the diagnostics stacked before
+    top2 = torch.topk(stacked, 2, dim=-1).values
+    assert record.margins() == (top2[:, 0] - top2[:, 1]).tolist()
+    assert torch.equal(record.values, torch.topk(stacked, 5, dim=-1).values)
+    assert record.full[5] is record.all[5]

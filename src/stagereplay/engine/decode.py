@@ -20,6 +20,8 @@ from stagereplay.errors import StageReplayError
 if TYPE_CHECKING:
     import torch
 
+    from stagereplay.engine.steps import StepRecord
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -116,7 +118,9 @@ class Stepper:
     The eager backend runs the recorded operations as they are, with no fusion and no decomposition: the same
     kernels on the same inputs, so every bit is the eager forward's (tests/test_decode_speed_invariance.py
     checks logits and caches against generate() on every tiny architecture). Multi-token prefills stay
-    eager. A frame dynamo cannot compile runs eagerly; `TORCHDYNAMO_DISABLE=1` turns capture off.
+    eager. A frame dynamo cannot compile runs eagerly; `TORCHDYNAMO_DISABLE=1` turns capture off. After a
+    step that compiled, the cycle collector runs once (`release_capture_garbage`): tracing leaves the step's
+    cache in reference cycles, which would otherwise keep it alive after its owner dropped it.
     """
 
     MIN_POSITIONS = 1024  # initial length of the positions buffer; it doubles when a sequence outgrows it
@@ -167,10 +171,13 @@ class Stepper:
             # which costs 5% of a toy step.
             config = torch._dynamo.config
             suppress, config.suppress_errors = config.suppress_errors, True
+            frames = _compiled_frames()
             try:
                 return self._captured(input_ids, self.positions(past, 1), cache)
             finally:
                 config.suppress_errors = suppress
+                if _compiled_frames() != frames:
+                    release_capture_garbage()
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
         """One forward with generate()'s inputs; the last position's logits [V]."""
@@ -178,6 +185,27 @@ class Stepper:
         extra[self.cache_kw] = cache
         out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **extra)
         return out.logits[0, -1]
+
+
+def _compiled_frames() -> int:
+    """How many frames dynamo has tried to compile in this process (a dict lookup: cheap enough per step)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
+
+
+def release_capture_garbage() -> None:
+    """Free what a capture left in reference cycles, right after it, while the step's caller holds the cache.
+
+    Tracing a step leaves dynamo's variable trackers in reference cycles that hold the step's inputs, the K/V
+    cache among them; only the cycle collector frees them, and a process that allocates few Python objects
+    may not run it for a long time: the first captured cache (a boundary state's size) would stay alive long
+    after its owner dropped it. Collecting once after each compile (once per model, or per new shape) breaks the
+    cycles; the cache then lives exactly as long as its owner holds it (tests/test_cache_count.py).
+    """
+    import gc
+
+    gc.collect()
 
 
 def captures_steps(precision: str) -> bool:
@@ -224,20 +252,20 @@ def decode(
     sampler: Sampler,
     max_new_tokens: int,
     eos: frozenset[int],
-    steps: list[torch.Tensor] | None = None,
+    record: StepRecord | None = None,
 ) -> list[int]:
     """Pick from `logits`, feed the pick, repeat; stop after EOS or `max_new_tokens` picks. Grows `cache`.
 
-    With `steps`, each pick's logits [V] are appended to it as they are: a reference to the tensor the forward
-    made, no copy and no host sync, so the loop's pace and its numbers do not change (engine.diagnostics reduces
-    them after the loop).
+    With `record`, each step's logits [V] are reduced on their device after the pick (top-k into preallocated
+    rows; the full tensor only for the steps the record keeps, engine.steps): no copy of ours and no host sync,
+    so the loop's pace and its numbers do not change (tests/test_decode_speed_invariance.py).
     """
     out: list[int] = []
     while True:
         token = sampler(logits)
         out.append(token)
-        if steps is not None:
-            steps.append(logits)
+        if record is not None:
+            record.add(logits, token)
         if token in eos or len(out) >= max_new_tokens:
             return out
         logits = stepper.forward([token], cache, past)

@@ -1,9 +1,10 @@
 """Why two arms diverged: logit margins per step, the logits at the first divergent step, and how far apart
 two boundary caches are, per layer and per position band.
 
-Everything here reduces on the tensors' device and moves only the summaries to the host, once per call: a
-continuation's logits [S, V] become S margins, two caches of [B, H_kv, T, D] per layer become a few numbers
-per layer and band. Nothing per element is stored.
+Everything here reduces on the tensors' device and moves only the summaries to the host, once per call: two
+arms' logits [V] at a step become a few numbers, two caches of [B, H_kv, T, D] per layer become a few numbers
+per layer and band. Nothing per element is stored; per-step margins are reduced as the steps are made
+(engine.steps), so no [S, V] tensor ever exists.
 
 Margins are LayerCast's quantity (arXiv 2506.09501): the fp32 gap between the top-1 and the top-2 logit of a
 step. A greedy pick flips between two numerically different states only where that gap is smaller than the
@@ -16,10 +17,11 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from stagereplay.engine.steps import TOP_K
+
 if TYPE_CHECKING:
     import torch
 
-TOP_K = 5  # tokens recorded per arm at the first divergent step
 LAST_BAND = 16  # the last positions before the boundary get their own band
 STATS = ("maxabs", "rel_l2", "n_diff")
 
@@ -29,40 +31,25 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def stack_logits(steps: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A continuation's per-step logits, each [V], as one fp32 tensor [S, V] (the cast is exact)."""
-    import torch
+def logit_comparison(first_a: torch.Tensor | None, first_b: torch.Tensor | None, divergence: int | None,
+                     at_a: torch.Tensor | None = None, at_b: torch.Tensor | None = None) -> dict[str, Any]:
+    """What two arms' logits say, given each arm's logits [V] at its first step and at the first divergent step.
 
-    return torch.stack(list(steps)).float()
-
-
-def step_margins(logits: torch.Tensor) -> list[float]:
-    """Top-1 minus top-2 fp32 logit per step: [S, V] -> S floats (one host transfer)."""
-    import torch
-
-    if logits.shape[0] == 0 or logits.shape[1] < 2:
-        return []
-    top2 = torch.topk(logits, 2, dim=-1).values  # [S, 2]
-    return [float(x) for x in (top2[:, 0] - top2[:, 1]).tolist()]
-
-
-def logit_comparison(a: torch.Tensor, b: torch.Tensor, divergence: int | None) -> dict[str, Any]:
-    """What two arms' logits say, given their per-step logits [S_a, V] and [S_b, V] and first divergent step.
-
-    `first_step_logit_maxabs` is the max-abs difference at the first suffix step: both arms see the same token
-    there, so it measures how far apart the two states are even when no pick changes. `divergence` holds, at the
-    first step whose picks differ, each arm's margin and top-5 (token id, fp32 logit) and the max-abs difference
-    of the two logit vectors; it is null when the suffixes agree or one arm has no logits at that step.
+    `first_step_logit_maxabs` is the fp32 max-abs difference at the first suffix step: both arms see the same
+    token there, so it measures how far apart the two states are even when no pick changes. `divergence` holds,
+    at the first step whose picks differ (`divergence`, with `at_a` / `at_b` the arms' logits there), each arm's
+    margin and top-5 (token id, fp32 logit) and the max-abs difference of the two logit vectors; it is null when
+    the suffixes agree or one arm has no logits at that step (it stopped before it: None is passed).
     """
     import torch
 
     out: dict[str, Any] = {"first_step_logit_maxabs": None, "divergence": None}
-    if a.shape[0] and b.shape[0] and a.shape[1] == b.shape[1]:
-        out["first_step_logit_maxabs"] = _finite(float((a[0] - b[0]).abs().max()))
+    if first_a is not None and first_b is not None and first_a.shape == first_b.shape:
+        out["first_step_logit_maxabs"] = _finite(float((first_a.float() - first_b.float()).abs().max()))
     d = divergence
-    if d is None or d >= a.shape[0] or d >= b.shape[0] or a.shape[1] != b.shape[1]:
+    if d is None or at_a is None or at_b is None or at_a.shape != at_b.shape:
         return out
-    pair = torch.stack([a[d], b[d]])  # [2, V]
+    pair = torch.stack([at_a.float(), at_b.float()])  # [2, V]; the cast from 16 bits is exact
     k = min(TOP_K, pair.shape[1])
     # A stable sort lists tied logits by token id, as greedy argmax picks them; topk's order among ties is not
     # specified, and in bf16 ties are common exactly where arms diverge.

@@ -30,6 +30,7 @@ from stagereplay.engine.decode import (
 )
 from stagereplay.engine.limits import model_context, stage1_budget
 from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, set_determinism
+from stagereplay.engine.steps import StepRecord
 from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Item
 
@@ -57,8 +58,9 @@ class Continuation:
 
     suffix: tuple[int, ...]
     stop: str  # "eos" | "length"
-    steps: tuple[Any, ...] = field(default=(), repr=False, compare=False)
-    """Each pick's logits [V], kept on the model's device until the item is recorded (engine.diagnostics)."""
+    record: StepRecord | None = field(default=None, repr=False, compare=False)
+    """Per-step top-k and margins, and the full logits of the steps diagnostics need (engine.steps); None
+    where the caller reports nothing per step."""
 
     @property
     def fingerprint(self) -> str:
@@ -124,15 +126,18 @@ class LM:
         boundary: BoundaryRule,
         decode_config: DecodeConfig | None = None,
         keep_going: bool = True,
+        keep_steps: bool = True,
+        watch: Sequence[Sequence[int]] = (),
     ) -> BoundaryState:
         """Generate until `boundary` says stage 1 ended; snapshot the cache at that moment.
 
         With `keep_going`, the original loop then goes on from its own (unsnapshotted) cache, and what it emits
-        is kept as `live_suffix`: the retained live continuation. Raises `NoBoundary` if stage 1 never ends.
+        is kept as `live_suffix`: the retained live continuation (`keep_steps` and `watch` as in `continue_from`).
+        Raises `NoBoundary` if stage 1 never ends.
         """
         dc = decode_config or DecodeConfig()
         prompt, item_id = self.check_prompt(item)
-        watch = boundary.bind(self.tokenizer).watch()
+        ended = boundary.bind(self.tokenizer).watch()
         budget = dc.max_stage1_tokens or stage1_budget(self.context, len(prompt), dc.max_new_tokens)
         cache = new_cache(self.model)
         logits = self.stepper.forward(prompt, cache, 0)
@@ -142,7 +147,7 @@ class LM:
         while True:
             token = pick(logits)
             generated.append(token)
-            if watch.step(token):
+            if ended.step(token):
                 break
             if token in self.eos or len(generated) >= budget:
                 raise NoBoundary(generated)
@@ -151,11 +156,11 @@ class LM:
         # `cache` now covers prompt + generated[:-1]; generated[-1] is the pending token P[T-1].
         state = BoundaryState(
             prefix=(*prompt, *generated), prompt_len=len(prompt), construction="live",
-            cache=clone_cache(cache), seed=derive_seed(dc.seed, item_id, "suffix"), match=watch.detail(),
+            cache=clone_cache(cache), seed=derive_seed(dc.seed, item_id, "suffix"), match=ended.detail(),
         )
         if not keep_going:
             return state
-        return replace(state, live_suffix=self._continue(cache, state, dc))
+        return replace(state, live_suffix=self._continue(cache, state, dc, None, keep_steps, watch))
 
     # -- constructions --------------------------------------------------------------------------------
 
@@ -191,23 +196,27 @@ class LM:
     # -- continuation ---------------------------------------------------------------------------------
 
     def continue_from(self, state: BoundaryState, decode_config: DecodeConfig | None = None,
-                      seed: int | None = None, keep_steps: bool = True) -> Continuation:
+                      seed: int | None = None, keep_steps: bool = True, watch: Sequence[Sequence[int]] = ()
+                      ) -> Continuation:
         """Feed the pending token on a clone of the state's cache and decode to EOS or the length limit.
 
         The state is never touched, so many continuations (K sampled draws) can start from one snapshot: each
-        costs a cache copy and its decode steps, never a prefill. `seed` overrides the state's sampling seed;
-        `keep_steps=False` keeps no per-step logits (steps x vocabulary) where no diagnostics will read them.
+        costs a cache copy and its decode steps, never a prefill. `seed` overrides the state's sampling seed.
+        The continuation's `record` holds each step's top-k and margin, the full logits of step 0 and of the
+        first step whose pick leaves each `watch`ed suffix (an earlier arm's: the pair's first divergent step);
+        `keep_steps=False` keeps no record at all, where nothing per step is reported (engine.steps).
         """
-        return self._continue(clone_cache(state.cache), state, decode_config or DecodeConfig(), seed, keep_steps)
+        return self._continue(clone_cache(state.cache), state, decode_config or DecodeConfig(), seed, keep_steps,
+                              watch)
 
     def _continue(self, cache: Any, state: BoundaryState, dc: DecodeConfig, seed: int | None = None,
-                  keep_steps: bool = True) -> Continuation:
+                  keep_steps: bool = True, watch: Sequence[Sequence[int]] = ()) -> Continuation:
         past = len(state.prefix) - 1
         logits = self.stepper.forward([state.prefix[-1]], cache, past)
         pick = Sampler(dc, state.seed if seed is None else seed, self.config.device)
-        steps: list[Any] | None = [] if keep_steps else None
-        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos, steps)
-        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length", tuple(steps or ()))
+        record = StepRecord(dc.max_new_tokens, watch, self.stepper) if keep_steps else None
+        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos, record)
+        return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length", record)
 
     # -- helpers --------------------------------------------------------------------------------------
 

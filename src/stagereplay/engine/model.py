@@ -211,7 +211,8 @@ def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
         tokenizer = _load_tokenizer(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, config=model_config, dtype=torch_dtype(config.precision), attn_implementation=config.attn_impl
+                path, config=model_config, dtype=torch_dtype(config.precision), attn_implementation=config.attn_impl,
+                **_placement(config.device),
             )
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -225,6 +226,22 @@ def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
         )
     if config.precision == "fp32-compute":
         _upcast_on_use(model)
-    model.to(config.device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
+    if not _placement(config.device):
+        model.to(config.device)  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
     model.eval()
     return model, tokenizer
+
+
+def _placement(device: str) -> dict[str, Any]:
+    """`from_pretrained` arguments that load straight onto `device`.
+
+    On a GPU, a one-device `device_map` makes transformers materialise each tensor there as it reads it: no full
+    host copy first (55 GiB of host RAM for a 14B model in fp32 otherwise), and no dispatch hooks, since there is
+    one device. transformers needs `accelerate` for it (`pip install 'stagereplay[gpu]'`); without it the model
+    loads to the host and moves, as before. On the CPU the weights are read into host memory directly anyway.
+    """
+    if not device.startswith("cuda"):
+        return {}
+    import importlib.util
+
+    return {"device_map": device} if importlib.util.find_spec("accelerate") is not None else {}

@@ -8,38 +8,78 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import Work
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
     from stagereplay.engine.model import ModelConfig
 
-# The models this process has loaded, most recently used last, so that the stages of one command that share
-# a model setting load it (and capture its steps) once. A worker process serves every setting of a command (a
-# paper run has three: primary bf16 and fp32, later bf16) and keeps up to MAX_MODELS replicas; the command's
-# own process, which runs the jobs itself with --workers 1 (as on a GPU), keeps one, so that it never holds
-# two models at once.
+# The models this process has loaded, so that the stages of one command that share a model setting load it (and
+# capture its steps) once. One at a time, in the command's own process and in each worker alike: no comparison
+# needs two models resident (the 2x2 runs each precision as its own jobs, the audit groups its jobs by model),
+# and at 14B two would be 28-56 GiB. A model is released, and collected, before the next one loads.
 _LMS: dict[ModelConfig, LM] = {}
-MAX_MODELS = 3
+MAX_MODELS = 1
 
 
-def cached_lm(config: ModelConfig, keep: int = 1) -> LM:
-    """The model for `config`, loaded unless it is among the last `keep` this process used."""
+def cached_lm(config: ModelConfig, keep: int = MAX_MODELS) -> LM:
+    """The model for `config`, loaded unless it is among the last `keep` this process used.
+
+    The models dropped to make room are collected before the next loads: a captured step holds its model in
+    reference cycles, which plain reference counting would leave for the cycle collector to find later.
+    """
     lm = _LMS.pop(config, None)
     if lm is None:
+        import gc
+
         from stagereplay.engine.lm import load
 
-        while len(_LMS) >= keep:
-            _LMS.pop(next(iter(_LMS)))  # the least recently used, dropped before the next one loads
+        if len(_LMS) >= keep:
+            while len(_LMS) >= keep:
+                _LMS.pop(next(iter(_LMS)))  # the least recently used, dropped before the next one loads
+            gc.collect()
         lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl)
     _LMS[config] = lm
     return lm
 
 
+# This worker process's index in its pool (0..N-1), set when the process starts; None in the command's process.
+_WORKER_INDEX: int | None = None
+
+
+def _start_worker(counter: Any) -> None:
+    global _WORKER_INDEX
+    with counter.get_lock():
+        _WORKER_INDEX = int(counter.value)
+        counter.value += 1
+
+
+def worker_config(config: ModelConfig, index: int | None) -> ModelConfig:
+    """Worker `index`'s model setting: with `--device cuda`, its own GPU `cuda:<index>`; else `config` as given
+    (`cpu`, or a `cuda:<i>` the user pinned every worker to). Its records' environments name that device."""
+    if index is None or config.device != "cuda":
+        return config
+    return replace(config, device=f"cuda:{index}")
+
+
+def check_worker_devices(device: str, workers: int, executor: str = "local") -> None:
+    """Refuse `--workers N --device cuda` (local workers, one GPU each) when fewer than N GPUs are visible."""
+    if executor != "local" or workers < 2 or device != "cuda":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < workers:
+        raise StageReplayError(f"--workers {workers} with --device cuda needs one GPU per worker, {count} visible",
+                               f"pass --workers {max(count, 1)} or fewer (or pin one GPU with --device cuda:0)")
+
+
 def _call(config: ModelConfig, work: Work, job: Any) -> dict[str, Any]:
-    return work(cached_lm(config, MAX_MODELS), job)
+    return work(cached_lm(worker_config(config, _WORKER_INDEX)), job)
 
 
 # Worker processes, kept until the command ends (`shutdown_workers`): starting one (importing torch, loading
@@ -56,6 +96,7 @@ def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int
         for job in jobs:
             yield work(lm, job)
         return
+    check_worker_devices(config.device, workers)
     pool = _pool(workers)
     futures = [pool.submit(_call, config, work, job) for job in jobs]
     try:
@@ -72,7 +113,10 @@ def _pool(workers: int) -> Any:
 
     if workers not in _POOL:
         # spawn, not fork: a forked child would inherit torch's thread pools and any CUDA context half-made.
-        _POOL[workers] = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+        # Each worker takes the next index as it starts: worker i runs on cuda:i under --device cuda.
+        context = mp.get_context("spawn")
+        _POOL[workers] = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker,
+                                             initargs=(context.Value("i", 0),))
     return _POOL[workers]
 
 

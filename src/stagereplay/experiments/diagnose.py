@@ -2,21 +2,39 @@
 
 A record's `diagnostics` is top-level in its payload, so the audit's field-by-field comparison re-derives every
 number in it: a margin or a cache difference that the model does not reproduce is a mismatch like a token.
+
+No [S, V] tensor is made: margins come from each continuation's per-step record (engine.steps), and the logits
+of a pair's first divergent step from the record of the arm that watched the other's suffix, else by replaying
+the arm's recorded suffix from its boundary cache (`replay_logits`), which experiments keep for the first arm
+of every pair.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stagereplay.engine.diagnostics import cache_difference, logit_comparison, stack_logits, step_margins
+from stagereplay.engine.diagnostics import cache_difference, logit_comparison
 from stagereplay.engine.lm import BoundaryState, Continuation
+from stagereplay.engine.steps import replay_logits
 from stagereplay.report.stats import first_divergence
+
+if TYPE_CHECKING:
+    import torch
 
 
 def pair_key(a: str, b: str) -> str:
     """The name of a compared pair in `diagnostics.pairs` (arm names hold `#`, `@` and `:`, never ` vs `)."""
     return f"{a} vs {b}"
+
+
+def _logits_at(arm: tuple[BoundaryState, Continuation], step: int) -> torch.Tensor | None:
+    """The arm's logits [V] at `step`: kept, or replayed from its boundary cache; None past its last step."""
+    state, cont = arm
+    assert cont.record is not None
+    if step >= cont.record.n:
+        return None
+    return replay_logits(cont.record, state.cache, state.prefix, cont.suffix, step)
 
 
 def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterable[tuple[str, str]],
@@ -25,18 +43,25 @@ def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterabl
 
     Cache differences are for a retained or incremental cache against a fresh one (not replicas, whose caches
     the fingerprints already compare); the first arm of a pair is the reference of the relative difference.
+    An arm whose cache was dropped must have watched the other arm's suffix (`LM.continue_from(watch=...)`).
     """
     import torch
 
     with torch.inference_mode():
-        logits = {name: stack_logits(cont.steps) for name, (_, cont) in arms.items() if cont.steps}
-        out: dict[str, Any] = {"margins": {name: step_margins(x) for name, x in logits.items()}, "pairs": {}}
+        kept = {name: arm for name, arm in arms.items() if arm[1].record is not None and arm[1].record.n}
+        out: dict[str, Any] = {"margins": {name: cont.record.margins() for name, (_, cont) in kept.items()
+                                           if cont.record is not None}, "pairs": {}}
         with_cache = set(cache_pairs)
         for a, b in pairs:
-            if a not in logits or b not in logits:
+            if a not in kept or b not in kept:
                 continue
-            (sa, ca), (sb, cb) = arms[a], arms[b]
-            entry = logit_comparison(logits[a], logits[b], first_divergence(ca.suffix, cb.suffix))
+            (sa, ca), (sb, cb) = kept[a], kept[b]
+            assert ca.record is not None and cb.record is not None
+            d = first_divergence(ca.suffix, cb.suffix)
+            at_a = at_b = None
+            if d is not None and d < ca.record.n and d < cb.record.n:
+                at_a, at_b = _logits_at(kept[a], d), _logits_at(kept[b], d)
+            entry = logit_comparison(ca.record.full[0], cb.record.full[0], d, at_a, at_b)
             entry["cache"] = None
             if (a, b) in with_cache and sa.prefix == sb.prefix:
                 entry["cache"] = cache_difference(sa.cache, sb.cache, sa.prompt_len, len(sa.prefix) - 1)

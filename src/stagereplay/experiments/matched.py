@@ -48,8 +48,10 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
     """Live + replica, construction + replica; the comparisons between them. Pure in (model, item, settings).
 
     Each replica's cache is dropped as soon as its record (with the cache fingerprint) is made: comparisons need
-    only the fingerprints, and the diagnostics compare the caches of live and the fresh construction alone. So
-    at most those two boundary caches and one continuation's cache are alive at a time.
+    only the fingerprints, and the diagnostics compare the caches of live and the fresh construction alone (a
+    replica watches its pair's first arm, so its logits at their first divergent step are kept as it runs). So
+    at most four K/V caches are alive at once: live's and the fresh construction's boundary states, and a
+    replica's boundary state with the cache its continuation grows (README, "caches alive").
     """
     item, s = job.item, job.settings
     construction = job.get("construction", "oneshot")
@@ -69,16 +71,17 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
 
     record("live", live, live.live_suffix, keep_cache=True)
     try:
-        replica = lm.live(item, rule, s.decode)  # from scratch: the same construction run again
+        # From scratch: the same construction run again, watching live's suffix for its first divergent step.
+        replica = lm.live(item, rule, s.decode, watch=[live.live_suffix.suffix])
     except NoBoundary:
         replica = None
     replica_prefix_equal = replica is not None and replica.prefix == live.prefix
     if replica is not None and replica.live_suffix is not None:
         record("live#replica", replica, replica.live_suffix, keep_cache=False)
     del replica
-    for name, keep in ((construction, True), (f"{construction}#replica", False)):
+    for name, keep, first in ((construction, True, "live"), (f"{construction}#replica", False, construction)):
         fresh = lm.construct(live, construction)
-        record(name, fresh, lm.continue_from(fresh, s.decode), keep_cache=keep)
+        record(name, fresh, lm.continue_from(fresh, s.decode, watch=[runs[first][1].suffix]), keep_cache=keep)
         del fresh
     by = {a["name"]: a for a in arms}
     pairs = [("live", construction), ("live", "live#replica"), (construction, f"{construction}#replica")]

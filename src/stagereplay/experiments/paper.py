@@ -93,6 +93,7 @@ def paper(
     with open_run(Path(out), manifest) as run:
         settings = source.settings
         run_matched(run, MatchedConfig(source.model, settings, source.data), items, ex, lm, quiet)
+        del lm  # held here, it would stay loaded beside the next model (execution.local keeps one at a time)
         require_boundary(summarize_matched(run.find("matched", "primary"), "oneshot", "primary", "bf16"), settings)
         # Everything on the primary bf16 model first, so worker processes are started once for it.
         run_bridge(run, source.model, settings, "primary", bridge_rows, ex, quiet)
@@ -103,7 +104,6 @@ def paper(
             cfg = ResampleConfig(k=resample, n=resample_items, precisions=("bf16", "fp32"))
             run_resample(run, source.model, settings, "primary", cfg, ex, quiet)
         if later is not None:
-            del lm  # one model in memory at a time
             run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)
             run_transplant(run, later, settings, "later", TransplantConfig(select="all-divergent"), ex, quiet)
         summary = audit_run(run.path, run.manifest, run.records, ex, quiet, stored_results=False, config=audit)

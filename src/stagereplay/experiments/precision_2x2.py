@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from stagereplay.engine.decode import derive_seed
-from stagereplay.engine.lm import LM, BoundaryState, check_construction
+from stagereplay.engine.lm import LM, BoundaryState, Continuation, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
@@ -28,10 +28,13 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
     """Every construction at this process's precision on one fixed prefix, and their pairwise comparison."""
     item, s = job.item, job.settings
     state = fixed_state(item, job.get("prefix"), s)
-    runs = {}
+    runs: dict[str, tuple[BoundaryState, Continuation]] = {}
     for construction in job.get("constructions"):
         built = lm.construct(state, construction)
-        runs[f"{construction}@{lm.config.precision}"] = (built, lm.continue_from(built, s.decode))
+        # Each arm watches the earlier ones' suffixes: its logits at their first divergent step are kept as it
+        # runs; the earlier arm's are replayed from its cache, which every arm here keeps for `cache_difference`.
+        watch = [cont.suffix for _, cont in runs.values()]
+        runs[f"{construction}@{lm.config.precision}"] = (built, lm.continue_from(built, s.decode, watch=watch))
     arms = [arm_record(lm, name, built, cont, state.stage1, item, s.scorer) for name, (built, cont) in runs.items()]
     comparisons = [comparison(item.id, a, b) for i, a in enumerate(arms) for b in arms[i + 1 :]]
     pairs = [(c["a"], c["b"]) for c in comparisons]

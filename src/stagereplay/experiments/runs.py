@@ -17,7 +17,7 @@ from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig, check_model_dir
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.execution.local import cached_lm
+from stagereplay.execution.local import cached_lm, check_worker_devices
 from stagereplay.experiments.common import ReplaySettings
 from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run, read_ledger, read_manifest
 from stagereplay.records.provenance import environment, model_hashes, now, package_versions
@@ -72,6 +72,7 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Ite
     from stagereplay.engine.model import load_config_and_tokenizer, set_determinism
 
     m = source.model
+    check_worker_devices(m.device, ex.workers, ex.executor)  # one GPU per local worker, before anything loads
     lm: LM | None = None
     if ex.workers == 1 and ex.executor == "local":
         lm = cached_lm(m)

@@ -112,16 +112,9 @@ def diagnostics(arms: dict[str, dict[str, Any]], pairs: Sequence[tuple[str, str]
     return {"margins": {name: _margins(arm["top_logprobs"]) for name, arm in arms.items()}, "pairs": pair_entries}
 
 
-def hf_top_logprobs(steps: Sequence[Any], k: int) -> list[list[list[float]]]:
-    """Our engine's per-step logits ([V] each) as the serving engine reports them: top-k (id, logprob), ties by id."""
-    import torch
-
-    if not steps:
-        return []
-    logprobs = torch.log_softmax(torch.stack(list(steps)).float(), dim=-1)  # [S, V]
-    top = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-    ids, values = top.indices[:, :k].tolist(), top.values[:, :k].tolist()
-    return [[[int(t), float(v)] for t, v in zip(i, x, strict=True)] for i, x in zip(ids, values, strict=True)]
+def hf_top_logprobs(record: Any, k: int) -> list[list[list[float]]]:
+    """Our engine's per-step top-k (engine.steps) as the serving engine reports them: (id, logprob), ties by id."""
+    return [] if record is None else record.top_logprobs(k)
 
 
 def arm_of(lm: LM, name: str, construction: str, engine: str, suffix: Sequence[int], top: Any,
@@ -196,7 +189,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
         for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):
             built = lm.construct(state, "oneshot")
             cont = lm.continue_from(built, s.decode)
-            arms.append(arm_of(lm, name, "oneshot", cross, cont.suffix, hf_top_logprobs(cont.steps, TOP_LOGPROBS), stage1, item,
+            arms.append(arm_of(lm, name, "oneshot", cross, cont.suffix, hf_top_logprobs(cont.record, TOP_LOGPROBS), stage1, item,
                              s.scorer, built.fingerprint()))
             del built, cont
         fresh.append(f"{cross}-oneshot")

@@ -70,7 +70,7 @@ def serving_grid_item(lm: LM, job: Job) -> dict[str, Any]:
             built = lm.construct(fixed_state(item, prefix, s), "oneshot")
             cont = lm.continue_from(built, s.decode)
             arms.append(arm_of(lm, name, "oneshot", c.removesuffix("-oneshot"), cont.suffix,
-                               hf_top_logprobs(cont.steps, TOP_LOGPROBS), stage1, item, s.scorer, built.fingerprint()))
+                               hf_top_logprobs(cont.record, TOP_LOGPROBS), stage1, item, s.scorer, built.fingerprint()))
     by = {a["name"]: a for a in arms}
     pairs = [(a["name"], b["name"]) for i, a in enumerate(arms) for b in arms[i + 1 :]]
     comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs}

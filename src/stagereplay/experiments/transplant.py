@@ -100,14 +100,14 @@ def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: Transpla
           ) -> tuple[BoundaryState, Continuation]:
     cache = transplant(recipient.cache, donor.cache, spec)
     state = BoundaryState(recipient.prefix, recipient.prompt_len, "transplant", cache, recipient.seed)
-    return state, lm.continue_from(state, job.settings.decode)
+    return state, lm.continue_from(state, job.settings.decode, keep_steps=False)  # no diagnostics read steps
 
 
 def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
     item, s = job.item, job.settings
     cfg = TransplantConfig(**dict(job.get("config")))
     try:
-        live = lm.live(item, s.rule(), s.decode)
+        live = lm.live(item, s.rule(), s.decode, keep_steps=False)
     except NoBoundary:
         live = None
     if live is None or list(live.prefix) != list(job.get("prefix")):
@@ -119,7 +119,7 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
     assert live.live_suffix is not None
     fresh = lm.construct(live, cfg.construction)
     states = {"live": live, cfg.construction: fresh}
-    own = {"live": live.live_suffix, cfg.construction: lm.continue_from(fresh, s.decode)}
+    own = {"live": live.live_suffix, cfg.construction: lm.continue_from(fresh, s.decode, keep_steps=False)}
     arms = [arm_record(lm, name, states[name], own[name], live.stage1, item, s.scorer) for name in states]
     positions = parse_positions(cfg.positions, len(live.prefix) - 1) if cfg.positions else None
     pairs = [("live", cfg.construction), (cfg.construction, "live")]  # (donor, recipient)
@@ -132,6 +132,7 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
             out[f"{d}->{r}"] = outcome(cont.suffix, own[d].suffix, own[r].suffix)
             if arm_prefix is not None:
                 arms.append(arm_record(lm, f"{arm_prefix}{d}->{r}", state, cont, live.stage1, item, s.scorer))
+            del state  # before the next direction's transplant: at most four caches alive (README)
         return out
 
     payload: dict[str, Any] = {
