@@ -55,9 +55,11 @@ def model_shape(path: str | Path) -> Shape:
     directory has weights, else from the config (a Qwen2/Llama-style decoder: embeddings, attention with
     q/k/v biases when the config says so, a gated MLP, norms, an untied head unless tied)."""
     from stagereplay.engine.limits import model_context
-    from stagereplay.engine.model import check_model_dir, load_checked_config
+    from stagereplay.engine.model import load_checked_config
 
-    p = check_model_dir(path)
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise StageReplayError(f"no config.json in {p}", "pass --model a directory holding the model's config.json")
     config = load_checked_config(p)
     c = config.get_text_config()
     heads = int(c.num_attention_heads)
@@ -160,8 +162,9 @@ class Rates:
     source: str = "given"
 
     def seconds(self, stage: StagePlan) -> float:
-        x = self.steps.get(stage.precision) or next(iter(self.steps.values()))
-        y = self.prefill_tokens.get(stage.precision)
+        """Per precision, or for every precision under the key ""."""
+        x = self.steps.get(stage.precision) or self.steps[""]
+        y = self.prefill_tokens.get(stage.precision) or self.prefill_tokens.get("")
         return stage.forwards / x + (stage.prefill_tokens / y if y else 0.0)
 
 
@@ -210,23 +213,25 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
     if cfg.later:
         stage("matched/later", "bf16", [(u, matched.forwards(u)) for u in units])
         transplants("later", "all-divergent")
-    stages.append(audit_stage(stages, cfg.audit_sample))
+    stages += audit_stages(stages, cfg.audit_sample)
     for st in stages:
         st.positions = min(st.positions, end)
     return stages
 
 
-def audit_stage(stages: list[StagePlan], sample: int | None) -> StagePlan:
+def audit_stages(stages: list[StagePlan], sample: int | None) -> list[StagePlan]:
     """The audit re-executes every unit of every stage, or `sample` units per stage (scaled from the stage's
-    mean unit: which units a seeded sample picks is the audit's)."""
-    audit = StagePlan("audit", "bf16", caches=max((s.caches for s in stages), default=0))
+    mean unit: which units a seeded sample picks is the audit's), one row per precision."""
+    out: dict[str, StagePlan] = {}
     for s in stages:
+        audit = out.setdefault(s.precision, StagePlan(f"audit@{s.precision}", s.precision))
         share = 1.0 if sample is None or s.units == 0 else min(sample, s.units) / s.units
         audit.units += s.units if sample is None else min(sample, s.units)
         for k, v in s.sizes.items():
             audit.sizes[k] += round(v * share)
         audit.positions = max(audit.positions, s.positions)
-    return audit
+        audit.caches = max(audit.caches, s.caches)
+    return list(out.values())
 
 
 def lengths_of(payload: dict[str, Any]) -> Lengths:
@@ -238,10 +243,23 @@ def lengths_of(payload: dict[str, Any]) -> Lengths:
     return Lengths(prompt, payload["boundary"] - prompt, 0, arms)
 
 
+def grid_lengths(payload: dict[str, Any]) -> tuple[Lengths, str | None]:
+    """A 2x2 record's lengths and the construction it carried over from matched (None when it did not), with the
+    steps that arm was decoded again for its diagnostics (`precision_2x2.diagnostic_steps`)."""
+    from stagereplay.experiments.precision_2x2 import diagnostic_steps
+
+    n = lengths_of(payload)
+    carried = [a for a in payload.get("arms", []) if a.get("same_as")]
+    if not carried:
+        return n, None
+    others = [tuple(a["suffix_ids"]) for a in payload["arms"] if not a.get("same_as")]
+    look = diagnostic_steps(carried[0]["suffix_ids"], others)
+    return Lengths(n.prompt, n.stage1, 0, n.arms, look=look), carried[0]["name"].split("@")[0]
+
+
 def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = True) -> list[StagePlan]:
     """The stages of a run as it ran: every unit's forwards from its record's measured lengths."""
     from stagereplay.experiments import bridge, matched, precision_2x2, transplant
-    from stagereplay.experiments.precision_2x2 import diagnostic_steps
     from stagereplay.experiments.transplant import TransplantConfig
 
     manifest = read_manifest(run_dir)
@@ -263,13 +281,7 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
             fw = transplant.forwards(Lengths(n.prompt, n.stage1, suffix, n.arms), TransplantConfig(**stage["config"]),
                                      _layers(stage))
         elif r.experiment == "precision_2x2":
-            carried = [a for a in p["arms"] if a.get("same_as")]
-            reused = carried[0]["name"].split("@")[0] if carried else None
-            look = None
-            if carried:
-                others = [tuple(a["suffix_ids"]) for a in p["arms"] if not a.get("same_as")]
-                look = diagnostic_steps(carried[0]["suffix_ids"], others)
-            lengths = Lengths(n.prompt, n.stage1, 0, n.arms, look=look)
+            lengths, reused = grid_lengths(p)
             fw = precision_2x2.forwards(lengths, tuple(stage["constructions"]), r.part, reused)
             name = f"{name}@{r.part}"
         else:
@@ -280,7 +292,7 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
         longest = max((length for _, length in n.arms), default=n.generated)
         plan.add(fw, n.prefix + longest)
     out = list(plans.values())
-    return [*out, audit_stage(out, audit_sample)] if audited else out
+    return out + audit_stages(out, audit_sample) if audited else out
 
 
 def _layers(stage: dict[str, Any]) -> int:
@@ -323,14 +335,14 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
 
 def render(stages: list[StagePlan], shape: Shape, rates: Rates | None, workers: int = 1) -> str:
     """A table, one row per stage, then the totals."""
-    head = (f"{'stage':30} {'prec':>12} {'items':>6} {'forwards':>10} {'prefill tok':>12} {'steps':>10} "
-            f"{'caches':>7} {'cache MiB':>10} {'weights GiB':>12}" + (f" {'hours':>8}" if rates else ""))
+    head = (f"{'stage':28} {'prec':>5} {'items':>6} {'forwards':>10} {'prefill tok':>12} {'steps':>10} "
+            f"{'caches':>7} {'cache MiB':>10} {'weights MiB':>12}" + (f" {'hours':>8}" if rates else ""))
     lines = [head]
     total = 0.0
-    for s in stages:
-        size = shape.cache_bytes(s.positions, s.precision if s.precision in BYTES else "bf16") / 2**20
-        row = (f"{s.name:30} {s.precision:>12} {s.units:>6} {s.forwards:>10} {s.prefill_tokens:>12} {s.steps:>10} "
-               f"{s.caches:>7} {size:>10.1f} {shape.weight_bytes(s.precision) / 2**30:>12.2f}")
+    for s in stages:  # caches: the most alive at once; cache MiB: one of them at the stage's longest sequence
+        size = shape.cache_bytes(s.positions, s.precision) / 2**20
+        row = (f"{s.name:28} {s.precision:>5} {s.units:>6} {s.forwards:>10} {s.prefill_tokens:>12} {s.steps:>10} "
+               f"{s.caches:>7} {size:>10.1f} {shape.weight_bytes(s.precision) / 2**20:>12.1f}")
         if rates:
             hours = rates.seconds(s) / max(1, min(workers, s.units)) / 3600
             total += hours
@@ -341,3 +353,56 @@ def render(stages: list[StagePlan], shape: Shape, rates: Rates | None, workers: 
                  f"{sum(s.steps for s in stages)} decode steps"
                  + (f", {total:.3f} hours ({total * 3600:.0f} s; rates {rates.source})" if rates else ""))
     return "\n".join(lines)
+
+
+def prompt_lengths(model: str, data: str | None, n: int, prompt_tokens: int | None) -> list[int]:
+    """The prompt lengths of the first `n` items as the model's tokenizer makes them (the toy task's without
+    `data`), or `prompt_tokens` for each when given (a directory holding only config.json has no tokenizer)."""
+    if prompt_tokens is not None:
+        return [prompt_tokens] * n
+    from stagereplay.engine.model import load_config_and_tokenizer
+    from stagereplay.tasks import DataConfig, load_items
+
+    if not any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise StageReplayError(f"no tokenizer in {model} to measure the prompts with", "pass --prompt-tokens N")
+    _, tokenizer = load_config_and_tokenizer(model)
+    found = load_items(DataConfig(path=str(Path(data).resolve()) if data else None, n=n), tokenizer)[0]
+    return [len(i.prompt_ids) for i in found]
+
+
+def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run: Path | None = None,
+         max_stage1_tokens: int | None = None, rates: Rates | None = None, calibrate_on: dict[str, Any] | None = None
+         ) -> str:
+    """The plan's table: of `run` as it ran (its measured lengths), else of `paper` on `model` with `cfg`'s
+    lengths. `calibrate_on` (device, threads) measures the rates on the real model instead of `rates`."""
+    from stagereplay.engine.limits import STAGE1_BUDGET, check_budgets
+
+    if run is not None:
+        if not (run / "manifest.json").exists():
+            raise StageReplayError(f"no run in {run} (manifest.json missing)", "pass a run directory, or no RUN")
+        model = read_manifest(run)["config"]["model"]["path"]
+    if model is None:
+        from stagereplay.toy import toy_checkpoint
+
+        model = str(toy_checkpoint("primary"))
+    shape = model_shape(model)
+    if run is not None:
+        stages = plan_run(run, cfg.audit_sample)
+    else:
+        prompts = prompt_lengths(model, data, cfg.n, cfg.prompt_tokens)
+        budget = check_budgets(max(prompts), max_stage1_tokens, cfg.suffix_tokens, shape.context, STAGE1_BUDGET)
+        stages = plan_paper(cfg, shape, prompts, budget)
+    if calibrate_on is not None:
+        rates = calibrate(model, sorted({s.precision for s in stages}), **calibrate_on)
+    header = (f"model {Path(model).name}: {shape.layers} layers, {shape.kv_heads} KV heads of {shape.head_dim}, "
+              f"{shape.params / 1e9:.3f}B parameters; a cache holds "
+              f"{shape.cache_bytes(1, 'bf16') / 1024:.0f} KiB per position in bf16")
+    if run is None:
+        s1 = cfg.stage1_tokens or budget
+        header += (f"\nassumed: {cfg.n} items, prompts {min(prompts)}-{max(prompts)} tokens, stage 1 {s1}, suffix "
+                   f"{cfg.suffix_tokens}, divergent {cfg.n if cfg.divergent is None else cfg.divergent}; "
+                   f"2x2 {'carries the matched arm over' if cfg.dedup else 'recomputes every arm'}; audit "
+                   + ("of every unit" if cfg.audit_sample is None else f"of {cfg.audit_sample} units per stage"))
+    else:
+        header += f"\nmeasured: the lengths recorded in {run}"
+    return header + "\n" + render(stages, shape, rates, cfg.workers)
