@@ -302,9 +302,10 @@ def _layers(stage: dict[str, Any]) -> int:
 
 
 def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
-              prompt: int = 256, steps: int = 32) -> Rates:
-    """Measure a decode step and a prefill of `prompt` tokens on the real model, per precision (a few forwards
-    each, after one warm-up that captures the step)."""
+              prompt: int = 256, steps: int = 32, rounds: int = 3) -> Rates:
+    """Measure a decode step and a prefill of `prompt` tokens on the real model, per precision: one warm-up
+    round (it captures the step), then the median of `rounds` timed ones."""
+    import statistics
     import time
 
     from stagereplay.engine.cache import new_cache
@@ -316,17 +317,18 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
         vocab = int(lm.model.config.get_text_config().vocab_size)
         length = max(2, min(prompt, lm.context - steps - 1))
         ids = [(7 * i + 3) % vocab for i in range(length)]
-        for _ in range(2):  # the first round warms up (captures the step); the second is timed
+        timed: list[tuple[float, float]] = []  # (prefill s, one step s)
+        for _ in range(rounds + 1):
             cache = new_cache(lm.model)
             t0 = time.perf_counter()
             lm.stepper.forward(ids, cache, 0)
             t1 = time.perf_counter()
             for k in range(steps):
                 lm.stepper.forward([ids[k % length]], cache, length + k)
-            t2 = time.perf_counter()
-        step = (t2 - t1) / steps
+            timed.append((t1 - t0, (time.perf_counter() - t1) / steps))
+        step = statistics.median(t for _, t in timed[1:])
         rates[p] = 1 / step
-        extra = (t1 - t0) - step  # a prefill costs a step plus its tokens
+        extra = statistics.median(t for t, _ in timed[1:]) - step  # a prefill costs a step plus its tokens
         if extra > 0:
             prefill[p] = length / extra
         del lm
