@@ -3,6 +3,7 @@ calibrated time against the run's wall time.
 
     python bench/plan.py --n 4                           # `paper` on the embedded toy, one process
     python bench/plan.py --n 2 --max-new-tokens 16       # a quick look
+    python bench/plan.py --n 4 --clock cpu               # CPU time of this process: steadier on a shared CPU
 
 Runs `stagereplay.runs.paper` in this process (`--workers 1`) with every model forward counted by its token
 count (`Stepper.forward` wrapped), then `plan` of that run (its measured lengths, the full audit included)
@@ -28,6 +29,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=4, help="items")
     p.add_argument("--max-new-tokens", type=int, default=128, help="suffix length limit")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: this process's CPU time for the run and the calibration (steadier on a shared CPU)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args(argv)
 
@@ -50,21 +53,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode.Stepper.forward = counted  # type: ignore[method-assign]  # a counting wrapper of the same method
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        start = time.perf_counter()
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        start = clock()
         paper(out, n=args.n, decode=DecodeConfig(max_new_tokens=args.max_new_tokens), workers=1,
               threads=args.threads, quiet=True)
-        wall = time.perf_counter() - start
+        wall = clock() - start
         decode.Stepper.forward = forward  # type: ignore[method-assign]
         stages = plan_run(out)
         model = str(toy_checkpoint("primary"))
-        rates = calibrate(model, sorted({s.precision for s in stages}), threads=args.threads)
+        rates = calibrate(model, sorted({s.precision for s in stages}), threads=args.threads, clock=clock)
         print(render(stages, model_shape(model), rates))
     planned: Counter[int] = Counter()
     for s in stages:
         planned.update(s.sizes)
     estimate = sum(rates.seconds(s) for s in stages)
     same = +planned == +sizes
-    print(f"run: {sum(sizes.values())} forwards ({sizes[1]} single-token), {wall:.1f} s wall (paper --n {args.n} "
+    print(f"run: {sum(sizes.values())} forwards ({sizes[1]} single-token), {wall:.1f} s {args.clock} (paper --n {args.n} "
           f"--workers 1, load, report and audit included); rates: "
           + ", ".join(f"{p} {x:.0f} steps/s" for p, x in rates.steps.items()))
     if args.json:

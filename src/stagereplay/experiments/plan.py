@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,11 +302,15 @@ def _layers(stage: dict[str, Any]) -> int:
 
 
 def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
-              prompt: int = 256, steps: int = 32, rounds: int = 3) -> Rates:
+              prompt: int = 256, steps: int = 32, rounds: int = 3, clock: Callable[[], float] | None = None
+              ) -> Rates:
     """Measure a decode step and a prefill of `prompt` tokens on the real model, per precision: one warm-up
-    round (it captures the step), then the median of `rounds` timed ones."""
+    round (it captures the step), then the median of `rounds` timed ones. `clock`: wall time by default
+    (`time.process_time` times this process's CPU, steadier on a shared CPU)."""
     import statistics
     import time
+
+    clock = clock or time.perf_counter
 
     from stagereplay.engine.cache import new_cache
     from stagereplay.engine.lm import load
@@ -320,12 +324,12 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
         timed: list[tuple[float, float]] = []  # (prefill s, one step s)
         for _ in range(rounds + 1):
             cache = new_cache(lm.model)
-            t0 = time.perf_counter()
+            t0 = clock()
             lm.stepper.forward(ids, cache, 0)
-            t1 = time.perf_counter()
+            t1 = clock()
             for k in range(steps):
                 lm.stepper.forward([ids[k % length]], cache, length + k)
-            timed.append((t1 - t0, (time.perf_counter() - t1) / steps))
+            timed.append((t1 - t0, (clock() - t1) / steps))
         step = statistics.median(t for _, t in timed[1:])
         rates[p] = 1 / step
         extra = statistics.median(t for t, _ in timed[1:]) - step  # a prefill costs a step plus its tokens
