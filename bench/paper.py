@@ -1,13 +1,19 @@
 """Wall time and peak memory of the whole protocol: `stagereplay paper` with 1 and 2 worker processes.
 
     python bench/paper.py [--n 200] [--workers 1,2] [--model DIR --later-model DIR --data FILE
-                          --boundary-after N] [--json OUT] [--keep DIR]
+                          --boundary-after N] [--kernels native|avx2] [--json OUT] [--keep DIR]
 
 Each run is a fresh subprocess (`stagereplay paper --quiet --out <tmp> ...`). Peak RSS is that of the whole
 process tree (the command and its worker processes), sampled every 50 ms and summed over the tree; the
 largest single process is reported beside it. With no model options it runs on the embedded toy checkpoints.
 `--keep DIR` keeps the run directory of the last `--workers` value (its report holds the tables of the run
 that was timed).
+
+bf16 results depend on the CPU's kernels (AVX2, AVX-512, AVX-512 with AMX tiles route bf16 matmuls and
+attention differently), so the benchmark ends with the kernels that ran and the run's paper figures.
+`--kernels avx2` runs under `AVX2_KERNELS`: ATen held to its AVX2 kernels, MKL to its AVX2 code path
+(`MKL_CBWR`) and oneDNN to AVX2, which is what an AVX2 machine runs; on an AVX-512 machine it gives an AVX2
+machine's figures.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def _tree_rss(root: int) -> list[int]:
@@ -119,7 +126,8 @@ def run_paper(args: argparse.Namespace, workers: int, out: Path) -> dict[str, An
         if value is not None:
             cmd += [flag, str(value)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, **(AVX2_KERNELS if args.kernels == "avx2" else {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     peak = PeakRSS(proc.pid)
     output, _ = proc.communicate()
     peak.stop()
@@ -135,9 +143,58 @@ def run_paper(args: argparse.Namespace, workers: int, out: Path) -> dict[str, An
         "peak_rss_tree_mb": peak.total / 2**20,
         "peak_rss_single_mb": peak.single / 2**20,
         "records": len(items(read_ledger(out))),  # item records, not the chain's stage and environment ones
+        "kernels": kernels_line(out),
+        "figures": figures(json.loads((out / "results.json").read_text())),
         "ledger_sha256": hashlib.sha256(ledger).hexdigest(),
         "command": cmd,
     }
+
+
+def kernels_line(run: Path) -> str:
+    """The kernels the run's items were computed under, from the environments its ledger records."""
+    envs = [json.loads(line)["payload"] for line in (run / "ledger.jsonl").read_text().splitlines()
+            if '"kind":"environment"' in line]
+    seen = []
+    for env in envs:
+        cpu = env.get("kernels", {}).get("cpu", {})
+        features = "+".join(k for k, v in (cpu.get("features") or {}).items() if v) or "not recorded"
+        caps = " ".join(f"{k}={v}" for k, v in (cpu.get("env") or {}).items() if v) or "none"
+        line = (f"ISA {cpu.get('capability')}, CPU features {features}, caps {caps}, "
+                f"{env.get('determinism', {}).get('threads')} thread(s)")
+        if line not in seen:
+            seen.append(line)
+    return "; ".join(seen)
+
+
+def _count(c: dict[str, Any]) -> str:
+    return f"{c['k']}/{c['n']}"
+
+
+def figures(results: dict[str, Any]) -> list[str]:
+    """The README's toy table, per checkpoint, from results.json."""
+    out = []
+    for m in results.get("matched", []):
+        ci = m["accuracy_diff"]["ci"]
+        out.append(
+            f"{m['checkpoint']}: boundary {m['n_boundary']}/{m['n']}, accuracy live/{m['construction']} "
+            f"{100 * m['accuracy']['live']:.1f}%/{100 * m['accuracy'][m['construction']]:.1f}%, suffix "
+            f"disagreements {_count(m['suffix_disagreements'])}, label disagreements "
+            f"{_count(m['label_disagreements'])} ({m['discordant']['live_only']} live only / "
+            f"{m['discordant']['other_only']} {m['construction']} only), accuracy difference "
+            f"{100 * m['accuracy_diff']['estimate']:+.1f} [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}], "
+            f"McNemar p {m['mcnemar_p']:.3f}")
+    def listed(x: Any) -> list[dict[str, Any]]:
+        return [x] if isinstance(x, dict) else list(x or [])
+
+    for g in listed(results.get("precision_2x2")):
+        cells = ", ".join(f"{d['precision']} {d['k']}/{d['n']}" for d in g["disagreements"])
+        out.append(f"{g['checkpoint']}: fixed-prefix disagreements {cells}")
+    for b in listed(results.get("bridge")):
+        out.append(f"{b['checkpoint']}: bridge bit-exact {b['cache_bit_exact']}/{b['rows']}")
+    for t in listed(results.get("transplant")):
+        dirs = ", ".join(f"{d['direction']} {d['follows_donor']}/{d['n']}" for d in t["directions"])
+        out.append(f"{t['checkpoint']}: transplants follow the donor ({t['selection']}): {dirs}")
+    return out
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -150,6 +207,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="JSONL items (default: the toy task)")
     p.add_argument("--boundary-after", type=int, default=None, help="stage 1 is the first N generated tokens")
     p.add_argument("--max-new-tokens", type=int, default=None, help="suffix length limit")
+    p.add_argument("--kernels", choices=("native", "avx2"), default="native",
+                   help="this CPU's own kernels, or AVX2's (AVX2_KERNELS) for an AVX2 machine's figures")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--keep", type=Path, default=None, help="keep the last run's directory here (a new path)")
     return p.parse_args(argv)
@@ -194,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"ledgers ({rows[0]['records']} records) byte-identical across --workers: {'yes' if same else 'NO'}"
     )
+    print(f"kernels: {rows[-1]['kernels']}")
+    for line in rows[-1]["figures"]:
+        print(line)
     if args.json:
         args.json.write_text(json.dumps({"n": args.n, "rows": rows}, indent=2) + "\n")
     return 0

@@ -125,11 +125,23 @@ def test_a_schema_1_run_verifies_with_a_note(tmp_path):
 
 
 def test_a_schema_1_run_reaudits_and_is_not_extended(tmp_path, tiny_dir, items_file):
+    """Schema 1 recorded no environment, so nothing says which kernels made its bf16 records: on the CPU kind
+    that made the fixture every record is reproduced (exit 0); on another, the audit must not call the
+    differences tampering, but say they were not reproduced under other kernels (exit 3)."""
     run = _schema_1(tmp_path, tiny_dir, items_file)
     ledger = (run / "ledger.jsonl").read_bytes()
     result = runner.invoke(app, ["audit", str(run), "--quiet"])
-    assert result.exit_code == 0, result.stderr
-    assert "note: ledger schema 1" in result.stderr and "trajectories reproduced 28/28" in result.stdout
+    assert "note: ledger schema 1" in result.stderr and "trajectories reproduced " in result.stdout
+    audit = json.loads((run / "audit.json").read_text())
+    assert audit["trajectories"]["n"] == 28 and audit["integrity_ok"], result.stderr
+    if result.exit_code == 0:
+        assert audit["trajectories"]["k"] == 28
+    else:
+        assert result.exit_code == 3, result.stderr
+        first = result.stderr.splitlines()[0]
+        assert first.startswith("environment: this machine's kernels differ from the run's for ")
+        assert first.endswith("records: environment not recorded (run) vs this machine's (here)")
+        assert {m["kind"] for m in audit["mismatches"]} == {"not_reproduced_here"}
     assert (run / "ledger.jsonl").read_bytes() == ledger
     refused = runner.invoke(app, ["bridge", str(run), "--rows", "3", "--quiet"])
     assert refused.exit_code == 2 and "ledger schema 1, which this stagereplay audits but does not extend" in \

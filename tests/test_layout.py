@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fixtures.make_toy_golden import HERE, run_golden, without_environment
+import pytest
+from fixtures.make_toy_golden import HERE, PINNED_KERNELS, environments, run_golden, without_environment
 
 SRC = Path(__file__).parents[1] / "src"
 CYCLES_TOOL = Path(__file__).parents[2] / "shared" / "tools" / "import_cycles.py"
@@ -64,10 +65,19 @@ def test_no_import_circles():
 
 def test_ledger_is_byte_identical_to_the_golden_run(tmp_path):
     """A real toy run's ledger, made by `fixtures/make_toy_golden.py`; the same command must make the same bytes
-    (less the environment that computed them: machine, versions, commit)."""
-    golden = without_environment((HERE / "ledger.jsonl").read_bytes())
-    again = without_environment(run_golden(tmp_path / "run").read_bytes())
-    assert again == golden
+    (less the environment that computed them: machine, versions, commit), on any x86-64 CPU with AVX2, since
+    both runs pin the kernels to AVX2's. Another CPU cannot run those kernels: the test says so and stops
+    (the same-machine byte identity of ledgers is also checked by
+    `test_shards.py::test_two_local_workers_write_the_same_ledger_as_one` and the resume tests)."""
+    import torch
+
+    if not getattr(torch.cpu, "_is_avx2_supported", lambda: False)():
+        pytest.skip("needs an x86-64 CPU with AVX2: the golden ledger was made under AVX2 kernels (PINNED_KERNELS)")
+    again = run_golden(tmp_path / "run").read_bytes()
+    for env in environments(again):  # the pins held: the kernels that ran are the golden's
+        assert env["kernels"]["cpu"]["capability"] == "AVX2"
+        assert {k: env["kernels"]["cpu"]["env"][k] for k in PINNED_KERNELS} == PINNED_KERNELS
+    assert without_environment(again) == without_environment((HERE / "ledger.jsonl").read_bytes())
 
 
 def test_the_golden_comparison_tells_another_run_apart(tmp_path):

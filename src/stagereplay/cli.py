@@ -133,6 +133,19 @@ def matched(
 
 RunDir = Annotated[Path, typer.Argument(help="a run directory made by `stagereplay matched` or `paper`")]
 Checkpoint = Annotated[str, typer.Option("--checkpoint", help="which model of the run")]
+# Inputs that moved since the run was made: each is checked against the run's hashes before anything runs.
+MovedModel = Annotated[str | None, typer.Option("--model", help=(
+    "where the run's primary model is now, if it moved (checked against the run's hashes)"))]
+MovedLater = Annotated[str | None, typer.Option("--later-model", help=(
+    "where the run's later model is now, if it moved (checked against the run's hashes)"))]
+MovedData = Annotated[str | None, typer.Option("--data", help=(
+    "where the run's data file is now, if it moved (checked against the run's dataset hash)"))]
+
+
+def _where(model: str | None, later_model: str | None, data: str | None = None) -> Any:
+    from stagereplay.experiments.relocate import Relocation
+
+    return Relocation(model, later_model, data)
 
 
 @app.command("precision-2x2")
@@ -143,6 +156,8 @@ def precision_2x2(
     checkpoint: Checkpoint = "primary",
     workers: Workers = 1,
     executor: Executor = "local",
+    model: MovedModel = None,
+    later_model: MovedLater = None,
     quiet: Quiet = False,
 ) -> None:
     """Hold the run's prefixes fixed; cross construction with precision."""
@@ -151,7 +166,7 @@ def precision_2x2(
         from stagereplay.runs import precision_2x2 as run
 
         run(run_dir, tuple(constructions.split(",")), tuple(precisions.split(",")), checkpoint, workers, executor,
-            quiet)
+            quiet, _where(model, later_model))
 
     _run(go)
 
@@ -163,6 +178,8 @@ def bridge(
     checkpoint: Checkpoint = "primary",
     workers: Workers = 1,
     executor: Executor = "local",
+    model: MovedModel = None,
+    later_model: MovedLater = None,
     quiet: Quiet = False,
 ) -> None:
     """Incremental vs live boundary caches, bitwise, layer by layer, K and V, and their suffixes."""
@@ -170,7 +187,7 @@ def bridge(
     def go() -> None:
         from stagereplay.runs import bridge as run
 
-        res = run(run_dir, rows, checkpoint, workers, executor, quiet)
+        res = run(run_dir, rows, checkpoint, workers, executor, quiet, _where(model, later_model))
         if res["bridge"]["cache_bit_exact"] != res["bridge"]["rows"]:
             raise typer.Exit(1)
 
@@ -188,6 +205,8 @@ def transplant(
     checkpoint: Checkpoint = "primary",
     workers: Workers = 1,
     executor: Executor = "local",
+    model: MovedModel = None,
+    later_model: MovedLater = None,
     quiet: Quiet = False,
 ) -> None:
     """Swap K/V between live and fresh boundary states of divergent items, both directions, and continue."""
@@ -202,7 +221,7 @@ def transplant(
         stage = read_manifest(run_dir).get("stages", {}).get(f"matched/{checkpoint}", {}) if (
             run_dir / "manifest.json").exists() else {}
         cfg = TransplantConfig(stage.get("construction", "oneshot"), layers, kv, positions, select, sweep == "layers")
-        run(run_dir, cfg, checkpoint, workers, executor, quiet)
+        run(run_dir, cfg, checkpoint, workers, executor, quiet, _where(model, later_model))
 
     _run(go)
 
@@ -222,6 +241,8 @@ def resample(
     checkpoint: Checkpoint = "primary",
     workers: Workers = 1,
     executor: Executor = "local",
+    model: MovedModel = None,
+    later_model: MovedLater = None,
     quiet: Quiet = False,
 ) -> None:
     """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
@@ -232,7 +253,7 @@ def resample(
 
         chosen = tuple(p for p in (precisions or "").split(",") if p)
         cfg = ResampleConfig(k, temperature, top_p, top_k, construction, n, chosen, seed)
-        run(run_dir, cfg, checkpoint, workers, executor, quiet)
+        run(run_dir, cfg, checkpoint, workers, executor, quiet, _where(model, later_model))
 
     _run(go)
 
@@ -241,31 +262,49 @@ def resample(
 def audit(
     run_dir: RunDir,
     verify_only: Annotated[bool, typer.Option("--verify-only", help="check the ledger's integrity only")] = False,
+    sample: Annotated[int | None, typer.Option("--sample", help=(
+        "re-execute a seeded sample of N units per stage (every record is still verified)"))] = None,
+    seed: Annotated[int, typer.Option("--seed", help="seed of the --sample")] = 0,
+    model: MovedModel = None,
+    later_model: MovedLater = None,
+    data: MovedData = None,
     workers: Workers = 1,
     executor: Executor = "local",
     quiet: Quiet = False,
 ) -> None:
-    """Re-execute a run from its manifest and ledger; exit 1 unless every fingerprint is reproduced."""
+    """Re-execute a run from its manifest and ledger. Exit 0: every record reproduced; 1: an integrity finding
+    (tampering or a broken run, whatever the machine); 3: integrity holds, but units were not reproduced
+    under this machine's other kernels (the first line names the fields that differ)."""
 
     def go() -> None:
+        from stagereplay.experiments.audit import AuditConfig, exit_code
+        from stagereplay.report.audit_lines import finding_lines, verdict_line
         from stagereplay.runs import audit as run
 
-        res = run(run_dir, verify_only, workers, executor, quiet)
+        res = run(run_dir, verify_only, workers, executor, quiet, AuditConfig(sample, seed),
+                  _where(model, later_model, data))
+        for moved in res.get("relocated", []):
+            typer.echo(f"note: {moved['input']} found at {moved['here']} ({moved['how']}), recorded at "
+                       f"{moved['recorded']}", err=True)
         for note in res.get("notes", []):
             typer.echo(f"note: {note}", err=True)
         for b in res.get("broken_records", []):
             typer.echo(f"  ledger record {b['seq']}: {b['reason']}", err=True)
-        for m in res.get("mismatches", []):  # each names its item (unless about the whole run) and field
-            item = f"{m['item_id']}: " if m["item_id"] and m["item_id"] not in m["what"] else ""
-            typer.echo(f"  {item}{m['what']}", err=True)
+        for line in finding_lines(res):
+            typer.echo(line, err=True)
         if res.get("verify_only"):
             typer.echo("ledger intact, bound and complete" if res["reproduced"] else "ledger damaged" if not
                        res["chain_ok"] else "ledger intact, but its claims or completeness fail")
         else:
             t, c = res["trajectories"], res["comparisons"]
-            typer.echo(f"trajectories reproduced {t['k']}/{t['n']}, comparisons reproduced {c['k']}/{c['n']}")
-        if not res["reproduced"]:
-            raise typer.Exit(1)
+            sampled = res.get("sample")
+            of = f" (a sample of {sampled['re_executed']} of {sampled['of']} records, seed {sampled['seed']})" \
+                if sampled else ""
+            typer.echo(f"trajectories reproduced {t['k']}/{t['n']}, comparisons reproduced {c['k']}/{c['n']}{of}")
+            typer.echo(verdict_line(res))
+        code = exit_code(res)
+        if code:
+            raise typer.Exit(code)
 
     _run(go)
 
@@ -288,6 +327,8 @@ def paper(
     sweep: Annotated[bool, typer.Option("--sweep/--no-sweep", help="layer sweep at the primary checkpoint")] = False,
     resample: Annotated[int, typer.Option("--resample", help="K sampled draws per state (0: no resample stage)")] = 0,
     resample_items: Annotated[int, typer.Option("--resample-items", help="items the resample stage draws on")] = 50,
+    audit_sample: Annotated[int, typer.Option("--audit-sample", help=(
+        "units per stage the closing audit re-executes, after verifying every record (0: every unit)"))] = 20,
     device: Device = "cpu",
     threads: Threads = 1,
     attn_impl: AttnImpl = "sdpa",
@@ -305,10 +346,12 @@ def paper(
         dc = _decode(max_new_tokens, max_stage1_tokens, False, 1.0, 0, 0)
         res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device=device,
                   threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
-                  resample=resample, resample_items=resample_items)
+                  resample=resample, resample_items=resample_items, audit_sample=audit_sample or None)
+        from stagereplay.experiments.audit import exit_code
+
         typer.echo(f"report: {out / 'report.html'}")
-        if not res["audit"]["reproduced"]:
-            raise typer.Exit(1)
+        if exit_code(res["audit"]):
+            raise typer.Exit(exit_code(res["audit"]))
 
     _run(go)
 

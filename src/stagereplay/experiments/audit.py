@@ -10,21 +10,26 @@ re-executed records. The model-free checks (chain, binding, completeness, deriva
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stagereplay.engine.model import ModelConfig
+from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings, comparison_fp_schema_1
+from stagereplay.records.kernels import NOT_RECORDED, describe, kernel_differences
 from stagereplay.records.ledger import Record, diff_fields, items
 from stagereplay.records.manifest import binds
-from stagereplay.records.provenance import model_hashes
+from stagereplay.records.provenance import environment, model_hashes
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
 from stagereplay.tasks import DataConfig, Item, load_items
 
-__all__ = ["audit_run", "compare_payloads", "verify_ledger"]
+__all__ = ["AuditConfig", "audit_run", "compare_payloads", "exit_code", "verify_ledger"]
 
 PER_PRECISION = ("precision_2x2", "resample")
 """Experiments whose records' `part` is the precision they ran at."""
@@ -134,10 +139,11 @@ def as_schema_1(item_id: str, payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "comparisons": comparisons}
 
 
-def input_findings(manifest: dict[str, Any], data_hash: str, item_ids: list[str]) -> list[dict[str, str]]:
+def input_findings(manifest: dict[str, Any], data_hash: str, item_ids: list[str],
+                   checked: frozenset[str] = frozenset()) -> list[dict[str, str]]:
     """The files at the manifest's paths must be the ones the run bound by hash: each stage's model
     (config, weights, tokenizer, generation config) and the dataset, whose items (this shard's) must be the
-    manifest's item ids. A path is only where to look."""
+    manifest's item ids. A path is only where to look. `checked`: checkpoints a relocation already checked."""
     bound = manifest["config"].get("model_hashes", {})
     want = shard_items(item_ids, parse_shard(manifest["config"].get("shard")))
     have = manifest["config"].get("item_ids", [])
@@ -149,7 +155,7 @@ def input_findings(manifest: dict[str, Any], data_hash: str, item_ids: list[str]
     seen: dict[str, str] = {}
     for name, stage in manifest.get("stages", {}).items():
         checkpoint, path = name.partition("/")[2], stage["model"]["path"]
-        if seen.get(checkpoint) == path or checkpoint not in bound:
+        if seen.get(checkpoint) == path or checkpoint not in bound or checkpoint in checked:
             continue
         seen[checkpoint] = path
         differ = diff_fields(bound[checkpoint], model_hashes(path))
@@ -159,69 +165,200 @@ def input_findings(manifest: dict[str, Any], data_hash: str, item_ids: list[str]
     return findings
 
 
+@dataclass(frozen=True)
+class AuditConfig:
+    """What the audit re-executes: every unit, or a seeded sample of `sample` units per stage (after the
+    model-free checks have covered every record)."""
+
+    sample: int | None = field(default=None, metadata={"help": "units re-executed per stage (None: all)"})
+    seed: int = field(default=0, metadata={"help": "seed of the sample"})
+
+    def __post_init__(self) -> None:
+        if self.sample is not None and self.sample < 1:
+            raise StageReplayError(f"--sample must be at least 1, got {self.sample}",
+                                   "pass a positive --sample, or leave it out to re-execute every unit")
+
+
+def sample_units(groups: dict[str, list[Record]], config: AuditConfig) -> dict[str, list[Record]]:
+    """A seeded sample of `config.sample` records per stage, drawn from the stage's records in ledger order
+    (one `random.Random(seed)` per stage, seeded by the stage's name, so adding a stage moves no other
+    stage's sample)."""
+    if config.sample is None:
+        return groups
+    out = {}
+    for name, records in groups.items():
+        rng = random.Random(f"{config.seed}:{name}")
+        picked = set(rng.sample(range(len(records)), min(config.sample, len(records))))
+        out[name] = [r for k, r in enumerate(records) if k in picked]
+    return out
+
+
+def _unit_precision(record: Record, stage: dict[str, Any]) -> str:
+    return record.part if record.experiment in PER_PRECISION else str(stage["model"]["precision"])
+
+
+TOKEN_FIELDS = ("suffix_ids", "suffix_fp", "prefix_ids", "prompt_ids", "text", "correct", "status", "boundary",
+                "first_divergence", "suffix_equal", "label_equal", "stop", "directions", "control",
+                "baseline_diverges", "(the arm)")
+"""Fields whose difference is a difference of tokens or labels, not only of bits (caches, logits)."""
+
+
 def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex: ExecConfig,
-              quiet: bool = False, stored_results: bool = True) -> dict[str, Any]:
-    """Check what needs no model (`verify.verify_run`), then re-execute every item record and compare every
-    field; rebuild the results from the re-executed records. Returns the audit summary (results.json's
-    `audit`). `stored_results=False` skips the comparison with a results.json not yet rewritten (a paper run)."""
+              quiet: bool = False, stored_results: bool = True, config: AuditConfig | None = None,
+              relocated: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """Check what needs no model (`verify.verify_run`), then compare the environment each record was computed
+    in with this one, re-execute every item record (or a sample, `config`) and compare every field; rebuild
+    the results from the re-executed records. Returns the audit summary (results.json's `audit`).
+
+    Findings are of two kinds (`kind`): `integrity` (the chain, completeness, derivable claims, the inputs'
+    hashes, and a unit re-executed under the kernels it was recorded with that differs: tampering or a
+    broken run, whatever the machine) and `not_reproduced_here` (a unit that differs when re-executed under
+    other kernels, which other kernels alone can cause). `stored_results=False` skips the comparison with a
+    results.json not yet rewritten (a paper run)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from stagereplay.engine.model import load_config_and_tokenizer
+    from stagereplay.engine.model import load_config_and_tokenizer, set_determinism
     from stagereplay.execution.jobs import run_jobs
-    from stagereplay.experiments.verify import claimed, expected_units, verify_run
+    from stagereplay.experiments.verify import claimed, expected_units, read_chain, verify_run
 
+    config = config or AuditConfig()
     checked = verify_run(run_dir, manifest, stored_results)
-    mismatches: list[dict[str, str]] = list(checked["mismatches"])
+    mismatches: list[dict[str, str]] = [{**m, "kind": "integrity"} for m in checked["mismatches"]]
+    chain, _ = read_chain(run_dir)
+    environments = {r.env: r.payload for r in chain if r.kind == "environment"}
     records = items(records)
-    config = manifest["config"]
+    run_config = manifest["config"]
     stages = manifest.get("stages", {})
-    _, tokenizer = load_config_and_tokenizer(config["model"]["path"])  # the weights load where jobs run
-    loaded, data_hash = load_items(DataConfig(**config["data"]), tokenizer)
+    model = run_config["model"]
+    here = environment(model["device"], set_determinism(model["threads"], model["device"]))
+    differences = {env: kernel_differences(recorded, here) for env, recorded in environments.items()}
+    other = [r for r in records if differences.get(r.env, [("environment", NOT_RECORDED, "this machine's")])]
+    other_seqs = {r.seq for r in other}
+    env_summary = _environment_summary(records, other, differences)
+    if env_summary["differences"]:
+        print(f"environment: this machine's kernels differ from the run's for {len(other)} of {len(records)} "
+              f"records: {describe(env_summary['first'])}", file=sys.stderr)
+    _, tokenizer = load_config_and_tokenizer(model["path"])  # the weights load where jobs run
+    loaded, data_hash = load_items(DataConfig(**run_config["data"]), tokenizer)
     by_id = {i.id: i for i in loaded}
-    mismatches += input_findings(manifest, data_hash, [i.id for i in loaded])
+    moved = frozenset(m["input"].split()[0] for m in relocated or [] if m["input"].endswith("model"))
+    mismatches += [{**m, "kind": "integrity"} for m in input_findings(manifest, data_hash, [i.id for i in loaded],
+                                                                      moved)]
     # Prefixes of the matched records: the fixed token states the other experiments start from.
     prefixes = {(r.checkpoint, r.item_id): r.payload.get("prefix_ids") for r in records if r.experiment == "matched"}
     matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}
     # Only the units the manifest declares, once each: a missing, extra or duplicated record is verify's finding.
     declared = {(name, item, part) for name, stage in stages.items()
-                for item, part in expected_units(name, stage, config, records)}
-    groups: dict[tuple[str, str, str], list[Record]] = {}
+                for item, part in expected_units(name, stage, run_config, records)}
+    by_stage: dict[str, list[Record]] = {}
     for r in records:
         unit = (f"{r.experiment}/{r.checkpoint}", r.item_id, r.part)
         if unit in declared:
             declared.discard(unit)
-            groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment in PER_PRECISION else ""),
-                              []).append(r)
+            by_stage.setdefault(unit[0], []).append(r)
+    chosen = sample_units(by_stage, config)
+    groups: dict[tuple[str, str, str], list[Record]] = {}
+    for r in (r for rs in chosen.values() for r in rs):
+        groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment in PER_PRECISION else ""), []).append(r)
     t_ok = t_n = c_ok = c_n = 0
-    again_records: list[Record] = []
+    again_by_seq: dict[int, Record] = {}
+    elsewhere: list[tuple[Record, str, bool]] = []  # (unit, precision, tokens differ) not reproduced here
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), disable=quiet) as bar:
-        task = bar.add_task("audit", total=len(records))
+        task = bar.add_task("audit", total=sum(len(g) for g in groups.values()))
         # Grouped by model settings, so that worker processes load each model once.
         for (experiment, checkpoint, part), group in sorted(groups.items(), key=lambda g: _model_key(stages, g[0])):
             stage = stages[f"{experiment}/{checkpoint}"]
-            model = ModelConfig(**stage["model"])
+            model_config = ModelConfig(**stage["model"])
             if part:
-                model = model.with_precision(part)
+                model_config = model_config.with_precision(part)
             where = f"{experiment}/{checkpoint}{'@' + part if part else ''}"
             missing = [r.item_id for r in group if r.item_id not in by_id]
-            mismatches += [{"item_id": i, "what": f"{where}: item is not in the manifest's dataset"} for i in missing]
+            mismatches += [{"item_id": i, "what": f"{where}: item is not in the manifest's dataset",
+                            "kind": "integrity"} for i in missing]
             todo = [r for r in group if r.item_id in by_id]
             jobs = [_job(r, stage, by_id[r.item_id], prefixes, _reuse(r, stage, stages, matched)) for r in todo]
-            for record, again in zip(todo, run_jobs(model, _work(experiment), jobs, ex), strict=True):
+            for record, again in zip(todo, run_jobs(model_config, _work(experiment), jobs, ex), strict=True):
                 if not binds(manifest):  # what a schema 1 record claims, as it fingerprinted it
                     again = claimed(as_schema_1(record.item_id, again), record.payload)
                 a, b, c, d, bad = compare_payloads(record.item_id, record.payload, again)
                 t_ok, t_n, c_ok, c_n = t_ok + a, t_n + b, c_ok + c, c_n + d
-                mismatches += [{"item_id": record.item_id, "what": f"{where} {m}"} for m in bad]
-                again_records.append(record.model_copy(update={"payload": again}))
+                kind = "not_reproduced_here" if record.seq in other_seqs else "integrity"
+                if kind == "not_reproduced_here":
+                    bad = _collapse_diagnostics(record.item_id, bad)
+                mismatches += [{"item_id": record.item_id, "what": f"{where} {m}", "kind": kind} for m in bad]
+                if bad and kind == "not_reproduced_here":
+                    tokens = any(f in m for m in bad for f in TOKEN_FIELDS)
+                    elsewhere.append((record, _unit_precision(record, stage), tokens))
+                again_by_seq[record.seq] = record.model_copy(update={"payload": again})
                 bar.advance(task)
-    order = {r.seq: k for k, r in enumerate(records)}
-    again_records.sort(key=lambda r: order[r.seq])
+    again_records = [again_by_seq.get(r.seq, r) for r in records]  # a sample: the rest as recorded
     recorded, rebuilt = (comparable_results(build_results(run_dir, manifest, rs)) for rs in (records, again_records))
-    mismatches += [{"item_id": "", "what": f"results {f} is not what the re-executed records give"}
-                   for f in diff_fields(recorded, rebuilt, lists=True)]
+    results_kind = "not_reproduced_here" if elsewhere else "integrity"
+    mismatches += [{"item_id": "", "what": f"results {f} is not what the re-executed records give",
+                    "kind": results_kind} for f in diff_fields(recorded, rebuilt, lists=True)]
     broken = checked["broken_records"]
-    return {"items": len({r.item_id for r in records}), "records": len(records),
-            "trajectories": {"k": t_ok, "n": t_n}, "comparisons": {"k": c_ok, "n": c_n},
-            "chain_ok": not broken, "broken_records": broken, "mismatches": mismatches,
-            "notes": checked["notes"], "reproduced": not mismatches and not broken}
+    integrity_ok = not broken and not any(m["kind"] == "integrity" for m in mismatches)
+    summary = {"items": len({r.item_id for r in records}), "records": len(records),
+               "trajectories": {"k": t_ok, "n": t_n}, "comparisons": {"k": c_ok, "n": c_n},
+               "chain_ok": not broken, "broken_records": broken, "mismatches": mismatches,
+               "notes": checked["notes"], "integrity_ok": integrity_ok,
+               "environment": {k: v for k, v in env_summary.items() if k != "first"},
+               "not_reproduced_here": _elsewhere_summary(elsewhere),
+               "reproduced": not mismatches and not broken}
+    if relocated:
+        summary["relocated"] = relocated
+    if config.sample is not None:
+        summary["sample"] = {"per_stage": config.sample, "seed": config.seed,
+                             "units": {name: [[r.item_id, r.part] for r in rs] for name, rs in sorted(chosen.items())},
+                             "re_executed": sum(len(rs) for rs in chosen.values()), "of": len(records)}
+    return summary
+
+
+EXIT_INTEGRITY, EXIT_NOT_REPRODUCED_HERE = 1, 3
+"""`stagereplay audit` exits 0 when every record is reproduced, 1 on any integrity finding (tampering or a
+broken run, whatever the machine), 3 when integrity holds but some units were not reproduced under this
+machine's other kernels."""
+
+
+def exit_code(summary: dict[str, Any]) -> int:
+    if summary.get("reproduced"):
+        return 0
+    integrity = summary.get("integrity_ok", False)  # an older audit.json, or verify-only: no split
+    return EXIT_NOT_REPRODUCED_HERE if integrity else EXIT_INTEGRITY
+
+
+def _collapse_diagnostics(item_id: str, bad: list[str]) -> list[str]:
+    """Under other kernels every margin and cache statistic of a unit moves with its bits: one line for them."""
+    diagnostics = [m for m in bad if m.startswith(f"{item_id}: diagnostics.")]
+    if len(diagnostics) <= 1:
+        return bad
+    rest = [m for m in bad if m not in diagnostics]
+    return [*rest, f"{item_id}: diagnostics ({len(diagnostics)} fields) not reproduced"]
+
+
+def _environment_summary(records: list[Record], other: list[Record],
+                         differences: dict[str, list[tuple[str, Any, Any]]]) -> dict[str, Any]:
+    """The kernel-choosing fields that differ from this machine's, with how many records each covers."""
+    fields: dict[str, dict[str, Any]] = {}
+    first: list[tuple[str, Any, Any]] = []
+    for r in other:
+        diff = differences.get(r.env, [("environment", NOT_RECORDED, "this machine's")])
+        first = first or diff
+        for name, a, b in diff:
+            entry = fields.setdefault(f"{name}\0{a!r}", {"field": name, "recorded": a, "here": b, "records": 0})
+            entry["records"] += 1
+    return {"records": len(records), "records_other_kernels": len(other), "differences": list(fields.values()),
+            "first": first}
+
+
+def _elsewhere_summary(units: list[tuple[Record, str, bool]]) -> dict[str, Any]:
+    """How many units were not reproduced under other kernels, by precision; fp32 units whose tokens or
+    labels differ are suspicious (other kernels move fp32 bits, rarely its tokens)."""
+    by_precision: dict[str, int] = {}
+    for _, precision, _ in units:
+        by_precision[precision] = by_precision.get(precision, 0) + 1
+    suspicious = [f"{r.experiment}/{r.checkpoint} {r.item_id}{'@' + r.part if r.part else ''}"
+                  for r, precision, tokens in units if tokens and precision.startswith("fp32")]
+    return {"units": len(units), "by_precision": by_precision,
+            "reduced_precision_only": all(p in ("bf16", "fp16") for p in by_precision),
+            "fp32_token_differences": suspicious}

@@ -17,7 +17,7 @@ from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.model import ModelConfig, check_model_dir
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.audit import audit_run
+from stagereplay.experiments.audit import AuditConfig, audit_run
 from stagereplay.experiments.bridge import run_bridge
 from stagereplay.experiments.matched import MatchedConfig, run_matched
 from stagereplay.experiments.precision_2x2 import run_2x2
@@ -35,6 +35,10 @@ from stagereplay.records.ledger import atomic_write, open_run
 from stagereplay.report.results import AUDIT_FILE
 from stagereplay.report.summaries import summarize_matched
 
+AUDIT_SAMPLE = 20
+"""Units per stage the audit of `paper` re-executes by default: with every record verified without a model,
+a seeded sample keeps the audit a fraction of the run (`stagereplay audit RUN` re-executes all of it)."""
+
 
 def paper(
     out: str | Path,
@@ -50,6 +54,7 @@ def paper(
     sweep: bool = False,
     resample: int = 0,
     resample_items: int = 50,
+    audit_sample: int | None = AUDIT_SAMPLE,
     device: str = "cpu",
     threads: int = 1,
     attn_impl: str = "sdpa",
@@ -59,10 +64,12 @@ def paper(
 ) -> dict[str, Any]:
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
     checkpoint, audit, report. With `resample` = K > 0, also K sampled draws per boundary state on the first
-    `resample_items` items, at bf16 and fp32 (the primary checkpoint)."""
+    `resample_items` items, at bf16 and fp32 (the primary checkpoint). The audit verifies every record and
+    re-executes a seeded sample of `audit_sample` units per stage (None: every unit)."""
     if bridge_rows < 1:
         raise StageReplayError(f"--rows must be at least 1, got {bridge_rows}", "pass a positive --rows")
     TransplantConfig(select=select_primary)  # a bad selection rule fails here, before any run directory exists
+    audit = AuditConfig(audit_sample, seed=0)
     if workers == 0:  # auto: one single-threaded process per core on a CPU (capped), one process per GPU run
         workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)
@@ -98,6 +105,6 @@ def paper(
             del lm  # one model in memory at a time
             run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)
             run_transplant(run, later, settings, "later", TransplantConfig(select="all-divergent"), ex, quiet)
-        summary = audit_run(run.path, run.manifest, run.records, ex, quiet, stored_results=False)
+        summary = audit_run(run.path, run.manifest, run.records, ex, quiet, stored_results=False, config=audit)
         atomic_write(run.path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
         return finish(run, quiet)

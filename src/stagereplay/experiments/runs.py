@@ -253,23 +253,31 @@ def _existing(run_dir: str | Path, check_ledger: bool = True) -> tuple[Path, dic
     return path, manifest
 
 
-def _matched_stage(manifest: dict[str, Any], checkpoint: str) -> tuple[ModelConfig, ReplaySettings]:
-    stage = manifest.get("stages", {}).get(f"matched/{checkpoint}")
+def _matched_stage(manifest: dict[str, Any], checkpoint: str, where: Any = None) -> tuple[ModelConfig, ReplaySettings]:
+    """The matched stage's model and settings, its model where `where` (a `Relocation`) says it is now."""
+    from stagereplay.experiments.relocate import FLAGS, Relocation, relocate
+
+    stage = relocate(manifest, where or Relocation(), need_inputs=False)[0].get("stages", {}).get(
+        f"matched/{checkpoint}")
     if stage is None:
         raise StageReplayError(f"the run has no matched experiment at checkpoint {checkpoint!r}",
                                "run `stagereplay matched` into it first")
+    if not Path(stage["model"]["path"]).is_dir():
+        raise StageReplayError(f"the run's {checkpoint} model is not at {stage['model']['path']}",
+                               f"pass {FLAGS.get(checkpoint, '--model')} PATH where it is now (checked against the "
+                               "run's hashes)")
     s = stage["settings"]
     return ModelConfig(**stage["model"]), ReplaySettings(s["boundary"], DecodeConfig(**s["decode"]), s["scorer"])
 
 
 def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = ("incremental", "oneshot"),
                   precisions: tuple[str, ...] = ("bf16", "fp32"), checkpoint: str = "primary", workers: int = 1,
-                  executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+                  executor: str = "local", quiet: bool = False, where: Any = None) -> dict[str, Any]:
     """Hold the matched run's prefixes fixed; cross construction with precision."""
     from stagereplay.experiments.precision_2x2 import check_fixed_constructions, run_2x2
 
     path, manifest = _existing(run_dir)
-    model, settings = _matched_stage(manifest, checkpoint)
+    model, settings = _matched_stage(manifest, checkpoint, where)
     check_fixed_constructions(constructions)
     for p in precisions:
         model.with_precision(p)  # validates the name before anything runs
@@ -279,27 +287,27 @@ def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = ("increm
 
 
 def bridge(run_dir: str | Path, rows: int = 12, checkpoint: str = "primary", workers: int = 1,
-           executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+           executor: str = "local", quiet: bool = False, where: Any = None) -> dict[str, Any]:
     """Incremental vs live boundary caches, bitwise, on the first `rows` items that reached the boundary."""
     from stagereplay.experiments.bridge import run_bridge
 
     if rows < 1:
         raise StageReplayError(f"--rows must be at least 1, got {rows}", "pass a positive --rows")
     path, manifest = _existing(run_dir)
-    model, settings = _matched_stage(manifest, checkpoint)
+    model, settings = _matched_stage(manifest, checkpoint, where)
     with open_run(path, manifest) as run:
         run_bridge(run, model, settings, checkpoint, rows, ExecConfig(workers, executor), quiet)
         return finish(run, quiet)
 
 
 def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
-               executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+               executor: str = "local", quiet: bool = False, where: Any = None) -> dict[str, Any]:
     """Swap K/V between live and fresh boundary states of the selected divergent items, both directions."""
     from stagereplay.engine.model import load_config_and_tokenizer
     from stagereplay.experiments.transplant import TransplantConfig, run_transplant
 
     path, manifest = _existing(run_dir)
-    model, settings = _matched_stage(manifest, checkpoint)
+    model, settings = _matched_stage(manifest, checkpoint, where)
     cfg = config or TransplantConfig(construction=manifest["stages"][f"matched/{checkpoint}"]["construction"])
     hf_config, _ = load_config_and_tokenizer(model.path)
     cfg.check_layers(hf_config.get_text_config().num_hidden_layers)
@@ -309,13 +317,13 @@ def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "prima
 
 
 def resample(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
-             executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+             executor: str = "local", quiet: bool = False, where: Any = None) -> dict[str, Any]:
     """K seeded draws from the live, live-replica and fresh boundary states of each item: coupled and
     independent designs (`experiments/resample.py`)."""
     from stagereplay.experiments.resample import ResampleConfig, run_resample
 
     path, manifest = _existing(run_dir)
-    model, settings = _matched_stage(manifest, checkpoint)
+    model, settings = _matched_stage(manifest, checkpoint, where)
     cfg = config or ResampleConfig()
     with open_run(path, manifest) as run:
         run_resample(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
@@ -323,22 +331,27 @@ def resample(run_dir: str | Path, config: Any = None, checkpoint: str = "primary
 
 
 def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, executor: str = "local",
-          quiet: bool = False) -> dict[str, Any]:
+          quiet: bool = False, config: Any = None, where: Any = None) -> dict[str, Any]:
     """Check what needs no model (chain, binding to the manifest, completeness, derivable claims), then
-    (unless `verify_only`) re-execute the ledger and compare every field; `reproduced` says if all held."""
+    (unless `verify_only`) re-execute the ledger, or a seeded sample of it (`config`, an `AuditConfig`), and
+    compare every field; `reproduced` says if all held. `where` (a `Relocation`) says where inputs that
+    moved are now: each is checked against the run's hashes before anything runs."""
     import json
 
     from stagereplay.experiments.audit import audit_run
+    from stagereplay.experiments.relocate import Relocation, relocate
     from stagereplay.experiments.verify import verify_run
     from stagereplay.records.ledger import atomic_write
     from stagereplay.report.results import AUDIT_FILE
 
     path, manifest = _existing(run_dir, check_ledger=False)  # the audit reports damage instead of refusing
-    checked = verify_run(path, manifest)
+    here, moved = relocate(manifest, where or Relocation(), need_inputs=not verify_only)
+    checked = verify_run(path, here)
     if verify_only or checked["broken_records"]:
-        return checked
+        return {**checked, "integrity_ok": checked["reproduced"], **({"relocated": moved} if moved else {})}
     with open_run(path, manifest, extend=False) as run:
-        summary = audit_run(path, run.manifest, run.records, ExecConfig(workers, executor), quiet)
+        summary = audit_run(path, here, run.records, ExecConfig(workers, executor), quiet, config=config,
+                            relocated=moved)
         atomic_write(path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
         finish(run, quiet)
         return summary

@@ -102,6 +102,23 @@ def _nvidia_driver() -> str | None:
         return None
 
 
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE",
+              "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+"""Environment variables that cap or pin the CPU kernels of ATen, oneDNN and MKL (see `portable_kernels`)."""
+
+
+def _cpu_features() -> dict[str, bool] | None:
+    """The instruction-set extensions torch's CPU kernels choose by: AVX-512 with or without bf16 and AMX
+    tiles route bf16 matmuls to other kernels than AVX2 does, with other bits."""
+    import torch
+
+    probes = {name: getattr(torch.cpu, f"_is_{name}_supported", None)
+              for name in ("avx2", "avx512", "avx512_bf16", "vnni", "amx_tile", "amx_fp16")}
+    if any(p is None for p in probes.values()):
+        return None  # an older torch: the capability string alone
+    return {name: bool(p()) for name, p in probes.items()}  # type: ignore[misc]  # None excluded above
+
+
 def _kernels(device: str) -> dict[str, Any]:
     """The global switches that choose this device's kernels: SDPA backends, reduced-precision reductions and
     TF32 (CUDA only: on a CPU they choose nothing, so a CPU run does not depend on them), the float32 matmul
@@ -115,10 +132,10 @@ def _kernels(device: str) -> dict[str, Any]:
         "reduced_precision": {"float32_matmul_precision": torch.get_float32_matmul_precision()},
         "cpu": {
             "capability": cpu.get_cpu_capability(),
+            "features": _cpu_features(),
             "mkldnn_enabled": torch.backends.mkldnn.enabled,
             "mkldnn_available": torch.backends.mkldnn.is_available(),
-            "env": {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
-                                                   "ONEDNN_DEFAULT_FPMATH_MODE")},
+            "env": {k: os.environ.get(k) for k in KERNEL_ENV},
         },
     }
     if device.startswith("cuda"):

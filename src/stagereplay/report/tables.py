@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stagereplay.records.kernels import describe
 from stagereplay.report.figures import slug
 from stagereplay.report.format import (
     NA,
@@ -301,19 +302,49 @@ def _layers(layers: list[int] | None, n_layers: Any) -> str:
 def audit_tables(audit: dict[str, Any]) -> list[Table]:
     broken = audit.get("broken_records") or []
     mismatches = audit.get("mismatches") or []
+    sample = audit.get("sample")
     rows = [
         ["items audited", str(audit["items"])],
+        ["records re-executed", f"a seeded sample of {sample['re_executed']} of {sample['of']} ({sample['per_stage']} "
+                                f"per stage, seed {sample['seed']}); every record verified" if sample else "every record"],
         ["trajectory fingerprints reproduced", count_of(audit["trajectories"])],
         ["comparison fingerprints reproduced", count_of(audit["comparisons"])],
         ["ledger hash chain intact", yes_no(audit["chain_ok"])],
         ["broken ledger records", ", ".join(_record(b) for b in broken) if broken else "none"],
+        *_environment_rows(audit),
         ["mismatches", str(len(mismatches))],
     ]
     tables = [Table("table-audit", "Audit: re-executed from the saved ledger", ("", "result"), as_rows(rows))]
     if mismatches:
-        detail = as_rows([[m["item_id"], m["what"]] for m in mismatches])
-        tables.append(Table("table-audit-mismatches", "Audit mismatches", ("item", "what"), detail))
+        shown = [[m["item_id"], m["what"]] for m in mismatches[:MISMATCH_ROWS]]
+        if len(mismatches) > MISMATCH_ROWS:
+            shown.append(["", f"... and {len(mismatches) - MISMATCH_ROWS} more (all in audit.json)"])
+        tables.append(Table("table-audit-mismatches", "Audit mismatches", ("item", "what"), as_rows(shown)))
     return tables
+
+
+MISMATCH_ROWS = 50
+
+
+def _environment_rows(audit: dict[str, Any]) -> list[list[str]]:
+    """The kernels the audit ran under against the run's, and the findings split by kind (audits since the
+    split; an older audit.json has neither)."""
+    env = audit.get("environment")
+    if env is None:
+        return []
+    differ = env.get("differences") or []
+    kernels = "the run's" if not differ else "other for {} of {} records: {}".format(
+        env["records_other_kernels"], env["records"],
+        describe([(d["field"], d["recorded"], d["here"]) for d in differ]))
+    here = audit.get("not_reproduced_here") or {}
+    by = ", ".join(f"{n} {p}" for p, n in sorted((here.get("by_precision") or {}).items()))
+    rows = [["kernels", kernels], ["integrity", "holds" if audit.get("integrity_ok") else "findings"],
+            ["not reproduced under other kernels", f"{here.get('units', 0)}" + (f" ({by})" if by else "")]]
+    if here.get("fp32_token_differences"):
+        rows.append(["fp32 units with other tokens (suspicious)", ", ".join(here["fp32_token_differences"])])
+    for moved in audit.get("relocated") or []:
+        rows.append([f"{moved['input']} relocated", f"{moved['here']} ({moved['how']})"])
+    return rows
 
 
 def _record(b: Any) -> str:

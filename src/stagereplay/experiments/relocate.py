@@ -1,0 +1,142 @@
+"""Inputs that moved: a run audited or extended where its model or data are not at the recorded paths.
+
+A manifest records where its models and data were (locations, not bound by the chain) and what they were
+(their hashes, bound). A run copied to another machine finds its inputs elsewhere: `--model`,
+`--later-model` and `--data` say where, and each is checked against the bound hashes before anything runs.
+The embedded toy's checkpoints are found without being named: a run of the toy made in another checkout
+records that checkout's path, and the packaged checkpoint with the bound hashes is the same model.
+
+The relocated manifest lives in memory only: the run's manifest keeps the paths it was made with, and the
+audit records what moved in its result (`relocated`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stagereplay.engine.model import check_model_dir
+from stagereplay.errors import StageReplayError
+from stagereplay.records.ledger import diff_fields
+from stagereplay.records.provenance import model_hashes
+from stagereplay.tasks.jsonl import file_sha256
+
+FLAGS = {"primary": "--model", "later": "--later-model"}
+
+
+@dataclass(frozen=True)
+class Relocation:
+    """Where the run's inputs are now (None: where the manifest says, or the embedded toy's)."""
+
+    model: str | None = None
+    later_model: str | None = None
+    data: str | None = None
+
+    def given(self, checkpoint: str) -> str | None:
+        return {"primary": self.model, "later": self.later_model}.get(checkpoint)
+
+
+def _short(value: Any) -> str:
+    return str(value)[:12] if value else "none"
+
+
+def _get(d: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        d = d.get(key) if isinstance(d, dict) else None
+    return d
+
+
+def check_model(path: str, bound: dict[str, Any], checkpoint: str) -> None:
+    """Refuse a model directory whose hashes are not the run's, naming the first hash that differs."""
+    check_model_dir(path)
+    found = model_hashes(path)
+    differ = diff_fields(bound, found)
+    if differ:
+        field = differ[0]
+        raise StageReplayError(
+            f"{FLAGS.get(checkpoint, '--model')} {path} is not the run's {checkpoint} model: its {field} hash "
+            f"differs ({_short(_get(bound, field))} recorded, {_short(_get(found, field))} here)",
+            "pass the directory of the model the run was made with")
+
+
+def _toy_match(checkpoint: str, bound: dict[str, Any]) -> str | None:
+    """The packaged toy checkpoint of this name, if its hashes are the bound ones."""
+    from stagereplay.toy import TOY_CHECKPOINTS, toy_checkpoint
+
+    if checkpoint not in TOY_CHECKPOINTS:
+        return None
+    path = toy_checkpoint(checkpoint)
+    return str(path) if path.is_dir() and not diff_fields(bound, model_hashes(path)) else None
+
+
+def _model_paths(manifest: dict[str, Any]) -> dict[str, str]:
+    """Each checkpoint's recorded location: the configuration's, else its first stage's."""
+    config = manifest.get("config", {})
+    paths = {"primary": config.get("model", {}).get("path")}
+    if config.get("later_model"):
+        paths["later"] = config["later_model"]
+    for name, stage in manifest.get("stages", {}).items():
+        paths.setdefault(name.partition("/")[2], stage.get("model", {}).get("path"))
+    return {k: v for k, v in paths.items() if v}
+
+
+def relocate(manifest: dict[str, Any], where: Relocation, need_inputs: bool = True
+             ) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The manifest with its inputs' locations replaced by where they are now, and what moved.
+
+    Every given location is checked against the bound hashes first, and refused with one line naming the
+    hash that differs. An input missing from its recorded path and not given is refused when
+    `need_inputs` (the full audit, an experiment that extends the run); `--verify-only` needs none."""
+    out = copy.deepcopy(manifest)
+    config = out.get("config", {})
+    bound = config.get("model_hashes", {})
+    moved: list[dict[str, str]] = []
+    for checkpoint, recorded in _model_paths(manifest).items():
+        given = where.given(checkpoint)
+        if given is not None:
+            here, how = str(Path(given).resolve()), f"{FLAGS[checkpoint]}, hashes match"
+            if checkpoint in bound:
+                check_model(here, bound[checkpoint], checkpoint)
+        elif Path(recorded).is_dir():
+            continue
+        else:
+            toy = _toy_match(checkpoint, bound[checkpoint]) if checkpoint in bound else None
+            if toy is None:
+                if need_inputs:
+                    raise StageReplayError(f"the run's {checkpoint} model is not at {recorded}",
+                                           f"pass {FLAGS.get(checkpoint, '--model')} PATH where it is now "
+                                           "(checked against the run's hashes)")
+                continue
+            here, how = toy, "the embedded toy checkpoint, hashes match"
+        _set_model_path(out, checkpoint, recorded, here)
+        moved.append({"input": f"{checkpoint} model", "recorded": recorded, "here": here, "how": how})
+    data = config.get("data", {})
+    recorded_data = data.get("path")
+    if where.data is not None:
+        here = str(Path(where.data).resolve())
+        if not Path(here).is_file():
+            raise StageReplayError(f"--data {here} not found", "pass the data file the run was made with")
+        found = file_sha256(Path(here))
+        if found != config.get("dataset_hash"):
+            raise StageReplayError(f"--data {here} is not the run's dataset: its dataset_hash differs "
+                                   f"({_short(config.get('dataset_hash'))} recorded, {_short(found)} here)",
+                                   "pass the data file the run was made with")
+        data["path"] = here
+        moved.append({"input": "data", "recorded": recorded_data or "the toy task", "here": here, "how": "--data, dataset hash matches"})
+    elif recorded_data and not Path(recorded_data).is_file() and need_inputs:
+        raise StageReplayError(f"the run's data file is not at {recorded_data}",
+                               "pass --data PATH where it is now (checked against the run's dataset_hash)")
+    return out, moved
+
+
+def _set_model_path(manifest: dict[str, Any], checkpoint: str, recorded: str, here: str) -> None:
+    config = manifest["config"]
+    if checkpoint == "primary" and config.get("model", {}).get("path") == recorded:
+        config["model"]["path"] = here
+    if checkpoint == "later" and config.get("later_model") == recorded:
+        config["later_model"] = here
+    for name, stage in manifest.get("stages", {}).items():
+        if name.partition("/")[2] == checkpoint:
+            stage["model"]["path"] = here

@@ -1,0 +1,42 @@
+"""An audit's findings as the lines `stagereplay audit` prints: integrity first, then what was not reproduced
+under other kernels, and a closing verdict that says which of the two kinds the audit found."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SHOWN_FINDINGS = 40
+"""Findings printed per kind; audit.json holds them all."""
+
+
+def finding_lines(res: dict[str, Any]) -> list[str]:
+    """Each finding names its item (unless it is about the whole run) and the field."""
+    lines = []
+    findings = res.get("mismatches", [])
+    for kind, header in (("integrity", None), ("not_reproduced_here", "not reproduced here (other kernels):")):
+        mine = [m for m in findings if m.get("kind", "integrity") == kind]
+        if mine and header:
+            lines.append(header)
+        for m in mine[:SHOWN_FINDINGS]:
+            item = f"{m['item_id']}: " if m["item_id"] and m["item_id"] not in m["what"] else ""
+            lines.append(f"  {item}{m['what']}")
+        if len(mine) > SHOWN_FINDINGS:
+            lines.append(f"  ... and {len(mine) - SHOWN_FINDINGS} more (all in audit.json)")
+    return lines
+
+
+def verdict_line(res: dict[str, Any]) -> str:
+    if res["reproduced"]:
+        return "audit: every record reproduced"
+    if not res.get("integrity_ok", False):
+        return "audit: integrity findings (tampering or a broken run)"
+    here = res.get("not_reproduced_here", {})
+    by = ", ".join(f"{n} {p}" for p, n in sorted(here.get("by_precision", {}).items()))
+    line = (f"audit: integrity holds; {here.get('units', 0)} units not reproduced under this machine's other "
+            f"kernels ({by})")
+    line += "; confined to bf16/fp16" if here.get("reduced_precision_only") else ""
+    suspicious = here.get("fp32_token_differences", [])
+    if suspicious:
+        line += (f"; {len(suspicious)} fp32 units with other tokens or labels, which other kernels rarely cause: "
+                 f"suspicious ({', '.join(suspicious[:3])}{', ...' if len(suspicious) > 3 else ''})")
+    return line + "; re-audit on a machine with the run's kernels to tell kernels from tampering"
