@@ -29,7 +29,8 @@ R1_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_
 
 @pytest.fixture(scope="module")
 def counted_run(tmp_path_factory, tiny_dir, items_file):
-    """A tiny `paper` run (both checkpoints, full audit) with every model forward counted by its token count."""
+    """A tiny `paper` run (both checkpoints; an audit of a seeded sample of 2 units per stage) with every model
+    forward counted by its token count."""
     from stagereplay.runs import paper
 
     sizes: Counter[int] = Counter()
@@ -44,7 +45,8 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     mp.setattr(decode.Stepper, "forward", counting)
     try:
         results = paper(out, model=str(tiny_dir("qwen2")), later_model=str(tiny_dir("qwen2")), data=str(items_file),
-                        n=4, boundary=After(6), decode=DecodeConfig(max_new_tokens=8), workers=1, quiet=True)
+                        n=4, boundary=After(6), decode=DecodeConfig(max_new_tokens=8), workers=1, quiet=True,
+                        audit_sample=2)
     finally:
         mp.undo()
     assert results["audit"]["reproduced"]
@@ -58,6 +60,12 @@ def test_plan_of_a_run_counts_exactly_the_forwards_it_made(counted_run):
         planned.update(stage.sizes)
     assert +planned == +sizes
     assert sum(sizes.values()) > 100  # the run did real work: every stage, both checkpoints, the audit
+    # The audit's units are the ones its seeded sample picked: counting every unit instead differs.
+    assert json.loads((out / "audit.json").read_text())["sample"]["per_stage"] == 2
+    full: Counter[int] = Counter()
+    for stage in plan_run(out, audit_sample=0):
+        full.update(stage.sizes)
+    assert sum(full.values()) > sum(sizes.values())
 
 
 def test_negative_control_the_count_misses_a_carried_arm_decoded_in_full(counted_run):
@@ -164,11 +172,12 @@ def test_plan_sizes_a_14b_checkpoint_from_its_config_alone(tmp_path):
     assert int(row[6]) == 4 and float(row[7]) == pytest.approx(192 * (p + s + n) / 1024, abs=0.05)  # one, MiB
     assert float(row[8]) == pytest.approx(14.770e9 * 2 / 2**20, rel=1e-3)  # bf16 weights, MiB
     # With 166 of 200 items divergent (the reference paper's count), the carried-over arm is decoded in full
-    # only on those; with all divergent (the default, a bound) dedup saves no forward.
+    # only on those; with all divergent (the default, a bound) dedup saves no forward. `--audit-sample 0`: the
+    # full re-executing audit; by default the plan counts paper's sample.
     runs = [CliRunner().invoke(app, [*args, *extra]) for extra in (
-        ["--divergent", "166", "--no-dedup"], ["--divergent", "166"], ["--divergent", "166", "--audit-sample", "20"],
-        ["--no-dedup"])]
-    hours = [float(r.output.splitlines()[-1].split(", ")[3].split()[0]) for r in (*runs, result)]
+        ["--divergent", "166", "--audit-sample", "0", "--no-dedup"], ["--divergent", "166", "--audit-sample", "0"],
+        ["--divergent", "166"], ["--audit-sample", "0", "--no-dedup"], ["--audit-sample", "0"])]
+    hours = [float(r.output.splitlines()[-1].split(", ")[3].split()[0]) for r in runs]
     assert hours[0] > hours[1] > hours[2]  # each saving shows; negative control: the full audit costs more
     assert hours[3] == hours[4]
     # Negative control of the shape: 4 KV heads halve the cache.

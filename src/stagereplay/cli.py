@@ -380,7 +380,7 @@ def plan(
     divergent: Annotated[int | None, typer.Option("--divergent", help=(
         "items whose live and fresh suffixes diverge (default: all)"))] = None,
     audit_sample: Annotated[int | None, typer.Option("--audit-sample", help=(
-        "units per stage the audit re-executes (default: all)"))] = None,
+        "units per stage the audit re-executes (0: every unit; default: paper's, or what RUN's audit did)"))] = None,
     no_dedup: Annotated[bool, typer.Option("--no-dedup", help="count the 2x2 recomputing the matched arm")] = False,
     tokens_per_second: Annotated[float | None, typer.Option("--tokens-per-second", help=(
         "decode steps per second (any forward costs one)"))] = None,
@@ -402,10 +402,13 @@ def plan(
                            ("--prefill-tokens-per-second", prefill_tokens_per_second)):
             if rate is not None and not 0 < rate < float("inf"):
                 raise StageReplayError(f"{name} must be positive, got {rate}", f"pass e.g. {name} 40")
+        from stagereplay.experiments.paper import AUDIT_SAMPLE
+
         w = workers or (min(2, os.cpu_count() or 1) if device == "cpu" else 1)
+        sample = AUDIT_SAMPLE if audit_sample is None and run_dir is None else audit_sample
         cfg = PlanConfig(n=n, suffix_tokens=suffix_tokens or max_new_tokens, stage1_tokens=stage1_tokens,
                          prompt_tokens=prompt_tokens, divergent=divergent, bridge_rows=rows, select=select,
-                         sweep=sweep, later=later_model is not None or model is None, audit_sample=audit_sample,
+                         sweep=sweep, later=later_model is not None or model is None, audit_sample=sample,
                          dedup=not no_dedup, workers=w)
         rates = None
         if tokens_per_second is not None:

@@ -105,7 +105,7 @@ class PlanConfig:
     constructions: tuple[str, ...] = ("incremental", "oneshot")
     precisions: tuple[str, ...] = ("bf16", "fp32")
     audit_sample: int | None = field(default=None, metadata={"help": "units per stage the audit re-executes "
-                                                                      "(default: every unit)"})
+                                                                      "(None or 0: every unit)"})
     dedup: bool = field(default=True, metadata={"help": "the 2x2 carries the matched arm over (False: as before)"})
     workers: int = 1
 
@@ -213,20 +213,24 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
     if cfg.later:
         stage("matched/later", "bf16", [(u, matched.forwards(u)) for u in units])
         transplants("later", "all-divergent")
-    stages += audit_stages(stages, cfg.audit_sample)
+    stages += audit_stages(stages, cfg.audit_sample or None)
     for st in stages:
         st.positions = min(st.positions, end)
     return stages
 
 
 def audit_stages(stages: list[StagePlan], sample: int | None) -> list[StagePlan]:
-    """The audit re-executes every unit of every stage, or `sample` units per stage (scaled from the stage's
-    mean unit: which units a seeded sample picks is the audit's), one row per precision."""
+    """Before a run: the audit re-executes every unit of every stage, or `sample` units per stage (a 2x2's two
+    precisions are one stage), scaled from the stage's mean unit; one row per precision."""
+    units: Counter[str] = Counter()
+    for s in stages:
+        units[s.name.split("@")[0]] += s.units
     out: dict[str, StagePlan] = {}
     for s in stages:
         audit = out.setdefault(s.precision, StagePlan(f"audit@{s.precision}", s.precision))
-        share = 1.0 if sample is None or s.units == 0 else min(sample, s.units) / s.units
-        audit.units += s.units if sample is None else min(sample, s.units)
+        total = units[s.name.split("@")[0]]
+        share = 1.0 if sample is None or total == 0 else min(sample, total) / total
+        audit.units += round(s.units * share)
         for k, v in s.sizes.items():
             audit.sizes[k] += round(v * share)
         audit.positions = max(audit.positions, s.positions)
@@ -258,41 +262,76 @@ def grid_lengths(payload: dict[str, Any]) -> tuple[Lengths, str | None]:
 
 
 def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = True) -> list[StagePlan]:
-    """The stages of a run as it ran: every unit's forwards from its record's measured lengths."""
-    from stagereplay.experiments import bridge, matched, precision_2x2, transplant
-    from stagereplay.experiments.transplant import TransplantConfig
+    """The stages of a run as it ran: every unit's forwards from its record's measured lengths; then its audit,
+    re-executing the units the audit picks (`audit.sample_units`: the run's own sample, from its audit.json,
+    unless `audit_sample` is given; 0 or none recorded: every unit)."""
+    from stagereplay.experiments.audit import AuditConfig, sample_units
 
     manifest = read_manifest(run_dir)
     stages_cfg = manifest.get("stages", {})
     plans: dict[str, StagePlan] = {}
-    records: list[Record] = items(read_ledger(run_dir))
-    for r in records:
+    units: dict[str, list[Record]] = {}  # per stage, as the audit groups them, in ledger order
+    made: dict[int, tuple[str, list[int], int]] = {}  # record seq -> (row, forwards, longest sequence)
+    for r in items(read_ledger(run_dir)):
         name = f"{r.experiment}/{r.checkpoint}"
-        stage = stages_cfg[name]
-        p, n = r.payload, lengths_of(r.payload)
-        suffix = stage["settings"]["decode"]["max_new_tokens"]
-        if r.experiment == "matched":
-            fw = matched.forwards(n, stage["construction"])
-        elif r.experiment == "bridge":
-            fw = bridge.forwards(n)
-        elif r.experiment == "transplant":
-            if p.get("status") != "ok":
-                continue  # a prefix not reproduced: its live run's length is not recorded
-            fw = transplant.forwards(Lengths(n.prompt, n.stage1, suffix, n.arms), TransplantConfig(**stage["config"]),
-                                     _layers(stage))
-        elif r.experiment == "precision_2x2":
-            lengths, reused = grid_lengths(p)
-            fw = precision_2x2.forwards(lengths, tuple(stage["constructions"]), r.part, reused)
-            name = f"{name}@{r.part}"
-        else:
-            raise StageReplayError(f"plan does not count {r.experiment} stages yet",
-                                   "plan a run without them")
+        stage = stages_cfg.get(name)
+        if stage is None:
+            continue  # not a declared stage: the audit re-executes none of it, and verify names it
+        counted = unit_forwards(r, stage)
+        if counted is None:
+            continue
+        row, fw, longest = counted
         precision = r.part or stage["model"]["precision"]
-        plan = plans.setdefault(name, _new(name, precision, stage.get("constructions", ())))
-        longest = max((length for _, length in n.arms), default=n.generated)
-        plan.add(fw, n.prefix + longest)
+        plan = plans.setdefault(row, _new(row, precision, stage.get("constructions", ())))
+        plan.add(fw, longest)
+        units.setdefault(name, []).append(r)
+        made[r.seq] = counted
     out = list(plans.values())
-    return out + audit_stages(out, audit_sample) if audited else out
+    if not audited:
+        return out
+    if audit_sample is None:
+        recorded: dict[str, Any] = {}
+        if (run_dir / "audit.json").exists():
+            recorded = json.loads((run_dir / "audit.json").read_text()).get("sample") or {}
+        audit_sample, seed = recorded.get("per_stage"), recorded.get("seed", 0)
+    else:
+        seed = 0
+    chosen = sample_units(units, AuditConfig(audit_sample or None, seed))
+    audits: dict[str, StagePlan] = {}
+    for r in (r for rs in chosen.values() for r in rs):
+        row, fw, longest = made[r.seq]
+        st = plans[row]
+        audit = audits.setdefault(st.precision, StagePlan(f"audit@{st.precision}", st.precision))
+        audit.add(fw, longest)
+        audit.caches = max(audit.caches, st.caches)
+    return out + list(audits.values())
+
+
+def unit_forwards(r: Record, stage: dict[str, Any]) -> tuple[str, list[int], int] | None:
+    """(its plan row, the forwards its item function made, its longest sequence) for one item record, from its
+    measured lengths; None for a unit whose lengths are not recorded (a transplant whose prefix was not
+    reproduced)."""
+    from stagereplay.experiments import bridge, matched, precision_2x2, transplant
+    from stagereplay.experiments.transplant import TransplantConfig
+
+    name, p, n = f"{r.experiment}/{r.checkpoint}", r.payload, lengths_of(r.payload)
+    if r.experiment == "matched":
+        fw = matched.forwards(n, stage["construction"])
+    elif r.experiment == "bridge":
+        fw = bridge.forwards(n)
+    elif r.experiment == "transplant":
+        if p.get("status") != "ok":
+            return None
+        suffix = stage["settings"]["decode"]["max_new_tokens"]  # sweep continuations are not recorded
+        fw = transplant.forwards(Lengths(n.prompt, n.stage1, suffix, n.arms), TransplantConfig(**stage["config"]),
+                                 _layers(stage))
+    elif r.experiment == "precision_2x2":
+        lengths, reused = grid_lengths(p)
+        fw = precision_2x2.forwards(lengths, tuple(stage["constructions"]), r.part, reused)
+        name = f"{name}@{r.part}"
+    else:
+        raise StageReplayError(f"plan does not count {r.experiment} stages yet", "plan a run without them")
+    return name, fw, n.prefix + max((length for _, length in n.arms), default=n.generated)
 
 
 def _layers(stage: dict[str, Any]) -> int:
@@ -408,7 +447,7 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
         header += (f"\nassumed: {cfg.n} items, prompts {min(prompts)}-{max(prompts)} tokens, stage 1 {s1}, suffix "
                    f"{cfg.suffix_tokens}, divergent {cfg.n if cfg.divergent is None else cfg.divergent}; "
                    f"2x2 {'carries the matched arm over' if cfg.dedup else 'recomputes every arm'}; audit "
-                   + ("of every unit" if cfg.audit_sample is None else f"of {cfg.audit_sample} units per stage"))
+                   + (f"of {cfg.audit_sample} units per stage" if cfg.audit_sample else "of every unit"))
     else:
         header += f"\nmeasured: the lengths recorded in {run}"
     return header + "\n" + render(stages, shape, rates, cfg.workers)
