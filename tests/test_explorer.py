@@ -159,3 +159,62 @@ def test_show_refuses_an_unknown_item_in_one_line(run):
     result = runner.invoke(app, ["show", str(run), "no-such-item"])
     assert result.exit_code == 2
     assert result.stderr.strip().count("\n") == 0 and "no-such-item" in result.stderr
+
+
+# --- token texts from the ledger; 2x2 pairs --------------------------------------------------------
+
+
+def test_records_carry_the_texts_of_the_tokens_they_show(run, tiny_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir("qwen2"))
+    for r in _matched(run):
+        p, texts = r.payload, r.payload["token_texts"]
+        shown = {*p["prompt_ids"], *p["prefix_ids"], *(t for a in p["arms"] for t in a["suffix_ids"])}
+        assert {str(t) for t in shown} <= set(texts)
+        assert all(texts[str(t)] == tokenizer.decode([t], skip_special_tokens=False) for t in shown)
+
+
+def test_the_explorer_renders_token_texts_from_the_record_alone(run):
+    """The story's text is the record's `token_texts`; without them (a record made before they were recorded, the
+    negative control) tokens print as `<id>`, whatever the model directory holds."""
+    from stagereplay.report.explorer import stories, story_html
+
+    record = _divergent(run)[0]
+    forged = {k: "§" for k in record.payload["token_texts"]}
+    html = story_html(stories([record.model_copy(update={"payload": {**record.payload, "token_texts": forged}})])[0])
+    assert "§" in html and "&lt;" not in html.split("prompt:")[1].split("</code>")[0]
+    bare = {k: v for k, v in record.payload.items() if k != "token_texts"}
+    html = story_html(stories([record.model_copy(update={"payload": bare})])[0])
+    assert "§" not in html and f"&lt;{record.payload['prompt_ids'][0]}&gt;" in html
+
+
+@pytest.fixture(scope="module")
+def grid_run(tmp_path_factory, tiny_dir, items_file) -> Path:
+    out = tmp_path_factory.mktemp("explorer-2x2") / "run"
+    result = runner.invoke(app, ["matched", "--model", str(tiny_dir("qwen2")), "--data", str(items_file), "--n", "4",
+                                 "--boundary-after", "16", "--max-new-tokens", "24", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["precision-2x2", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_show_and_the_explorer_cover_2x2_pairs(grid_run):
+    from stagereplay.report.explorer import explorer_html, stories
+
+    records = [r for r in read_ledger(grid_run) if r.kind == "item"]
+    told = stories(records)
+    grid = [s for s in told if s.experiment == "precision_2x2"]
+    assert {(s.precision, s.a, s.b) for s in grid} == {("bf16", "incremental@bf16", "oneshot@bf16"),
+                                                        ("fp32", "incremental@fp32", "oneshot@fp32")}
+    assert len(grid) == 8 and len(told) == 12  # 4 items: one matched story, two 2x2 stories each
+    item = grid[0].item_id
+    result = runner.invoke(app, ["show", str(grid_run), item], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert "primary, 2x2 · incremental@fp32 vs oneshot@fp32 @ fp32" in result.output
+    assert "primary · live vs oneshot @ bf16" in result.output
+    divergent = [s for s in told if s.divergence is not None]
+    html = explorer_html(records)
+    assert html.count('<section class="item"') == len(divergent)
+    assert html.count("2x2</td>") == sum(s.experiment == "precision_2x2" for s in divergent)

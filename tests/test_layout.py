@@ -55,6 +55,22 @@ def test_the_rooms_check_sees_an_upward_import(tmp_path):
     assert ORDER.index(_room(next(iter(_imports(bad))))) > ORDER.index("engine")
 
 
+def _report_engine_imports(paths) -> list[str]:
+    return [f"{p.name}: {t}" for p in paths for t in _imports(p) if _room(t) == "engine"]
+
+
+def test_the_report_reads_records_not_models():
+    """`report/` renders from records alone: nothing in it imports the engine (models, tokenizers, caches)."""
+    assert _report_engine_imports((SRC / "stagereplay" / "report").rglob("*.py")) == []
+
+
+def test_the_report_rule_sees_an_engine_import(tmp_path):
+    """Negative control: a report module loading a tokenizer through the engine is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from stagereplay.engine.model import load_config_and_tokenizer\n")
+    assert _report_engine_imports([bad]) == ["bad.py: stagereplay.engine.model"]
+
+
 def test_no_import_circles():
     if not CYCLES_TOOL.exists():  # the shared tool lives beside the checkout; the rooms test above still runs
         return

@@ -140,7 +140,7 @@ def test_every_single_byte_change_is_caught_by_verify_only(tmp_path, reference):
         assert result.exit_code == 1 and "ledger record" in result.stderr
 
 
-# -- the bad-input table (README) -------------------------------------------------------------------------
+# -- the bad-input table (docs/reference/errors.md) -------------------------------------------------------------------------
 
 
 def _corrupt_config(model: Path) -> None:

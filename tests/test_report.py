@@ -154,6 +154,16 @@ def test_null_values_print_as_dash() -> None:
     assert rows["suffix disagreements"] == "0/0"
 
 
+def test_markers_inside_a_token_are_a_row_of_the_matched_table() -> None:
+    results = _results()
+    m = results["matched"][0]
+    assert "n_marker_inside_token" not in m  # negative control: a marker matched on its token ID has no such row
+    assert not [r for r in build_tables(results)[0].rows if "inside a token" in r[0]]
+    m["n_marker_inside_token"] = 1
+    rows = {row[0]: row[1] for row in build_tables(results)[0].rows}
+    assert rows["boundary marker ended inside a token"] == f"1/{m['n_boundary']} ({100 / m['n_boundary']:.1f}%)"
+
+
 def test_transplant_table_has_control_row_and_recomputes_missing_wilson() -> None:
     results = _paper_results()
     primary = next(t for t in build_tables(results) if t.id == "table-transplant-primary")

@@ -55,7 +55,12 @@ def _run(fn: Callable[[], T]) -> T:
 
 # Options shared by commands that load a model.
 Model = Annotated[str | None, typer.Option("--model", help="local model directory (default: the embedded toy)")]
-Data = Annotated[str | None, typer.Option("--data", help="JSONL items (default: the toy task's held-out items)")]
+Data = Annotated[str | None, typer.Option("--data", help=(
+    "items: a JSONL, JSON, CSV or Parquet file, a datasets.save_to_disk folder, or hf:NAME[:CONFIG][:SPLIT] "
+    "(default: the toy task's held-out items)"))]
+Columns = Annotated[str | None, typer.Option("--columns", help=(
+    "map the data's fields: TARGET=COLUMN,... with TARGET prompt, messages, user (a one-message chat), answer or "
+    "id (GSM8K and MATH-style problem/answer/unique_id rows need none)"))]
 N = Annotated[int | None, typer.Option("--n", help="run the first N items")]
 Out = Annotated[Path, typer.Option("--out", help="run directory (created, or resumed)")]
 Precision = Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32 | fp32-compute")]
@@ -67,7 +72,8 @@ Marker = Annotated[str | None, typer.Option("--boundary-marker", help=(
 Regex = Annotated[str | None, typer.Option("--boundary-regex", help=(
     "stage 1 ends when its text matches (searched in the last 1024 characters and the new token's text)"))]
 After = Annotated[int | None, typer.Option("--boundary-after", help="stage 1 is the first N generated tokens")]
-Scorer = Annotated[str | None, typer.Option("--scorer", help="last-number | exact | regex:PATTERN")]
+Scorer = Annotated[str | None, typer.Option("--scorer", help=(
+    "last-number | exact | math (LaTeX answers: the last \\boxed{}, through math-verify) | regex:PATTERN"))]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="suffix length limit")]
 MaxStage1 = Annotated[int | None, typer.Option("--max-stage1-tokens", help=(
     "tokens allowed to reach the boundary (default: 8192 or what the context leaves)"))]
@@ -114,6 +120,13 @@ def matched(
     executor: Executor = "local",
     shard: Annotated[str | None, typer.Option("--shard", help="I/N: run every N-th item from the I-th")] = None,
     quiet: Quiet = False,
+    columns: Columns = None,
+    engine: Annotated[str, typer.Option("--engine", help=(
+        "hf (ours) | vllm: live, oneshot and prefix-cache arms in vLLM (docs/engines.md)"))] = "hf",
+    cross: Annotated[str | None, typer.Option("--cross", help=(
+        "hf: also continue the serving engine's prefixes in ours (the hf-oneshot arm)"))] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help=(
+        "the serving engine's K/V block size (its prefix cache reuses whole blocks)"))] = 32,
 ) -> None:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
@@ -126,7 +139,7 @@ def matched(
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
-            workers, executor, shard, quiet)
+            workers, executor, shard, quiet, columns, engine, cross, block_size)
 
     _run(go)
 
@@ -151,7 +164,8 @@ def _where(model: str | None, later_model: str | None, data: str | None = None) 
 @app.command("precision-2x2")
 def precision_2x2(
     run_dir: RunDir,
-    constructions: Annotated[str, typer.Option(help="comma list")] = "incremental,oneshot",
+    constructions: Annotated[str | None, typer.Option(help=(
+        "comma list (default: incremental,oneshot; on a vLLM run its arms oneshot,prefix-cache[,hf-oneshot])"))] = None,
     precisions: Annotated[str, typer.Option(help="comma list of bf16, fp16, fp32, fp32-compute")] = "bf16,fp32",
     checkpoint: Checkpoint = "primary",
     workers: Workers = 1,
@@ -165,8 +179,8 @@ def precision_2x2(
     def go() -> None:
         from stagereplay.runs import precision_2x2 as run
 
-        run(run_dir, tuple(constructions.split(",")), tuple(precisions.split(",")), checkpoint, workers, executor,
-            quiet, _where(model, later_model))
+        run(run_dir, tuple(constructions.split(",")) if constructions is not None else (), tuple(precisions.split(",")),
+            checkpoint, workers, executor, quiet, _where(model, later_model))
 
     _run(go)
 
@@ -315,6 +329,7 @@ def paper(
     model: Model = None,
     later_model: Annotated[str | None, typer.Option("--later-model", help="second checkpoint")] = None,
     data: Data = None,
+    columns: Columns = None,
     n: Annotated[int, typer.Option("--n")] = 200,
     boundary_marker: Marker = None,
     boundary_regex: Regex = None,
@@ -346,7 +361,7 @@ def paper(
         dc = _decode(max_new_tokens, max_stage1_tokens, False, 1.0, 0, 0)
         res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device=device,
                   threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
-                  resample=resample, resample_items=resample_items, audit_sample=audit_sample or None)
+                  resample=resample, resample_items=resample_items, audit_sample=audit_sample or None, columns=columns)
         from stagereplay.experiments.audit import exit_code
 
         typer.echo(f"report: {out / 'report.html'}")

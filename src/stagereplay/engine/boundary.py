@@ -10,6 +10,7 @@ the thousands.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -244,6 +245,20 @@ class After:
 
     def describe(self) -> str:
         return f"after:{self.n}"
+
+
+def stage1_end(tokens: Sequence[int], watch: Watch, eos: Collection[int], budget: int) -> int | None:
+    """Index of the boundary token in an uninterrupted generation, or None where stage 1 never ended.
+
+    The decision `LM.live` makes token by token, made afterwards on a serving engine's whole output: the first
+    token the watch says completes stage 1, unless an EOS or the stage-1 budget comes first.
+    """
+    for i, token in enumerate(tokens[:budget]):
+        if watch.step(token):
+            return i
+        if token in eos:
+            return None
+    return None
 
 
 def parse_boundary(spec: str) -> BoundaryRule:

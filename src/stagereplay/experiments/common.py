@@ -26,7 +26,7 @@ class ReplaySettings:
 
     boundary: str = field(metadata={"help": "marker:TEXT | regex:PATTERN | after:N"})
     decode: DecodeConfig = field(default_factory=DecodeConfig)
-    scorer: str = field(default="last-number", metadata={"help": "last-number | exact | regex:PATTERN"})
+    scorer: str = field(default="last-number", metadata={"help": "last-number | exact | math | regex:PATTERN"})
 
     def __post_init__(self) -> None:
         scorer_by_name(self.scorer)  # an unknown scorer fails here, before any run directory exists
@@ -72,6 +72,19 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
     return arm
 
 
+def token_texts(lm: LM, payload: dict[str, Any]) -> dict[str, str]:
+    """Each token the record shows, decoded alone (special tokens kept), keyed by its id as text: the prompt,
+    stage 1, every arm's suffix and the top-5 candidates at each first divergence. The report's explorer and
+    `stagereplay show` render tokens from these, so they read the ledger, never the model's tokenizer."""
+    ids = {*payload.get("prefix_ids", []), *payload.get("prompt_ids", [])}
+    for arm in payload.get("arms", []):
+        ids.update(arm.get("suffix_ids", []))
+    for pair in ((payload.get("diagnostics") or {}).get("pairs") or {}).values():
+        for side in ("a", "b"):
+            ids.update(int(t) for t, _ in ((pair.get("divergence") or {}).get(side) or {}).get("top", []))
+    return {str(t): str(lm.tokenizer.decode([t], skip_special_tokens=False)) for t in sorted(ids)}
+
+
 ARM_CLAIMS = ("name", "suffix_fp", "cache_fp", "correct")
 """The arm fields a comparison's fingerprint covers."""
 
@@ -84,7 +97,8 @@ def comparison(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> dict[str, 
         "a": a["name"],
         "b": b["name"],
         "suffix_equal": a["suffix_fp"] == b["suffix_fp"],
-        "cache_equal": a["cache_fp"] == b["cache_fp"],
+        # An engine that does not expose its cache records no fingerprint: equality is then unknown, not true.
+        "cache_equal": None if a["cache_fp"] is None or b["cache_fp"] is None else a["cache_fp"] == b["cache_fp"],
         "label_equal": a["correct"] == b["correct"],
         "first_divergence": first_divergence(a["suffix_ids"], b["suffix_ids"]),
     }
@@ -108,9 +122,10 @@ def with_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
 
 
 def execute(run: Run, experiment: str, checkpoint: str, model: ModelConfig, work: Work, jobs: Sequence[Job],
-            ex: ExecConfig, lm: LM | None = None, quiet: bool = False) -> None:
+            ex: ExecConfig, lm: LM | None = None, quiet: bool = False, env_work: Work | None = None) -> None:
     """Run every job not yet in the ledger, appending records in job order with the environment that
-    computed each, with a progress bar."""
+    computed each, with a progress bar. `env_work` returns a job's payload and environment itself (a serving
+    engine adds its own to the environment); by default `work`'s payload gets `with_environment`'s."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     pending = [j for j in jobs if not run.done(experiment, checkpoint, j.item.id, j.part)]
@@ -118,7 +133,7 @@ def execute(run: Run, experiment: str, checkpoint: str, model: ModelConfig, work
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   disable=quiet, transient=False) as bar:
         task = bar.add_task(label, total=len(jobs), completed=len(jobs) - len(pending))
-        done = run_jobs(model, partial(with_environment, work), pending, ex, lm)
+        done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, lm)
         for job, out in zip(pending, done, strict=False):
             run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
             bar.advance(task)

@@ -23,6 +23,7 @@ from stagereplay.experiments.common import (
     comparison,
     execute,
     no_boundary_payload,
+    token_texts,
 )
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.records.ledger import Run
@@ -88,7 +89,7 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
         del fresh
     by = {a["name"]: a for a in arms}
     pairs = [("live", construction), ("live", "live#replica"), (construction, f"{construction}#replica")]
-    return {
+    payload = {
         "status": "ok",
         "prompt_ids": list(item.prompt_ids),
         "prefix_ids": list(live.prefix),
@@ -100,6 +101,7 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
         "comparisons": [comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by],
         "diagnostics": diagnose(runs, pairs, cache_pairs=pairs[:1]),
     }
+    return {**payload, "token_texts": token_texts(lm, payload)}
 
 
 def forwards(n: Lengths, construction: str = "oneshot") -> list[int]:

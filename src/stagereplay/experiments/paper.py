@@ -55,6 +55,7 @@ def paper(
     resample: int = 0,
     resample_items: int = 50,
     audit_sample: int | None = AUDIT_SAMPLE,
+    columns: str | None = None,
     device: str = "cpu",
     threads: int = 1,
     attn_impl: str = "sdpa",
@@ -74,7 +75,7 @@ def paper(
         workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), "bf16", device, threads,
-                            attn_impl)
+                            attn_impl, columns=columns)
     if later_model is None and model is None:
         from stagereplay.toy import toy_checkpoint
 

@@ -11,7 +11,7 @@ from stagereplay.engine.lm import LM, BoundaryState, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
+from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute, token_texts
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.records.ledger import Run
 from stagereplay.report.stats import first_divergence
@@ -61,9 +61,10 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
     diagnostics = diagnose(runs, pairs, cache_pairs=pairs)
     for name, (_, margins) in carried.items():  # every step's margin, as the matched run computed them
         diagnostics["margins"][name] = margins
-    return {"status": "ok", "precision": lm.config.precision, "prompt_ids": list(item.prompt_ids),
-            "prefix_ids": list(state.prefix), "boundary": len(state.prefix), "answer": item.answer,
-            "arms": arms, "comparisons": comparisons, "diagnostics": diagnostics}
+    payload = {"status": "ok", "precision": lm.config.precision, "prompt_ids": list(item.prompt_ids),
+               "prefix_ids": list(state.prefix), "boundary": len(state.prefix), "answer": item.answer,
+               "arms": arms, "comparisons": comparisons, "diagnostics": diagnostics}
+    return {**payload, "token_texts": token_texts(lm, payload)}
 
 
 def forwards(n: Lengths, constructions: tuple[str, ...], precision: str, reused: str | None = None) -> list[int]:

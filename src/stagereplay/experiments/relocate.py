@@ -21,7 +21,7 @@ from stagereplay.engine.model import check_model_dir
 from stagereplay.errors import StageReplayError
 from stagereplay.records.ledger import diff_fields
 from stagereplay.records.provenance import model_hashes
-from stagereplay.tasks.jsonl import file_sha256
+from stagereplay.tasks.sources import HF_PREFIX, dataset_at
 
 FLAGS = {"primary": "--model", "later": "--later-model"}
 
@@ -115,18 +115,19 @@ def relocate(manifest: dict[str, Any], where: Relocation, need_inputs: bool = Tr
     data = config.get("data", {})
     recorded_data = data.get("path")
     if where.data is not None:
-        here = str(Path(where.data).resolve())
-        if not Path(here).is_file():
-            raise StageReplayError(f"--data {here} not found", "pass the data file the run was made with")
-        found = file_sha256(Path(here))
-        if found != config.get("dataset_hash"):
+        here = where.data if where.data.startswith(HF_PREFIX) else str(Path(where.data).resolve())
+        found = dataset_at(here, data.get("columns"))
+        if found is None:
+            raise StageReplayError(f"--data {here} not found", "pass the data the run was made with")
+        if found[1] != config.get("dataset_hash"):
             raise StageReplayError(f"--data {here} is not the run's dataset: its dataset_hash differs "
-                                   f"({_short(config.get('dataset_hash'))} recorded, {_short(found)} here)",
-                                   "pass the data file the run was made with")
+                                   f"({_short(config.get('dataset_hash'))} recorded, {_short(found[1])} here)",
+                                   "pass the data the run was made with")
         data["path"] = here
-        moved.append({"input": "data", "recorded": recorded_data or "the toy task", "here": here, "how": "--data, dataset hash matches"})
-    elif recorded_data and not Path(recorded_data).is_file() and need_inputs:
-        raise StageReplayError(f"the run's data file is not at {recorded_data}",
+        moved.append({"input": "data", "recorded": recorded_data or "the toy task", "here": here,
+                      "how": "--data, dataset hash matches"})
+    elif recorded_data and need_inputs and dataset_at(recorded_data, data.get("columns")) is None:
+        raise StageReplayError(f"the run's data is not at {recorded_data}",
                                "pass --data PATH where it is now (checked against the run's dataset_hash)")
     return out, moved
 

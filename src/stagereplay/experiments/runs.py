@@ -23,6 +23,7 @@ from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run, read_ledge
 from stagereplay.records.provenance import environment, model_hashes, now, package_versions
 from stagereplay.records.shards import merge_runs, parse_shard, shard_items
 from stagereplay.tasks import DataConfig, Item, load_items
+from stagereplay.tasks.sources import HF_PREFIX
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Source:
 
 def resolve_source(model: str | None, data: str | None, n: int | None, boundary: BoundaryRule | None,
                    scorer: str | None, decode: DecodeConfig, precision: str, device: str, threads: int,
-                   attn_impl: str, checkpoint: str = "primary") -> Source:
+                   attn_impl: str, checkpoint: str = "primary", columns: str | None = None) -> Source:
     """Fill in the embedded toy's checkpoint and held-out items when no model or data is given.
 
     Nothing else is special to the toy: with no boundary rule the rule is left empty for `prepare` to default
@@ -54,7 +55,9 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
     config = ModelConfig(path=str(Path(model).resolve()), precision=precision, device=device, threads=threads,
                          attn_impl=attn_impl)
     check_model_dir(config.path)
-    return Source(config, DataConfig(path=str(Path(data).resolve()) if data else None, n=n),
+    if data and not data.startswith(HF_PREFIX):
+        data = str(Path(data).resolve())  # a file or folder; an hf: name stays as given
+    return Source(config, DataConfig(path=data or None, n=n, columns=columns),
                   ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
 
 
@@ -146,7 +149,10 @@ def print_header(source: Source, quiet: bool) -> None:
 def new_manifest(command: str, config: dict[str, Any], source: Source, items: list[Item], data_hash: str,
                  determinism: dict[str, Any], extra_models: dict[str, str] | None = None) -> dict[str, Any]:
     """The frozen record of what this run is. `config` is its identity: resuming requires it unchanged."""
+    from stagereplay.tasks.scoring import scorer_versions
+
     models = {"primary": source.model.path, **(extra_models or {})}
+    scorer_packages = scorer_versions(source.settings.scorer)  # math-verify's version decides `math` labels
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "stagereplay",
@@ -156,12 +162,13 @@ def new_manifest(command: str, config: dict[str, Any], source: Source, items: li
         "config": {
             **config,
             "model": asdict(source.model),
-            "data": asdict(source.data),
+            "data": source.data.as_dict(),
             "settings": source.settings.as_dict(),
             "dataset_hash": data_hash,
             "item_ids": [i.id for i in items],
             "model_hashes": {name: model_hashes(path) for name, path in models.items()},
             "stage1": source.stage1,
+            **({"scorer_packages": scorer_packages} if scorer_packages else {}),
         },
         "environment": environment(source.model.device, determinism),
         "stages": {},
@@ -207,17 +214,24 @@ def matched(
     executor: str = "local",
     shard: str | None = None,
     quiet: bool = False,
+    columns: str | None = None,
+    engine: str = "hf",
+    cross: str | None = None,
+    block_size: int = 32,
 ) -> dict[str, Any]:
     """Run (or resume) the matched experiment into `out`; return results.json's content.
 
-    With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards.
+    With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards. `columns`
+    maps the data's fields (`prompt=problem,answer=answer,id=unique_id`). With `engine="vllm"` the arms are a
+    serving engine's (`experiments.serving`); `cross="hf"` adds our engine's replay of its prefixes.
     """
     from stagereplay.experiments.matched import MatchedConfig, run_matched
 
     ex = ExecConfig(workers, executor)
     part = parse_shard(shard)
+    arms = serving_arms(engine, cross, block_size, construction, ex, decode or DecodeConfig(), precision)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
-                            threads, attn_impl)
+                            threads, attn_impl, columns=columns)
     source, lm, items, data_hash, determinism = prepare(source, ex)
     print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)
@@ -225,12 +239,50 @@ def matched(
     identity: dict[str, Any] = {"construction": construction}
     if shard is not None:
         identity["shard"] = shard
+    if arms is not None:
+        identity.update(engine=arms.engine.as_dict(), cross=arms.cross)
     manifest = new_manifest("matched", identity, source, items, data_hash, determinism)
+    if arms is not None:  # the engine's version and settings, frozen with the rest before the first item
+        from stagereplay.experiments.serving import cached_engine
+
+        assert lm is not None  # a serving engine runs in this process (serving_arms)
+        manifest["environment"]["engine"] = cached_engine(arms.engine, lm).settings()
     with open_run(Path(out), manifest) as run:
-        run_matched(run, config, items, ex, lm, quiet)
+        if arms is None:
+            run_matched(run, config, items, ex, lm, quiet)
+        else:
+            from stagereplay.experiments.serving import run_serving_matched
+
+            run_serving_matched(run, source.model, source.settings, source.data, arms, items, lm, quiet=quiet)
         results = finish(run, quiet)
     require_boundary(results["matched"][0], source.settings)
     return results
+
+
+def serving_arms(engine: str, cross: str | None, block_size: int, construction: str, ex: ExecConfig,
+                 decode: DecodeConfig, precision: str) -> Any:
+    """The arms of a serving engine's matched run, or None for our engine; what it cannot run is refused here,
+    before anything loads."""
+    if engine == "hf":
+        if cross is not None:
+            raise StageReplayError("--cross replays a serving engine's prefixes", "pass it with --engine vllm")
+        return None
+    from stagereplay.engine.serving import EngineConfig, require_engine
+    from stagereplay.experiments.serving import ServingArms
+
+    config = EngineConfig(engine, block_size=block_size)
+    if construction != "oneshot":
+        raise StageReplayError(f"--construction {construction} is our engine's; --engine {engine} runs oneshot and "
+                               "prefix-cache", "drop --construction")
+    if ex.workers != 1 or ex.executor != "local":
+        raise StageReplayError(f"--engine {engine} runs in this process", "pass --workers 1 --executor local")
+    if decode.sample:
+        raise StageReplayError(f"--engine {engine} runs greedy: its sampler is not ours, so draws would not "
+                               "compare across engines", "drop --sample")
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise StageReplayError(f"--engine {engine} does not run precision {precision}", "use bf16, fp16 or fp32")
+    require_engine(config)
+    return ServingArms(config, cross or "")
 
 
 def require_boundary(summary: dict[str, Any], settings: ReplaySettings) -> None:
@@ -270,14 +322,39 @@ def _matched_stage(manifest: dict[str, Any], checkpoint: str, where: Any = None)
     return ModelConfig(**stage["model"]), ReplaySettings(s["boundary"], DecodeConfig(**s["decode"]), s["scorer"])
 
 
-def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = ("incremental", "oneshot"),
+def refuse_serving(manifest: dict[str, Any], checkpoint: str, what: str) -> None:
+    """Bridge, transplant and resample need boundary caches our engine made; a serving engine's run has none."""
+    from stagereplay.engine.serving import refuse_cache_access
+
+    engine = manifest.get("stages", {}).get(f"matched/{checkpoint}", {}).get("engine")
+    if engine is not None:
+        raise refuse_cache_access(engine["name"], what)
+
+
+def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = (),
                   precisions: tuple[str, ...] = ("bf16", "fp32"), checkpoint: str = "primary", workers: int = 1,
                   executor: str = "local", quiet: bool = False, where: Any = None) -> dict[str, Any]:
-    """Hold the matched run's prefixes fixed; cross construction with precision."""
+    """Hold the matched run's prefixes fixed; cross construction with precision. No constructions given:
+    incremental and oneshot, or on a serving engine's run its arms (oneshot, prefix-cache, hf-oneshot)."""
     from stagereplay.experiments.precision_2x2 import check_fixed_constructions, run_2x2
 
     path, manifest = _existing(run_dir)
     model, settings = _matched_stage(manifest, checkpoint, where)
+    served = manifest["stages"][f"matched/{checkpoint}"].get("engine")
+    if served is not None:  # a serving engine's run: its arms crossed with precision, in that engine
+        from stagereplay.experiments.serving import arms_of
+        from stagereplay.experiments.serving_2x2 import check_serving_constructions, run_serving_2x2
+
+        arms = arms_of(manifest["stages"][f"matched/{checkpoint}"])
+        constructions = constructions or arms.fresh
+        check_serving_constructions(constructions, arms)
+        for p in precisions:
+            serving_arms(served["name"], arms.cross or None, served["block_size"], "oneshot",
+                         ExecConfig(workers, executor), DecodeConfig(), p)
+        with open_run(path, manifest) as run:
+            run_serving_2x2(run, model, settings, checkpoint, arms, constructions, precisions, quiet)
+            return finish(run, quiet)
+    constructions = constructions or ("incremental", "oneshot")
     check_fixed_constructions(constructions)
     for p in precisions:
         model.with_precision(p)  # validates the name before anything runs
@@ -294,6 +371,7 @@ def bridge(run_dir: str | Path, rows: int = 12, checkpoint: str = "primary", wor
     if rows < 1:
         raise StageReplayError(f"--rows must be at least 1, got {rows}", "pass a positive --rows")
     path, manifest = _existing(run_dir)
+    refuse_serving(manifest, checkpoint, "the bridge")
     model, settings = _matched_stage(manifest, checkpoint, where)
     with open_run(path, manifest) as run:
         run_bridge(run, model, settings, checkpoint, rows, ExecConfig(workers, executor), quiet)
@@ -307,6 +385,7 @@ def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "prima
     from stagereplay.experiments.transplant import TransplantConfig, run_transplant
 
     path, manifest = _existing(run_dir)
+    refuse_serving(manifest, checkpoint, "a transplant")
     model, settings = _matched_stage(manifest, checkpoint, where)
     cfg = config or TransplantConfig(construction=manifest["stages"][f"matched/{checkpoint}"]["construction"])
     hf_config, _ = load_config_and_tokenizer(model.path)
@@ -323,6 +402,7 @@ def resample(run_dir: str | Path, config: Any = None, checkpoint: str = "primary
     from stagereplay.experiments.resample import ResampleConfig, run_resample
 
     path, manifest = _existing(run_dir)
+    refuse_serving(manifest, checkpoint, "resample (boundary states in our engine)")
     model, settings = _matched_stage(manifest, checkpoint, where)
     cfg = config or ResampleConfig()
     with open_run(path, manifest) as run:

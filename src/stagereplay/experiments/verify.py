@@ -34,8 +34,8 @@ from stagereplay.records.manifest import (
 )
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
-from stagereplay.tasks.jsonl import file_sha256, read_rows
 from stagereplay.tasks.scoring import scorer_by_name
+from stagereplay.tasks.sources import dataset_at
 
 STATUSES = ("ok", "no_boundary", "prefix_not_reproduced", "not_reproduced")
 SCHEMA_1_NOTE = ("ledger schema 1: its manifest is not bound into the hash chain, so an edit of the manifest "
@@ -96,8 +96,8 @@ def _guarded(item: str, where: str, check: Callable[[], list[dict[str, str]]]) -
 
 def dataset_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
     """The item ids are what the dataset gives, and the dataset is the run's (its hash), read without a model:
-    a JSONL file's ids (first `n`, this shard's) when the file is at its path; the toy task's rows, which are
-    generated and hashed (`tasks.toy.toy_data_hash`) as a file's bytes are."""
+    the data's ids (first `n`, this shard's) when it is at its location, in any format (`tasks.sources`); the
+    toy task's rows, which are generated and hashed (`tasks.toy.toy_data_hash`) as a file's bytes are."""
     config = manifest.get("config", {})
     data, ids = config.get("data", {}), list(config.get("item_ids", []))
     shard = parse_shard(config.get("shard"))
@@ -111,13 +111,14 @@ def dataset_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
                                                     "(dataset_hash differs)"})
         want = shard_items([row["id"] for row in toy_rows(n, HELDOUT_SEED)], shard)
     else:
-        path = Path(data["path"])
-        if not path.is_file():
+        path = data["path"]
+        found = dataset_at(path, data.get("columns"))  # any format (tasks.sources); None: not at hand here
+        if found is None:
             return []  # a location only; the full audit reads the data where it is given
-        if file_sha256(path) != config.get("dataset_hash"):
+        if found[1] != config.get("dataset_hash"):
             findings.append({"item_id": "", "what": f"the data at {path} is not the run's dataset "
                                                     "(dataset_hash differs)"})
-        rows = [r.id for r in read_rows(path)]
+        rows = [r.id for r in found[0]]
         want = shard_items(rows[: data.get("n") or len(rows)], shard)
     findings += [{"item_id": i, "what": "config.item_ids lacks an item of the dataset"} for i in want if i not in ids]
     findings += [{"item_id": i, "what": "config.item_ids holds an item the dataset lacks"} for i in ids if i not in want]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-SHOWN_FINDINGS = 40
-"""Findings printed per kind; audit.json holds them all."""
+SHOWN_ELSEWHERE = 40
+"""Units not reproduced under other kernels printed (every field of every unit moves with the bits, so there
+may be thousands); audit.json holds them all. Integrity findings are printed in full."""
 
 
 def finding_lines(res: dict[str, Any]) -> list[str]:
@@ -17,11 +18,12 @@ def finding_lines(res: dict[str, Any]) -> list[str]:
         mine = [m for m in findings if m.get("kind", "integrity") == kind]
         if mine and header:
             lines.append(header)
-        for m in mine[:SHOWN_FINDINGS]:
+        shown = mine if kind == "integrity" else mine[:SHOWN_ELSEWHERE]
+        for m in shown:
             item = f"{m['item_id']}: " if m["item_id"] and m["item_id"] not in m["what"] else ""
             lines.append(f"  {item}{m['what']}")
-        if len(mine) > SHOWN_FINDINGS:
-            lines.append(f"  ... and {len(mine) - SHOWN_FINDINGS} more (all in audit.json)")
+        if len(mine) > len(shown):
+            lines.append(f"  ... and {len(mine) - len(shown)} more (all in audit.json)")
     return lines
 
 

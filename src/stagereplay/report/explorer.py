@@ -1,10 +1,12 @@
-"""One item's story, from its ledger record: prompt, stage 1, the two suffixes aligned at the first divergent
-token, each arm's margin and top-5 there, and the per-layer cache difference.
+"""One compared pair's story, from its ledger record: prompt, stage 1, the two suffixes aligned at the first
+divergent token, each arm's margin and top-5 there, and the per-layer cache difference.
 
-The report's per-item explorer (`explorer_html`, one anchor `id="item-<item_id>"` per divergent item) and the
-terminal's `stagereplay show RUN ITEM` (`print_story`) render the same `Story`. Token texts come from the run's
-tokenizer when its model directory is still there; otherwise tokens print as `<id>`, so a run folder archived
-without its model still renders.
+Stories come from matched records (live vs the fresh construction) and fixed-prefix 2x2 records (the
+constructions compared at one precision). The report's per-item explorer (`explorer_html`, one anchor
+`id="item-<item_id>"` per divergent item) and the terminal's `stagereplay show RUN ITEM` (`print_story`) render
+the same `Story`. Token texts come from the record itself (`token_texts`, each token decoded alone when the
+record was made), so the report reads records, never a model or tokenizer; a record made before token texts
+were recorded prints its tokens as `<id>`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ Decoder = Callable[[int], str]
 CONTEXT_CHARS = 60  # how much of the common text before the divergent token is shown
 
 
+EXPERIMENTS = ("matched", "precision_2x2")
+"""The records whose comparisons carry diagnostics."""
+
+
 @dataclass(frozen=True)
 class Story:
-    """One compared pair of one item (matched: live vs the fresh construction)."""
+    """One compared pair of one item (matched: live vs the fresh construction; 2x2: the first two constructions
+    at one precision)."""
 
     item_id: str
     checkpoint: str
@@ -40,6 +47,23 @@ class Story:
     first_step_logit_maxabs: float | None
     divergence: dict[str, Any] | None  # step, logit_maxabs, a/b: {margin, top: [[id, logit]]}; None if equal
     cache: dict[str, Any] | None  # engine.diagnostics.cache_difference
+    experiment: str = "matched"
+    texts: dict[str, str] | None = None  # the record's token_texts: token id (as text) -> its text
+
+    @property
+    def where(self) -> str:
+        """`primary` for a matched pair, `primary, 2x2` for a fixed-prefix one."""
+        return self.checkpoint if self.experiment == "matched" else f"{self.checkpoint}, 2x2"
+
+    def decoder(self) -> Decoder:
+        """Token id -> its recorded text (newlines shown as ⏎), or `<id>` when the record has none."""
+        texts = self.texts or {}
+
+        def decode(token: int) -> str:
+            text = texts.get(str(token))
+            return f"<{token}>" if text is None else text.replace("\n", "⏎")
+
+        return decode
 
     @property
     def anchor(self) -> str:
@@ -47,15 +71,18 @@ class Story:
 
 
 def stories(records: list[Record], item_id: str | None = None) -> list[Story]:
-    """Every matched record with diagnostics (of `item_id` only, when given), as its live-vs-fresh story."""
+    """Every matched and 2x2 record with diagnostics (of `item_id` only, when given), as the story of its first
+    comparison: live vs the construction (matched), or the first two constructions (2x2, one per precision)."""
     out = []
     for r in records:
         p = r.payload
-        if r.experiment != "matched" or p.get("status") != "ok" or not p.get("diagnostics"):
+        if r.experiment not in EXPERIMENTS or p.get("status") != "ok" or not p.get("diagnostics"):
             continue
         if item_id is not None and r.item_id != item_id:
             continue
-        main = p["comparisons"][0]  # matched records list live vs the construction first
+        if not p.get("comparisons"):
+            continue
+        main = p["comparisons"][0]  # matched records list live vs the construction first; 2x2 the first pair
         a, b = main["a"], main["b"]
         arms = {arm["name"]: arm for arm in p["arms"]}
         diag = p["diagnostics"]["pairs"].get(f"{a} vs {b}") or {}
@@ -65,31 +92,9 @@ def stories(records: list[Record], item_id: str | None = None) -> list[Story]:
             suffixes=(tuple(arms[a]["suffix_ids"]), tuple(arms[b]["suffix_ids"])),
             correct=(arms[a]["correct"], arms[b]["correct"]),
             first_step_logit_maxabs=diag.get("first_step_logit_maxabs"), divergence=diag.get("divergence"),
-            cache=diag.get("cache"),
+            cache=diag.get("cache"), experiment=r.experiment, texts=p.get("token_texts"),
         ))
     return out
-
-
-def token_decoder(manifest: dict[str, Any]) -> Decoder:
-    """Token id -> its text, by the run's tokenizer if it loads from the manifest's model path, else `<id>`."""
-    path = ((manifest.get("config") or {}).get("model") or {}).get("path")
-    tokenizer = None
-    if path and Path(path).is_dir():
-        try:
-            from stagereplay.engine.model import load_config_and_tokenizer
-
-            tokenizer = load_config_and_tokenizer(path)[1]
-        except Exception:  # a report must render even when the model folder is broken or moved
-            tokenizer = None
-    cache: dict[int, str] = {}
-
-    def decode(token: int) -> str:
-        if token not in cache:
-            text = tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else f"<{token}>"
-            cache[token] = text.replace("\n", "⏎")
-        return cache[token]
-
-    return decode
 
 
 def _text(ids: tuple[int, ...], decode: Decoder) -> str:
@@ -155,7 +160,8 @@ def _mark(token: str) -> str:
     return f"<mark>{escape(token)}</mark>" if token else "<mark>(ended)</mark>"
 
 
-def story_html(story: Story, decode: Decoder) -> str:
+def story_html(story: Story) -> str:
+    decode = story.decoder()
     common, (ta, ra), (tb, rb) = aligned(story, decode)
     ok = {True: "✓", False: "✗"}
     lines = [f'<div><span class="arm">{escape(name)} {ok[c]}</span><span class="same">{escape(common)}</span>'
@@ -179,7 +185,7 @@ def story_html(story: Story, decode: Decoder) -> str:
                       f"</thead><tbody><tr><th>K</th>{k}</tr><tr><th>V</th>{v}</tr></tbody></table></div>")
     return (
         f'<section class="item" id="{escape(story.anchor)}"><h3>{escape(story.item_id)} <small>'
-        f"{escape(story.checkpoint)} · {escape(story.a)} vs {escape(story.b)} @ {escape(story.precision)} · "
+        f"{escape(story.where)} · {escape(story.a)} vs {escape(story.b)} @ {escape(story.precision)} · "
         f"first divergence at suffix token {step}</small></h3>"
         f'<p class="ctx">prompt: <code>{escape(_text(story.prompt, decode))}</code> · stage 1: '
         f"<code>{escape(_text(story.stage1, decode))}</code></p>"
@@ -188,8 +194,9 @@ def story_html(story: Story, decode: Decoder) -> str:
     )
 
 
-def explorer_html(records: list[Record], decode: Decoder) -> str:
-    """The explorer section: an index of divergent items, then one anchored section per item. Empty if none."""
+def explorer_html(records: list[Record]) -> str:
+    """The explorer section: an index of divergent pairs (matched and 2x2), then one section per pair, the first of
+    each item anchored. Empty if none."""
     mine = [s for s in stories(records) if s.divergence is not None]
     if not mine:
         return ""
@@ -197,32 +204,34 @@ def explorer_html(records: list[Record], decode: Decoder) -> str:
     rows, sections = [], []
     for s in mine:
         d = s.divergence or {}
-        rows.append(f'<tr><td><a href="#{escape(s.anchor)}">{escape(s.item_id)}</a></td><td>{escape(s.checkpoint)}'
-                    f"</td><td>{d.get('step')}</td><td>{_num(d['a']['margin'])}</td><td>{_num(d['b']['margin'])}"
+        rows.append(f'<tr><td><a href="#{escape(s.anchor)}">{escape(s.item_id)}</a></td><td>{escape(s.where)}'
+                    f"</td><td>{escape(s.a)} vs {escape(s.b)} @ {escape(s.precision)}</td><td>{d.get('step')}</td><td>{_num(d['a']['margin'])}</td><td>{_num(d['b']['margin'])}"
                     f"</td><td>{_num(d.get('logit_maxabs'))}</td></tr>")
-        if s.item_id in seen:  # the same item diverged at a second checkpoint: one anchor per item
-            sections.append(story_html(s, decode).replace(f'id="{escape(s.anchor)}"', "", 1))
+        if s.item_id in seen:  # the same item diverged in another pair (2x2, a second checkpoint): one anchor
+            sections.append(story_html(s).replace(f'id="{escape(s.anchor)}"', "", 1))
         else:
-            sections.append(story_html(s, decode))
+            sections.append(story_html(s))
         seen.add(s.item_id)
-    index = ('<table id="table-explorer"><thead><tr><th>item</th><th>checkpoint</th><th>first divergence</th>'
-             "<th>margin, live</th><th>margin, fresh</th><th>logit max-abs diff</th></tr></thead><tbody>"
-             + "".join(rows) + "</tbody></table>")
-    note = ('<p class="note">Every item whose live and fresh suffixes differ. Margin: the top-1 minus top-2 fp32 '
-            "logit at the first divergent token; the highlighted token is where the suffixes part.</p>")
-    return (f'<style>{_CSS}</style><h2 id="explorer">Divergent items ({len(mine)})</h2>{index}{note}'
+    index = ('<table id="table-explorer"><thead><tr><th>item</th><th>checkpoint</th><th>pair</th>'
+             "<th>first divergence</th><th>margin, first arm</th><th>margin, second arm</th>"
+             "<th>logit max-abs diff</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+    note = ('<p class="note">Every compared pair whose suffixes differ: live vs fresh (matched), and the fixed-prefix '
+            "constructions at each precision (2x2). Margin: the top-1 minus top-2 fp32 logit at the first divergent "
+            "token; the highlighted token is where the suffixes part.</p>")
+    return (f'<style>{_CSS}</style><h2 id="explorer">Divergent items ({len(seen)})</h2>{index}{note}'
             + "".join(sections))
 
 
 # --- terminal ------------------------------------------------------------------------------------
 
 
-def print_story(story: Story, decode: Decoder, console: Console) -> None:
+def print_story(story: Story, console: Console) -> None:
     """`stagereplay show`: the story in a terminal, readable at 80 columns."""
+    decode = story.decoder()
     from rich.table import Table
     from rich.text import Text
 
-    console.print(Text(f"{story.item_id} · {story.checkpoint} · {story.a} vs {story.b} @ {story.precision}",
+    console.print(Text(f"{story.item_id} · {story.where} · {story.a} vs {story.b} @ {story.precision}",
                        style="bold"))
     console.print(Text("prompt:  ") + Text(_text(story.prompt, decode)))
     console.print(Text("stage 1: ") + Text(_text(story.stage1, decode)))
@@ -265,20 +274,19 @@ def print_story(story: Story, decode: Decoder, console: Console) -> None:
 
 
 def show_item(run_dir: Path, item_id: str, checkpoint: str | None = None, console: Console | None = None) -> None:
-    """Print every matched story of `item_id` in the run (of one checkpoint, when given)."""
+    """Print every matched and 2x2 story of `item_id` in the run (of one checkpoint, when given)."""
     from rich.console import Console
 
     from stagereplay.errors import StageReplayError
     from stagereplay.records.ledger import items, read_ledger, read_manifest
 
-    manifest = read_manifest(run_dir)
+    read_manifest(run_dir)  # a folder that is not a run stops here, with its one-line error
     records = [r for r in items(read_ledger(run_dir, strict=False)) if checkpoint in (None, r.checkpoint)]
     found = stories(records, item_id)
     if not found:
         known = any(r.item_id == item_id for r in records)
-        why = "has no matched record with diagnostics" if known else "is not in this run"
+        why = "has no matched or 2x2 record with diagnostics" if known else "is not in this run"
         raise StageReplayError(f"item {item_id!r} {why}", "pick an item id from the report's divergent items")
     console = console or Console()
-    decode = token_decoder(manifest)
     for story in found:
-        print_story(story, decode, console)
+        print_story(story, console)

@@ -5,13 +5,12 @@ All three render the same `Table`s (`stagereplay.report.tables`), so they cannot
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stagereplay.records.ledger import atomic_output
 from stagereplay.report.diagnostic_figures import diagnostic_figures
-from stagereplay.report.explorer import explorer_html, token_decoder
+from stagereplay.report.explorer import explorer_html
 from stagereplay.report.figures import build_figures
 from stagereplay.report.html import render_html
 from stagereplay.report.tables import Table, build_tables, load_results, run_summary
@@ -111,5 +110,4 @@ def _explorer(run_dir: Path) -> str:
     records = read_ledger(run_dir, strict=False)
     if not any(r.payload.get("diagnostics") for r in records):
         return ""
-    manifest = json.loads((run_dir / "manifest.json").read_text()) if (run_dir / "manifest.json").exists() else {}
-    return explorer_html(records, token_decoder(manifest))
+    return explorer_html(records)

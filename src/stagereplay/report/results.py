@@ -44,8 +44,13 @@ def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]
         experiment, _, checkpoint = name.partition("/")
         mine = [r for r in records if r.experiment == experiment and r.checkpoint == checkpoint]
         if experiment == "matched":
-            results["matched"].append(summarize_matched(
-                mine, stage["construction"], checkpoint, stage["model"]["precision"]))
+            # A serving engine's run sets several arms against live (oneshot, prefix-cache, hf-oneshot): one
+            # summary each, as one column each of the matched table.
+            for construction in stage.get("arms", [stage["construction"]]):
+                summary = summarize_matched(mine, construction, checkpoint, stage["model"]["precision"])
+                if "engine" in stage:
+                    summary = {"engine": stage["engine"]["name"], **summary}
+                results["matched"].append(summary)
         elif experiment == "precision_2x2":
             results["precision_2x2"] = summarize_2x2(mine, stage, checkpoint)
         elif experiment == "bridge":

@@ -40,8 +40,10 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
     for r in ok:
         arms = {a["name"]: a for a in r.payload["arms"]}
         lr, orr = _cmp(r, "live", "live#replica"), _cmp(r, construction, f"{construction}#replica")
-        rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] and r.payload["replica_prefix_equal"])
-        rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"])
+        # cache_equal is None where an engine records no cache fingerprint: the tokens then decide alone.
+        rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] is not False
+                         and r.payload["replica_prefix_equal"])
+        rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"] is not False)
         main = _cmp(r, "live", construction)
         assert main is not None
         if not main["suffix_equal"]:
@@ -67,6 +69,13 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
         "first_divergence": divergence,
         **summarize_pair(ok, "live", construction),
     }
+    cached = [a for r in ok for a in r.payload["arms"] if a["name"] == construction and "num_cached_tokens" in a]
+    if cached:  # a serving engine's arm: how much of the prefix its cache supplied, and how much decoding wrote
+        summary["prefix_cache"] = {
+            "n": len(cached), "hits": sum(a["num_cached_tokens"] > 0 for a in cached),
+            "num_cached_tokens": sum(a["num_cached_tokens"] for a in cached),
+            "cached_from_decode": sum(a.get("cached_from_decode", 0) for a in cached),
+            "hits_with_decode_blocks": sum(a.get("cached_from_decode", 0) > 0 for a in cached)}
     if any("marker_inside_token" in r.payload for r in ok):  # a marker matched on text (engine.boundary)
         summary["n_marker_inside_token"] = sum(bool(r.payload.get("marker_inside_token")) for r in ok)
     if n:
@@ -92,7 +101,9 @@ def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str)
         first = [r.payload["comparisons"][0] for r in mine if r.payload["comparisons"]]
         k = sum(not c["suffix_equal"] for c in first)
         n = len(first)
+        more = _more_pairs(mine)
         disagreements.append({
+            **({"pairs": more} if more else {}),
             "precision": precision, "k": k, "n": n,
             "wilson": list(wilson_interval(k, n)) if n else None,
             "label_k": sum(not c["label_equal"] for c in first),
@@ -101,6 +112,20 @@ def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str)
         })
     return {"checkpoint": checkpoint, "constructions": constructions, "precisions": precisions,
             "n": max((d["n"] for d in disagreements), default=0), "cells": cells, "disagreements": disagreements}
+
+
+def _more_pairs(records: list[Record]) -> list[dict[str, Any]]:
+    """With three or more arms (a serving engine's run), every compared pair past the first: its disagreements."""
+    ok = [r for r in records if len(r.payload["comparisons"]) > 1]
+    if not ok:
+        return []
+    out = []
+    for j, c in enumerate(ok[0].payload["comparisons"][1:], start=1):
+        cs = [r.payload["comparisons"][j] for r in ok]
+        k, n = sum(not x["suffix_equal"] for x in cs), len(cs)
+        out.append({"a": c["a"], "b": c["b"], "k": k, "n": n, "wilson": list(wilson_interval(k, n)),
+                    "label_k": sum(not x["label_equal"] for x in cs)})
+    return out
 
 
 def summarize_bridge(records: list[Record], checkpoint: str) -> dict[str, Any]:

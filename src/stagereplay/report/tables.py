@@ -122,9 +122,21 @@ def matched_table(matched: list[dict[str, Any]]) -> Table:
                 p_value(m.get("mcnemar_p")),
             ]
         )
+    if any("n_marker_inside_token" in m for m in matched):  # a marker matched on text (engine.boundary)
+        labels.insert(1, "boundary marker ended inside a token")
+        for m, col in zip(matched, columns, strict=True):
+            inside = m.get("n_marker_inside_token")
+            col.insert(1, NA if inside is None else k_of_n(inside, m["n_boundary"]))
     rows = [[label, *(col[i] for col in columns)] for i, label in enumerate(labels)]
-    headers = ("", *(f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}" for m in matched))
+    headers = ("", *(f"{m['engine'] + ' ' if m.get('engine') else ''}{m['checkpoint']}: live vs {m['construction']} "
+                     f"@ {m['precision']}" for m in matched))
     note = "Disagreements and accuracies are over items that reached the stage boundary."
+    for m in matched:
+        pc = m.get("prefix_cache")
+        if pc and pc["hits"]:
+            note += (f" {m['construction']} @ {m['precision']}: {pc['hits']}/{pc['n']} requests hit the prefix cache, "
+                     f"{pc['hits_with_decode_blocks']} of them on blocks live's decoding wrote "
+                     f"({pc['cached_from_decode']} of {pc['num_cached_tokens']} cached positions).")
     d = next((m["accuracy_diff"] for m in matched if m.get("accuracy_diff")), None)
     if d:
         note += (
@@ -151,6 +163,11 @@ def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
         k, n = int(d["k"]), int(d["n"])
         label = k_of_n(int(d["label_k"]), n) if d.get("label_k") is not None else NA
         disagreements.append([d["precision"], k_of_n(k, n), interval(wilson_or_given(k, n, d.get("wilson"))), label])
+        for pair in d.get("pairs") or []:  # a serving engine's run crosses three arms: every other pair too
+            pk, pn = int(pair["k"]), int(pair["n"])
+            names = f"{pair['a'].split('@')[0]} vs {pair['b'].split('@')[0]}"
+            disagreements.append([f"{d['precision']}: {names}", k_of_n(pk, pn),
+                                  interval(wilson_or_given(pk, pn, pair.get("wilson"))), k_of_n(int(pair["label_k"]), pn)])
     ckpt = grid["checkpoint"]
     return [
         Table(

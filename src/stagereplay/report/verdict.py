@@ -54,7 +54,9 @@ def replicas(matched: list[dict[str, Any]]) -> str:
             arms.append(f"{arm} {kn['k']}/{kn['n']}")
         parts.append(f"{m['checkpoint']} " + ", ".join(arms))
     head = "yes" if exact else "no"
-    return f"{head}: runs repeated from scratch were bit-identical in tokens and caches ({'; '.join(parts)})."
+    what = "tokens (caches where the engine exposes them)" if any(m.get("engine") for m in matched) \
+        else "tokens and caches"
+    return f"{head}: runs repeated from scratch were bit-identical in {what} ({'; '.join(parts)})."
 
 
 def faithful(matched: list[dict[str, Any]], grid: dict[str, Any] | None, precision: str) -> str:

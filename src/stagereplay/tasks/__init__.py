@@ -1,15 +1,15 @@
-"""Item sources (the embedded toy task, JSONL, GSM8K-style JSONL) and scorers."""
+"""Item sources (the embedded toy task; JSONL, JSON, CSV, Parquet, datasets folders and hf: datasets) and scorers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Item, Scorer, exact_match, last_number, regex_scorer
-from stagereplay.tasks.jsonl import file_sha256, read_rows, tokenize_row
+from stagereplay.tasks.jsonl import tokenize_row
 from stagereplay.tasks.scoring import scorer_by_name
+from stagereplay.tasks.sources import parse_columns, read_rows
 
 __all__ = ["DataConfig", "Item", "Scorer", "exact_match", "last_number", "load_items", "regex_scorer",
            "scorer_by_name"]
@@ -19,25 +19,37 @@ __all__ = ["DataConfig", "Item", "Scorer", "exact_match", "last_number", "load_i
 class DataConfig:
     """Where items come from. `path=None` means the embedded toy task's held-out items."""
 
-    path: str | None = field(default=None, metadata={"help": "JSONL file; none = the toy task"})
+    path: str | None = field(default=None, metadata={"help": "JSONL, JSON, CSV or Parquet file, a save_to_disk "
+                                                             "folder, or hf:NAME[:CONFIG][:SPLIT]; none = the toy"})
     n: int | None = field(default=None, metadata={"help": "first n items (all when None)"})
+    columns: str | None = field(default=None, metadata={"help": "TARGET=COLUMN,... (prompt, messages, user, "
+                                                                "answer, id)"})
 
     def __post_init__(self) -> None:
         if self.n is not None and self.n < 1:
             raise StageReplayError(f"--n must be at least 1, got {self.n}", "pass a positive --n")
+        if self.columns is not None and self.path is None:
+            raise StageReplayError("--columns maps the columns of --data, and no --data is given",
+                                   "pass --data, or drop --columns")
+        parse_columns(self.columns)
+
+    def as_dict(self) -> dict[str, Any]:
+        """As the manifest records it: `columns` only when given, so that runs without it keep their identity."""
+        out: dict[str, Any] = {"path": self.path, "n": self.n}
+        return out if self.columns is None else {**out, "columns": self.columns}
 
 
 def load_items(config: DataConfig, tokenizer: Any) -> tuple[list[Item], str]:
-    """The items to run and the SHA-256 of their JSONL: the file's bytes, or the toy rows' (`toy_jsonl`)."""
+    """The items to run and the dataset hash: a JSONL file's bytes' SHA-256, the rows' as JSONL for any other
+    source (`tasks.sources`), or the toy rows' (`toy_jsonl`)."""
     if config.path is None:
         from stagereplay.tasks.toy import HELDOUT_SEED, toy_data_hash, toy_items
 
         n = config.n or 200
         return toy_items(n, HELDOUT_SEED, tokenizer), toy_data_hash(n, HELDOUT_SEED)
-    path = Path(config.path)
-    rows = read_rows(path)
+    rows, data_hash = read_rows(config.path, config.columns)
     if config.n is not None and config.n > len(rows):
-        raise StageReplayError(f"--n {config.n} is larger than the {len(rows)} items in {path}",
+        raise StageReplayError(f"--n {config.n} is larger than the {len(rows)} items in {config.path}",
                                f"pass --n {len(rows)} or fewer")
     rows = rows[: config.n] if config.n else rows
-    return [tokenize_row(r, tokenizer) for r in rows], file_sha256(path)
+    return [tokenize_row(r, tokenizer) for r in rows], data_hash

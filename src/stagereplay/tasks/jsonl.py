@@ -1,9 +1,9 @@
-"""Item sources from JSONL files: `prompt` or `messages` rows, and GSM8K rows (`question`, `answer` ... `#### N`)."""
+"""Rows into items: `prompt` or `messages` rows, GSM8K rows (`question`, `answer` ... `#### N`) and MATH-style rows
+(`problem`, `answer`, `unique_id`), whatever file or dataset they were read from (`tasks.sources`)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,14 +32,17 @@ def parse_row(raw: Any, index: int, where: str) -> Row:
     if not isinstance(raw, dict):
         raise StageReplayError(f"{where}: expected a JSON object, got {type(raw).__name__}",
                                "write one object per line")
-    item_id = str(raw.get("id", f"item-{index:05d}"))
+    item_id = str(raw.get("id", raw.get("unique_id", f"item-{index:05d}")))
     if "question" in raw and "prompt" not in raw and "messages" not in raw:
         if not isinstance(raw.get("answer"), str):
             raise StageReplayError(f"{where}: GSM8K row needs a string 'answer'", "add the answer text")
         return Row(item_id, _gsm8k_answer(raw["answer"], where), prompt=str(raw["question"]))
-    if "answer" not in raw:
-        raise StageReplayError(f"{where}: missing 'answer'", "give every row an 'answer'")
+    if "answer" not in raw or raw["answer"] is None:
+        raise StageReplayError(f"{where}: missing 'answer'", "give every row an 'answer' (or map one: --columns "
+                                                              "answer=COLUMN)")
     answer = str(raw["answer"])
+    if "question" in raw and "####" in answer:  # a GSM8K row whose question is mapped (--columns user=question)
+        answer = _gsm8k_answer(answer, where)
     if "messages" in raw:
         msgs = raw["messages"]
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
@@ -48,36 +51,10 @@ def parse_row(raw: Any, index: int, where: str) -> Row:
         return Row(item_id, answer, messages=tuple({"role": m["role"], "content": m["content"]} for m in msgs))
     if isinstance(raw.get("prompt"), str):
         return Row(item_id, answer, prompt=raw["prompt"])
-    raise StageReplayError(f"{where}: needs 'prompt' (text), 'messages' or 'question'", "add one of them")
-
-
-def read_rows(path: Path) -> list[Row]:
-    """Parse the whole file before anything runs, so a bad line fails fast with its line number."""
-    if not path.is_file():
-        raise StageReplayError(f"data file not found: {path}", "pass --data a JSONL file")
-    rows: list[Row] = []
-    seen: set[str] = set()
-    with open(path, "rb") as f:
-        for lineno, raw_line in enumerate(f, start=1):
-            where = f"{path} line {lineno}"
-            try:
-                line = raw_line.decode("utf-8")
-            except UnicodeDecodeError:
-                raise StageReplayError(f"{where} is not UTF-8 text", "save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise StageReplayError(f"{where} is not valid JSON ({exc.msg})", "fix or remove that line") from None
-            row = parse_row(raw, len(rows), where)
-            if row.id in seen:
-                raise StageReplayError(f"{where}: duplicate id {row.id!r}", "give every item a unique id")
-            seen.add(row.id)
-            rows.append(row)
-    if not rows:
-        raise StageReplayError(f"data file {path} holds no items", "add at least one JSON line")
-    return rows
+    if isinstance(raw.get("problem"), str) and "prompt" not in raw:  # MATH-500, AIME: the problem as raw text
+        return Row(item_id, answer, prompt=raw["problem"])
+    raise StageReplayError(f"{where}: needs 'prompt' (text), 'messages', 'question' or 'problem'",
+                           "add one of them, or map a column: --columns prompt=COLUMN (or user=COLUMN for a chat)")
 
 
 def file_sha256(path: Path) -> str:

@@ -1,0 +1,106 @@
+"""The seam to a serving engine (vLLM first): what `matched --engine NAME` needs from an engine other than ours.
+
+Our engine (`engine.lm`) owns its K/V cache, so every experiment runs on it. A serving engine gives only token
+IDs in and out, so an engine here provides exactly four things (docs/engines.md says which experiment needs
+which):
+
+    generate(ids, max_tokens, reuse=False)   greedy tokens after `ids`, with the prefix cache emptied first
+    generate(ids, max_tokens, reuse=True)    the same request, reusing whatever the prefix cache holds
+    Generation.top                           the top-k (token id, logprob) of every step, best first
+    version() / settings()                   what fixes its numbers, for the manifest and the environment
+
+A second engine (SGLang, llama.cpp) is one module (`require()`, `load(...)` and a class of this shape) and one
+line in `ENGINES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from stagereplay.errors import StageReplayError
+
+TOP_LOGPROBS = 5
+"""Top-k logprobs recorded per step: enough for the margin (top-1 minus top-2) and a look at the near-ties."""
+
+ENGINES: dict[str, str] = {"vllm": "stagereplay.engine.vllm_engine"}
+"""Engine name -> the module whose `load(config)` returns a `ServingEngine`."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one request returned."""
+
+    tokens: tuple[int, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...] = field(repr=False)
+    """Per generated token, the top-k (token id, logprob) of that step, best first: [S][k]."""
+    cached: int
+    """Prompt tokens whose K/V the engine took from its prefix cache instead of computing them."""
+    finish: str  # the engine's own reason: "stop" (an EOS or stop token) | "length"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that decides which numbers a serving engine produces (the model's path and precision are the
+    run's `ModelConfig`; these are the engine's own settings)."""
+
+    name: str = field(metadata={"help": "vllm"})
+    block_size: int = field(default=32, metadata={
+        "help": "tokens per K/V block: the prefix cache reuses whole blocks, so it must be below the prefixes"})
+    enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs or compilation"})
+    kv_cache_gib: int = field(default=1, metadata={"help": "CPU K/V cache space in GiB (VLLM_CPU_KVCACHE_SPACE)"})
+    gpu_memory_utilization: float = field(default=0.5, metadata={
+        "help": "GPU share for weights and cache (leaves room for the transformers model of --cross hf)"})
+    seed: int = field(default=0, metadata={"help": "engine seed (greedy decoding does not read it)"})
+
+    def __post_init__(self) -> None:
+        if self.name not in ENGINES:
+            raise StageReplayError(f"unknown engine {self.name!r}", f"use hf or one of {', '.join(ENGINES)}")
+        if self.block_size < 1:
+            raise StageReplayError(f"--block-size must be at least 1, got {self.block_size}", "pass e.g. 32")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ServingEngine(Protocol):
+    """A loaded serving engine. Batch size 1, greedy: one request at a time, as our engine runs one item."""
+
+    name: str
+
+    def generate(self, ids: Sequence[int], max_tokens: int, reuse: bool = False) -> Generation:
+        """Greedy tokens after `ids` until EOS or `max_tokens`. `reuse=False` empties the prefix cache first
+        (nothing cached: a fresh prefill); `reuse=True` lets the request reuse the blocks earlier requests
+        left, those filled while decoding included."""
+        ...
+
+    def version(self) -> str: ...
+
+    def settings(self) -> dict[str, Any]:
+        """The engine's settings and the environment variables that change its numbers, as it runs them."""
+        ...
+
+
+def require_engine(config: EngineConfig) -> None:
+    """A one-line refusal, before anything loads, when the engine is not installed here."""
+    import importlib
+
+    importlib.import_module(ENGINES[config.name]).require()
+
+
+def load_engine(config: EngineConfig, model_path: str, precision: str, threads: int, device: str
+                ) -> ServingEngine:
+    import importlib
+
+    module = importlib.import_module(ENGINES[config.name])
+    engine: ServingEngine = module.load(config, model_path, precision, threads, device)
+    return engine
+
+
+def refuse_cache_access(engine: str, what: str) -> StageReplayError:
+    """The one line for an experiment that needs the K/V cache itself, which a serving engine does not expose."""
+    return StageReplayError(
+        f"{what} needs boundary K/V caches (to fingerprint, compare or transplant), which the {engine} engine "
+        "does not expose",
+        "run it on a matched run of our engine (`stagereplay matched` without --engine)")

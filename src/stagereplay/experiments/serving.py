@@ -1,0 +1,238 @@
+"""Matched on a serving engine (`matched --engine vllm`): its live trace, a fresh request and a prefix-cache hit
+on the same token IDs, each with an exact replica, and (`--cross hf`) our engine continuing the engine's prefix.
+
+Per item, in one engine and this order (the prefix cache is emptied where an arm says "reset"):
+
+    live            reset; prompt -> stage-1 budget + suffix budget tokens, one uninterrupted request. Stage 1
+                    ends where the boundary rule says (`engine.boundary.stage1_end`, the rule `LM.live` runs);
+                    the suffix is what follows the boundary token, cut to --max-new-tokens
+    prefix-cache    no reset: a request for P = prompt + stage 1 right after live, so the full blocks live filled
+                    (while decoding, too) are reused; `num_cached_tokens` and how many of them lie past the
+                    prompt (`cached_from_decode`, written by live's decode steps) are recorded
+    live#replica, prefix-cache#replica    the two again, from a reset
+    oneshot         reset; a request for P: nothing cached, one fresh prefill
+    oneshot#replica
+    hf-oneshot      (--cross hf) our engine prefills P[0:T-1] in one forward and continues from P[T-1]
+    hf-oneshot#replica
+
+The suffixes are comparable across engines: a request whose prompt is P yields the tokens after P, and our
+convention (feed P[T-1] as the first decode step over the cache of P[0:T-1]) yields the tokens after P too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from stagereplay.engine.boundary import stage1_end
+from stagereplay.engine.lm import LM, ids_fingerprint
+from stagereplay.engine.model import ModelConfig
+from stagereplay.engine.serving import TOP_LOGPROBS, EngineConfig, Generation, ServingEngine, load_engine
+from stagereplay.errors import StageReplayError
+from stagereplay.execution.config import ExecConfig, Work
+from stagereplay.experiments.common import Job, ReplaySettings, comparison, execute, no_boundary_payload
+from stagereplay.records.ledger import Run
+from stagereplay.records.provenance import environment
+from stagereplay.tasks import DataConfig
+from stagereplay.tasks.base import Item
+from stagereplay.tasks.scoring import scorer_by_name
+
+CROSS = ("hf",)
+"""Engines that may replay a serving engine's prefixes: ours."""
+
+
+@dataclass(frozen=True)
+class ServingArms:
+    """Which arms a serving matched run has, besides live."""
+
+    engine: EngineConfig
+    cross: str = ""
+
+    def __post_init__(self) -> None:
+        if self.cross and self.cross not in CROSS:
+            raise StageReplayError(f"unknown --cross {self.cross!r}", f"use one of {', '.join(CROSS)}")
+
+    @property
+    def fresh(self) -> tuple[str, ...]:
+        """The arms set against live, in the order of the report's columns."""
+        return ("oneshot", "prefix-cache", *((f"{self.cross}-oneshot",) if self.cross else ()))
+
+    def extra(self) -> tuple[tuple[str, Any], ...]:
+        return (("construction", "oneshot"), ("engine", tuple(self.engine.as_dict().items())),
+                ("cross", self.cross))
+
+
+def arms_of(stage: dict[str, Any]) -> ServingArms:
+    """The arms a manifest stage declares."""
+    return ServingArms(EngineConfig(**stage["engine"]), stage.get("cross", ""))
+
+
+# One engine per process, as one model per process in `execution.local`: two precisions load one after the other.
+_ENGINES: dict[tuple[Any, ...], ServingEngine] = {}
+
+
+def cached_engine(config: EngineConfig, lm: LM) -> ServingEngine:
+    key = (config, lm.config.path, lm.config.precision, lm.config.threads, lm.config.device)
+    if key not in _ENGINES:
+        for old in list(_ENGINES):
+            engine = _ENGINES.pop(old)
+            getattr(engine, "close", lambda: None)()
+        _ENGINES[key] = load_engine(config, lm.config.path, lm.config.precision, lm.config.threads,
+                                    lm.config.device)
+    return _ENGINES[key]
+
+
+def _margins(top: Sequence[Sequence[Sequence[float]]]) -> list[float | None]:
+    """Top-1 minus top-2 logprob per step: the logit margin (a softmax shifts all logits of a step alike)."""
+    return [float(s[0][1] - s[1][1]) if len(s) > 1 else None for s in top]
+
+
+def _divergence(a: dict[str, Any], b: dict[str, Any], step: int | None) -> dict[str, Any] | None:
+    if step is None or step >= len(a["top_logprobs"]) or step >= len(b["top_logprobs"]):
+        return None
+    side = {}
+    for key, arm in (("a", a), ("b", b)):
+        top = arm["top_logprobs"][step]
+        side[key] = {"margin": float(top[0][1] - top[1][1]) if len(top) > 1 else None, "top": top}
+    return {"step": step, "logit_maxabs": None, **side}
+
+
+def diagnostics(arms: dict[str, dict[str, Any]], pairs: Sequence[tuple[str, str]],
+                comparisons: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    """`experiments.diagnose`'s block from top-k logprobs: margins of every arm's steps and, per pair, both arms'
+    margin and top-k at the first divergent step. A serving engine gives no full logits and no cache, so the
+    first-step logit difference and the cache difference are null."""
+    pair_entries = {}
+    for a, b in pairs:
+        d = comparisons[(a, b)]["first_divergence"]
+        pair_entries[f"{a} vs {b}"] = {"first_step_logit_maxabs": None,
+                                       "divergence": _divergence(arms[a], arms[b], d), "cache": None}
+    return {"margins": {name: _margins(arm["top_logprobs"]) for name, arm in arms.items()}, "pairs": pair_entries}
+
+
+def hf_top_logprobs(steps: Sequence[Any], k: int) -> list[list[list[float]]]:
+    """Our engine's per-step logits ([V] each) as the serving engine reports them: top-k (id, logprob), ties by id."""
+    import torch
+
+    if not steps:
+        return []
+    logprobs = torch.log_softmax(torch.stack(list(steps)).float(), dim=-1)  # [S, V]
+    top = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    ids, values = top.indices[:, :k].tolist(), top.values[:, :k].tolist()
+    return [[[int(t), float(v)] for t, v in zip(i, x, strict=True)] for i, x in zip(ids, values, strict=True)]
+
+
+def arm_of(lm: LM, name: str, construction: str, engine: str, suffix: Sequence[int], top: Any,
+           stage1: Sequence[int], item: Item, scorer: str, cache_fp: str | None = None) -> dict[str, Any]:
+    """One arm of either engine: suffix, fingerprints, label (of stage 1 + suffix), top-k logprobs per step."""
+    text = lm.text([*stage1, *suffix])
+    return {
+        "name": name, "construction": construction, "engine": engine, "precision": lm.config.precision,
+        "suffix_ids": list(suffix), "suffix_fp": ids_fingerprint(suffix), "cache_fp": cache_fp,
+        "stop": "eos" if suffix and suffix[-1] in lm.eos else "length", "text": text,
+        "correct": bool(scorer_by_name(scorer)(text, item.answer)),
+        "top_logprobs": [[[int(t), float(v)] for t, v in step] for step in top],
+    }
+
+
+def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation, start: int, max_new: int,
+               stage1: Sequence[int], item: Item, scorer: str, prompt_len: int) -> dict[str, Any]:
+    """A serving engine's arm: the suffix from `start` in its output, and what its prefix cache supplied."""
+    arm = arm_of(lm, name, construction, engine, g.tokens[start : start + max_new], g.top[start : start + max_new],
+                 stage1, item, scorer)
+    arm["num_cached_tokens"] = g.cached
+    if construction == "prefix-cache":
+        arm["cached_from_decode"] = max(0, g.cached - prompt_len)  # cached positions past the prompt: decode's
+    return arm
+
+
+def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
+    """One item's arms on the serving engine (and ours with --cross hf); `lm` is our engine at the same
+    precision: its tokenizer scores and finds the boundary, and it runs the cross arm."""
+    from stagereplay.experiments.precision_2x2 import fixed_state
+
+    item, s = job.item, job.settings
+    engine_config = EngineConfig(**dict(job.get("engine")))
+    cross = job.get("cross", "")
+    engine = cached_engine(engine_config, lm)
+    budget, max_new = s.decode.max_stage1_tokens, s.decode.max_new_tokens
+    if budget is None:
+        raise StageReplayError("a serving engine's live request needs a resolved stage-1 budget",
+                               "run through `stagereplay matched`, which resolves it")
+    rule = s.rule().bind(lm.tokenizer)
+    prompt = list(item.prompt_ids)
+
+    def live() -> tuple[Generation, int | None, dict[str, Any] | None]:
+        g, watch = engine.generate(prompt, budget + max_new, reuse=False), rule.watch()
+        end = stage1_end(g.tokens, watch, lm.eos, budget)
+        return g, end, watch.detail()
+
+    first, end, match = live()
+    if end is None:
+        return no_boundary_payload(item, first.tokens[:budget])
+    stage1 = first.tokens[: end + 1]
+    prefix = [*prompt, *stage1]
+    arms: list[dict[str, Any]] = []
+
+    def served(name: str, construction: str, g: Generation, start: int = 0) -> None:
+        arms.append(served_arm(lm, engine.name, name, construction, g, start, max_new, stage1, item, s.scorer,
+                               len(prompt)))
+
+    served("live", "live", first, end + 1)
+    served("prefix-cache", "prefix-cache", engine.generate(prefix, max_new, reuse=True))
+    again, again_end, _ = live()
+    replica_prefix_equal = again_end is not None and list(again.tokens[: again_end + 1]) == list(stage1)
+    if again_end is not None:
+        served("live#replica", "live", again, again_end + 1)
+        served("prefix-cache#replica", "prefix-cache",
+               engine.generate([*prompt, *again.tokens[: again_end + 1]], max_new, reuse=True))
+    for name in ("oneshot", "oneshot#replica"):
+        served(name, "oneshot", engine.generate(prefix, max_new, reuse=False))
+    fresh = ["oneshot", "prefix-cache"]
+    if cross:
+        state = fixed_state(item, prefix, s)
+        for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):
+            built = lm.construct(state, "oneshot")
+            cont = lm.continue_from(built, s.decode)
+            arms.append(arm_of(lm, name, "oneshot", cross, cont.suffix, hf_top_logprobs(cont.steps, TOP_LOGPROBS), stage1, item,
+                             s.scorer, built.fingerprint()))
+            del built, cont
+        fresh.append(f"{cross}-oneshot")
+    by = {a["name"]: a for a in arms}
+    pairs = [("live", f) for f in fresh] + [(f, f"{f}#replica") for f in ("live", *fresh)]
+    comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by}
+    return {
+        "status": "ok",
+        "prompt_ids": prompt,
+        "prefix_ids": prefix,
+        "boundary": len(prefix),
+        **(match or {}),  # a marker matched on text: whether it ended inside the boundary token
+        "answer": item.answer,
+        "replica_prefix_equal": replica_prefix_equal,
+        "arms": arms,
+        "comparisons": list(comparisons.values()),
+        "diagnostics": diagnostics(by, [("live", f) for f in fresh], comparisons),
+    }
+
+
+def with_engine_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
+    """`work(lm, job)` and the environment that ran it, the engine's version and settings included."""
+    payload = work(lm, job)
+    engine = cached_engine(EngineConfig(**dict(job.get("engine"))), lm)
+    return {"payload": payload, "environment": {**environment(lm.config.device, lm.determinism),
+                                                "engine": engine.settings()}}
+
+
+def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, data: DataConfig, arms: ServingArms,
+                        items: list[Item], lm: LM | None, checkpoint: str = "primary", quiet: bool = False) -> None:
+    """Append a serving matched record for every item not yet in the ledger (in this process: one engine)."""
+    from dataclasses import asdict
+
+    run.begin_stage(f"matched/{checkpoint}", {
+        "model": asdict(model), "settings": settings.as_dict(), "construction": "oneshot",
+        "engine": arms.engine.as_dict(), "cross": arms.cross, "arms": list(arms.fresh)})
+    jobs = [Job(item, settings, extra=arms.extra()) for item in items]
+    execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(), lm, quiet,
+            env_work=partial(with_engine_environment, serving_matched_item))

@@ -1,0 +1,98 @@
+"""Fixed-prefix 2x2 on a serving engine's matched run: its prefixes held fixed, the arms `oneshot`, `prefix-cache`
+and (with `--cross hf`) `hf-oneshot` crossed with precision.
+
+Per item and precision p, in one engine at p (and ours at p for the cross arm):
+
+    oneshot@p         reset; a request for P
+    prefix-cache@p    reset; live at p (a request for the prompt, as many tokens as stage 1 has), then a request
+                      for P reusing what live left: blocks its decoding wrote, as far as its stage 1 is P's.
+                      `live_prefix_equal` says whether live at p wrote P's stage 1 exactly (at the run's own
+                      precision it should; at another, its blocks past the first differing token are not P's
+                      and are not reused, which `cached_from_decode` shows)
+    hf-oneshot@p      our engine prefills P[0:T-1] and continues from P[T-1]
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from functools import partial
+from typing import Any
+
+from stagereplay.engine.lm import LM
+from stagereplay.engine.model import ModelConfig
+from stagereplay.engine.serving import TOP_LOGPROBS, EngineConfig
+from stagereplay.errors import StageReplayError
+from stagereplay.execution.config import ExecConfig
+from stagereplay.experiments.common import Job, ReplaySettings, comparison, execute
+from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
+from stagereplay.experiments.serving import (
+    ServingArms,
+    arm_of,
+    cached_engine,
+    diagnostics,
+    hf_top_logprobs,
+    served_arm,
+    with_engine_environment,
+)
+from stagereplay.records.ledger import Run
+
+EXPERIMENT = "precision_2x2"
+
+
+def check_serving_constructions(constructions: tuple[str, ...], arms: ServingArms) -> None:
+    allowed = arms.fresh
+    for c in constructions:
+        if c not in allowed:
+            raise StageReplayError(f"construction {c!r} is not an arm of this {arms.engine.name} run",
+                                   f"use {', '.join(allowed)}")
+
+
+def serving_grid_item(lm: LM, job: Job) -> dict[str, Any]:
+    """Every arm at this process's precision on one fixed prefix, and their pairwise comparisons."""
+    item, s = job.item, job.settings
+    prefix, constructions = list(job.get("prefix")), tuple(job.get("constructions"))
+    engine = cached_engine(EngineConfig(**dict(job.get("engine"))), lm)
+    prompt, max_new, precision = list(item.prompt_ids), s.decode.max_new_tokens, lm.config.precision
+    stage1 = prefix[len(prompt) :]
+    arms: list[dict[str, Any]] = []
+    for c in constructions:
+        name = f"{c}@{precision}"
+        if c == "oneshot":
+            arms.append(served_arm(lm, engine.name, name, c, engine.generate(prefix, max_new), 0, max_new, stage1,
+                                   item, s.scorer, len(prompt)))
+        elif c == "prefix-cache":
+            live = engine.generate(prompt, len(stage1))  # from a reset: live at this precision writes the blocks
+            hit = engine.generate(prefix, max_new, reuse=True)
+            arm = served_arm(lm, engine.name, name, c, hit, 0, max_new, stage1, item, s.scorer, len(prompt))
+            arm["live_prefix_equal"] = list(live.tokens) == stage1
+            arms.append(arm)
+        else:  # <cross>-oneshot: ours, on the same IDs
+            built = lm.construct(fixed_state(item, prefix, s), "oneshot")
+            cont = lm.continue_from(built, s.decode)
+            arms.append(arm_of(lm, name, "oneshot", c.removesuffix("-oneshot"), cont.suffix,
+                               hf_top_logprobs(cont.steps, TOP_LOGPROBS), stage1, item, s.scorer, built.fingerprint()))
+    by = {a["name"]: a for a in arms}
+    pairs = [(a["name"], b["name"]) for i, a in enumerate(arms) for b in arms[i + 1 :]]
+    comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs}
+    return {"status": "ok", "precision": precision, "prompt_ids": prompt, "prefix_ids": prefix,
+            "boundary": len(prefix), "answer": item.answer, "arms": arms, "comparisons": list(comparisons.values()),
+            "diagnostics": diagnostics(by, pairs, comparisons)}
+
+
+def run_serving_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, arms: ServingArms,
+                    constructions: tuple[str, ...], precisions: tuple[str, ...], quiet: bool = False) -> None:
+    check_serving_constructions(constructions, arms)
+    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {
+        "model": asdict(model), "settings": settings.as_dict(), "constructions": list(constructions),
+        "precisions": list(precisions), "engine": arms.engine.as_dict(), "cross": arms.cross})
+    fixed = fixed_prefixes(run, checkpoint)
+    for precision in precisions:
+        jobs = [Job(item, settings, part=precision, extra=job_extra(arms, constructions, prefix))
+                for item, prefix in fixed]
+        execute(run, EXPERIMENT, checkpoint, model.with_precision(precision), serving_grid_item, jobs, ExecConfig(),
+                None, quiet, env_work=partial(with_engine_environment, serving_grid_item))
+
+
+def job_extra(arms: ServingArms, constructions: tuple[str, ...], prefix: Any) -> tuple[tuple[str, Any], ...]:
+    return (("prefix", prefix), ("constructions", tuple(constructions)),
+            ("engine", tuple(arms.engine.as_dict().items())), ("cross", arms.cross))

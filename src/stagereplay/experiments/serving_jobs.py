@@ -1,0 +1,21 @@
+"""What the audit needs to re-execute a serving engine's records in that engine: the work and the job extras of
+each experiment, from the manifest stage that declares the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stagereplay.execution.config import Work
+from stagereplay.experiments.serving import arms_of, serving_matched_item
+from stagereplay.experiments.serving_2x2 import job_extra, serving_grid_item
+
+
+def serving_work(experiment: str) -> Work:
+    return {"matched": serving_matched_item, "precision_2x2": serving_grid_item}[experiment]
+
+
+def serving_job_extra(experiment: str, stage: dict[str, Any], prefix: Any) -> tuple[tuple[str, Any], ...]:
+    arms = arms_of(stage)
+    if experiment == "matched":
+        return arms.extra()
+    return job_extra(arms, tuple(stage["constructions"]), prefix)

@@ -1,0 +1,226 @@
+"""vLLM as a second engine, on the embedded toy: the prefix cache's mechanics, exact replicas, our engine continuing
+vLLM's prefixes, the audit re-executing in vLLM, and the refusals. Needs vLLM (its own venv, docs/how-to/vllm.md):
+`python -m pytest -m vllm tests/test_vllm.py`; the main suite deselects these tests.
+
+What holds only for these numerics (no within-vLLM divergence on this CPU) is reported by the runs, not
+asserted here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from stagereplay.cli import app
+
+pytestmark = pytest.mark.vllm
+runner = CliRunner()
+N = 4
+MAX_NEW = 48
+
+
+def _matched(out: Path, *extra: str) -> dict:
+    result = runner.invoke(app, ["matched", "--engine", "vllm", "--n", str(N), "--max-new-tokens", str(MAX_NEW),
+                                 "--out", str(out), "--quiet", *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("vllm") / "fp32"
+    _matched(out, "--cross", "hf", "--precision", "fp32")
+    return out
+
+
+def _records(run: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    return [r["payload"] for r in lines if r["kind"] == "item" and r["payload"]["status"] == "ok"]
+
+
+def _arms(payload: dict) -> dict[str, dict]:
+    return {a["name"]: a for a in payload["arms"]}
+
+
+def _engine(precision: str = "bf16"):
+    from stagereplay.engine.lm import load
+    from stagereplay.engine.serving import EngineConfig
+    from stagereplay.experiments.serving import cached_engine
+    from stagereplay.toy import toy_checkpoint
+
+    lm = load(str(toy_checkpoint("primary")), precision)
+    return lm, cached_engine(EngineConfig("vllm"), lm)
+
+
+def test_prefix_cache_reuses_blocks_written_while_decoding_and_none_after_a_reset():
+    """A request for prompt + generated tokens right after the generation takes whole blocks from the cache,
+    blocks past the prompt (written by decode steps) included; after reset_prefix_cache() it takes none."""
+    from stagereplay.tasks import DataConfig, load_items
+
+    lm, engine = _engine()
+    item = load_items(DataConfig(n=1), lm.tokenizer)[0][0]
+    prompt = list(item.prompt_ids)
+    live = engine.generate(prompt, 100)
+    assert live.cached == 0  # generate() resets first
+    prefix = [*prompt, *live.tokens[:80]]
+    hit = engine.generate(prefix, 8, reuse=True)
+    block = engine.settings()["block_size"]
+    assert hit.cached > len(prompt) and hit.cached % block == 0, (hit.cached, len(prompt))
+    assert hit.cached <= len(prefix) - 1  # at least the last token is computed
+    # Negative control: the same request after a reset finds nothing cached.
+    assert engine.generate(prefix, 8, reuse=False).cached == 0
+    # Top-k logprobs per step, best first, the greedy pick first.
+    assert len(live.top) == len(live.tokens)
+    assert all(step[0][0] == t and [lp for _, lp in step] == sorted((lp for _, lp in step), reverse=True)
+               for step, t in zip(live.top, live.tokens, strict=True))
+
+
+def test_the_arms_record_the_cache_hits_and_the_engine(fp32_run):
+    manifest = json.loads((fp32_run / "manifest.json").read_text())
+    engine = manifest["environment"]["engine"]
+    assert engine["engine"] == "vllm" and engine["version"] and engine["block_size"] == 32
+    assert engine["dtype"] == "float32" and engine["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert manifest["stages"]["matched/primary"]["arms"] == ["oneshot", "prefix-cache", "hf-oneshot"]
+    records = _records(fp32_run)
+    assert records
+    for p in records:
+        arms = _arms(p)
+        assert arms["prefix-cache"]["cached_from_decode"] > 0  # the toy's stage 1 spans whole blocks
+        assert arms["prefix-cache"]["num_cached_tokens"] == len(p["prompt_ids"]) + arms["prefix-cache"][
+            "cached_from_decode"]
+        assert arms["oneshot"]["num_cached_tokens"] == 0 and arms["live"]["num_cached_tokens"] == 0
+        assert arms["live"]["cache_fp"] is None and arms["hf-oneshot"]["cache_fp"]
+        for a in p["arms"]:
+            assert len(a["top_logprobs"]) == len(a["suffix_ids"])
+            assert [s[0][0] for s in a["top_logprobs"]] == a["suffix_ids"]
+
+
+def test_replicas_are_exact_and_the_table_counts_a_broken_one(fp32_run):
+    """Every arm's replica gives the same tokens; the matched table counts them (and counts a forged miss)."""
+    from stagereplay.records.ledger import read_ledger
+    from stagereplay.report.summaries import summarize_matched
+
+    results = json.loads((fp32_run / "results.json").read_text())
+    columns = {m["construction"]: m for m in results["matched"]}
+    assert set(columns) == {"oneshot", "prefix-cache", "hf-oneshot"}
+    for name, m in columns.items():
+        n = m["n_boundary"]
+        assert n == N and m["engine"] == "vllm"
+        assert m["replica_exact"] == {"live": {"k": n, "n": n}, name: {"k": n, "n": n}}
+    # Negative control: one replica arm with another token is counted as not exact.
+    records = [r for r in read_ledger(fp32_run) if r.kind == "item"]
+    payload = json.loads(json.dumps(records[0].payload))
+    for c in payload["comparisons"]:
+        if c["b"] == "prefix-cache#replica":
+            c["suffix_equal"] = False
+    forged = [records[0].model_copy(update={"payload": payload}), *records[1:]]
+    m = summarize_matched(forged, "prefix-cache", "primary", "fp32")
+    assert m["replica_exact"]["prefix-cache"]["k"] == N - 1
+
+
+def test_fp32_our_engine_continues_vllms_prefix_as_vllm_did(fp32_run):
+    """hf-oneshot (transformers prefills vLLM's prefix and continues) equals vLLM's live suffix in fp32."""
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.engine.lm import load
+    from stagereplay.experiments.precision_2x2 import fixed_state
+    from stagereplay.tasks.base import Item
+    from stagereplay.toy import toy_checkpoint
+
+    records = _records(fp32_run)
+    for p in records:
+        arms = _arms(p)
+        assert arms["hf-oneshot"]["suffix_ids"] == arms["live"]["suffix_ids"]
+    # Negative control: the same comparison tells a continuation of another prefix (stage 1 one token short) apart.
+    lm = load(str(toy_checkpoint("primary")), "fp32")
+    p = records[0]
+    item = Item("x", tuple(p["prompt_ids"]), p["answer"])
+    settings_ = json.loads((fp32_run / "manifest.json").read_text())["config"]["settings"]
+    from stagereplay.experiments.common import ReplaySettings
+
+    s = ReplaySettings(settings_["boundary"], DecodeConfig(**settings_["decode"]), settings_["scorer"])
+    short = lm.continue_from(lm.construct(fixed_state(item, p["prefix_ids"][:-1], s), "oneshot"), s.decode)
+    assert list(short.suffix) != _arms(p)["live"]["suffix_ids"]
+
+
+def test_audit_reexecutes_in_vllm_and_catches_a_forged_arm(fp32_run, tmp_path):
+    import shutil
+
+    import forge
+
+    result = runner.invoke(app, ["audit", str(fp32_run), "--quiet"])
+    assert result.exit_code == 0, result.output
+    audit = json.loads((fp32_run / "audit.json").read_text())
+    assert audit["reproduced"] and audit["trajectories"]["k"] == audit["trajectories"]["n"] > 0
+    # A forger edits the prefix-cache arm's last token and recomputes every checksum: only re-execution tells.
+    run = tmp_path / "forged"
+    shutil.copytree(fp32_run, run)
+    (run / "audit.json").unlink()
+    chain, manifest = forge.load(run)
+    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.payload["status"] == "ok")
+    payload = forge.edit(chain[i])
+    arm = _arms(payload)["prefix-cache"]
+    arm["suffix_ids"][-1] = (arm["suffix_ids"][-1] + 1) % 256
+    arm["top_logprobs"][-1][0][0] = arm["suffix_ids"][-1]
+    chain[i] = forge.with_payload(chain[i], payload)
+    forge.save(run, chain, manifest)
+    verify = runner.invoke(app, ["audit", str(run), "--verify-only"])
+    assert verify.exit_code == 0, verify.output  # consistent forgery: the model-free checks cannot tell
+    result = runner.invoke(app, ["audit", str(run), "--quiet"])
+    assert result.exit_code == 1
+    found = json.loads((run / "audit.json").read_text())["mismatches"]
+    assert any("arm prefix-cache" in m["what"] for m in found), found
+
+
+@pytest.mark.parametrize("command", ["bridge", "transplant", "resample"])
+def test_experiments_that_need_the_cache_are_refused_on_a_vllm_run(fp32_run, command):
+    result = runner.invoke(app, [command, str(fp32_run), "--quiet"])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "vllm engine does not expose" in line and "; " in line
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--sample"], "runs greedy"),
+    (["--construction", "incremental"], "--construction incremental is our engine's"),
+    (["--workers", "2"], "runs in this process"),
+    (["--precision", "fp32-compute"], "does not run precision fp32-compute"),
+    (["--cross", "llama"], "unknown --cross"),
+])
+def test_what_a_vllm_run_cannot_do_is_refused_before_anything_runs(tmp_path, extra, says):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["matched", "--engine", "vllm", "--n", "1", "--out", str(out), *extra])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert says in line and line.startswith("error: ")
+    assert not out.exists()
+
+
+def test_precision_2x2_crosses_the_arms_with_precision_and_audits(fp32_run, tmp_path):
+    """On the run's prefixes at its own precision: the fresh request reproduces the matched oneshot arm, live
+    at that precision rewrites the stage-1 blocks the prefix-cache arm reuses, and the audit re-executes it all."""
+    import shutil
+
+    run = tmp_path / "grid"
+    shutil.copytree(fp32_run, run)
+    result = runner.invoke(app, ["precision-2x2", str(run), "--precisions", "fp32", "--quiet"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    grid = [r["payload"] for r in lines if r["kind"] == "item" and r["experiment"] == "precision_2x2"]
+    matched = {tuple(p["prefix_ids"]): _arms(p) for p in _records(fp32_run)}
+    assert len(grid) == len(matched)
+    for p in grid:
+        arms = _arms(p)
+        assert set(arms) == {"oneshot@fp32", "prefix-cache@fp32", "hf-oneshot@fp32"}
+        assert arms["oneshot@fp32"]["suffix_ids"] == matched[tuple(p["prefix_ids"])]["oneshot"]["suffix_ids"]
+        assert arms["prefix-cache@fp32"]["live_prefix_equal"] and arms["prefix-cache@fp32"]["cached_from_decode"] > 0
+    results = json.loads((run / "results.json").read_text())["precision_2x2"]
+    assert results["constructions"] == ["oneshot", "prefix-cache", "hf-oneshot"]
+    assert [(x["a"], x["b"]) for x in results["disagreements"][0]["pairs"]] == [
+        ("oneshot@fp32", "hf-oneshot@fp32"), ("prefix-cache@fp32", "hf-oneshot@fp32")]
+    result = runner.invoke(app, ["audit", str(run), "--quiet"])
+    assert result.exit_code == 0, result.output
+    # Negative control: a construction that is not an arm of the run is refused.
+    result = runner.invoke(app, ["precision-2x2", str(run), "--constructions", "incremental", "--quiet"])
+    assert result.exit_code == 2 and "is not an arm of this vllm run" in result.stderr
