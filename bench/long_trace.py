@@ -132,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.records.ledger import items, read_ledger
     from stagereplay.runs import matched
 
     clock, streamed = Clock(), [0]
@@ -148,14 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                           decode=DecodeConfig(max_new_tokens=args.suffix, max_stage1_tokens=args.stage1),
                           precision=args.precision, device=args.device, threads=args.threads, quiet=True)
         total = time.perf_counter() - start
-        ledger = [json.loads(line) for line in (Path(tmp) / "run" / "ledger.jsonl").read_text().splitlines()]
+        # The library's own reader: the chain also holds stage and environment records, which are not items.
+        ledger = [r.payload for r in items(read_ledger(Path(tmp) / "run"))]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     s = clock.seconds
     forwards, loop = s.get("forwards", 0.0), s.get("item loop", 0.0)
     outside = loop - forwards
     named = {k: s.get(k, 0.0) for k in ("fingerprints", "clones", "ledger")}
     rest = outside - sum(named.values())
-    lengths = [(r["payload"]["boundary"], len(r["payload"]["arms"][0]["suffix_ids"])) for r in ledger]
+    lengths = [(p["boundary"], len(p["arms"][0]["suffix_ids"])) for p in ledger]
     positions = max(b + n for b, n in lengths)
     cache_mib = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2 * positions / 2**20  # K and V, bf16, every position
     m = results["matched"][0]

@@ -134,13 +134,15 @@ def run_paper(args: argparse.Namespace, workers: int, out: Path) -> dict[str, An
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"`{' '.join(map(str, cmd))}` failed ({proc.returncode}):\n{output[-3000:]}")
+    from stagereplay.records.ledger import items, read_ledger
+
     ledger = (out / "ledger.jsonl").read_bytes()
     return {
         "workers": workers,
         "wall_s": wall,
         "peak_rss_tree_mb": peak.total / 2**20,
         "peak_rss_single_mb": peak.single / 2**20,
-        "records": ledger.count(b"\n"),
+        "records": len(items(read_ledger(out))),  # item records, not the chain's stage and environment ones
         "kernels": kernels_line(out),
         "figures": figures(json.loads((out / "results.json").read_text())),
         "ledger_sha256": hashlib.sha256(ledger).hexdigest(),

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
     from pathlib import Path
 
-    from stagereplay.engine.boundary import After, parse_boundary
+    from stagereplay.engine.boundary import After, default_rule, parse_boundary
     from stagereplay.engine.cache import clone_cache
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import load
@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
                                 args.device, args.threads, "sdpa")
         lm = load(source.model.path, args.precision, args.device, args.threads)
         prompts = load_items(source.data, lm.tokenizer)[0]
-        rule, stage1 = parse_boundary(source.settings.boundary), DecodeConfig()
+        # The rule a run resolves for this model (`</think>` for the toy's reasoning tokenizer) when none is given.
+        rule = parse_boundary(source.settings.boundary) if source.settings.boundary else default_rule(lm.tokenizer)
+        stage1 = DecodeConfig()
     # A random model rarely emits EOS, so its draws run to the limit; min tokens keep the toy's EOS honest.
     dc = DecodeConfig(max_new_tokens=args.new_tokens, sample=True, temperature=0.6, top_p=0.95)
     states = [lm.live(p, rule, stage1, keep_going=False) for p in prompts]

@@ -57,3 +57,18 @@ def with_payload(record: Record, payload: dict[str, Any], recompare: bool = True
 def edit(record: Record) -> dict[str, Any]:
     """A deep copy of the record's payload to edit."""
     return json.loads(json.dumps(record.payload))
+
+
+def carry_over(chain: list[Record], k: int) -> None:
+    """After editing the matched record `chain[k]`, edit the copies too: every 2x2 arm that carries one of its
+    arms over (`same_as`) gets that arm's fields, and its comparisons are recomputed, as a careful forger would."""
+    source = chain[k]
+    arms = {f"{source.experiment}/{source.checkpoint}:{a['name']}": a for a in source.payload.get("arms", [])}
+    for i, r in enumerate(chain):
+        if r.kind != "item" or r.experiment != "precision_2x2" or r.item_id != source.item_id:
+            continue
+        p = edit(r)
+        for a in p.get("arms", []):
+            if a.get("same_as") in arms:
+                a.update({f: v for f, v in arms[a["same_as"]].items() if f != "name"})
+        chain[i] = with_payload(r, p)

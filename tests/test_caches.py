@@ -184,6 +184,34 @@ def test_fingerprints_stream_bounded_chunks_with_the_same_digest(tiny_dir, arch,
     assert cache_fingerprint(nudged(state.cache, 1, "v", (0, 0, len(state.prefix) - 2, 0))) != whole.hexdigest()
 
 
+def test_one_pass_gives_both_fingerprints_streaming_each_byte_once(tiny_dir, monkeypatch):
+    """The bridge hashes each cache once: `cache_fingerprints` equals the whole and the per-layer digests made
+    apart, and sends each byte of the cache to the host once (the two apart send it twice)."""
+    from stagereplay.engine.cache import cache_fingerprints, layer_fingerprints
+
+    _lm, state = _state(tiny_dir, "qwen2")
+    sent = [0]
+    chunks = cache_mod._host_chunks
+
+    def spy(t):
+        for c in chunks(t):
+            sent[0] += c.nbytes
+            yield c
+
+    monkeypatch.setattr(cache_mod, "_host_chunks", spy)
+    size = sum(t.numel() * t.element_size() for layer in state.cache.layers for t in (layer.keys, layer.values))
+    whole, layers = cache_fingerprints(state.cache)
+    assert sent[0] == size
+    sent[0] = 0
+    assert (whole, layers) == (cache_fingerprint(state.cache), layer_fingerprints(state.cache))
+    assert sent[0] == 2 * size
+    # Negative control: one ulp in one layer's V changes the whole digest and that layer's only.
+    other_whole, other_layers = cache_fingerprints(nudged(state.cache, 1, "v", (0, 0, 0, 0)))
+    assert other_whole != whole
+    assert [i for i, (a, b) in enumerate(zip(layers, other_layers, strict=True)) if a != b] == [1]
+    assert other_layers[1]["k"] == layers[1]["k"] and other_layers[1]["v"] != layers[1]["v"]
+
+
 @pytest.mark.parametrize(("name", "kind"), [
     ("FalconH1Config", "hybrid layer"),
     ("Qwen3NextConfig", "recurrent or linear-attention state"),

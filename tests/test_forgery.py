@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from forge import edit, load, save, with_payload
+from forge import carry_over, edit, load, save, with_payload
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -81,6 +81,7 @@ def change_cache_fp(chain: Chain, m: dict[str, Any], t: Targets) -> tuple[str, s
     p = edit(chain[k])
     p["arms"][2]["cache_fp"] = "0" * 64  # the oneshot arm; its comparisons are recomputed to agree
     chain[k] = with_payload(chain[k], p)
+    carry_over(chain, k)  # and the 2x2's copy of it (same_as)
     return t.pool[1], "arm oneshot: cache_fp"
 
 
@@ -106,6 +107,7 @@ def change_suffix_token(chain: Chain, m: dict[str, Any], t: Targets) -> tuple[st
     suffix = p["arms"][2]["suffix_ids"]
     suffix[0] = (suffix[0] + 1) % 50  # its suffix_fp and the comparisons are recomputed to agree
     chain[k] = with_payload(chain[k], p)
+    carry_over(chain, k)  # and the 2x2's copy of it (same_as)
     return t.pool[4], "arm oneshot: suffix_ids"
 
 

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from forge import load, save, with_payload
+from forge import carry_over, load, save, with_payload
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -145,6 +145,7 @@ def test_audit_reexecution_catches_what_the_hash_chain_cannot(paper_run, tmp_pat
     arm = payload["arms"][2]  # the oneshot arm
     arm["suffix_ids"][0] = (arm["suffix_ids"][0] + 1) % 50
     chain[k] = with_payload(target, payload)
+    carry_over(chain, k)  # and the 2x2's copy of the arm (same_as)
     save(run, chain, manifest)
     verify = runner.invoke(app, ["audit", str(run), "--verify-only"])
     assert verify.exit_code == 0, verify.stderr  # the chain and every recorded claim agree

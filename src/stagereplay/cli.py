@@ -372,6 +372,72 @@ def paper(
 
 
 @app.command()
+def plan(
+    run_dir: Annotated[Path | None, typer.Argument(help="a run: plan it with its measured lengths")] = None,
+    model: Model = None,
+    later_model: Annotated[str | None, typer.Option("--later-model", help="second checkpoint")] = None,
+    data: Data = None,
+    n: Annotated[int, typer.Option("--n")] = 200,
+    max_new_tokens: MaxNew = 128,
+    max_stage1_tokens: MaxStage1 = None,
+    select: Annotated[str, typer.Option("--select", help="transplant selection at the primary checkpoint")] = "first:24",
+    rows: Annotated[int, typer.Option("--rows", help="bridge rows")] = 12,
+    sweep: Annotated[bool, typer.Option("--sweep/--no-sweep", help="layer sweep at the primary checkpoint")] = False,
+    device: Device = "cpu",
+    threads: Threads = 1,
+    workers: Annotated[int, typer.Option("--workers", help="processes; 0 = one per core on CPU (at most 2)")] = 0,
+    stage1_tokens: Annotated[int | None, typer.Option("--stage1-tokens", help=(
+        "assumed stage-1 length (default: the stage-1 budget)"))] = None,
+    suffix_tokens: Annotated[int | None, typer.Option("--suffix-tokens", help=(
+        "assumed suffix length (default: --max-new-tokens)"))] = None,
+    prompt_tokens: Annotated[int | None, typer.Option("--prompt-tokens", help=(
+        "assumed prompt length (default: the items' as tokenized)"))] = None,
+    divergent: Annotated[int | None, typer.Option("--divergent", help=(
+        "items whose live and fresh suffixes diverge (default: all)"))] = None,
+    audit_sample: Annotated[int | None, typer.Option("--audit-sample", help=(
+        "units per stage the audit re-executes (0: every unit; default: paper's, or what RUN's audit did)"))] = None,
+    no_dedup: Annotated[bool, typer.Option("--no-dedup", help="count the 2x2 recomputing the matched arm")] = False,
+    tokens_per_second: Annotated[float | None, typer.Option("--tokens-per-second", help=(
+        "decode steps per second (any forward costs one)"))] = None,
+    prefill_tokens_per_second: Annotated[float | None, typer.Option("--prefill-tokens-per-second", help=(
+        "prefill tokens per second, on top of the forward's step"))] = None,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="measure the rates on the real model")] = False,
+) -> None:
+    """What `paper` (or the run RUN) costs: forwards, caches, weights and time per stage; runs nothing."""
+
+    def go() -> None:
+        import os
+
+        from stagereplay.experiments.plan import PlanConfig, Rates
+        from stagereplay.experiments.plan import plan as make_plan
+        from stagereplay.experiments.transplant import parse_selection
+
+        parse_selection(select)
+        for name, rate in (("--tokens-per-second", tokens_per_second),
+                           ("--prefill-tokens-per-second", prefill_tokens_per_second)):
+            if rate is not None and not 0 < rate < float("inf"):
+                raise StageReplayError(f"{name} must be positive, got {rate}", f"pass e.g. {name} 40")
+        from stagereplay.experiments.paper import AUDIT_SAMPLE
+
+        w = workers or (min(2, os.cpu_count() or 1) if device == "cpu" else 1)
+        sample = AUDIT_SAMPLE if audit_sample is None and run_dir is None else audit_sample
+        cfg = PlanConfig(n=n, suffix_tokens=suffix_tokens or max_new_tokens, stage1_tokens=stage1_tokens,
+                         prompt_tokens=prompt_tokens, divergent=divergent, bridge_rows=rows, select=select,
+                         sweep=sweep, later=later_model is not None or model is None, audit_sample=sample,
+                         dedup=not no_dedup, workers=w)
+        rates = None
+        if tokens_per_second is not None:
+            rates = Rates({"": tokens_per_second},
+                          {"": prefill_tokens_per_second} if prefill_tokens_per_second else {},
+                          f"{tokens_per_second:g} steps/s"
+                          + (f", {prefill_tokens_per_second:g} prefill tokens/s" if prefill_tokens_per_second else ""))
+        typer.echo(make_plan(cfg, model, data, run_dir, max_stage1_tokens, rates,
+                             {"device": device, "threads": threads} if calibrate else None))
+
+    _run(go)
+
+
+@app.command()
 def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
     """Rewrite report.md and report.html from results.json."""
 

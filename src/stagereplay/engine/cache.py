@@ -152,6 +152,24 @@ def layer_fingerprints(cache: Any) -> list[dict[str, str]]:
     return [{"k": tensor_digest(k), "v": tensor_digest(v)} for k, v in layer_tensors(cache)]
 
 
+def cache_fingerprints(cache: Any) -> tuple[str, list[dict[str, str]]]:
+    """`cache_fingerprint(cache)` and `layer_fingerprints(cache)` from one pass over the cache: each chunk goes to
+    the host once and into both hashes, where computing the two apart would stream every byte twice."""
+    whole = hashlib.sha256()
+    layers = []
+    for k, v in layer_tensors(cache):
+        digests = {}
+        for name, t in (("k", k), ("v", v)):
+            one = hashlib.sha256(_header(t))
+            whole.update(_header(t))
+            for chunk in _host_chunks(t):
+                one.update(chunk)
+                whole.update(chunk)
+            digests[name] = one.hexdigest()
+        layers.append(digests)
+    return whole.hexdigest(), layers
+
+
 def cache_fingerprint(cache: Any) -> str:
     """sha256 over every layer's K then V, each with a dtype/shape header, streamed in bounded chunks."""
     h = hashlib.sha256()

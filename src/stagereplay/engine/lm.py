@@ -28,6 +28,7 @@ from stagereplay.engine.decode import (
     derive_seed,
     eos_ids,
 )
+from stagereplay.engine.forwards import construction_spans
 from stagereplay.engine.limits import model_context, stage1_budget
 from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, set_determinism
 from stagereplay.engine.steps import StepRecord
@@ -173,23 +174,16 @@ class LM:
         roundtrip = None
         if name == "live":
             raise StageReplayError("the live construction comes only from live generation", "use lm.live(...)")
-        if name == "oneshot":
-            self.stepper.forward(body, cache, 0)
-        elif name == "incremental":
-            # The same operations as live generation: the prompt in one forward, then one token per forward.
-            self.stepper.forward(body[:n_prompt], cache, 0)
-            for pos in range(n_prompt, len(body)):
-                self.stepper.forward([body[pos]], cache, pos)
-        elif name.startswith("chunked:"):
-            n = int(name.split(":")[1])
-            for start in range(0, len(body), n):
-                self.stepper.forward(body[start : start + n], cache, start)
-        else:  # retokenized: the text route that stage-replay methods often take
+        if name == "retokenized":  # the text route that stage-replay methods often take
             text = self.tokenizer.decode(list(prefix), skip_special_tokens=False)
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
             roundtrip = ids == tuple(prefix)
             prefix = ids
-            self.stepper.forward(prefix[:-1], cache, 0)
+            body = prefix[:-1]
+        # oneshot: one forward; incremental: the same operations as live generation, the prompt in one forward,
+        # then one token per forward; chunked:<n>: n at a time (engine.forwards, which `stagereplay plan` counts).
+        for start, stop in construction_spans(name, n_prompt, len(body)):
+            self.stepper.forward(body[start:stop], cache, start)
         return BoundaryState(prefix=tuple(prefix), prompt_len=n_prompt, construction=name, cache=cache,
                              seed=state.seed, roundtrip=roundtrip)
 

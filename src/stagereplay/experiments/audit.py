@@ -95,7 +95,8 @@ def _work(experiment: str, stage: dict[str, Any]) -> Callable[..., dict[str, Any
             "transplant": transplant_item, "resample": resample_item}[experiment]
 
 
-def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple[str, str], Any]) -> Job:
+def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple[str, str], Any],
+         reuse: Any = None) -> Job:
     s = stage["settings"]
     from stagereplay.engine.decode import DecodeConfig
 
@@ -109,7 +110,7 @@ def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple
     elif record.experiment == "matched":
         extra = (("construction", stage["construction"]),)
     elif record.experiment == "precision_2x2":
-        extra = (("prefix", prefix), ("constructions", tuple(stage["constructions"])))
+        extra = (("prefix", prefix), ("constructions", tuple(stage["constructions"])), ("reuse", reuse))
     elif record.experiment == "bridge":
         extra = (("prefix", prefix),)
     elif record.experiment == "resample":
@@ -119,6 +120,17 @@ def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple
     else:
         extra = (("prefix", prefix), ("config", tuple(stage["config"].items())))
     return Job(item, settings, record.part, extra)
+
+
+def _reuse(record: Record, stage: dict[str, Any], stages: dict[str, Any],
+           matched: dict[tuple[str, str], dict[str, Any]]) -> Any:
+    """The matched arm a 2x2 record carries over (`precision_2x2.reused_arm`), as the run found it."""
+    from stagereplay.experiments.precision_2x2 import reused_arm
+
+    if record.experiment != "precision_2x2" or (record.checkpoint, record.item_id) not in matched:
+        return None
+    return reused_arm(stage, stages.get(f"matched/{record.checkpoint}"), matched[(record.checkpoint, record.item_id)],
+                      record.checkpoint, record.part)
 
 
 def _model_key(stages: dict[str, Any], group: tuple[str, str, str]) -> tuple[str, str]:
@@ -242,6 +254,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
                                                                       moved)]
     # Prefixes of the matched records: the fixed token states the other experiments start from.
     prefixes = {(r.checkpoint, r.item_id): r.payload.get("prefix_ids") for r in records if r.experiment == "matched"}
+    matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}
     # Only the units the manifest declares, once each: a missing, extra or duplicated record is verify's finding.
     declared = {(name, item, part) for name, stage in stages.items()
                 for item, part in expected_units(name, stage, run_config, records)}
@@ -271,7 +284,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
             mismatches += [{"item_id": i, "what": f"{where}: item is not in the manifest's dataset",
                             "kind": "integrity"} for i in missing]
             todo = [r for r in group if r.item_id in by_id]
-            jobs = [_job(r, stage, by_id[r.item_id], prefixes) for r in todo]
+            jobs = [_job(r, stage, by_id[r.item_id], prefixes, _reuse(r, stage, stages, matched)) for r in todo]
             for record, again in zip(todo, run_jobs(model_config, _work(experiment, stage), jobs, ex), strict=True):
                 if not binds(manifest):  # what a schema 1 record claims, as it fingerprinted it
                     again = claimed(as_schema_1(record.item_id, again), record.payload)

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from stagereplay.engine.cache import compare_caches, layer_fingerprints
+from stagereplay.engine.cache import cache_fingerprints, compare_caches
+from stagereplay.engine.forwards import (
+    Lengths,
+    construct_forwards,
+    continuation_forwards,
+    live_forwards,
+    no_boundary_forwards,
+)
 from stagereplay.engine.lm import LM, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
@@ -28,18 +35,29 @@ def bridge_item(lm: LM, job: Job) -> dict[str, Any]:
     inc = lm.construct(live, "incremental")
     diffs = compare_caches(live.cache, inc.cache)
     runs = {"live": (live, live.live_suffix), "incremental": (inc, lm.continue_from(inc, s.decode))}
-    arms = [arm_record(lm, name, state, cont, live.stage1, item, s.scorer) for name, (state, cont) in runs.items()]
+    # Each cache is streamed to the host once, for its whole fingerprint and its per-layer ones together.
+    hashed = {name: cache_fingerprints(state.cache) for name, (state, _) in runs.items()}
+    arms = [arm_record(lm, name, state, cont, live.stage1, item, s.scorer, cache_fp=hashed[name][0])
+            for name, (state, cont) in runs.items()]
     return {
         "status": "ok", "prompt_ids": list(item.prompt_ids), "prefix_ids": list(live.prefix),
         "boundary": len(live.prefix), "answer": item.answer,
         "prefix_matches_matched_run": list(live.prefix) == list(job.get("prefix")),
         "cache_equal": not diffs,
         "differences": [d.as_dict() for d in diffs],
-        "layers": {"live": layer_fingerprints(live.cache), "incremental": layer_fingerprints(inc.cache)},
+        "layers": {name: layers for name, (_, layers) in hashed.items()},
         "arms": arms,
         "comparisons": [comparison(item.id, arms[0], arms[1])],
         "diagnostics": diagnose(runs, [("live", "incremental")], cache_pairs=[("live", "incremental")]),
     }
+
+
+def forwards(n: Lengths) -> list[int]:
+    """The forwards `bridge_item` makes for a row of lengths `n`: live with its suffix, incremental, its suffix."""
+    if n.stage1 is None:
+        return no_boundary_forwards(n.prompt, n.generated)
+    return (live_forwards(n.prompt, n.stage1, n.of("live")) + construct_forwards("incremental", n.prompt, n.prefix)
+            + continuation_forwards(n.of("incremental")))
 
 
 def run_bridge(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, rows: int,

@@ -52,8 +52,9 @@ class Job:
 
 
 def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stage1: Sequence[int], item: Item,
-               scorer: str) -> dict[str, Any]:
-    """One arm: its suffix, fingerprints and correctness label. Text is scored as stage 1 + suffix."""
+               scorer: str, cache_fp: str | None = None) -> dict[str, Any]:
+    """One arm: its suffix, fingerprints and correctness label. Text is scored as stage 1 + suffix.
+    `cache_fp`: the state's cache fingerprint when the caller has already hashed that cache."""
     text = lm.text([*stage1, *cont.suffix])
     arm = {
         "name": name,
@@ -61,7 +62,7 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
         "precision": lm.config.precision,
         "suffix_ids": list(cont.suffix),
         "suffix_fp": cont.fingerprint,
-        "cache_fp": state.fingerprint(),
+        "cache_fp": state.fingerprint() if cache_fp is None else cache_fp,
         "stop": cont.stop,
         "text": text,
         "correct": bool(scorer_by_name(scorer)(text, item.answer)),

@@ -6,6 +6,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from stagereplay.engine.forwards import (
+    Lengths,
+    construct_forwards,
+    continuation_forwards,
+    live_forwards,
+    no_boundary_forwards,
+)
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
@@ -98,6 +105,17 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
         "diagnostics": diagnose(runs, pairs, cache_pairs=pairs[:1]),
     }
     return {**payload, "token_texts": token_texts(lm, payload)}
+
+
+def forwards(n: Lengths, construction: str = "oneshot") -> list[int]:
+    """The forwards `matched_item` makes for an item of lengths `n` (token counts, engine.forwards): live and its
+    replica from scratch, then the fresh construction and its replica with their continuations."""
+    if n.stage1 is None:
+        return no_boundary_forwards(n.prompt, n.generated)
+    out = live_forwards(n.prompt, n.stage1, n.of("live")) + live_forwards(n.prompt, n.stage1, n.of("live#replica"))
+    for arm in (construction, f"{construction}#replica"):
+        out += construct_forwards(construction, n.prompt, n.prefix) + continuation_forwards(n.of(arm))
+    return out
 
 
 def run_matched(run: Run, config: MatchedConfig, items: list[Any], ex: ExecConfig, lm: LM | None = None,

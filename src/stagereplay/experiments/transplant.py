@@ -11,6 +11,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards, live_forwards
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
@@ -149,6 +150,20 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
                              **{k: v["outcome"] for k, v in run_spec(layers, None).items()}}
                             for kind, layers in sweep_bands(lm.n_layers)]
     return payload
+
+
+def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
+    """The forwards `transplant_item` makes for an item of lengths `n`: live with its suffix, the fresh
+    construction with its own, then one continuation per direction (transplant and control) and, with a
+    sweep, per direction of each of the 3 x `n_layers` bands (sweep continuations are not recorded: `n.suffix`)."""
+    c = cfg.construction
+    out = live_forwards(n.prompt, n.stage1 or 0, n.of("live")) + construct_forwards(c, n.prompt, n.prefix)
+    out += continuation_forwards(n.of(c))
+    for arm in (f"{p}{d}->{r}" for p in ("", "control:") for d, r in (("live", c), (c, "live"))):
+        out += continuation_forwards(n.of(arm))
+    if cfg.sweep:
+        out += continuation_forwards(n.suffix) * (2 * len(sweep_bands(n_layers)))
+    return out
 
 
 def divergent_ids(matched: list[Record], construction: str) -> list[str]:

@@ -228,6 +228,7 @@ def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None
             derived["fp"] = comparison_fp_schema_1(item, a, b)
         for f in diff_fields(c, derived):
             bad.append(f"comparison {c['a']} vs {c['b']}: {f} does not follow from its arms")
+    bad += _same_as_claims(p, matched)
     if record.experiment == "bridge" and status == "ok":
         bad += _bridge_claims(p, matched)
     if record.experiment == "transplant" and status == "ok":
@@ -248,6 +249,26 @@ def _arm_claims(record: Record, stage: dict[str, Any]) -> list[str]:
             bad.append(f"arm {name}: correct is not what scorer {stage['settings']['scorer']} gives its text")
         if a.get("precision") != precision:
             bad.append(f"arm {name}: precision {a.get('precision')} is not the stage's {precision}")
+    return bad
+
+
+def _same_as_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
+    """An arm marked `same_as: "<stage>:<arm>"` was not computed again: every field but its name must be that
+    recorded arm's (the re-executing audit then checks that the matched run still computes it)."""
+    bad = []
+    for a in p.get("arms", []):
+        ref = a.get("same_as")
+        if ref is None:
+            continue
+        where, _, name = str(ref).rpartition(":")
+        source = matched.payload.get("arms", []) if matched is not None and stage_name(matched) == where else []
+        arm = next((x for x in source if x.get("name") == name), None)
+        if arm is None:
+            bad.append(f"arm {a.get('name')}: same_as {ref} names no recorded arm")
+            continue
+        own = {k: v for k, v in a.items() if k not in ("name", "same_as")}
+        for f in diff_fields({k: v for k, v in arm.items() if k != "name"}, own):
+            bad.append(f"arm {a.get('name')}: {f} is not the one of {ref}, which it says it is")
     return bad
 
 

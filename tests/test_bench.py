@@ -1,0 +1,75 @@
+"""Every benchmark in bench/ runs at a tiny size, so none breaks unseen (a benchmark is code).
+
+Each script is run as the README runs it (a subprocess, its own flags) with the tiny arguments of `TINY`,
+and its last line must parse as that script's summary line. A new script in bench/ fails
+`test_every_bench_script_has_a_smoke_run` until it gets its row here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+NUMBER = r"[0-9]+(?:\.[0-9]+)?"
+# script: (tiny arguments, with {tmp} for a scratch directory; the regex its last line must match)
+TINY: dict[str, tuple[list[str], str]] = {
+    "decode.py": (["--models", "toy", "--tokens", "4", "--prompts", "1", "--repeats", "1"],
+                  rf"^toy .* ours\s+{NUMBER} .* tokens == generate\(\): yes\s+graphs \d+$"),
+    "gpu_check.py": (["--device", "cpu", "--shape", "tiny", "--prompts", "1", "--stage1", "8", "--out", "{tmp}"],
+                     r"^14B-shape: our tokens == generate\(\)'s\s+1/1$"),
+    "long_trace.py": (["--items", "1", "--stage1", "16", "--suffix", "8"],
+                      rf"^overhead -?{NUMBER}% of forward time, peak RSS \d+ MiB$"),
+    "matched_floor.py": (["--n", "2", "--max-new-tokens", "8", "--repeats", "1"],
+                         rf"^matched / floor\s+{NUMBER}x\s+\(target <= 1\.15x\)$"),
+    "paper.py": (["--n", "2", "--workers", "1", "--max-new-tokens", "16"],
+                 r"^later: transplants follow the donor \(all-divergent\):.*$"),
+    "plan.py": (["--n", "1", "--max-new-tokens", "8"],
+                rf"^forwards plan (\d+) run \1 \(equal: yes\), time plan {NUMBER} s run {NUMBER} s \(ratio {NUMBER}\)$"),
+    "random_model.py": (["--shape", "tiny", "--out", "{tmp}/model"],
+                        rf"^saved a random tiny to .* in {NUMBER} s$"),
+    "scale.py": (["--tiny"],
+                 rf"^peak RSS \d+ MiB, floor \d+ MiB, caches {NUMBER} MiB, logits kept \d+ MiB$"),
+    "resample.py": (["--items", "1", "--k", "1", "--new-tokens", "8", "--repeats", "1"],
+                    rf"^draw / decode {NUMBER}\s+reprefill / draw {NUMBER}$"),
+}
+
+
+def scripts() -> list[str]:
+    return sorted(p.name for p in BENCH.glob("*.py"))
+
+
+def test_every_bench_script_has_a_smoke_run() -> None:
+    missing = [s for s in scripts() if s not in TINY]
+    assert not missing, f"bench scripts without a tiny smoke run in tests/test_bench.py: {missing}"
+    assert not [s for s in TINY if s not in scripts()], "TINY names a script that bench/ no longer has"
+
+
+def last_line(text: str) -> str:
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def test_last_line_rejects_a_crash() -> None:
+    """Negative control: a traceback's last line does not pass as any script's summary."""
+    crash = "Traceback (most recent call last):\n  ...\nKeyError: 'boundary'\n"
+    assert not any(re.match(pattern, last_line(crash)) for _, pattern in TINY.values())
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_bench_script_runs_tiny(script: str, tmp_path: Path) -> None:
+    args, pattern = TINY[script]
+    cmd = [sys.executable, str(BENCH / script), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    line = last_line(proc.stdout)
+    assert re.match(pattern, line), f"{script}: last line {line!r} does not match {pattern!r}"

@@ -1,0 +1,229 @@
+"""`stagereplay plan` counts the forwards a run makes with the code that runs them, and sizes caches and weights
+from a config alone; the 2x2 carries the matched run's arm over instead of computing it again."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from stagereplay.cli import app
+from stagereplay.engine import decode
+from stagereplay.engine.boundary import After
+from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.forwards import construct_forwards
+from stagereplay.experiments import precision_2x2
+from stagereplay.experiments.plan import grid_lengths, lengths_of, plan_run
+from stagereplay.records.ledger import items, read_ledger
+
+# DeepSeek-R1-Distill-Qwen-14B's shape, as its config.json states it (no weights, no tokenizer).
+R1_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
+          "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40,
+          "num_key_value_heads": 8, "vocab_size": 152064, "max_position_embeddings": 131072,
+          "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+          "bos_token_id": 151646, "eos_token_id": 151643}
+
+
+@pytest.fixture(scope="module")
+def counted_run(tmp_path_factory, tiny_dir, items_file):
+    """A tiny `paper` run (both checkpoints; an audit of a seeded sample of 2 units per stage) with every model
+    forward counted by its token count."""
+    from stagereplay.runs import paper
+
+    sizes: Counter[int] = Counter()
+    forward = decode.Stepper.forward
+
+    def counting(self, ids, cache, past):
+        sizes[len(ids)] += 1
+        return forward(self, ids, cache, past)
+
+    out = tmp_path_factory.mktemp("plan") / "run"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(decode.Stepper, "forward", counting)
+    try:
+        results = paper(out, model=str(tiny_dir("qwen2")), later_model=str(tiny_dir("qwen2")), data=str(items_file),
+                        n=4, boundary=After(6), decode=DecodeConfig(max_new_tokens=8), workers=1, quiet=True,
+                        audit_sample=2)
+    finally:
+        mp.undo()
+    assert results["audit"]["reproduced"]
+    return out, sizes
+
+
+def test_plan_of_a_run_counts_exactly_the_forwards_it_made(counted_run):
+    out, sizes = counted_run
+    planned: Counter[int] = Counter()
+    for stage in plan_run(out):
+        planned.update(stage.sizes)
+    assert +planned == +sizes
+    assert sum(sizes.values()) > 100  # the run did real work: every stage, both checkpoints, the audit
+    # The audit's units are the ones its seeded sample picked: counting every unit instead differs.
+    assert json.loads((out / "audit.json").read_text())["sample"]["per_stage"] == 2
+    full: Counter[int] = Counter()
+    for stage in plan_run(out, audit_sample=0):
+        full.update(stage.sizes)
+    assert sum(full.values()) > sum(sizes.values())
+
+
+def test_negative_control_the_count_misses_a_carried_arm_decoded_in_full(counted_run):
+    """Were the 2x2's carried-over arm decoded in full (no dedup), the count would not be the run's."""
+    out, sizes = counted_run
+    records = [r for r in items(read_ledger(out)) if r.experiment == "precision_2x2" and r.part == "bf16"]
+    assert records and all(any(a.get("same_as") for a in r.payload["arms"]) for r in records)
+    planned: Counter[int] = Counter()
+    for stage in plan_run(out):
+        planned.update(stage.sizes)
+    for r in records:  # swap the counted look for the whole suffix
+        n, reused = grid_lengths(r.payload)
+        assert reused == "oneshot" and n.look is not None
+        looked = precision_2x2.forwards(n, ("incremental", "oneshot"), "bf16", "oneshot")
+        full = precision_2x2.forwards(n, ("incremental", "oneshot"), "bf16", None)
+        if looked != full:
+            planned.subtract(Counter(looked))
+            planned.update(Counter(full))
+    # The audit repeats each 2x2 unit once more: the difference shows twice, so the counts differ.
+    assert +planned != +sizes
+
+
+def test_the_2x2_arm_is_the_matched_arm_and_verify_checks_it(counted_run, tmp_path):
+    """At the run's precision the 2x2's one-shot arm is the matched record's (`same_as`), field for field; at
+    fp32 nothing is carried over; the verify-only audit checks the claim, and a forged copy fails it."""
+    import shutil
+
+    from forge import edit, load, save, with_payload
+
+    from stagereplay.runs import audit
+
+    out, _ = counted_run
+    records = items(read_ledger(out))
+    matched = {r.item_id: r.payload for r in records if r.experiment == "matched" and r.checkpoint == "primary"}
+    for r in records:
+        if r.experiment != "precision_2x2":
+            continue
+        carried = [a for a in r.payload["arms"] if a.get("same_as")]
+        if r.part == "fp32":
+            assert not carried
+            continue
+        (arm,) = carried
+        assert arm["same_as"] == "matched/primary:oneshot" and arm["name"] == "oneshot@bf16"
+        source = next(a for a in matched[r.item_id]["arms"] if a["name"] == "oneshot")
+        assert {k: v for k, v in arm.items() if k not in ("name", "same_as")} == {
+            k: v for k, v in source.items() if k != "name"}
+        assert r.payload["diagnostics"]["margins"]["oneshot@bf16"] == matched[r.item_id]["diagnostics"]["margins"][
+            "oneshot"]
+    assert audit(out, verify_only=True)["reproduced"]
+    # Negative control: a carried arm whose cache fingerprint is not the matched arm's (chain recomputed).
+    forged = tmp_path / "forged"
+    shutil.copytree(out, forged)
+    chain, manifest = load(forged)
+    k = next(i for i, r in enumerate(chain) if r.kind == "item" and r.experiment == "precision_2x2" and r.part == "bf16")
+    payload = edit(chain[k])
+    arm = next(a for a in payload["arms"] if a.get("same_as"))
+    arm["cache_fp"] = "0" * 64
+    chain[k] = with_payload(chain[k], payload)
+    save(forged, chain, manifest)
+    found = audit(forged, verify_only=True)
+    assert not found["reproduced"]
+    assert any("cache_fp is not the one of matched/primary:oneshot" in m["what"] for m in found["mismatches"])
+
+
+def test_diagnostic_steps_reach_the_last_first_divergence():
+    assert precision_2x2.diagnostic_steps([1, 2, 3, 4], [(1, 2, 3, 4)]) == 1  # no divergence: the first step
+    assert precision_2x2.diagnostic_steps([1, 2, 3, 4], [(1, 9, 3, 4), (1, 2, 9)]) == 3
+    assert precision_2x2.diagnostic_steps([1, 2], [(1, 2, 3)]) == 2  # a prefix diverges at its end: all of it
+
+
+def test_construction_spans_are_the_forwards_construct_makes(tiny_dir, monkeypatch):
+    """`LM.construct` feeds exactly the spans engine.forwards lists, for every construction."""
+    from stagereplay.engine.lm import load
+
+    lm = load(str(tiny_dir("qwen2")))
+    state = lm.live(lm.tokenizer.encode("Q: 1+2? Think.\n"), After(9), keep_going=False)
+    seen: list[int] = []
+    forward = decode.Stepper.forward
+    monkeypatch.setattr(decode.Stepper, "forward", lambda self, ids, c, p: seen.append(len(ids)) or forward(
+        self, ids, c, p))
+    for c in ("oneshot", "incremental", "chunked:4", "retokenized"):
+        seen.clear()
+        built = lm.construct(state, c)  # retokenized: of the re-encoded prefix's length (the plan assumes a round trip)
+        assert seen == construct_forwards(c, state.prompt_len, len(built.prefix)), c
+    assert construct_forwards("chunked:4", 3, 12) == [4, 4, 3]  # 11 cached positions, 4 at a time
+
+
+def test_plan_sizes_a_14b_checkpoint_from_its_config_alone(tmp_path):
+    """A directory holding only config.json: caches, weights and forwards from the shape and the lengths."""
+    model = tmp_path / "r1-14b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(R1_14B))
+    args = ["plan", "--model", str(model), "--n", "200", "--prompt-tokens", "64", "--stage1-tokens", "2048",
+            "--suffix-tokens", "512", "--tokens-per-second", "40", "--workers", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "48 layers, 8 KV heads of 128, 14.770B parameters; a cache holds 192 KiB per position" in lines[0]
+    row = next(line.split() for line in lines if line.startswith("matched/primary"))
+    p, s, n = 64, 2048, 512
+    # Per item (README): two prefills of the prompt, two of P + S - 1, 2(S - 1 + N) + 2N single-token forwards.
+    assert int(row[3]) == 200 * (4 + 2 * (s - 1 + n) + 2 * n)
+    assert int(row[4]) == 200 * (2 * p + 2 * (p + s - 1))
+    assert int(row[6]) == 4 and float(row[7]) == pytest.approx(192 * (p + s + n) / 1024, abs=0.05)  # one, MiB
+    assert float(row[8]) == pytest.approx(14.770e9 * 2 / 2**20, rel=1e-3)  # bf16 weights, MiB
+    # With 166 of 200 items divergent (the reference paper's count), the carried-over arm is decoded in full
+    # only on those; with all divergent (the default, a bound) dedup saves no forward. `--audit-sample 0`: the
+    # full re-executing audit; by default the plan counts paper's sample.
+    runs = [CliRunner().invoke(app, [*args, *extra]) for extra in (
+        ["--divergent", "166", "--audit-sample", "0", "--no-dedup"], ["--divergent", "166", "--audit-sample", "0"],
+        ["--divergent", "166"], ["--audit-sample", "0", "--no-dedup"], ["--audit-sample", "0"])]
+    hours = [float(r.output.splitlines()[-1].split(", ")[3].split()[0]) for r in runs]
+    assert hours[0] > hours[1] > hours[2]  # each saving shows; negative control: the full audit costs more
+    assert hours[3] == hours[4]
+    # Negative control of the shape: 4 KV heads halve the cache.
+    (model / "config.json").write_text(json.dumps({**R1_14B, "num_key_value_heads": 4}))
+    half = CliRunner().invoke(app, args)
+    assert "96 KiB per position" in half.output.splitlines()[0]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--audit-sample", "-1"], "--audit-sample must be 0 or more"),
+    (["--tokens-per-second", "0"], "--tokens-per-second must be positive"),
+    (["--divergent", "500"], "--divergent must lie in 0..--n"),
+    (["--select", "first:0"], "unknown --select"),
+])
+def test_plan_refuses_bad_options_in_one_line(tmp_path, extra, message):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(R1_14B))
+    result = CliRunner().invoke(app, ["plan", "--model", str(model), "--prompt-tokens", "64", *extra])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: ") and message in result.output and result.output.count("\n") == 1
+
+
+def test_plan_without_a_tokenizer_asks_for_the_prompt_length(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(R1_14B))
+    result = CliRunner().invoke(app, ["plan", "--model", str(model)])
+    assert result.exit_code == 2 and "pass --prompt-tokens N" in result.output
+
+
+def test_calibrate_measures_positive_rates(tiny_dir):
+    from stagereplay.experiments.plan import calibrate
+
+    rates = calibrate(str(tiny_dir("qwen2")), ["bf16"], prompt=32, steps=4)
+    assert rates.steps["bf16"] > 0 and "calibrated" in rates.source
+
+
+def test_plan_of_a_directory_without_a_run_is_refused(tmp_path):
+    result = CliRunner().invoke(app, ["plan", str(tmp_path)])
+    assert result.exit_code == 2 and "no run in" in result.output
+
+
+def test_lengths_of_a_record(counted_run):
+    out, _ = counted_run
+    r = next(r for r in items(read_ledger(out)) if r.experiment == "matched" and r.payload["status"] == "ok")
+    n = lengths_of(r.payload)
+    assert n.prefix == r.payload["boundary"] and n.stage1 == r.payload["boundary"] - len(r.payload["prompt_ids"])
+    assert Path(out).is_dir()
