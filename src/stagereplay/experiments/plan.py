@@ -331,7 +331,31 @@ def unit_forwards(r: Record, stage: dict[str, Any]) -> tuple[str, list[int], int
         name = f"{name}@{r.part}"
     else:
         raise StageReplayError(f"plan does not count {r.experiment} stages yet", "plan a run without them")
+    if p.get("status") == "ok" and r.experiment in ("matched", "bridge", "precision_2x2"):
+        fw = fw + replay_forwards(p)
     return name, fw, n.prefix + max((length for _, length in n.arms), default=n.generated)
+
+
+def replay_forwards(p: dict[str, Any]) -> list[int]:
+    """The single-token forwards the diagnostics make replaying an arm to its pair's first divergent step d
+    (experiments.diagnose, engine.steps.replay_logits): d + 1 for each (arm, d) with d >= 1 inside both arms'
+    steps, for the arm of the pair that ran first (the other watched its suffix and kept its own logits there).
+    Arms run in the record's order, except an arm carried over from matched (`same_as`), which runs last and
+    decodes only as far as its diagnostics read."""
+    arms = p.get("arms", [])
+    order = [a["name"] for a in arms if "same_as" not in a] + [a["name"] for a in arms if "same_as" in a]
+    steps = {a["name"]: len(a.get("suffix_ids") or []) for a in arms}
+    out: list[int] = []
+    seen: set[tuple[str, int]] = set()
+    for c in p.get("comparisons", []):
+        a, b, d = c.get("a"), c.get("b"), c.get("first_divergence")
+        if a not in steps or b not in steps or not d or d >= steps[a] or d >= steps[b]:
+            continue
+        first = a if order.index(a) < order.index(b) else b
+        if (first, d) not in seen:
+            seen.add((first, d))
+            out += [1] * (d + 1)
+    return out
 
 
 def _layers(stage: dict[str, Any]) -> int:
