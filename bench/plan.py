@@ -4,11 +4,18 @@ calibrated time against the run's wall time.
     python bench/plan.py --n 4                           # `paper` on the embedded toy, one process
     python bench/plan.py --n 2 --max-new-tokens 16       # a quick look
     python bench/plan.py --n 4 --clock cpu               # CPU time of this process: steadier on a shared CPU
+    python bench/plan.py --scale --clock cpu             # the 152k-vocabulary shape of bench/scale.py, 2 items
 
 Runs `stagereplay.runs.paper` in this process (`--workers 1`) with every model forward counted by its token
 count (`Stepper.forward` wrapped), then `plan` of that run (its measured lengths, the full audit included)
 and `--calibrate` (a prefill and a few decode steps on the same model). Prints both side by side; the last
 line is `forwards plan N run M (equal: yes|NO), time plan X s run Y s (ratio R)`.
+
+`--scale` runs `paper` on bench/scale.py's random Qwen2 with the real Qwen2.5 vocabulary (151,936; 4 layers,
+hidden 256), one checkpoint, `--boundary-after 1024 --max-new-tokens 512`, 2 items (`--n`), EOS out of reach;
+`--scale tiny` is its smoke size. Before the table of the run it prints the plan made before it, from the
+lengths the options fix (stage 1, suffix) and the divergence the run then found, which counts the diagnostics'
+replays of a divergent step as the whole suffix (a bound).
 """
 
 from __future__ import annotations
@@ -20,29 +27,60 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=4, help="items")
+    p.add_argument("--n", type=int, default=None, help="items (default 4; with --scale 2)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="suffix length limit")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: this process's CPU time for the run and the calibration (steadier on a shared CPU)")
+    p.add_argument("--scale", nargs="?", const="full", choices=("full", "tiny"), default=None,
+                   help="bench/scale.py's 152k-vocabulary model instead of the toy (tiny: its smoke size)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args(argv)
+
+
+def scale_workload(kind: str, tmp: Path, n: int) -> tuple[str, dict[str, Any], Any]:
+    """bench/scale.py's model and items: (the model path, paper's options, the PlanConfig of a plan before
+    the run, whose divergence is filled in afterwards)."""
+    import scale  # bench/ is on sys.path when this runs as a script
+
+    from stagereplay.engine.boundary import After
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.experiments.plan import PlanConfig
+
+    shape = dict(scale.FULL if kind == "full" else scale.TINY)
+    model = scale.build(tmp / "model", shape)
+    data = tmp / "items.jsonl"
+    data.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"Q: {10 + i}+{20 + i}=? Think.\n",
+                                        "answer": str(30 + 2 * i)}) + "\n" for i in range(n)))
+    options = {"model": str(model), "data": str(data), "boundary": After(shape["stage1"]),
+               "decode": DecodeConfig(max_new_tokens=shape["suffix"], max_stage1_tokens=shape["stage1"])}
+    before = PlanConfig(n=n, suffix_tokens=shape["suffix"], stage1_tokens=shape["stage1"], later=False)
+    return str(model), options, before
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from stagereplay.engine import decode
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.experiments.plan import calibrate, model_shape, plan_run, render
+    from stagereplay.experiments.plan import (
+        calibrate,
+        model_shape,
+        plan_paper,
+        plan_run,
+        prompt_lengths,
+        render,
+    )
     from stagereplay.runs import paper
     from stagereplay.toy import toy_checkpoint
 
+    args.n = args.n or (2 if args.scale else 4)
     sizes: Counter[int] = Counter()
     forward = decode.Stepper.forward
 
@@ -53,16 +91,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode.Stepper.forward = counted  # type: ignore[method-assign]  # a counting wrapper of the same method
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
+        if args.scale:
+            model, options, before = scale_workload(args.scale, Path(tmp), args.n)
+        else:
+            model = str(toy_checkpoint("primary"))
+            options, before = {"decode": DecodeConfig(max_new_tokens=args.max_new_tokens)}, None
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         start = clock()
-        paper(out, n=args.n, decode=DecodeConfig(max_new_tokens=args.max_new_tokens), workers=1,
-              threads=args.threads, quiet=True)
+        results = paper(out, n=args.n, workers=1, threads=args.threads, quiet=True, **options)
         wall = clock() - start
         decode.Stepper.forward = forward  # type: ignore[method-assign]
         stages = plan_run(out)
-        model = str(toy_checkpoint("primary"))
+        shape = model_shape(model)
         rates = calibrate(model, sorted({s.precision for s in stages}), threads=args.threads, clock=clock)
-        print(render(stages, model_shape(model), rates))
+        if before is not None:
+            divergent = results["matched"][0]["suffix_disagreements"]["k"]
+            before = replace(before, divergent=divergent)
+            prompts = prompt_lengths(model, options["data"], args.n, None)
+            ahead = plan_paper(before, shape, prompts, before.stage1_tokens)
+            print(f"before the run (stage 1 {before.stage1_tokens}, suffix {before.suffix_tokens}, divergent "
+                  f"{divergent}: the run's):")
+            print(render(ahead, shape, rates))
+            print(f"forwards before the run {sum(s.forwards for s in ahead)}; of the run as it ran:")
+        print(render(stages, shape, rates))
     planned: Counter[int] = Counter()
     for s in stages:
         planned.update(s.sizes)

@@ -29,8 +29,8 @@ R1_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_
 
 @pytest.fixture(scope="module")
 def counted_run(tmp_path_factory, tiny_dir, items_file):
-    """A tiny `paper` run (both checkpoints; an audit of a seeded sample of 2 units per stage) with every model
-    forward counted by its token count."""
+    """A tiny `paper` run (both checkpoints, 2 sampled draws per state on 2 items; an audit of a seeded sample of
+    2 units per stage) with every model forward counted by its token count."""
     from stagereplay.runs import paper
 
     sizes: Counter[int] = Counter()
@@ -46,7 +46,7 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     try:
         results = paper(out, model=str(tiny_dir("qwen2")), later_model=str(tiny_dir("qwen2")), data=str(items_file),
                         n=4, boundary=After(6), decode=DecodeConfig(max_new_tokens=8), workers=1, quiet=True,
-                        audit_sample=2)
+                        audit_sample=2, resample=2, resample_items=2)
     finally:
         mp.undo()
     assert results["audit"]["reproduced"]
@@ -60,6 +60,8 @@ def test_plan_of_a_run_counts_exactly_the_forwards_it_made(counted_run):
         planned.update(stage.sizes)
     assert +planned == +sizes
     assert sum(sizes.values()) > 100  # the run did real work: every stage, both checkpoints, the audit
+    rows = {stage.name: stage for stage in plan_run(out)}
+    assert rows["resample/primary@bf16"].units == rows["resample/primary@fp32"].units == 2
     # The audit's units are the ones its seeded sample picked: counting every unit instead differs.
     assert json.loads((out / "audit.json").read_text())["sample"]["per_stage"] == 2
     full: Counter[int] = Counter()
@@ -166,8 +168,9 @@ def test_plan_sizes_a_14b_checkpoint_from_its_config_alone(tmp_path):
     assert "48 layers, 8 KV heads of 128, 14.770B parameters; a cache holds 192 KiB per position" in lines[0]
     row = next(line.split() for line in lines if line.startswith("matched/primary"))
     p, s, n = 64, 2048, 512
-    # Per item (README): two prefills of the prompt, two of P + S - 1, 2(S - 1 + N) + 2N single-token forwards.
-    assert int(row[3]) == 200 * (4 + 2 * (s - 1 + n) + 2 * n)
+    # Per item (README): two prefills of the prompt, two of P + S - 1, 2(S - 1 + N) + 2N single-token forwards,
+    # and on a divergent item (all, by default) at most N more: the diagnostics' replay to the divergent step.
+    assert int(row[3]) == 200 * (4 + 2 * (s - 1 + n) + 2 * n + n)
     assert int(row[4]) == 200 * (2 * p + 2 * (p + s - 1))
     assert int(row[6]) == 4 and float(row[7]) == pytest.approx(192 * (p + s + n) / 1024, abs=0.05)  # one, MiB
     assert float(row[8]) == pytest.approx(14.770e9 * 2 / 2**20, rel=1e-3)  # bf16 weights, MiB
@@ -180,6 +183,14 @@ def test_plan_sizes_a_14b_checkpoint_from_its_config_alone(tmp_path):
     hours = [float(r.output.splitlines()[-1].split(", ")[3].split()[0]) for r in runs]
     assert hours[0] > hours[1] > hours[2]  # each saving shows; negative control: the full audit costs more
     assert hours[3] == hours[4]
+    # `--resample K` adds a stage per precision on the first --resample-items items: two live states (or two
+    # incremental ones at fp32), a one-shot prefill, and 5K draws of N steps each.
+    k = 3
+    drawn = CliRunner().invoke(app, [*args, "--resample", str(k), "--resample-items", "7"])
+    rows = {line.split()[0]: line.split() for line in drawn.output.splitlines() if line.startswith("resample/")}
+    assert set(rows) == {"resample/primary@bf16", "resample/primary@fp32"}
+    for row in rows.values():
+        assert int(row[2]) == 7 and int(row[3]) == 7 * (2 * s + 1 + 5 * k * n)
     # Negative control of the shape: 4 KV heads halve the cache.
     (model / "config.json").write_text(json.dumps({**R1_14B, "num_key_value_heads": 4}))
     half = CliRunner().invoke(app, args)

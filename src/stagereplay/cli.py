@@ -397,6 +397,8 @@ def plan(
     audit_sample: Annotated[int | None, typer.Option("--audit-sample", help=(
         "units per stage the audit re-executes (0: every unit; default: paper's, or what RUN's audit did)"))] = None,
     no_dedup: Annotated[bool, typer.Option("--no-dedup", help="count the 2x2 recomputing the matched arm")] = False,
+    resample: Annotated[int, typer.Option("--resample", help="K sampled draws per state (0: no resample stage)")] = 0,
+    resample_items: Annotated[int, typer.Option("--resample-items", help="items the resample stage draws on")] = 50,
     tokens_per_second: Annotated[float | None, typer.Option("--tokens-per-second", help=(
         "decode steps per second (any forward costs one)"))] = None,
     prefill_tokens_per_second: Annotated[float | None, typer.Option("--prefill-tokens-per-second", help=(
@@ -424,7 +426,7 @@ def plan(
         cfg = PlanConfig(n=n, suffix_tokens=suffix_tokens or max_new_tokens, stage1_tokens=stage1_tokens,
                          prompt_tokens=prompt_tokens, divergent=divergent, bridge_rows=rows, select=select,
                          sweep=sweep, later=later_model is not None or model is None, audit_sample=sample,
-                         dedup=not no_dedup, workers=w)
+                         dedup=not no_dedup, workers=w, resample=resample, resample_items=resample_items)
         rates = None
         if tokens_per_second is not None:
             rates = Rates({"": tokens_per_second},

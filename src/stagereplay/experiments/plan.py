@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagereplay.engine.forwards import Lengths
+from stagereplay.engine.forwards import Lengths, continuation_forwards
 from stagereplay.errors import StageReplayError
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 
-PEAK_CACHES = {"matched": 4, "bridge": 3, "precision_2x2": 3, "transplant": 4}
+PEAK_CACHES = {"matched": 4, "bridge": 3, "precision_2x2": 3, "transplant": 4, "resample": 4}
 """The most boundary/continuation caches an item holds at once (each item function's docstring says which)."""
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 4}  # a cache element at each precision
@@ -108,9 +108,12 @@ class PlanConfig:
                                                                       "(None or 0: every unit)"})
     dedup: bool = field(default=True, metadata={"help": "the 2x2 carries the matched arm over (False: as before)"})
     workers: int = 1
+    resample: int = field(default=0, metadata={"help": "K sampled draws per state (0: no resample stage)"})
+    resample_items: int = field(default=50, metadata={"help": "items the resample stage draws on"})
 
     def __post_init__(self) -> None:
-        for name in ("n", "suffix_tokens", "stage1_tokens", "prompt_tokens", "bridge_rows", "workers"):
+        for name in ("n", "suffix_tokens", "stage1_tokens", "prompt_tokens", "bridge_rows", "workers",
+                     "resample_items"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise StageReplayError(f"--{name.replace('_', '-')} must be at least 1, got {value}",
@@ -118,6 +121,8 @@ class PlanConfig:
         if self.audit_sample is not None and self.audit_sample < 0:
             raise StageReplayError(f"--audit-sample must be 0 or more, got {self.audit_sample}",
                                    "pass e.g. --audit-sample 20")
+        if self.resample < 0:
+            raise StageReplayError(f"--resample must be 0 or more, got {self.resample}", "pass e.g. --resample 32")
         if self.divergent is not None and not 0 <= self.divergent <= self.n:
             raise StageReplayError(f"--divergent must lie in 0..--n ({self.n}), got {self.divergent}",
                                    "pass the number of items expected to diverge")
@@ -179,7 +184,7 @@ def _new(name: str, precision: str, constructions: Sequence[str] = ()) -> StageP
 
 def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: int) -> list[StagePlan]:
     """The stages of `paper` with assumed lengths: `prompts` are the items' prompt lengths (`cfg.n` of them)."""
-    from stagereplay.experiments import bridge, matched, precision_2x2, transplant
+    from stagereplay.experiments import bridge, matched, precision_2x2, resample, transplant
     from stagereplay.experiments.transplant import TransplantConfig, parse_selection
 
     s1, n = cfg.stage1_tokens or budget, cfg.suffix_tokens
@@ -200,7 +205,13 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
         chosen = units[: divergent if kind == "all" else min(k, divergent)]
         stage(f"transplant/{checkpoint}", "bf16", [(u, transplant.forwards(u, t, shape.layers)) for u in chosen])
 
-    stage("matched/primary", "bf16", [(u, matched.forwards(u)) for u in units])
+    def replay(i: int) -> list[int]:
+        # The diagnostics decode the first-run arm of a divergent pair again to its first divergent step d
+        # (d + 1 steps, d < the suffix): a bound of one suffix per divergent item, for the live/fresh pair of
+        # matched and the incremental/oneshot pair of the bf16 2x2; fp32 arms are assumed not to diverge.
+        return continuation_forwards(n) if i < divergent else []
+
+    stage("matched/primary", "bf16", [(u, matched.forwards(u) + replay(i)) for i, u in enumerate(units)])
     stage("bridge/primary", "bf16", [(u, bridge.forwards(u)) for u in units[: cfg.bridge_rows]])
     transplants("primary", cfg.select)
     for p in cfg.precisions:
@@ -208,10 +219,16 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
         # A carried-over arm is decoded only to the first divergence: at most all of it where the arms diverge,
         # its first step where they do not.
         todo = [(u, precision_2x2.forwards(Lengths(u.prompt, s1, n, look=n if i < divergent else 1),
-                                           cfg.constructions, p, reused)) for i, u in enumerate(units)]
+                                           cfg.constructions, p, reused) + (replay(i) if p == "bf16" else []))
+                for i, u in enumerate(units)]
         stage(f"precision_2x2/primary@{p}", p, todo)
+    if cfg.resample:
+        for p in cfg.precisions:  # `paper --resample K` draws at bf16 (live) and fp32 (incremental stands in)
+            source = "live" if p == "bf16" else "incremental"
+            stage(f"resample/primary@{p}", p, [(u, resample.forwards(u, cfg.resample, "oneshot", source))
+                                                for u in units[: cfg.resample_items]])
     if cfg.later:
-        stage("matched/later", "bf16", [(u, matched.forwards(u)) for u in units])
+        stage("matched/later", "bf16", [(u, matched.forwards(u) + replay(i)) for i, u in enumerate(units)])
         transplants("later", "all-divergent")
     stages += audit_stages(stages, cfg.audit_sample or None)
     for st in stages:
@@ -311,7 +328,7 @@ def unit_forwards(r: Record, stage: dict[str, Any]) -> tuple[str, list[int], int
     """(its plan row, the forwards its item function made, its longest sequence) for one item record, from its
     measured lengths; None for a unit whose lengths are not recorded (a transplant whose prefix was not
     reproduced)."""
-    from stagereplay.experiments import bridge, matched, precision_2x2, transplant
+    from stagereplay.experiments import bridge, matched, precision_2x2, resample, transplant
     from stagereplay.experiments.transplant import TransplantConfig
 
     name, p, n = f"{r.experiment}/{r.checkpoint}", r.payload, lengths_of(r.payload)
@@ -328,6 +345,12 @@ def unit_forwards(r: Record, stage: dict[str, Any]) -> tuple[str, list[int], int
     elif r.experiment == "precision_2x2":
         lengths, reused = grid_lengths(p)
         fw = precision_2x2.forwards(lengths, tuple(stage["constructions"]), r.part, reused)
+        name = f"{name}@{r.part}"
+    elif r.experiment == "resample":
+        if p.get("status") != "ok":
+            return None  # live generation no longer reached the prefix: how far it went is not recorded
+        source = dict(resample.job_extra(stage, r.part, None))["live_source"]
+        fw = resample.forwards(n, stage["config"]["k"], stage["config"]["construction"], source)
         name = f"{name}@{r.part}"
     else:
         raise StageReplayError(f"plan does not count {r.experiment} stages yet", "plan a run without them")

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stagereplay.engine.decode import DecodeConfig, derive_seed
+from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards, live_forwards
 from stagereplay.engine.lm import LM, BoundaryState, NoBoundary, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
@@ -71,6 +72,25 @@ class ResampleConfig:
                             top_k=self.top_k, top_p=self.top_p)
 
 
+def draw_names(construction: str, k: int) -> list[str]:
+    """The arms `resample_item` draws, in order: K per (state, stream)."""
+    return [f"{name}:{stream}{j}" for name, stream in (("live", "A"), (construction, "A"), ("live#replica", "A"),
+                                                        (construction, "B"), ("live", "C")) for j in range(k)]
+
+
+def forwards(n: Lengths, k: int, construction: str, live_source: str) -> list[int]:
+    """The forwards `resample_item` makes on a prefix of lengths `n`: the live state and its replica (live
+    generation to the boundary, or `incremental` at another precision), the fresh construction, then 5K draws."""
+    if live_source == "incremental":
+        states = construct_forwards("incremental", n.prompt, n.prefix) * 2
+    else:
+        states = live_forwards(n.prompt, n.stage1 or 0, None) * 2
+    out = states + construct_forwards(construction, n.prompt, n.prefix)
+    for name in draw_names(construction, k):
+        out += continuation_forwards(n.of(name))
+    return out
+
+
 def draw_seed(seed: int, item_id: str, stream: str, j: int) -> int:
     return derive_seed(seed, item_id, EXPERIMENT, stream, str(j))
 
@@ -104,7 +124,7 @@ def resample_item(lm: LM, job: Job) -> dict[str, Any]:
     answer_of, score = answer_extractor(s.scorer), scorer_by_name(s.scorer)
     arms = []
     for name, state, stream in (("live", live, "A"), (cfg.construction, fresh, "A"), ("live#replica", replica, "A"),
-                                (cfg.construction, fresh, "B"), ("live", live, "C")):
+                                (cfg.construction, fresh, "B"), ("live", live, "C")):  # the order of draw_names
         cache_fp = state.fingerprint()
         for j in range(cfg.k):
             seed = draw_seed(cfg.seed, item.id, stream, j)
