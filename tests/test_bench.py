@@ -30,7 +30,7 @@ TINY: dict[str, tuple[list[str], str]] = {
                          rf"^matched / floor\s+{NUMBER}x\s+\(target <= 1\.15x\)$"),
     "paper.py": (["--n", "2", "--workers", "1", "--max-new-tokens", "16"],
                  r"^later: transplants follow the donor \(all-divergent\):.*$"),
-    "plan.py": (["--n", "1", "--max-new-tokens", "8"],
+    "plan.py": (["--scale", "tiny", "--n", "1"],
                 rf"^forwards plan (\d+) run \1 \(equal: yes\), time plan {NUMBER} s run {NUMBER} s \(ratio {NUMBER}\)$"),
     "random_model.py": (["--shape", "tiny", "--out", "{tmp}/model"],
                         rf"^saved a random tiny to .* in {NUMBER} s$"),
