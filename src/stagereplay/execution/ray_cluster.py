@@ -107,6 +107,8 @@ def run_ray(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int,
             per_actor: int = JOBS_PER_ACTOR) -> Iterator[dict[str, Any]]:
     """`work(lm, job)` for every job on `workers` persistent Ray actors, handed out as actors free up, yielded
     in job order. `per_actor` jobs are in flight on each actor at most (`JOBS_PER_ACTOR`)."""
+    if per_actor < 1:
+        raise ValueError(f"per_actor must be at least 1, got {per_actor}")
     ray = _import_ray()
     if not jobs:
         return
