@@ -1,141 +1,319 @@
-"""The CUDA checks behind `bench/gpu_check.sh`, printing one table (no downloads; not yet run on a GPU).
+"""The GPU check behind `bench/gpu_check.sh`: each step in its own process under its own time budget.
 
-    python bench/gpu_check.py --tests-summary "56 passed" --toy-run /tmp/toy-cuda --out gpu-out
+    python bench/gpu_check.py all --device cuda --out gpu-out    # what gpu_check.sh runs (at most 8 minutes)
+    python bench/gpu_check.py all --device cpu --out /tmp/gc     # the same steps at a tiny shape, on a CPU
+    python bench/gpu_check.py matched --model DIR --cache dynamic --device cpu --out /tmp/gc   # one step
 
-Rows: the tiny-architecture tests' summary (run by the shell script); the toy's `matched` in bf16 on all 200
-held-out items with its divergence count beside the CPU's (as measured for the README); a random Qwen2 of
-DeepSeek-R1-Distill-Qwen-14B's shape (48 layers, hidden 5120, 40 heads, 8 KV heads) on 8 prompts with a
-1,024-token stage 1: our loop's tokens/s against `generate()`'s, whether their tokens are equal, the live
-boundary snapshot's fingerprint time, and peak GPU memory.
+Steps (`all`), each a subprocess killed at its budget, each row appended to `OUT/gpu_check.txt` as soon as
+it is measured (a step that runs out of time leaves the rows before it and a row saying so):
+
+1. the gpu-marked tests (`pytest -m gpu`) and the tiny architectures' live == generate() tests of
+   `tests/test_engine.py`, on the device (`STAGEREPLAY_TEST_DEVICE`);
+2. a random Qwen2 of Qwen2.5-7B's shape (28 layers, hidden 3584, 28/4 heads, the real 152,064-token
+   vocabulary), drawn on the device and saved to a local directory (`random_model.py`; nothing downloaded);
+3. `stagereplay matched` on 2 of its items, with each cache of `--caches` (`--cache static`, `--cache
+   dynamic`): both arms and their replicas, cache fingerprints and diagnostics, in bf16. Rows: time (model
+   load apart), decode steps per second, peak memory against `stagereplay plan`'s estimate for the run (weights
+   + the most caches alive at once, at the run's measured lengths), exact replicas, fingerprints, diagnostics;
+4. the fixed-prefix 2x2 (incremental | oneshot x bf16 | fp32) on that run's items, the same rows.
+
+It ends with `gpu check: K/N steps done in S s; replicas exact: yes|NO|not measured`. A build without the
+`--cache` option runs `dynamic` as its only cache (no flag) and says that `static` is not in it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TOY_CPU_DIVERGENT = "10/200"  # README, "The embedded toy model": primary, bf16, CPU
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+TABLE = "gpu_check.txt"
 
 
-def big_model(tmp: Path, shape: str = "qwen2.5-14b", device: str = "cuda") -> Any:
-    """An `LM` over a random Qwen2 of R1-Distill-Qwen-14B's shape (Qwen2.5-14B's), bf16, drawn on the GPU and
-    kept in memory (saving and reloading 28 GB would cost minutes)."""
+@dataclass(frozen=True)
+class Profile:
+    """The sizes and time budgets (seconds) of `all` on one kind of device."""
+
+    shape: str
+    stage1: int
+    suffix: int
+    budgets: dict[str, int]
+    engine_tests: str  # pytest -k over tests/test_engine.py
+
+
+PROFILES = {
+    # One H200: 40 + 50 + 75 + 2 x 90 + 100 = 445 s of steps; gpu_check.sh's wheel install and start-up fit in
+    # the rest of 8 minutes. A 7B model at batch 1 makes 40-70 decode steps/s eager (host-bound), so a matched
+    # item (2 x 96 stage-1 steps + 4 x 48 suffix steps) takes 6-10 s; the rest is loading 15 GB and capturing
+    # the step, per process.
+    "cuda": Profile("qwen2.5-7b", 96, 48,
+                    {"gpu tests": 40, "engine tests": 50, "model": 75, "matched": 90, "2x2": 100},
+                    "live_loop_equals_generate or incremental_is_bit_exact"),  # every tiny architecture
+    "cpu": Profile("tiny", 8, 8, {"gpu tests": 120, "engine tests": 120, "model": 120, "matched": 120, "2x2": 120},
+                   "live_loop_equals_generate and qwen2-bf16"),
+}
+
+
+def row(out: Path, name: str, value: str) -> None:
+    """Print a row and append it to the table at once, so a step stopped later still leaves it."""
+    line = f"{name:<58}  {value}"
+    print(line, flush=True)
+    with open(out / TABLE, "a") as f:
+        f.write(line + "\n")
+
+
+def has_cache_option() -> bool:
+    from stagereplay.engine.model import ModelConfig
+
+    return "cache" in getattr(ModelConfig, "__dataclass_fields__", {})
+
+
+def peak_memory(device: str) -> tuple[str, float]:
+    """The process's peak: GPU memory allocated by torch on CUDA, resident set size on a CPU (GiB)."""
     import torch
-    from random_model import SHAPES, save_tokenizer  # bench/ is on sys.path when this runs as a script
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-    from stagereplay.engine.lm import LM
-    from stagereplay.engine.model import ModelConfig, set_determinism
+    if device.startswith("cuda"):
+        return "GPU", torch.cuda.max_memory_allocated() / 2**30
+    import resource
 
-    layers, hidden, heads, kv, inter, vocab = SHAPES[shape]  # qwen2.5-14b: 48, 5120, 40, 8, 13824, 152064
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
-    determinism = set_determinism(1, device)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    save_tokenizer(tmp, vocab)
-    settings = ModelConfig(path=str(tmp), precision="bf16", device=device)
-    return LM(model.eval(), AutoTokenizer.from_pretrained(tmp), settings, determinism)
+    return "RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def throughput(lm: Any, prompts: int, stage1: int, row: Any) -> None:
-    """Our loop and generate() on each prompt, greedy, up to `stage1` tokens; rows as they are measured."""
+def timed_loads(device: str) -> list[float]:
+    """Seconds spent in `stagereplay.engine.lm.load` from now on (cached_lm looks it up at each load)."""
     import torch
 
-    from stagereplay.engine.boundary import After
-    from stagereplay.engine.cache import cache_fingerprint
-    from stagereplay.engine.lm import NoBoundary
+    import stagereplay.engine.lm as lm_module
 
-    texts = [f"Q: {10 + i}+{30 + 2 * i}=? Show your steps.\n" for i in range(prompts)]
-    cuda = lm.config.device.startswith("cuda")
+    real, spent = lm_module.load, []
 
-    def sync() -> None:
-        if cuda:
+    def load(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        out = real(*args, **kwargs)
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
+        spent.append(time.perf_counter() - t)
+        return out
 
-    lm.generate(lm.tokenizer.encode(texts[0]), 8)  # capture the step once, outside the timing
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    prompt = lm.tokenizer.encode(texts[0])
-    try:  # the boundary state a matched run would fingerprint: the live cache at the end of stage 1
-        state = lm.live(prompt, After(stage1), keep_going=False)
-        t = time.perf_counter()
-        cache_fingerprint(state.cache)
-        row(f"14B-shape: fingerprint of a {len(state.prefix) - 1}-position cache (s)", f"{time.perf_counter() - t:.2f}")
-        del state
-    except NoBoundary as nb:
-        row("14B-shape: fingerprint", f"skipped (EOS after {len(nb.generated)} tokens)")
-    ours = theirs = 0.0
-    n_ours = n_theirs = equal = 0
-    for i, text in enumerate(texts):
-        prompt = lm.tokenizer.encode(text)
-        sync()
-        t = time.perf_counter()
-        mine = lm.generate(prompt, stage1)
-        sync()
-        ours += time.perf_counter() - t
-        ids = torch.tensor([prompt], device=lm.config.device)
-        t = time.perf_counter()
-        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=stage1)
-        sync()
-        theirs += time.perf_counter() - t
-        reference = out[0, len(prompt) :].tolist()
-        n_ours, n_theirs, equal = n_ours + len(mine), n_theirs + len(reference), equal + (mine == reference)
-        print(f"   prompt {i}: {len(mine)} tokens, ours {n_ours / ours:.1f} tok/s, generate() {n_theirs / theirs:.1f}"
-              f" tok/s so far", flush=True)
-    row(f"14B-shape, {prompts} prompts x up to {stage1} tokens: our loop tok/s", f"{n_ours / ours:.1f}")
-    row("14B-shape: generate() tok/s", f"{n_theirs / theirs:.1f}")
-    row("14B-shape: our tokens == generate()'s", f"{equal}/{prompts}")
-    if cuda:
-        row("14B-shape: peak GPU memory (GiB)", f"{torch.cuda.max_memory_allocated() / 2**30:.1f}")
+    lm_module.load = load
+    return spent
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tests-summary", default="not run")
-    p.add_argument("--toy-run", type=Path, help="a `stagereplay matched --device cuda` run of the toy")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--stage1", type=int, default=1024)
-    p.add_argument("--out", type=Path, default=Path("gpu-out"))
-    p.add_argument("--shape", default="qwen2.5-14b", help="a random_model.py shape (50m: a CPU smoke test)")
-    p.add_argument("--device", default="cuda")
-    args = p.parse_args()
-    import torch
+def cli(args: list[str]) -> None:
+    """A `stagereplay` command in this process (its peak memory is then this process's)."""
+    from stagereplay.cli import app
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    table = args.out / "gpu_check.txt"
-    table.write_text("")
+    app(args=args, prog_name="stagereplay", standalone_mode=False)
 
-    def row(name: str, value: str) -> None:  # printed as measured, so a timeout still leaves the rows so far
-        line = f"{name:<64}  {value}"
-        print(line, flush=True)
-        with open(table, "a") as f:
-            f.write(line + "\n")
 
-    row("device", torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device)
-    row("tiny architectures, live == generate() bitwise on CUDA", args.tests_summary)
-    if args.toy_run and (args.toy_run / "results.json").exists():
-        m = json.loads((args.toy_run / "results.json").read_text())["matched"][0]
-        row("toy matched bf16, live vs one-shot divergent: CUDA | CPU",
-            f"{m['suffix_disagreements']['k']}/{m['n_boundary']} | {TOY_CPU_DIVERGENT}")
-    else:
-        row("toy matched bf16", "no run")
-    import tempfile
+def plan_estimate(run: Path, prefix: str) -> tuple[float, str]:
+    """`stagereplay plan RUN`'s memory for the stages named `prefix*`: weights + caches alive x one cache at
+    the stage's longest sequence, the largest over those stages (GiB), and the stage that sets it."""
+    from stagereplay.experiments.plan import model_shape, plan_run
+    from stagereplay.records.ledger import read_manifest
+
+    shape = model_shape(read_manifest(run)["config"]["model"]["path"])
+    best, name = 0.0, "none"
+    for s in plan_run(run, audited=False):
+        if s.name.startswith(prefix):
+            size = (shape.weight_bytes(s.precision) + s.caches * shape.cache_bytes(s.positions, s.precision)) / 2**30
+            if size > best:
+                best, name = size, f"{s.name} {s.precision}: weights + {s.caches} caches of {s.positions} positions"
+    return best, name
+
+
+def decode_steps(run: Path, prefix: str) -> tuple[int, int]:
+    """Decode steps (single-token forwards) and all forwards of the stages named `prefix*`, from the ledger."""
+    from stagereplay.experiments.plan import plan_run
+
+    stages = [s for s in plan_run(run, audited=False) if s.name.startswith(prefix)]
+    return sum(s.steps for s in stages), sum(s.forwards for s in stages)
+
+
+def step_matched(a: argparse.Namespace) -> int:
+    out, tag = a.out, f"matched [{a.cache}]"
+    if not has_cache_option() and a.cache != "dynamic":
+        row(out, tag, "not in this build (no --cache option): skipped")
+        return 0
+    run = a.out / f"matched-{a.cache}"
+    args = ["matched", "--model", str(a.model), "--data", str(a.model / "items.jsonl"), "--n", "2",
+            "--boundary-after", str(a.stage1), "--max-new-tokens", str(a.suffix), "--max-stage1-tokens",
+            str(a.stage1), "--device", a.device, "--quiet", "--out", str(run)]
+    if has_cache_option():
+        args += ["--cache", a.cache]
+    loads = timed_loads(a.device)
+    t = time.perf_counter()
+    cli(args)
+    wall = time.perf_counter() - t
+    report(out, tag, run, "matched", wall, sum(loads), a.device)
+    results = json.loads((run / "results.json").read_text())["matched"][0]
+    exact = results["replica_exact"]
+    k, n = sum(v["k"] for v in exact.values()), sum(v["n"] for v in exact.values())
+    row(out, f"{tag}: replicas exact (arms)", f"{k}/{n} " + ("yes" if k == n and n else "NO"))
+    from stagereplay.records.ledger import items, read_ledger
+
+    records = items(read_ledger(run))
+    arms = [arm for r in records for arm in r.payload.get("arms", [])]
+    fps = sum(arm.get("cache_fp") is not None for arm in arms)
+    equal = [c["cache_equal"] for r in records for c in r.payload.get("comparisons", [])
+             if not c["b"].endswith("#replica")]  # live against the fresh construction
+    row(out, f"{tag}: cache fingerprints recorded (arms)", f"{fps}/{len(arms)}")
+    row(out, f"{tag}: live cache == oneshot cache (items)", f"{sum(e is True for e in equal)}/{len(equal)}")
+    logit = max(results["first_step_logit_maxabs"].values(), default=0.0)
+    cache = max((b["k_rel_l2"] for b in results["cache_bands"]), default=0.0)
+    row(out, f"{tag}: first-step logit max|diff|, K rel L2",
+        f"{logit:.3g}, {cache:.3g} ({results['suffix_disagreements']['k']}/{results['n_boundary']} divergent)")
+    manifest = json.loads((run / "manifest.json").read_text())
+    row(out, f"{tag}: cache kind recorded", str(manifest["config"]["model"].get("cache", "not recorded")))
+    (out / f"matched-{a.cache}.json").write_text(json.dumps({"replicas_exact": [k, n]}) + "\n")
+    return 0
+
+
+def report(out: Path, tag: str, run: Path, prefix: str, wall: float, load: float, device: str) -> None:
+    steps, forwards = decode_steps(run, prefix)
+    row(out, f"{tag}: time s (model loads apart)", f"{wall:.1f} ({load:.1f} loading)")
+    row(out, f"{tag}: decode steps/s", f"{steps / max(wall - load, 1e-9):.1f} ({steps} steps of {forwards} forwards)")
+    kind, peak = peak_memory(device)
+    estimate, stage = plan_estimate(run, prefix)
+    row(out, f"{tag}: peak {kind} GiB | plan's estimate", f"{peak:.3g} | {estimate:.3g} ({stage})")
+
+
+def step_2x2(a: argparse.Namespace) -> int:
+    runs = [a.out / f"matched-{c}" for c in a.caches.split(",")]
+    done = [r for r in runs if (r / "results.json").exists()]
+    if not done:
+        row(a.out, "2x2", "no matched run to take the items from: skipped")
+        return 0
+    run = done[0]
+    loads = timed_loads(a.device)
+    t = time.perf_counter()
+    cli(["precision-2x2", str(run), "--precisions", "bf16,fp32", "--quiet"])
+    wall = time.perf_counter() - t
+    tag = f"2x2 on {run.name}"
+    report(a.out, tag, run, "precision_2x2", wall, sum(loads), a.device)
+    results = json.loads((run / "results.json").read_text())
+    grids = results["precision_2x2"]
+    for g in grids if isinstance(grids, list) else [grids]:
+        cells = ", ".join(f"{d['precision']} {d['k']}/{d['n']}" for d in g["disagreements"])
+        row(a.out, f"{tag}: incremental vs oneshot disagreements", cells)
+    return 0
+
+
+def step_model(a: argparse.Namespace) -> int:
+    from random_model import SHAPES, build  # bench/ is on sys.path when this runs as a script
 
     t = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        lm = big_model(Path(tmp), args.shape, args.device)
-        row("14B-shape random model built on the GPU (s)", f"{time.perf_counter() - t:.0f}")
-        throughput(lm, args.prompts, args.stage1, row)
+    build(a.shape, a.model, a.device)
+    layers, hidden, heads, kv, _, vocab = SHAPES[a.shape]
+    row(a.out, f"random {a.shape} ({layers} layers, hidden {hidden}, {heads}/{kv} heads, vocab {vocab})",
+        f"drawn on {a.device} and saved in {time.perf_counter() - t:.1f} s")
     return 0
+
+
+def run_step(out: Path, name: str, cmd: list[str], budget: int, env: dict[str, str] | None = None,
+             log: Path | None = None, ok: tuple[int, ...] = (0,)) -> int | None:
+    """`cmd` in its own process group, killed with its children at `budget` s; None when it timed out. An exit
+    status outside `ok` gets a row."""
+    stream = open(log, "w") if log else None  # noqa: SIM115 - closed below, after the process ends
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=stream, stderr=subprocess.STDOUT if
+                            stream else None, start_new_session=True, cwd=ROOT)
+    t = time.perf_counter()
+    try:
+        rc: int | None = proc.wait(timeout=budget)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = None
+        row(out, f"{name}", f"stopped at its budget of {budget} s")
+    finally:
+        if stream:
+            stream.close()
+    if rc is not None and rc not in ok:
+        row(out, f"{name}", f"failed (exit {rc}) after {time.perf_counter() - t:.0f} s")
+    return rc
+
+
+def pytest_summary(log: Path) -> str:
+    found = re.findall(r"(\d+ (?:passed|failed|skipped|deselected|error)[^=\n]*) in [0-9.]+s", log.read_text())
+    return found[-1] if found else "no summary (see the log)"
+
+
+def step_all(a: argparse.Namespace) -> int:
+    profile = PROFILES["cuda" if a.device.startswith("cuda") else "cpu"]
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / TABLE).write_text("")
+    t0 = time.perf_counter()
+    import torch
+
+    name = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    row(out, "device", f"{name}; torch {torch.__version__}, Python {sys.version.split()[0]}")
+    caches = [c for c in a.caches.split(",") if c]
+    if not has_cache_option():
+        row(out, "caches", f"this build has no --cache option: runs {a.caches!r} as dynamic only")
+    test_env = {"STAGEREPLAY_TEST_DEVICE": a.device, "HF_HUB_OFFLINE": "1"}
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    done, total = 0, 0
+    for name, cmd in (("gpu tests", [*pytest, "-m", "gpu", "tests"]),
+                      ("engine tests", [*pytest, "tests/test_engine.py", "-k", profile.engine_tests])):
+        total += 1
+        log = out / f"{name.replace(' ', '_')}.txt"
+        rc = run_step(out, name, cmd, profile.budgets[name], test_env, log, ok=(0, 1, 5))
+        if rc is not None:  # 1: some failed (the summary says which); 5: collected nothing (none marked gpu)
+            row(out, f"{name} on {a.device}", "none marked gpu in this build" if rc == 5 else pytest_summary(log))
+            done += rc in (0, 5)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    common = ["--device", a.device, "--out", str(out), "--model", str(a.model), "--shape", profile.shape,
+              "--stage1", str(profile.stage1), "--suffix", str(profile.suffix), "--caches", a.caches]
+    steps = [("model", [*me, "model", *common], profile.budgets["model"])]
+    steps += [(f"matched [{c}]", [*me, "matched", *common, "--cache", c], profile.budgets["matched"]) for c in caches]
+    steps += [("2x2", [*me, "2x2", *common], profile.budgets["2x2"])]
+    for name, cmd, budget in steps:
+        total += 1
+        done += run_step(out, name, cmd, budget) == 0
+    exact = [json.loads((out / f"matched-{c}.json").read_text())["replicas_exact"] for c in caches
+             if (out / f"matched-{c}.json").exists()]
+    verdict = ("not measured" if not exact else
+               "yes" if all(k == n and n for k, n in exact) else "NO")
+    row(out, "gpu check", f"{done}/{total} steps done in {time.perf_counter() - t0:.0f} s")
+    print(f"gpu check: {done}/{total} steps done in {time.perf_counter() - t0:.0f} s; replicas exact: {verdict}")
+    return 0 if done == total else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("step", choices=("all", "model", "matched", "2x2"))
+    p.add_argument("--device", default="cuda", help="cuda | cpu (a tiny shape)")
+    p.add_argument("--out", type=Path, default=Path("gpu-out"), help="the table and the runs go here")
+    p.add_argument("--model", type=Path, default=None,
+                   help="the random model's directory (default: gpu-check-SHAPE in the temporary directory)")
+    p.add_argument("--shape", default=None, help="a random_model.py shape (default: the device's profile)")
+    p.add_argument("--stage1", type=int, default=None, help="stage-1 tokens (the boundary comes after them)")
+    p.add_argument("--suffix", type=int, default=None, help="suffix tokens per arm")
+    p.add_argument("--cache", default="dynamic", help="matched: the --cache to run")
+    p.add_argument("--caches", default="static,dynamic", help="all: comma list of --cache values")
+    a = p.parse_args(argv)
+    profile = PROFILES["cuda" if a.device.startswith("cuda") else "cpu"]
+    a.shape = a.shape or profile.shape
+    a.stage1 = a.stage1 or profile.stage1
+    a.suffix = a.suffix or profile.suffix
+    a.out = a.out.resolve()
+    # Not under OUT: OUT comes back from the GPU machine, 15 GB of weights must not.
+    a.model = (a.model or Path(tempfile.gettempdir()) / f"gpu-check-{a.shape}").resolve()
+    a.out.mkdir(parents=True, exist_ok=True)
+    step = {"all": step_all, "model": step_model, "matched": step_matched, "2x2": step_2x2}[a.step]
+    return step(a)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,36 @@
 #!/usr/bin/env bash
-# CUDA checks as one script for a GPU machine with torch and transformers but no network (at most 8 minutes
-# on one H200; nothing is downloaded). It ends with one table (also in $OUT/gpu_check.txt):
-#   1. tiny random models of every architecture: live loop == generate(), bitwise, on CUDA (tests/test_engine.py);
-#   2. the embedded toy's `matched` in bf16 on all 200 held-out items, its divergence count beside the CPU's;
-#   3. a random Qwen2 of R1-Distill-Qwen-14B's shape on 8 prompts, 1,024-token stage 1: our loop's tokens/s vs
-#      generate()'s, equal tokens, the boundary fingerprint's time and peak GPU memory (bench/gpu_check.py).
-# Missing pure-Python wheels can be given in .whl/.
+# The GPU check in one script, for a GPU machine with torch and transformers but no network: at most 8 minutes
+# on one H200, model construction included; nothing is downloaded. Each step runs under its own time budget and
+# appends its rows to $OUT/gpu_check.txt as soon as they are measured (bench/gpu_check.py lists the steps):
+#   the gpu-marked tests and the tiny architectures' live == generate() tests on CUDA; a random Qwen2.5-7B-shaped
+#   model (152k vocabulary) drawn on the GPU; `matched` on 2 items with each cache of $CACHES (both arms,
+#   replicas, fingerprints, diagnostics); the fp32 2x2 on those items. Rows: tokens/s, peak GPU memory against
+#   `stagereplay plan`'s estimate, whether replicas are exact.
+#
+#   bash bench/gpu_check.sh                  # on the GPU machine; OUT=dir for the table and the runs
+#   bash bench/gpu_check.sh --device cpu     # the same steps at a tiny shape, on a CPU (a minute or two)
+#   CACHES=dynamic bash bench/gpu_check.sh   # the --cache values to run matched with (default: static,dynamic)
+#
+# The packages the GPU machine's image lacks (pydantic, math-verify and theirs) come as wheels in .whl/, made by
+# bench/gpu_wheels.sh and carried beside the working tree; they are installed here, without the network.
 set -uo pipefail
-OUT=${OUT:-gpu-out}
+DEVICE=cuda
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) DEVICE=$2; shift 2 ;;
+    *) echo "error: unknown option $1; pass --device cuda|cpu"; exit 2 ;;
+  esac
+done
+OUT=$(realpath -m "${OUT:-gpu-out}")
+CACHES=${CACHES:-static,dynamic}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
+cd "$(dirname "$0")/.."
+# Only where they are missing: a machine that has them (this one, in the test suite) keeps its own.
+if ! python3 -c "import pydantic, math_verify" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  SITE=$(mktemp -d)
+  timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
+    || { echo "error: the wheels in .whl/ did not install; rebuild them with bench/gpu_wheels.sh"; exit 2; }
+  export PYTHONPATH="$SITE"
 fi
-export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-
-echo "== 1. tiny architectures on CUDA"
-STAGEREPLAY_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
-  -k "live_loop_equals_generate or incremental_is_bit_exact" 2>&1 | tee "$OUT/tests.txt" | tail -5
-SUMMARY=$(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$OUT/tests.txt" | tail -1)
-
-echo "== 2. toy matched, bf16, 200 items, CUDA"
-rm -rf /tmp/toy-cuda
-timeout 120 python3 -m stagereplay.cli matched --device cuda --n 200 --quiet --out /tmp/toy-cuda
-cp /tmp/toy-cuda/results.json "$OUT/toy_cuda_results.json" 2>/dev/null
-
-echo "== 3. R1-Distill-14B-shaped random model"
-timeout 270 python3 bench/gpu_check.py --tests-summary "${SUMMARY:-not run}" --toy-run /tmp/toy-cuda --out "$OUT"
+export PYTHONPATH="$PWD/src:$PWD/bench:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+exec python3 bench/gpu_check.py all --device "$DEVICE" --out "$OUT" --caches "$CACHES"

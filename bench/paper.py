@@ -1,9 +1,11 @@
 """Wall time and peak memory of the whole protocol: `stagereplay paper` with 1 and 2 worker processes.
 
-    python bench/paper.py [--n 200] [--workers 1,2] [--model DIR --later-model DIR --data FILE
+    python bench/paper.py [--n 200] [--workers 1,2[,ray:2]] [--executor local|ray] [--model DIR --later-model DIR --data FILE
                           --boundary-after N] [--kernels native|avx2] [--json OUT] [--keep DIR]
 
-Each run is a fresh subprocess (`stagereplay paper --quiet --out <tmp> ...`). Peak RSS is that of the whole
+Each run is a fresh subprocess (`stagereplay paper --quiet --out <tmp> ...`). A `--workers` entry `ray:N` runs
+`--executor ray --workers N` (a bare `N` runs `--executor`'s default, local unless given; Ray's start-up, a
+local instance per run, is part of the wall time). Peak RSS is that of the whole
 process tree (the command and its worker processes), sampled every 50 ms and summed over the tree; the
 largest single process is reported beside it. With no model options it runs on the embedded toy checkpoints.
 `--keep DIR` keeps the run directory of the last `--workers` value (its report holds the tables of the run
@@ -100,7 +102,16 @@ class PeakRSS:
         self._thread.join()
 
 
-def run_paper(args: argparse.Namespace, workers: int, out: Path) -> dict[str, Any]:
+def parse_runs(spec: str, executor: str) -> list[tuple[str, int]]:
+    """`1,2,ray:2` -> [(executor, 1), (executor, 2), ("ray", 2)]."""
+    runs = []
+    for entry in spec.split(","):
+        name, _, count = entry.rpartition(":")
+        runs.append((name or executor, int(count)))
+    return runs
+
+
+def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
@@ -113,6 +124,8 @@ def run_paper(args: argparse.Namespace, workers: int, out: Path) -> dict[str, An
         str(out),
         "--workers",
         str(workers),
+        "--executor",
+        executor,
         "--threads",
         str(args.threads),
     ]
@@ -138,6 +151,7 @@ def run_paper(args: argparse.Namespace, workers: int, out: Path) -> dict[str, An
 
     ledger = (out / "ledger.jsonl").read_bytes()
     return {
+        "executor": executor,
         "workers": workers,
         "wall_s": wall,
         "peak_rss_tree_mb": peak.total / 2**20,
@@ -200,7 +214,8 @@ def figures(results: dict[str, Any]) -> list[str]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=200, help="items (fewer for a quick run)")
-    p.add_argument("--workers", default="1,2", help="comma list of --workers values to run")
+    p.add_argument("--workers", default="1,2", help="comma list of --workers values to run (ray:N: on Ray)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local", help="for the bare --workers values")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--model", default=None, help="primary checkpoint (default: the embedded toy)")
     p.add_argument("--later-model", default=None, help="second checkpoint")
@@ -229,12 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--keep {args.keep} already exists: pass a new path")
         return 2
     rows = []
-    workers = [int(x) for x in args.workers.split(",")]
+    runs = parse_runs(args.workers, args.executor)
     with tempfile.TemporaryDirectory() as tmp:
-        for w in workers:
-            out = Path(tmp) / f"paper-w{w}"
-            rows.append(run_paper(args, w, out))
-            if args.keep is not None and w == workers[-1]:
+        for i, (executor, w) in enumerate(runs):
+            out = Path(tmp) / f"paper-{executor}-w{w}"
+            rows.append(run_paper(args, executor, w, out))
+            if args.keep is not None and i == len(runs) - 1:
                 shutil.move(str(out), args.keep)
             else:
                 shutil.rmtree(out)
@@ -243,15 +258,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"stagereplay paper --n {args.n} ({args.model or 'embedded toy'}), {args.threads} thread(s) per process"
     )
     print(
-        f"{'workers':>7}  {'wall s':>8}  {'speed-up':>8}  {'peak RSS tree MiB':>17}  {'largest process MiB':>19}"
+        f"{'executor':>8}  {'workers':>7}  {'wall s':>8}  {'speed-up':>8}  {'peak RSS tree MiB':>17}  {'largest process MiB':>19}"
     )
     for r in rows:
         print(
-            f"{r['workers']:>7}  {r['wall_s']:8.1f}  {rows[0]['wall_s'] / r['wall_s']:8.2f}  "
+            f"{r['executor']:>8}  {r['workers']:>7}  {r['wall_s']:8.1f}  {rows[0]['wall_s'] / r['wall_s']:8.2f}  "
             f"{r['peak_rss_tree_mb']:17.0f}  {r['peak_rss_single_mb']:19.0f}"
         )
     print(
-        f"ledgers ({rows[0]['records']} records) byte-identical across --workers: {'yes' if same else 'NO'}"
+        f"ledgers ({rows[0]['records']} records) byte-identical across the runs: {'yes' if same else 'NO'}"
     )
     print(f"kernels: {rows[-1]['kernels']}")
     for line in rows[-1]["figures"]:

@@ -22,8 +22,11 @@ NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 TINY: dict[str, tuple[list[str], str]] = {
     "decode.py": (["--models", "toy", "--tokens", "4", "--prompts", "1", "--repeats", "1"],
                   rf"^toy .* ours\s+{NUMBER} .* tokens == generate\(\): yes\s+graphs \d+$"),
-    "gpu_check.py": (["--device", "cpu", "--shape", "tiny", "--prompts", "1", "--stage1", "8", "--out", "{tmp}"],
-                     r"^14B-shape: our tokens == generate\(\)'s\s+1/1$"),
+    "gpu_check.py": (["model", "--device", "cpu", "--out", "{tmp}/out", "--model", "{tmp}/model"],
+                     rf"^random tiny \(.*\)\s+drawn on cpu and saved in {NUMBER} s$"),
+    # Every step of the GPU check at a tiny shape, each under its budget; all must finish.
+    "gpu_check.sh": (["--device", "cpu"], r"^gpu check: (\d+)/\1 steps done in \d+ s; replicas exact: yes$"),
+    "gpu_wheels.sh": (["--dry-run"], r"^would download \d+ wheels into .*\.whl for CPython 3\.12 manylinux x86_64$"),
     "long_trace.py": (["--items", "1", "--stage1", "16", "--suffix", "8"],
                       rf"^overhead -?{NUMBER}% of forward time, peak RSS \d+ MiB$"),
     "matched_floor.py": (["--n", "2", "--max-new-tokens", "8", "--repeats", "1"],
@@ -42,7 +45,7 @@ TINY: dict[str, tuple[list[str], str]] = {
 
 
 def scripts() -> list[str]:
-    return sorted(p.name for p in BENCH.glob("*.py"))
+    return sorted(p.name for p in [*BENCH.glob("*.py"), *BENCH.glob("*.sh")])
 
 
 def test_every_bench_script_has_a_smoke_run() -> None:
@@ -65,8 +68,11 @@ def test_last_line_rejects_a_crash() -> None:
 @pytest.mark.parametrize("script", sorted(TINY))
 def test_bench_script_runs_tiny(script: str, tmp_path: Path) -> None:
     args, pattern = TINY[script]
-    cmd = [sys.executable, str(BENCH / script), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    runner = ["bash"] if script.endswith(".sh") else [sys.executable]
+    cmd = [*runner, str(BENCH / script), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    # A shell script's python3 is this interpreter; its scratch files (OUT, the temporary directory) in tmp_path.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)

@@ -22,8 +22,15 @@ except ImportError:  # the optional extra: required where CI is set, else the mo
 @pytest.fixture(scope="module")
 def local_ray():
     """A private two-CPU Ray instance for this module; run_ray uses it and must leave it running."""
+    import sys
+
+    from stagereplay.execution.local import shutdown_workers
+
+    # The fake jobs below are this module's functions; actors cannot import a test module, so they travel by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
+    shutdown_workers()
     ray.shutdown()
 
 
@@ -56,6 +63,61 @@ def test_ray_ledger_equals_local_ledger(tmp_path, tiny_dir, items_file, local_ra
     # Negative control: one token changed in one payload changes that record's hash.
     changed = local[3].payload | {"prefix_ids": [*local[3].payload["prefix_ids"][:-1], -1]}
     assert local[3].model_copy(update={"payload": changed}).computed_hash() != by_ray[3].hash
+
+
+def _where(lm, job):
+    """A job's result: the actor process that ran it and the model object it was given."""
+    return {"job": job, "pid": os.getpid(), "lm": id(lm)}
+
+
+def test_actors_and_their_models_persist_across_calls(tiny_dir, local_ray):
+    """Two stages (two run_ray calls) run on the same two actors, each with the model it loaded for the first:
+    one load per actor for the command. Negative control: after shutdown_workers (a command's end), the next
+    call gets new actor processes."""
+    from stagereplay.engine.model import ModelConfig
+    from stagereplay.execution.local import shutdown_workers
+    from stagereplay.execution.ray_cluster import run_ray
+
+    config = ModelConfig(path=str(tiny_dir("qwen2")))
+    first = list(run_ray(config, _where, list(range(6)), 2))
+    second = list(run_ray(config, _where, list(range(6, 12)), 2))
+    assert [r["job"] for r in first + second] == list(range(12))  # job order
+    models = {r["pid"]: r["lm"] for r in first}
+    assert len(models) == 2  # both actors took jobs in the first stage
+    assert {r["pid"] for r in second} <= set(models)  # the same actor processes
+    assert all(models[r["pid"]] == r["lm"] for r in first + second)  # one model per actor, never reloaded
+    shutdown_workers()
+    third = list(run_ray(config, _where, list(range(2)), 2))
+    assert not {r["pid"] for r in third} & set(models)
+
+
+def _slow_first(lm, job):
+    """Job 0 takes 3 s; the others return at once, each with the actor that ran it and when it finished."""
+    import time
+
+    if job == 0:
+        time.sleep(3)
+    return {"job": job, "pid": os.getpid(), "t": time.time()}
+
+
+@pytest.mark.parametrize("per_actor", [1, 2])
+def test_a_long_job_holds_up_only_its_own_actor(tiny_dir, local_ray, per_actor):
+    """Jobs go to whichever actor is free: while job 0 runs, the other actor takes every later job, all done
+    before job 0, and the results still come in job order. Negative control: with two jobs queued per actor
+    (per_actor=2), job 2 waits behind job 0 on its actor, and the check fails."""
+    from stagereplay.engine.model import ModelConfig
+    from stagereplay.execution.ray_cluster import run_ray
+
+    config = ModelConfig(path=str(tiny_dir("qwen2")))
+    list(run_ray(config, _where, list(range(2)), 2))  # both actors up and loaded, outside the timing
+    out = list(run_ray(config, _slow_first, list(range(8)), 2, per_actor=per_actor))
+    assert [r["job"] for r in out] == list(range(8))
+    later = out[1:]
+    stalled = [r["job"] for r in later if r["pid"] == out[0]["pid"] or r["t"] > out[0]["t"]]
+    if per_actor == 1:
+        assert not stalled
+    else:
+        assert 2 in stalled
 
 
 def test_a_problem_inside_an_actor_reads_as_it_would_locally(tiny_dir, local_ray):

@@ -121,7 +121,11 @@ def _pool(workers: int) -> Any:
 
 
 def shutdown_workers() -> None:
-    """Stop the worker processes and free the models loaded here. Called at exit and by each command's end."""
+    """Stop the worker processes and Ray actors, and free the models loaded here. Called at exit and by each
+    command's end."""
+    from stagereplay.execution.ray_cluster import shutdown_actors  # here: ray_cluster imports this module
+
+    shutdown_actors()
     for pool in _POOL.values():
         pool.shutdown(wait=True, cancel_futures=True)
     _POOL.clear()

@@ -1,9 +1,15 @@
-"""Item jobs on a Ray cluster: one model replica per actor, results yielded in job order.
+"""Item jobs on a Ray cluster: persistent actors, a dynamic queue, results yielded in job order.
 
-Each actor loads the model once (`stagereplay.engine.lm.load`, with the run's precision, threads and attention
-implementation) and then runs `work(lm, job)` for the jobs dealt to it round-robin. The parent keeps a bounded
-window of jobs in flight and collects them in job order, so the ledger it writes is the one any other
-executor writes.
+Actors are started on the first `run_ray` call of a command and live until the command ends
+(`shutdown_actors`, called by `execution.local.shutdown_workers` at each command's end and at exit), so every
+stage of `paper`, its audit included, reuses them. Each actor holds one CPU, or one GPU (`num_gpus=1`) when
+the run is on CUDA, and keeps the model(s) it has loaded as a local worker does (`execution.local.cached_lm`:
+one at a time, the last released and collected before the next loads): a stage that comes back to a model
+setting an actor already holds does not load it again.
+
+Jobs are handed out as actors free up: each idle actor takes the next job, and `ray.wait` over the jobs in
+flight says which actor is free next, so one long item holds up its own actor only. Results are buffered and
+yielded in job order, so the ledger the parent writes is the one any other executor writes.
 
 The cluster: the one this process is already connected to; else the one `RAY_ADDRESS` names; else a local
 instance started here, which stays up for later calls in this process (Ray stops it at exit). A cluster this
@@ -13,21 +19,22 @@ model directory at the same path.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from stagereplay.errors import StageReplayError
+from stagereplay.execution.local import cached_lm
 
 if TYPE_CHECKING:
-    from stagereplay.engine.lm import LM
     from stagereplay.engine.model import ModelConfig
     from stagereplay.execution.config import Work
 
-IN_FLIGHT_PER_ACTOR = 2
-"""Jobs queued per actor: one running, one ready to start, so no actor waits on the parent."""
+JOBS_PER_ACTOR = 1
+"""Jobs in flight per actor. One: an actor idles for the parent's round trip (milliseconds) between jobs, and
+no job ever waits behind a long one. More would queue jobs on an actor behind whatever it is running."""
 
 
 def _import_ray() -> Any:
@@ -52,20 +59,11 @@ def _connect(ray: Any) -> None:
 
 
 class Replica:
-    """A Ray actor's state: one loaded model, reused for every job dealt to this actor."""
+    """A Ray actor's state: the models this process has loaded (`cached_lm`), reused for every job it takes."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        self.config = config
-        self.lm: LM | None = None
-
-    def run(self, work: Work, job: Any) -> dict[str, Any]:
-        # Loaded on the first job, not in __init__, so that a load error reaches the parent as the job's error.
-        if self.lm is None:
-            from stagereplay.engine.lm import load
-
-            c = self.config
-            self.lm = load(c.path, c.precision, c.device, c.threads, c.attn_impl)
-        return work(self.lm, job)
+    def run(self, config: ModelConfig, work: Work, job: Any) -> dict[str, Any]:
+        # Loaded on the first job that needs it, so that a load error reaches the parent as that job's error.
+        return work(cached_lm(config), job)
 
 
 def _actor_config(config: ModelConfig) -> ModelConfig:
@@ -73,32 +71,79 @@ def _actor_config(config: ModelConfig) -> ModelConfig:
     return replace(config, device="cuda") if config.device.startswith("cuda") else config
 
 
-def run_ray(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int) -> Iterator[dict[str, Any]]:
-    """`work(lm, job)` for every job on `workers` Ray actors (one model replica each), yielded in job order."""
+# The command's actors: what they were started for (the cluster and driver job, and the resource each holds:
+# "gpu" or "cpu") and their handles. Replaced when a call asks for another resource, more actors, or comes
+# from another Ray session (the old actors died with it); dropped by `shutdown_actors`.
+_ACTORS: dict[str, Any] = {"key": None, "handles": []}
+
+
+def actors(ray: Any, kind: str, count: int) -> list[Any]:
+    """`count` actors holding one `kind` each, started now unless this command already has them."""
+    context = ray.get_runtime_context()
+    key = (context.gcs_address, context.get_job_id(), kind)
+    if _ACTORS["key"] != key or len(_ACTORS["handles"]) < count:
+        shutdown_actors()
+        resources = {"num_gpus": 1} if kind == "gpu" else {"num_cpus": 1}
+        actor_class = ray.remote(**resources)(Replica)
+        _ACTORS.update(key=key, handles=[actor_class.remote() for _ in range(count)])
+    return list(_ACTORS["handles"][:count])
+
+
+def shutdown_actors() -> None:
+    """Stop this command's actors (freeing their models and GPUs). A no-op when there are none, or when Ray has
+    already shut down (its own exit hook stops the actors of a local instance with it)."""
+    handles, _ACTORS["handles"], _ACTORS["key"] = _ACTORS["handles"], [], None
+    if not handles:
+        return
+    import ray
+
+    if ray.is_initialized():
+        for actor in handles:
+            with contextlib.suppress(Exception):  # an actor already dead (its node lost) needs no stopping
+                ray.kill(actor)
+
+
+def run_ray(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int,
+            per_actor: int = JOBS_PER_ACTOR) -> Iterator[dict[str, Any]]:
+    """`work(lm, job)` for every job on `workers` persistent Ray actors, handed out as actors free up, yielded
+    in job order. `per_actor` jobs are in flight on each actor at most (`JOBS_PER_ACTOR`)."""
+    if per_actor < 1:
+        raise ValueError(f"per_actor must be at least 1, got {per_actor}")
     ray = _import_ray()
     if not jobs:
         return
     _connect(ray)
-    resources = {"num_gpus": 1} if config.device.startswith("cuda") else {"num_cpus": 1}
-    actor_class = ray.remote(**resources)(Replica)
-    actors = [actor_class.remote(_actor_config(config)) for _ in range(min(workers, len(jobs)))]
-    window = IN_FLIGHT_PER_ACTOR * len(actors)
-    pending: deque[Any] = deque()
+    kind = "gpu" if config.device.startswith("cuda") else "cpu"
+    pool = actors(ray, kind, workers)[: len(jobs)]  # all `workers` started, so a later, larger stage reuses them
+    actor_config = _actor_config(config)
+    idle = [pool[i % len(pool)] for i in range(per_actor * len(pool))]  # one entry per free slot
+    in_flight: dict[Any, tuple[int, Any]] = {}  # ObjectRef -> (job index, actor)
+    done: dict[int, dict[str, Any]] = {}
+    submitted = yielded = 0
+    finished = False
     try:
-        submitted = 0
-        for _ in range(len(jobs)):
-            while submitted < len(jobs) and len(pending) < window:
-                actor = actors[submitted % len(actors)]
-                pending.append(actor.run.remote(work, jobs[submitted]))
+        while yielded < len(jobs):
+            while idle and submitted < len(jobs):
+                actor = idle.pop(0)
+                in_flight[actor.run.remote(actor_config, work, jobs[submitted])] = (submitted, actor)
                 submitted += 1
-            try:
-                result = ray.get(pending.popleft())
-            except ray.exceptions.RayTaskError as exc:
-                # A user-fixable problem inside an actor reads as it would in this process.
-                if isinstance(exc.cause, StageReplayError):
-                    raise exc.cause from None
-                raise
-            yield result
+            if yielded not in done:
+                ready, _ = ray.wait(list(in_flight), num_returns=1)
+                index, actor = in_flight.pop(ready[0])
+                idle.append(actor)
+                try:
+                    done[index] = ray.get(ready[0])
+                except ray.exceptions.RayTaskError as exc:
+                    # A user-fixable problem inside an actor reads as it would in this process.
+                    if isinstance(exc.cause, StageReplayError):
+                        raise exc.cause from None
+                    raise
+            while yielded in done:
+                yield done.pop(yielded)
+                yielded += 1
+        finished = True
     finally:
-        for actor in actors:  # frees each replica's model; queued jobs die with their actor
-            ray.kill(actor)
+        if not finished and in_flight:
+            # Stopped early (an error, or the caller closed us) with jobs still running: they would hold their
+            # actors busy for the next stage, so the actors go; the next call starts fresh ones.
+            shutdown_actors()
