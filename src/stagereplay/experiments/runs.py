@@ -74,6 +74,9 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Ite
 
     m = source.model
     check_worker_devices(m.device, ex.workers, ex.executor)  # one GPU per local worker, before anything loads
+    if m.cache != "dynamic" and ex.executor == "ray":  # its actors load with load()'s default cache
+        raise StageReplayError(f"--cache {m.cache} is not passed to Ray actors yet",
+                               "run it with --executor local (--workers N)")
     lm: LM | None = None
     if ex.workers == 1 and ex.executor == "local":
         lm = cached_lm(m)
