@@ -3,6 +3,7 @@
     python bench/long_trace.py                          # 4 items, stage 1 of 2048, suffix 256, CPU, 1 thread
     python bench/long_trace.py --stage1 256 --items 2   # a quick look
     python bench/long_trace.py --device cuda
+    python bench/long_trace.py --cache static           # a preallocated cache, written in place
 
 A random Qwen2 with DeepSeek-R1-Distill-Qwen-1.5B's cache (28 layers, 2 KV heads of 128) but a narrow hidden
 size (256, 2 query heads, MLP 512, vocabulary 1024) so that a CPU runs it: the forwards are cheap, the caches
@@ -14,6 +15,11 @@ Printed: wall time in forwards (`Stepper.forward`), time outside them in the ite
 fingerprints, clones, ledger writes and the rest (sampling, boundary watch, records), bytes streamed to the
 host for fingerprints, and peak RSS against the weights and one cache. The last line is
 `overhead X.XX% of forward time, peak RSS N MiB`.
+
+`--cache static` runs the same protocol on a static cache (`stagereplay matched --cache static`): each cache is
+allocated once for prompt + stage 1 + suffix - 1 positions and written in place, where the dynamic cache
+concatenates its K/V at every step (quadratic copying in the trace length), but each step attends over all the
+allocated rows (masked).
 """
 
 from __future__ import annotations
@@ -104,7 +110,7 @@ def warm_up(model: Path, args: argparse.Namespace, clock: Clock) -> None:
     from stagereplay.execution.local import cached_lm
 
     config = ModelConfig(path=str(model.resolve()), precision=args.precision, device=args.device,
-                         threads=args.threads)
+                         threads=args.threads, cache=args.cache)
     lm = cached_lm(config)
     lm.generate(lm.tokenizer.encode("Q: 1+1=? Think.\n"), 8)
     clock.seconds.clear()
@@ -124,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="bf16")
+    p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -147,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         results = matched(Path(tmp) / "run", model=str(model), data=str(data), boundary=After(args.stage1),
                           decode=DecodeConfig(max_new_tokens=args.suffix, max_stage1_tokens=args.stage1),
-                          precision=args.precision, device=args.device, threads=args.threads, quiet=True)
+                          precision=args.precision, device=args.device, threads=args.threads, quiet=True,
+                          cache=args.cache)
         total = time.perf_counter() - start
         # The library's own reader: the chain also holds stage and environment records, which are not items.
         ledger = [r.payload for r in items(read_ledger(Path(tmp) / "run"))]
@@ -162,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache_mib = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2 * positions / 2**20  # K and V, bf16, every position
     m = results["matched"][0]
     print(f"model: random Qwen2, {LAYERS} layers, {KV_HEADS} KV heads of {HEAD_DIM}, hidden {HIDDEN}; "
-          f"weights {weights:.0f} MiB; {args.precision}, {args.device}, {torch.get_num_threads()} thread(s)")
+          f"weights {weights:.0f} MiB; {args.precision}, {args.device}, {torch.get_num_threads()} thread(s), "
+          f"{args.cache} cache")
     print(f"items {len(ledger)}: prefix lengths (prompt + stage 1) {[b for b, _ in lengths]}, "
           f"suffixes {[n for _, n in lengths]}; one cache of {positions} positions = {cache_mib:.1f} MiB")
     print(f"matched: live replica exact {m['replica_exact']['live']['k']}/{m['n_boundary']}, "
@@ -170,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'':24}{'seconds':>10}{'calls':>9}")
     print(f"{'command total':24}{total:10.2f}")
     print(f"{'item loop':24}{loop:10.2f}")
-    print(f"{'  in forwards':24}{forwards:10.2f}{clock.calls.get('forwards', 0):9d}")
+    print(f"{'  in forwards':24}{forwards:10.2f}{clock.calls.get('forwards', 0):9d}"
+          f"  ({1e3 * forwards / max(1, clock.calls.get('forwards', 0)):.2f} ms per forward)")
     print(f"{'  outside forwards':24}{outside:10.2f}")
     for k, v in named.items():
         print(f"{'    ' + k:24}{v:10.2f}{clock.calls.get(k, 0):9d}")
@@ -180,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"peak RSS {peak:.0f} MiB (now {rss_mib():.0f} MiB); weights {weights:.0f} MiB, one cache "
           f"{cache_mib:.1f} MiB")
     overhead = 100 * outside / forwards if forwards else float("nan")
-    figures = {"total_s": total, "loop_s": loop, "forward_s": forwards, "outside_s": outside, **named,
+    figures = {"cache": args.cache, "total_s": total, "loop_s": loop, "forward_s": forwards, "outside_s": outside, **named,
                "rest_s": rest, "streamed_bytes": streamed[0], "peak_rss_mib": peak, "weights_mib": weights,
                "cache_mib": cache_mib, "overhead_pct": overhead, "lengths": lengths}
     if args.json:

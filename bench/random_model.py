@@ -14,6 +14,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 SHAPES = {
     # name: (layers, hidden, heads, kv heads, intermediate, vocab)
@@ -40,7 +41,11 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
                             unk_token="<unk>").save_pretrained(path)
 
 
-def build(shape: str, out: Path, device: str, seed: int = 0) -> Path:
+def make(shape: str, device: str, seed: int = 0, eos_out_of_reach: bool = False) -> Any:
+    """The random bf16 Qwen2 of `shape`, its weights drawn on `device` (in memory, nothing saved).
+
+    `eos_out_of_reach`: EOS's output row is zero, so its logit (0) stays below the largest of the vocabulary's
+    random ones and greedy decoding runs to its length limit (what a speed benchmark needs)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -52,6 +57,15 @@ def build(shape: str, out: Path, device: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if eos_out_of_reach:
+        with torch.no_grad():
+            model.lm_head.weight[config.eos_token_id] = 0.0
+    return model.eval()
+
+
+def build(shape: str, out: Path, device: str, seed: int = 0) -> Path:
+    _, _, _, _, _, vocab = SHAPES[shape]
+    model = make(shape, device, seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     save_tokenizer(out, vocab)

@@ -27,8 +27,12 @@ TINY: dict[str, tuple[list[str], str]] = {
     # Every step of the GPU check at a tiny shape, each under its budget; all must finish.
     "gpu_check.sh": (["--device", "cpu"], r"^gpu check: (\d+)/\1 steps done in \d+ s; replicas exact: yes$"),
     "gpu_wheels.sh": (["--dry-run"], r"^would download \d+ wheels into .*\.whl for CPython 3\.12 manylinux x86_64$"),
+    "gpu_decode.py": (["--shape", "tiny", "--device", "cpu", "--tokens", "8", "--repeats", "1", "--copy-mib", "16"],
+                      rf"^ours static: {NUMBER}x floor, tokens == generate\(\): yes$"),
     "long_trace.py": (["--items", "1", "--stage1", "16", "--suffix", "8"],
                       rf"^overhead -?{NUMBER}% of forward time, peak RSS \d+ MiB$"),
+    "long_trace.py --cache static": (["--items", "1", "--stage1", "16", "--suffix", "8", "--cache", "static"],
+                                     rf"^overhead -?{NUMBER}% of forward time, peak RSS \d+ MiB$"),
     "matched_floor.py": (["--n", "2", "--max-new-tokens", "8", "--repeats", "1"],
                          rf"^matched / floor\s+{NUMBER}x\s+\(target <= 1\.15x\)$"),
     "paper.py": (["--n", "2", "--workers", "1", "--max-new-tokens", "16"],
@@ -51,7 +55,7 @@ def scripts() -> list[str]:
 def test_every_bench_script_has_a_smoke_run() -> None:
     missing = [s for s in scripts() if s not in TINY]
     assert not missing, f"bench scripts without a tiny smoke run in tests/test_bench.py: {missing}"
-    assert not [s for s in TINY if s not in scripts()], "TINY names a script that bench/ no longer has"
+    assert not [s for s in TINY if s.split()[0] not in scripts()], "TINY names a script that bench/ no longer has"
 
 
 def last_line(text: str) -> str:
@@ -68,8 +72,8 @@ def test_last_line_rejects_a_crash() -> None:
 @pytest.mark.parametrize("script", sorted(TINY))
 def test_bench_script_runs_tiny(script: str, tmp_path: Path) -> None:
     args, pattern = TINY[script]
-    runner = ["bash"] if script.endswith(".sh") else [sys.executable]
-    cmd = [*runner, str(BENCH / script), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    runner = ["bash"] if script.split()[0].endswith(".sh") else [sys.executable]
+    cmd = [*runner, str(BENCH / script.split()[0]), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
     # A shell script's python3 is this interpreter; its scratch files (OUT, the temporary directory) in tmp_path.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path),
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}

@@ -47,11 +47,14 @@ def _matched(out, model, data, **kw):
     )
 
 
-def test_ray_ledger_equals_local_ledger(tmp_path, tiny_dir, items_file, local_ray):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_ray_ledger_equals_local_ledger(tmp_path, tiny_dir, items_file, local_ray, cache):
+    """The actors load with the run's whole model setting, its cache kind included (a static run recorded by a
+    dynamic-cache actor would differ in every cache fingerprint)."""
     model = tiny_dir("qwen2")
-    _matched(tmp_path / "ray", model, items_file, workers=2, executor="ray")
+    _matched(tmp_path / "ray", model, items_file, workers=2, executor="ray", cache=cache)
     assert ray.is_initialized()  # a cluster run_ray did not start is left alone
-    _matched(tmp_path / "local", model, items_file, workers=1, executor="local")
+    _matched(tmp_path / "local", model, items_file, workers=1, executor="local", cache=cache)
     by_ray, local = items(read_ledger(tmp_path / "ray")), items(read_ledger(tmp_path / "local"))
     assert len(local) == 6
     assert [r.item_id for r in by_ray] == [r.item_id for r in local]  # job order, whatever finished first

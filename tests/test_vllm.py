@@ -140,7 +140,7 @@ def test_fp32_our_engine_continues_vllms_prefix_as_vllm_did(fp32_run):
     from stagereplay.experiments.common import ReplaySettings
 
     s = ReplaySettings(settings_["boundary"], DecodeConfig(**settings_["decode"]), settings_["scorer"])
-    short = lm.continue_from(lm.construct(fixed_state(item, p["prefix_ids"][:-1], s), "oneshot"), s.decode)
+    short = lm.continue_from(lm.construct(fixed_state(item, p["prefix_ids"][:-1], s, lm), "oneshot"), s.decode)
     assert list(short.suffix) != _arms(p)["live"]["suffix_ids"]
 
 

@@ -67,6 +67,9 @@ Precision = Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32 
 Device = Annotated[str, typer.Option("--device", help="cpu | cuda | cuda:<i>")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads per process (fixed, recorded)")]
 AttnImpl = Annotated[str, typer.Option("--attn-impl", help="eager | sdpa")]
+Cache = Annotated[str, typer.Option("--cache", help=(
+    "dynamic (the default: grows per step, equals generate()) | static (preallocated, equals "
+    "generate(cache_implementation='static'); CUDA-graph captured on a GPU)"))]
 Marker = Annotated[str | None, typer.Option("--boundary-marker", help=(
     "stage 1 ends at the first token whose text completes this (default for a reasoning model: </think>)"))]
 Regex = Annotated[str | None, typer.Option("--boundary-regex", help=(
@@ -127,6 +130,7 @@ def matched(
         "hf: also continue the serving engine's prefixes in ours (the hf-oneshot arm)"))] = None,
     block_size: Annotated[int, typer.Option("--block-size", help=(
         "the serving engine's K/V block size (its prefix cache reuses whole blocks)"))] = 32,
+    cache: Cache = "dynamic",
 ) -> None:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
@@ -139,7 +143,7 @@ def matched(
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
-            workers, executor, shard, quiet, columns, engine, cross, block_size)
+            workers, executor, shard, quiet, columns, engine, cross, block_size, cache=cache)
 
     _run(go)
 
@@ -350,6 +354,7 @@ def paper(
     workers: Annotated[int, typer.Option("--workers", help="processes; 0 = one per core on CPU (at most 2)")] = 0,
     executor: Executor = "local",
     quiet: Quiet = False,
+    cache: Cache = "dynamic",
 ) -> None:
     """The whole protocol in one command, then the report (defaults: the embedded toy model)."""
 
@@ -361,7 +366,8 @@ def paper(
         dc = _decode(max_new_tokens, max_stage1_tokens, False, 1.0, 0, 0)
         res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device=device,
                   threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
-                  resample=resample, resample_items=resample_items, audit_sample=audit_sample or None, columns=columns)
+                  resample=resample, resample_items=resample_items, audit_sample=audit_sample or None, columns=columns,
+                  cache=cache)
         from stagereplay.experiments.audit import exit_code
 
         typer.echo(f"report: {out / 'report.html'}")

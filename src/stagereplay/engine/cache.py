@@ -4,6 +4,13 @@ Per-layer tensors follow transformers 5.x: `cache.layers[i].keys` / `.values`, s
 A sliding-window layer holds only its last `window - 1` positions, so row 0 of its tensors is not position 0:
 `layer_start` gives the absolute position of row 0, and every position this module reports is absolute.
 
+Two kinds of cache (`new_cache`): `dynamic` (transformers' DynamicCache, grown by concatenation: the reference,
+what generate() uses) and `static` (StaticCache: [B, H_kv, L, D] tensors preallocated for L positions and
+written in place, what generate(cache_implementation="static") uses). Everything here reads a layer through
+`held`, the rows of the positions it holds, so a static cache's unwritten rows (and the one row a full static
+sliding-window layer keeps past its window, which no later step reads) are never hashed, compared or moved:
+a static cache and a dynamic one holding the same values have the same fingerprints (tests/test_static_cache.py).
+
 Costs are kept at what a long trace allows: comparisons run on the caches' device (`torch.equal` per tensor,
 locating the first difference only in an unequal one) and fingerprints stream bounded chunks to the host,
 never a whole cache at once.
@@ -27,11 +34,55 @@ CHUNK_BYTES = 16 << 20
 """Largest piece of a tensor copied to the host at once while fingerprinting."""
 
 
-def new_cache(model: Any) -> Any:
-    """The cache `generate()` would build for this model (sliding-window layers included)."""
-    from transformers import DynamicCache
+def new_cache(model: Any, kind: str = "dynamic", length: int | None = None) -> Any:
+    """The cache `generate()` would build for this model (sliding-window layers included).
 
-    return DynamicCache(config=model.config)
+    `kind="static"`: the StaticCache that generate(cache_implementation="static") builds for `length` positions
+    (its max_cache_len, which a static forward's numbers depend on: attention runs over all L rows, masked).
+    Each sliding-window layer is told its window, which `held` needs and StaticSlidingWindowLayer forgets.
+    """
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if kind != "static" or length is None or length < 1:
+        raise ValueError(f"cache kind {kind!r} with length {length}")
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    for layer, window in zip(cache.layers, layer_windows(model.config), strict=True):
+        if window is not None:
+            setattr(layer, "sliding_window", window)  # noqa: B010  # an attribute StaticSlidingWindowLayer lacks
+    return cache
+
+
+def is_static(cache: Any) -> bool:
+    """Whether `cache` is preallocated (its layers hold `max_cache_len` rows) rather than grown."""
+    return any(hasattr(layer, "max_cache_len") for layer in cache.layers)
+
+
+def held(layer: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(K, V, start): the layer's rows for the positions it holds, each [B, H_kv, T, D], and the absolute position
+    of their row 0. Views, not copies: writing into them writes the cache.
+
+    A dynamic layer's tensors are exactly that. A static layer has written rows [0, n) of its L (n positions
+    so far). A static sliding-window layer of window W keeps the last min(n, W) positions in its rows, one more
+    than the W - 1 a dynamic one keeps: the oldest is never read again (the next step rolls it out), so `held`
+    leaves it out, and both kinds hold the same positions.
+    """
+    if not hasattr(layer, "max_cache_len"):
+        k, v = layer.keys, layer.values
+        return k, v, int(layer.get_seq_length()) - int(k.shape[-2])
+    if not layer.is_initialized:
+        raise ValueError("an empty static cache layer holds no positions")
+    if hasattr(layer, "cumulative_length_int"):  # StaticSlidingWindowLayer: a Python int, no device sync
+        n = int(layer.cumulative_length_int)
+        window = getattr(layer, "sliding_window", None)
+        if window is None:  # not made by new_cache: a window below L is the layer's size, else no row drops out
+            window = layer.max_cache_len if not layer.is_croppable else n + 1
+        rows = min(n, int(layer.max_cache_len))  # rows [0, rows) hold positions [n - rows, n)
+        keep = min(n, window - 1)
+        return layer.keys[:, :, rows - keep : rows], layer.values[:, :, rows - keep : rows], n - keep
+    n = int(layer.cumulative_length)
+    return layer.keys[:, :, :n], layer.values[:, :, :n], 0
 
 
 def _layer_kind(layer: Any) -> str:
@@ -99,19 +150,19 @@ def clone_cache(cache: Any) -> Any:
 
 
 def layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[(K, V)] per layer, each [B, H_kv, T, D]."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    """[(K, V)] per layer over the positions it holds (`held`), each [B, H_kv, T, D]."""
+    return [held(layer)[:2] for layer in cache.layers]
 
 
 def layer_start(layer: Any) -> int:
-    """Absolute position of row 0 of a layer's tensors: 0, or how far a sliding window has moved."""
-    return int(layer.get_seq_length()) - int(layer.keys.shape[-2])
+    """Absolute position of the first position a layer holds: 0, or how far a sliding window has moved."""
+    return held(layer)[2]
 
 
 def layer_span(layer: Any) -> tuple[int, int]:
     """Half-open absolute positions [start, stop) the layer holds."""
-    start = layer_start(layer)
-    return start, start + int(layer.keys.shape[-2])
+    k, _, start = held(layer)
+    return start, start + int(k.shape[-2])
 
 
 def _host_chunks(t: torch.Tensor) -> Iterator[Any]:
@@ -211,10 +262,10 @@ def compare_caches(a: Any, b: Any) -> list[CacheDifference]:
         return [CacheDifference(min(len(a.layers), len(b.layers)), "k", None, "layer count")]
     out = []
     for i, (la, lb) in enumerate(zip(a.layers, b.layers, strict=True)):
-        start = layer_start(la)
-        for name, x, y in ((n, getattr(la, attr), getattr(lb, attr)) for n, attr in zip(KV, ("keys", "values"),
-                                                                                        strict=True)):
-            if x.shape != y.shape or x.dtype != y.dtype or layer_start(lb) != start:
+        ka, va, start = held(la)
+        kb, vb, start_b = held(lb)
+        for name, x, y in ((KV[0], ka, kb), (KV[1], va, vb)):
+            if x.shape != y.shape or x.dtype != y.dtype or start_b != start:
                 out.append(CacheDifference(i, name, None, "shape or dtype"))
                 continue
             bx, by = _bits(x), _bits(y).to(x.device)
@@ -234,16 +285,10 @@ def nudged(cache: Any, layer: int = 0, tensor: str = "k", index: Sequence[int] =
 
     out = clone_cache(cache)
     with torch.inference_mode():
-        lay = out.layers[layer]
+        keys, values, start = held(out.layers[layer])
         b, h, pos, d = index
-        row = pos - layer_start(lay)
-        if not 0 <= row < lay.keys.shape[-2]:
-            raise ValueError(f"position {pos} is not in layer {layer}'s span {layer_span(lay)}")
-        t = (lay.keys if tensor == "k" else lay.values).clone()
-        bits = _bits(t)
-        bits[b, h, row, d] += 1
-        if tensor == "k":
-            lay.keys = t
-        else:
-            lay.values = t
+        row = pos - start
+        if not 0 <= row < keys.shape[-2]:
+            raise ValueError(f"position {pos} is not in layer {layer}'s span {layer_span(out.layers[layer])}")
+        _bits(keys if tensor == "k" else values)[b, h, row, d] += 1  # in place: the clone's own tensors
     return out

@@ -74,12 +74,16 @@ class Sampler:
             self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor) -> int:
+        return int(self.pick(logits))
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The pick as a one-element tensor on the logits' device (a graphed step takes it from there)."""
         import torch
 
         scores = logits.float()  # [V]; generate() also casts to fp32 before choosing
         if self.generator is None:
-            return int(torch.argmax(scores))
-        return int(torch.multinomial(torch.softmax(self.warp(scores[None]), dim=-1), 1, generator=self.generator))
+            return torch.argmax(scores)
+        return torch.multinomial(torch.softmax(self.warp(scores[None]), dim=-1), 1, generator=self.generator)
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
         """generate()'s sampling warpers on (1, V) fp32 scores: temperature, top-k, top-p."""
@@ -121,15 +125,25 @@ class Stepper:
     eager. A frame dynamo cannot compile runs eagerly; `TORCHDYNAMO_DISABLE=1` turns capture off. After a
     step that compiled, the cycle collector runs once (`release_capture_garbage`): tracing leaves the step's
     cache in reference cycles, which would otherwise keep it alive after its owner dropped it.
+
+    A static cache's steps are never given to dynamo: transformers builds their attention differently while
+    dynamo traces (it repeats K/V heads where the eager step packs the query's), which moves fp32 bits. They run
+    eagerly on the CPU, and with `graphs` (CUDA) through one CUDA graph per cache (engine.graphs), which
+    replays the eager step's kernels, the token written into the graph by the device (`device_token`).
     """
 
     MIN_POSITIONS = 1024  # initial length of the positions buffer; it doubles when a sequence outgrows it
 
-    def __init__(self, model: Any, device: str, capture: bool = False) -> None:
+    def __init__(self, model: Any, device: str, capture: bool = False, graphs: bool = False) -> None:
         self.model = model
         self.device = device
         self.capture = capture and capture_available()
         self._captured: Any = None  # the compiled single-token step, made on first use
+        self.graphs: Any = None  # engine.graphs.CudaGraphs: static-cache steps replayed as CUDA graphs
+        if graphs and device.startswith("cuda"):
+            from stagereplay.engine.graphs import CudaGraphs
+
+            self.graphs = CudaGraphs(self._step)
         # generate() passes position_ids only to a forward that takes them; so does this.
         forward = getattr(model, "forward", None)
         params = inspect.signature(forward).parameters if forward is not None else {}
@@ -150,8 +164,12 @@ class Stepper:
             buf = self._positions = torch.arange(size, dtype=torch.long, device=self.device).unsqueeze(0)
         return buf[:, past : past + n]
 
-    def forward(self, ids: Sequence[int], cache: Any, past: int) -> torch.Tensor:
-        """Feed `ids` at positions past..past+len(ids)-1; return the last position's logits [V]."""
+    def forward(self, ids: Sequence[int], cache: Any, past: int, device_token: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Feed `ids` at positions past..past+len(ids)-1; return the last position's logits [V].
+
+        `device_token`: the single token of `ids` as a one-element tensor on the device (the sampler's pick), which
+        a graphed step copies into its input on the device."""
         import torch
 
         n = len(ids)
@@ -161,6 +179,11 @@ class Stepper:
                 return self._step(input_ids, self.positions(past, n), cache)
             if self._token is None:
                 self._token = torch.empty((1, 1), dtype=torch.long, device=self.device)
+            if self.graphs is not None:
+                token = self._token.fill_(ids[0]) if device_token is None else device_token.view(1, 1)
+                logits = self.graphs.forward(cache, token, past)
+                if logits is not None:
+                    return logits
             # In place is safe: the previous step's forward has consumed it (in stream order on CUDA).
             input_ids = self._token.fill_(ids[0])  # (1, 1)
             if not self.capture:
@@ -208,9 +231,15 @@ def release_capture_garbage() -> None:
     gc.collect()
 
 
-def captures_steps(precision: str) -> bool:
-    """Whether a model at `precision` gets captured steps: not fp32-compute, whose hooks recast weights."""
-    return precision != "fp32-compute" and capture_available()
+def captures_steps(precision: str, cache: str = "dynamic") -> bool:
+    """Whether a model at `precision` gets captured steps: not fp32-compute, whose hooks recast weights, and not
+    on a static cache (see Stepper)."""
+    return precision != "fp32-compute" and cache == "dynamic" and capture_available()
+
+
+def graphs_steps(precision: str, cache: str, device: str) -> bool:
+    """Whether single-token steps are replayed as CUDA graphs: a static cache on CUDA, not fp32-compute."""
+    return cache == "static" and device.startswith("cuda") and precision != "fp32-compute"
 
 
 def capture_available() -> bool:
@@ -262,11 +291,15 @@ def decode(
     """
     out: list[int] = []
     while True:
-        token = sampler(logits)
+        picked = sampler.pick(logits)  # on the device; a graphed step reads it from there
+        token = int(picked)
         out.append(token)
         if record is not None:
             record.add(logits, token)
         if token in eos or len(out) >= max_new_tokens:
             return out
-        logits = stepper.forward([token], cache, past)
+        if stepper.graphs is None:
+            logits = stepper.forward([token], cache, past)
+        else:  # a CUDA graph copies the pick into its input on the device
+            logits = stepper.forward([token], cache, past, device_token=picked)
         past += 1

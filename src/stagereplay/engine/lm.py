@@ -27,6 +27,7 @@ from stagereplay.engine.decode import (
     decode,
     derive_seed,
     eos_ids,
+    graphs_steps,
 )
 from stagereplay.engine.forwards import construction_spans
 from stagereplay.engine.limits import model_context, stage1_budget
@@ -80,6 +81,9 @@ class BoundaryState:
     live_suffix: Continuation | None = None  # for `live`: what the uninterrupted original loop went on to emit
     roundtrip: bool | None = None  # for `retokenized`: did decode -> encode return the same IDs?
     match: dict[str, Any] | None = None  # for `live`: how the boundary rule matched, when there is more to say
+    cache_len: int | None = None
+    """With a static cache: the positions L it is allocated for (`LM.cache_len`), which every construction of
+    this item shares, since a static forward attends over all L rows. None for a dynamic cache."""
 
     @property
     def stage1(self) -> tuple[int, ...]:
@@ -105,10 +109,35 @@ class LM:
         self.tokenizer = tokenizer
         self.config = config
         self.determinism = determinism or {}
-        self.stepper = Stepper(model, config.device, capture=captures_steps(config.precision))
+        self.stepper = Stepper(model, config.device, capture=captures_steps(config.precision, config.cache),
+                               graphs=graphs_steps(config.precision, config.cache, config.device))
         self.eos = eos_ids(model, tokenizer)
         self.n_layers = int(model.config.get_text_config().num_hidden_layers)
         self.context = model_context(model.config)
+
+    # -- caches -----------------------------------------------------------------------------------------
+
+    def cache_len(self, prompt_len: int, decode_config: DecodeConfig | None = None) -> int | None:
+        """The positions a static cache for an item of `prompt_len` prompt tokens holds (None when dynamic).
+
+        generate(cache_implementation="static", max_new_tokens=N) allocates prompt + N - 1 positions (the last
+        token emitted is never fed back). The live loop emits at most the stage-1 budget and then
+        `max_new_tokens`, so its cache gets what generate() would allocate for that many: live equals
+        generate(cache_implementation="static", max_new_tokens=budget + max_new_tokens) token for token and
+        bit for bit (tests/test_static_cache.py). Every construction of the item is allocated the same L, so
+        the arms of a comparison differ only in how their caches were filled.
+        """
+        if self.config.cache != "static":
+            return None
+        dc = decode_config or DecodeConfig()
+        budget = dc.max_stage1_tokens or stage1_budget(self.context, prompt_len, dc.max_new_tokens)
+        return prompt_len + budget + dc.max_new_tokens - 1
+
+    def new_cache(self, length: int | None) -> Any:
+        """An empty cache of this LM's kind; a static one for `length` positions (a dynamic one ignores it)."""
+        if self.config.cache == "static" and length is None:
+            raise StageReplayError("a static cache needs its length", "build boundary states with LM.cache_len")
+        return new_cache(self.model, self.config.cache, length)
 
     # -- live generation ------------------------------------------------------------------------------
 
@@ -116,7 +145,7 @@ class LM:
                  seed: int = 0) -> list[int]:
         """Plain decoding with the live loop (no boundary): the tokens generate() would give, greedy by default;
         with a sampling `decode_config`, those of generate(do_sample=True) after `torch.manual_seed(seed)`."""
-        cache = new_cache(self.model)
+        cache = self.new_cache(len(prompt_ids) + max_new_tokens - 1)  # generate()'s static max_cache_len
         logits = self.stepper.forward(prompt_ids, cache, 0)
         sampler = Sampler(decode_config or DecodeConfig(), seed, self.config.device)
         return decode(self.stepper, cache, logits, len(prompt_ids), sampler, max_new_tokens, self.eos)
@@ -140,7 +169,8 @@ class LM:
         prompt, item_id = self.check_prompt(item)
         ended = boundary.bind(self.tokenizer).watch()
         budget = dc.max_stage1_tokens or stage1_budget(self.context, len(prompt), dc.max_new_tokens)
-        cache = new_cache(self.model)
+        cache_len = self.cache_len(len(prompt), replace(dc, max_stage1_tokens=budget))
+        cache = self.new_cache(cache_len)
         logits = self.stepper.forward(prompt, cache, 0)
         past = len(prompt)
         pick = Sampler(dc, derive_seed(dc.seed, item_id, "stage1"), self.config.device)
@@ -158,6 +188,7 @@ class LM:
         state = BoundaryState(
             prefix=(*prompt, *generated), prompt_len=len(prompt), construction="live",
             cache=clone_cache(cache), seed=derive_seed(dc.seed, item_id, "suffix"), match=ended.detail(),
+            cache_len=cache_len,
         )
         if not keep_going:
             return state
@@ -170,7 +201,7 @@ class LM:
         name = check_construction(construction)
         prefix, n_prompt = state.prefix, state.prompt_len
         body = prefix[:-1]  # P[0:T-1]: what the cache must cover
-        cache = new_cache(self.model)
+        cache_len = state.cache_len
         roundtrip = None
         if name == "live":
             raise StageReplayError("the live construction comes only from live generation", "use lm.live(...)")
@@ -178,14 +209,17 @@ class LM:
             text = self.tokenizer.decode(list(prefix), skip_special_tokens=False)
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
             roundtrip = ids == tuple(prefix)
+            if cache_len is not None:  # room for the same continuation after a prefix that re-encodes longer
+                cache_len += max(0, len(ids) - len(prefix))
             prefix = ids
             body = prefix[:-1]
+        cache = self.new_cache(cache_len)
         # oneshot: one forward; incremental: the same operations as live generation, the prompt in one forward,
         # then one token per forward; chunked:<n>: n at a time (engine.forwards, which `stagereplay plan` counts).
         for start, stop in construction_spans(name, n_prompt, len(body)):
             self.stepper.forward(body[start:stop], cache, start)
         return BoundaryState(prefix=tuple(prefix), prompt_len=n_prompt, construction=name, cache=cache,
-                             seed=state.seed, roundtrip=roundtrip)
+                             seed=state.seed, roundtrip=roundtrip, cache_len=cache_len)
 
     # -- continuation ---------------------------------------------------------------------------------
 
@@ -206,6 +240,11 @@ class LM:
     def _continue(self, cache: Any, state: BoundaryState, dc: DecodeConfig, seed: int | None = None,
                   keep_steps: bool = True, watch: Sequence[Sequence[int]] = ()) -> Continuation:
         past = len(state.prefix) - 1
+        if state.cache_len is not None and past + dc.max_new_tokens > state.cache_len:
+            raise StageReplayError(
+                f"a static cache of {state.cache_len} positions cannot hold {past} + {dc.max_new_tokens} new tokens",
+                "continue with the --max-new-tokens the boundary state was built for",
+            )
         logits = self.stepper.forward([state.prefix[-1]], cache, past)
         pick = Sampler(dc, state.seed if seed is None else seed, self.config.device)
         record = StepRecord(dc.max_new_tokens, watch, self.stepper) if keep_steps else None
@@ -244,9 +283,11 @@ def load(
     device: str = "cpu",
     threads: int = 1,
     attn_impl: str = "sdpa",
+    cache: str = "dynamic",
 ) -> LM:
     """Load a local Hugging Face causal LM for replay (no network), with determinism settings applied."""
-    config = ModelConfig(path=str(path), precision=precision, device=device, threads=threads, attn_impl=attn_impl)
+    config = ModelConfig(path=str(path), precision=precision, device=device, threads=threads, attn_impl=attn_impl,
+                         cache=cache)
     determinism = set_determinism(config.threads, config.device)
     model, tokenizer = load_model_and_tokenizer(config)
     return LM(model, tokenizer, config, determinism)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 Precision = Literal["bf16", "fp16", "fp32", "fp32-compute"]
 PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp32-compute")
 ATTN_IMPLS: tuple[str, ...] = ("eager", "sdpa")
+CACHES: tuple[str, ...] = ("dynamic", "static")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class ModelConfig:
     device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:<i>"})
     threads: int = field(default=1, metadata={"help": "torch intra-op threads, fixed and recorded"})
     attn_impl: str = field(default="sdpa", metadata={"help": "eager | sdpa"})
+    cache: str = field(default="dynamic", metadata={
+        "help": "dynamic (grows per step; equals generate()) | static (preallocated; equals "
+                "generate(cache_implementation='static'), CUDA-graph captured on a GPU)"})
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -39,6 +43,8 @@ class ModelConfig:
             raise StageReplayError(
                 f"unknown attention implementation {self.attn_impl!r}", f"use one of {', '.join(ATTN_IMPLS)}"
             )
+        if self.cache not in CACHES:
+            raise StageReplayError(f"unknown cache {self.cache!r}", f"use --cache {' or '.join(CACHES)}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise StageReplayError(f"unknown device {self.device!r}", "use cpu, cuda or cuda:<index>")
         if self.threads < 1:

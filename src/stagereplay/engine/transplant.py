@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagereplay.engine.cache import clone_cache, layer_span
+from stagereplay.engine.cache import clone_cache, held, layer_span
 from stagereplay.errors import StageReplayError
 
 
@@ -83,31 +83,26 @@ def transplant(recipient: Any, donor: Any, spec: TransplantSpec) -> Any:
     out = clone_cache(recipient)
     with torch.inference_mode():
         for i in spec.layers:
-            layer, theirs_layer = out.layers[i], donor.layers[i]
-            start, stop = layer_span(layer)
-            if layer_span(theirs_layer) != (start, stop):
+            # Views of the positions each layer holds (engine.cache.held): a static cache's unwritten rows never
+            # move, and writing into the clone's views keeps a static cache's tensors where they are.
+            mine_k, mine_v, start = held(out.layers[i])
+            theirs_k, theirs_v, their_start = held(donor.layers[i])
+            stop = start + int(mine_k.shape[-2])
+            if (their_start, their_start + int(theirs_k.shape[-2])) != (start, stop):
                 raise StageReplayError(
-                    f"cannot transplant layer {i}: positions {layer_span(theirs_layer)} vs {(start, stop)}",
+                    f"cannot transplant layer {i}: positions {layer_span(donor.layers[i])} vs {(start, stop)}",
                     "transplant only between boundary states of the same prefix",
                 )
             for name in spec.kv:
-                theirs = theirs_layer.keys if name == "k" else theirs_layer.values
-                mine = layer.keys if name == "k" else layer.values
+                theirs, mine = (theirs_k, mine_k) if name == "k" else (theirs_v, mine_v)
                 if theirs.shape != mine.shape:
                     raise StageReplayError(
                         f"cannot transplant layer {i} {name.upper()}: shapes {tuple(theirs.shape)} vs {tuple(mine.shape)}",
                         "transplant only between boundary states of the same prefix",
                     )
-                if spec.positions is None:
-                    new = theirs.clone()
-                else:
-                    # Absolute [a, b) to this layer's rows: a sliding window's row 0 is position `start`.
-                    lo, hi = max(spec.positions[0], start) - start, min(spec.positions[1], stop) - start
-                    new = mine.clone()
-                    if lo < hi:
-                        new[:, :, lo:hi] = theirs[:, :, lo:hi]
-                if name == "k":
-                    layer.keys = new
-                else:
-                    layer.values = new
+                # Absolute [a, b) to this layer's rows: a sliding window's row 0 is position `start`.
+                a, b = spec.positions if spec.positions is not None else (start, stop)
+                lo, hi = max(a, start) - start, min(b, stop) - start
+                if lo < hi:
+                    mine[:, :, lo:hi] = theirs[:, :, lo:hi].to(mine.device)
     return out

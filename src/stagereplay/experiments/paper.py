@@ -62,6 +62,7 @@ def paper(
     workers: int = 0,
     executor: str = "local",
     quiet: bool = False,
+    cache: str = "dynamic",
 ) -> dict[str, Any]:
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
     checkpoint, audit, report. With `resample` = K > 0, also K sampled draws per boundary state on the first
@@ -75,7 +76,7 @@ def paper(
         workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), "bf16", device, threads,
-                            attn_impl, columns=columns)
+                            attn_impl, columns=columns, cache=cache)
     if later_model is None and model is None:
         from stagereplay.toy import toy_checkpoint
 

@@ -398,7 +398,6 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
 
     clock = clock or time.perf_counter
 
-    from stagereplay.engine.cache import new_cache
     from stagereplay.engine.lm import load
 
     rates, prefill = {}, {}
@@ -409,7 +408,7 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
         ids = [(7 * i + 3) % vocab for i in range(length)]
         timed: list[tuple[float, float]] = []  # (prefill s, one step s)
         for _ in range(rounds + 1):
-            cache = new_cache(lm.model)
+            cache = lm.new_cache(length + steps)
             t0 = clock()
             lm.stepper.forward(ids, cache, 0)
             t1 = clock()

@@ -20,10 +20,12 @@ from stagereplay.tasks.base import Item
 EXPERIMENT = "precision_2x2"
 
 
-def fixed_state(item: Item, prefix: list[int], settings: ReplaySettings) -> BoundaryState:
-    """A boundary state with no cache yet: what `lm.construct` needs to rebuild one from fixed token IDs."""
+def fixed_state(item: Item, prefix: list[int], settings: ReplaySettings, lm: LM) -> BoundaryState:
+    """A boundary state with no cache yet: what `lm.construct` needs to rebuild one from fixed token IDs (a static
+    cache is allocated for the positions the item's live run had, `LM.cache_len`)."""
     return BoundaryState(prefix=tuple(prefix), prompt_len=len(item.prompt_ids), construction="fixed", cache=None,
-                         seed=derive_seed(settings.decode.seed, item.id, "suffix"))
+                         seed=derive_seed(settings.decode.seed, item.id, "suffix"),
+                         cache_len=lm.cache_len(len(item.prompt_ids), settings.decode))
 
 
 def grid_item(lm: LM, job: Job) -> dict[str, Any]:
@@ -36,7 +38,7 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
     tokens, or the arm is decoded in full and recorded as its own.
     """
     item, s = job.item, job.settings
-    state = fixed_state(item, job.get("prefix"), s)
+    state = fixed_state(item, job.get("prefix"), s, lm)
     reuse = job.get("reuse")
     reused = reuse[0].rpartition(":")[2] if reuse else None
     built = {f"{c}@{lm.config.precision}": (c, lm.construct(state, c)) for c in job.get("constructions")}

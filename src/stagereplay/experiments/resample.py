@@ -99,7 +99,7 @@ def _states(lm: LM, job: Job) -> tuple[BoundaryState, BoundaryState] | None:
     """(live, live replica) for the job's prefix, or None when live generation no longer reaches it."""
     item, s, prefix = job.item, job.settings, tuple(job.get("prefix"))
     if job.get("live_source") == "incremental":
-        fixed = fixed_state(item, list(prefix), s)
+        fixed = fixed_state(item, list(prefix), s, lm)
         return lm.construct(fixed, "incremental"), lm.construct(fixed, "incremental")
     try:
         live = lm.live(item, s.rule(), s.decode, keep_going=False)

@@ -38,7 +38,8 @@ class Source:
 
 def resolve_source(model: str | None, data: str | None, n: int | None, boundary: BoundaryRule | None,
                    scorer: str | None, decode: DecodeConfig, precision: str, device: str, threads: int,
-                   attn_impl: str, checkpoint: str = "primary", columns: str | None = None) -> Source:
+                   attn_impl: str, checkpoint: str = "primary", columns: str | None = None,
+                   cache: str = "dynamic") -> Source:
     """Fill in the embedded toy's checkpoint and held-out items when no model or data is given.
 
     Nothing else is special to the toy: with no boundary rule the rule is left empty for `prepare` to default
@@ -53,7 +54,7 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
     if scorer is None:
         scorer = "last-number"
     config = ModelConfig(path=str(Path(model).resolve()), precision=precision, device=device, threads=threads,
-                         attn_impl=attn_impl)
+                         attn_impl=attn_impl, cache=cache)
     check_model_dir(config.path)
     if data and not data.startswith(HF_PREFIX):
         data = str(Path(data).resolve())  # a file or folder; an hf: name stays as given
@@ -67,7 +68,7 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Ite
     Returns the source with its boundary rule and stage-1 budget resolved (`fit_stage1`), the model (None when
     workers load their own), the items, the data hash and the determinism settings.
     """
-    from stagereplay.engine.decode import captures_steps
+    from stagereplay.engine.decode import captures_steps, graphs_steps
     from stagereplay.engine.lm import check_prompt
     from stagereplay.engine.model import load_config_and_tokenizer, set_determinism
 
@@ -86,7 +87,9 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Ite
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
     source = fit_stage1(source, config, tokenizer, items)
     # Captured steps are bit-identical to eager ones (see engine.decode.Stepper); recorded all the same.
-    determinism = {**determinism, "captured_steps": captures_steps(m.precision)}
+    determinism = {**determinism, "captured_steps": captures_steps(m.precision, m.cache)}
+    if graphs_steps(m.precision, m.cache, m.device):  # CUDA graphs replay the eager kernels (engine.graphs)
+        determinism["cuda_graph_steps"] = True
     return source, lm, items, data_hash, determinism
 
 
@@ -219,6 +222,7 @@ def matched(
     engine: str = "hf",
     cross: str | None = None,
     block_size: int = 32,
+    cache: str = "dynamic",
 ) -> dict[str, Any]:
     """Run (or resume) the matched experiment into `out`; return results.json's content.
 
@@ -232,7 +236,7 @@ def matched(
     part = parse_shard(shard)
     arms = serving_arms(engine, cross, block_size, construction, ex, decode or DecodeConfig(), precision)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
-                            threads, attn_impl, columns=columns)
+                            threads, attn_impl, columns=columns, cache=cache)
     source, lm, items, data_hash, determinism = prepare(source, ex)
     print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)

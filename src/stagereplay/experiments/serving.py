@@ -185,7 +185,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
         served(name, "oneshot", engine.generate(prefix, max_new, reuse=False))
     fresh = ["oneshot", "prefix-cache"]
     if cross:
-        state = fixed_state(item, prefix, s)
+        state = fixed_state(item, prefix, s, lm)
         for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):
             built = lm.construct(state, "oneshot")
             cont = lm.continue_from(built, s.decode)

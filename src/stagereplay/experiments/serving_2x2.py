@@ -67,7 +67,7 @@ def serving_grid_item(lm: LM, job: Job) -> dict[str, Any]:
             arm["live_prefix_equal"] = list(live.tokens) == stage1
             arms.append(arm)
         else:  # <cross>-oneshot: ours, on the same IDs
-            built = lm.construct(fixed_state(item, prefix, s), "oneshot")
+            built = lm.construct(fixed_state(item, prefix, s, lm), "oneshot")
             cont = lm.continue_from(built, s.decode)
             arms.append(arm_of(lm, name, "oneshot", c.removesuffix("-oneshot"), cont.suffix,
                                hf_top_logprobs(cont.record, TOP_LOGPROBS), stage1, item, s.scorer, built.fingerprint()))
