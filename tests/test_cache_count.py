@@ -112,12 +112,13 @@ def test_caches_alive_at_once_are_what_the_readme_says(experiment):
 
 def test_a_captured_step_that_keeps_its_first_cache_is_caught(monkeypatch):
     """Negative control: without the collection after a capture, dynamo's reference cycles keep the cache of the
-    first captured step: one cache more than the README says, still alive when the item is done."""
+    first captured step (and, after other tests' captures in the same process, those of later recompiles):
+    more caches than the README says, still alive when the item is done."""
     from stagereplay.engine import decode
 
     monkeypatch.setattr(decode, "release_capture_garbage", lambda: None)
     peak, left = _count(_fresh_lm(), "matched")
-    assert left == 1 and peak == CACHES_ALIVE["matched"] + 1
+    assert left >= 1 and peak > CACHES_ALIVE["matched"]
 
 
 def test_the_model_a_process_drops_is_gone_before_the_next_loads(monkeypatch):
