@@ -126,7 +126,7 @@ def test_the_model_a_process_drops_is_gone_before_the_next_loads(monkeypatch):
     two, and the first is then alive while the second loads."""
     from stagereplay.engine import lm as lm_module
     from stagereplay.engine.model import ModelConfig
-    from stagereplay.execution import local
+    from stagereplay.execution import models
     from stagereplay.toy import toy_checkpoint
 
     path = str(toy_checkpoint("primary"))
@@ -140,13 +140,13 @@ def test_the_model_a_process_drops_is_gone_before_the_next_loads(monkeypatch):
 
     monkeypatch.setattr(lm_module, "load", watched)
     for keep, expected in ((1, False), (2, True)):
-        local._LMS.clear()
+        models._LMS.clear()
         alive_at_load.clear()
         first.clear()
-        lm = local.cached_lm(ModelConfig(path=path, precision="bf16"), keep)
+        lm = models.cached_lm(ModelConfig(path=path, precision="bf16"), keep)
         lm.generate([1, 2, 3], 4)  # its step captured: the cycles that hold a model until collected
         first.append(weakref.ref(lm.model))
         del lm
-        local.cached_lm(ModelConfig(path=path, precision="fp32"), keep)
+        models.cached_lm(ModelConfig(path=path, precision="fp32"), keep)
         assert alive_at_load == [False, expected]
-    local._LMS.clear()
+    models._LMS.clear()

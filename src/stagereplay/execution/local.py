@@ -13,39 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import Work
+from stagereplay.execution.models import cached_lm, release_models
+from stagereplay.execution.ray_cluster import shutdown_actors
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
     from stagereplay.engine.model import ModelConfig
-
-# The models this process has loaded, so that the stages of one command that share a model setting load it (and
-# capture its steps) once. One at a time, in the command's own process and in each worker alike: no comparison
-# needs two models resident (the 2x2 runs each precision as its own jobs, the audit groups its jobs by model),
-# and at 14B two would be 28-56 GiB. A model is released, and collected, before the next one loads.
-_LMS: dict[ModelConfig, LM] = {}
-MAX_MODELS = 1
-
-
-def cached_lm(config: ModelConfig, keep: int = MAX_MODELS) -> LM:
-    """The model for `config`, loaded unless it is among the last `keep` this process used.
-
-    The models dropped to make room are collected before the next loads: a captured step holds its model in
-    reference cycles, which plain reference counting would leave for the cycle collector to find later.
-    """
-    lm = _LMS.pop(config, None)
-    if lm is None:
-        import gc
-
-        from stagereplay.engine.lm import load
-
-        if len(_LMS) >= keep:
-            while len(_LMS) >= keep:
-                _LMS.pop(next(iter(_LMS)))  # the least recently used, dropped before the next one loads
-            gc.collect()
-        lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl, config.cache)
-    _LMS[config] = lm
-    return lm
-
 
 # This worker process's index in its pool (0..N-1), set when the process starts; None in the command's process.
 _WORKER_INDEX: int | None = None
@@ -123,13 +96,11 @@ def _pool(workers: int) -> Any:
 def shutdown_workers() -> None:
     """Stop the worker processes and Ray actors, and free the models loaded here. Called at exit and by each
     command's end."""
-    from stagereplay.execution.ray_cluster import shutdown_actors  # here: ray_cluster imports this module
-
     shutdown_actors()
     for pool in _POOL.values():
         pool.shutdown(wait=True, cancel_futures=True)
     _POOL.clear()
-    _LMS.clear()
+    release_models()
 
 
 atexit.register(shutdown_workers)

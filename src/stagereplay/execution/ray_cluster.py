@@ -3,7 +3,7 @@
 Actors are started on the first `run_ray` call of a command and live until the command ends
 (`shutdown_actors`, called by `execution.local.shutdown_workers` at each command's end and at exit), so every
 stage of `paper`, its audit included, reuses them. Each actor holds one CPU, or one GPU (`num_gpus=1`) when
-the run is on CUDA, and keeps the model(s) it has loaded as a local worker does (`execution.local.cached_lm`:
+the run is on CUDA, and keeps the model(s) it has loaded as a local worker does (`execution.models.cached_lm`:
 one at a time, the last released and collected before the next loads): a stage that comes back to a model
 setting an actor already holds does not load it again.
 
@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.local import cached_lm
+from stagereplay.execution.models import cached_lm
 
 if TYPE_CHECKING:
     from stagereplay.engine.model import ModelConfig
