@@ -11,6 +11,13 @@ largest single process is reported beside it. With no model options it runs on t
 `--keep DIR` keeps the run directory of the last `--workers` value (its report holds the tables of the run
 that was timed).
 
+A shared CPU's pace moves under a run: on the 2-core machine of docs/reference/performance.md the same toy
+step took 2.8 ms at one hour and 7.7 ms half an hour later, with nothing else running in the machine. So each
+run is bracketed by the library's own calibration (`experiments.plan.calibrate`: a captured decode step and a
+prefill on the primary model, per precision, in a fresh process), and the plan of the run as it ran
+(`plan_run`: its forwards, counted from its ledger) is priced at the pace measured before it. `wall / plan`
+near 1 says the machine kept that pace; a run is comparable with another only at a similar pace.
+
 bf16 results depend on the CPU's kernels (AVX2, AVX-512, AVX-512 with AMX tiles route bf16 matmuls and
 attention differently), so the benchmark ends with the kernels that ran and the run's paper figures.
 `--kernels avx2` runs under `AVX2_KERNELS`: ATen held to its AVX2 kernels, MKL to its AVX2 code path
@@ -138,6 +145,7 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
     ):
         if value is not None:
             cmd += [flag, str(value)]
+    before = pace(args)
     t0 = time.perf_counter()
     env = {**os.environ, **(AVX2_KERNELS if args.kernels == "avx2" else {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -147,6 +155,8 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"`{' '.join(map(str, cmd))}` failed ({proc.returncode}):\n{output[-3000:]}")
+    after = pace(args)
+    forwards, planned = plan_seconds(out, before, workers)
     from stagereplay.records.ledger import items, read_ledger
 
     ledger = (out / "ledger.jsonl").read_bytes()
@@ -154,6 +164,9 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
         "executor": executor,
         "workers": workers,
         "wall_s": wall,
+        "forwards": forwards,
+        "plan_s": planned,
+        "step_ms": {p: (1e3 / before[p][0], 1e3 / after[p][0]) for p in before},
         "peak_rss_tree_mb": peak.total / 2**20,
         "peak_rss_single_mb": peak.single / 2**20,
         "records": len(items(read_ledger(out))),  # item records, not the chain's stage and environment ones
@@ -162,6 +175,36 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
         "ledger_sha256": hashlib.sha256(ledger).hexdigest(),
         "command": cmd,
     }
+
+
+def pace(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Per precision, (decode steps per second, prefill tokens per second) on the primary model, measured in a
+    fresh process with the run's kernels (`experiments.plan.calibrate`)."""
+    model = args.model
+    if model is None:
+        from stagereplay.toy import toy_checkpoint
+
+        model = str(toy_checkpoint("primary"))
+    code = ("import json, sys; from stagereplay.experiments.plan import calibrate; "
+            "r = calibrate(sys.argv[1], ('bf16', 'fp32'), threads=int(sys.argv[2]), steps=64, rounds=5); "
+            "print(json.dumps({p: [r.steps[p], r.prefill_tokens.get(p, 0.0)] for p in r.steps}))")
+    env = {**os.environ, **(AVX2_KERNELS if args.kernels == "avx2" else {})}
+    done = subprocess.run([sys.executable, "-c", code, model, str(args.threads)], capture_output=True, text=True,
+                          env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"calibrating {model} failed:\n{done.stderr[-2000:]}")
+    return {k: (v[0], v[1]) for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def plan_seconds(run: Path, rates: dict[str, tuple[float, float]], workers: int) -> tuple[int, float]:
+    """The run's forwards as it ran (`plan_run`, its audit sample included) and their time at `rates`, each
+    stage spread over `workers` processes."""
+    from stagereplay.experiments.plan import Rates, plan_run
+
+    stages = plan_run(run)
+    priced = Rates({p: r[0] for p, r in rates.items()}, {p: r[1] for p, r in rates.items() if r[1] > 0})
+    seconds = sum(priced.seconds(s) / max(1, min(workers, s.units)) for s in stages)
+    return sum(s.forwards for s in stages), seconds
 
 
 def kernels_line(run: Path) -> str:
@@ -265,6 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['executor']:>8}  {r['workers']:>7}  {r['wall_s']:8.1f}  {rows[0]['wall_s'] / r['wall_s']:8.2f}  "
             f"{r['peak_rss_tree_mb']:17.0f}  {r['peak_rss_single_mb']:19.0f}"
         )
+    print("machine pace, a captured decode step before / after each run (experiments.plan.calibrate):")
+    for r in rows:
+        steps = ", ".join(f"{p} {a:.2f} / {b:.2f} ms" for p, (a, b) in r["step_ms"].items())
+        print(f"{r['executor']:>8}  {r['workers']:>7}  {steps}; plan of the run at the pace before it: "
+              f"{r['forwards']} forwards, {r['plan_s']:.1f} s (wall / plan {r['wall_s'] / r['plan_s']:.2f})")
     print(
         f"ledgers ({rows[0]['records']} records) byte-identical across the runs: {'yes' if same else 'NO'}"
     )

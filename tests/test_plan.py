@@ -191,6 +191,16 @@ def test_plan_sizes_a_14b_checkpoint_from_its_config_alone(tmp_path):
     assert set(rows) == {"resample/primary@bf16", "resample/primary@fp32"}
     for row in rows.values():
         assert int(row[2]) == 7 and int(row[3]) == 7 * (2 * s + 1 + 5 * k * n)
+    # `--cache static` prices each cache at its allocation, prompt + stage-1 budget + max new - 1 (LM.cache_len):
+    # the default budget of 8192 here, the given one with --max-stage1-tokens; a dynamic cache at P + S + N.
+    for extra, positions in (([], p + 8192 + n - 1), (["--max-stage1-tokens", str(s)], p + s + n - 1)):
+        static = CliRunner().invoke(app, [*args, "--cache", "static", *extra])
+        assert static.exit_code == 0, static.output
+        assert f"max new tokens - 1 positions, {positions} at the longest prompt" in static.output
+        cached = next(line.split() for line in static.output.splitlines() if line.startswith("matched/primary"))
+        assert float(cached[7]) == pytest.approx(192 * positions / 1024, abs=0.05)
+    refused = CliRunner().invoke(app, [*args, "--cache", "paged"])
+    assert refused.exit_code == 2 and "unknown cache 'paged'" in refused.output
     # Negative control of the shape: 4 KV heads halve the cache.
     (model / "config.json").write_text(json.dumps({**R1_14B, "num_key_value_heads": 4}))
     half = CliRunner().invoke(app, args)

@@ -193,3 +193,18 @@ def test_cache_kind_is_checked_recorded_and_a_static_run_audits_clean(tmp_path, 
     # Negative control: the two kinds give different caches here (SDPA over L padded rows vs over T), so a clean
     # audit of the static run is one that re-executed it on a static cache.
     assert all(fingerprints(runs["static"])) and fingerprints(runs["static"]) != fingerprints(runs["dynamic"])
+
+    # `plan RUN` prices a static run's caches at what the engine allocated (LM.cache_len of the longest prompt),
+    # not at the positions filled; a dynamic run's at the longest sequence (negative control: no static line).
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.engine.lm import load
+
+    lm = load(str(tiny_dir("qwen2")), cache="static")
+    prompts = [len(r["payload"]["prompt_ids"]) for r in map(json.loads, (runs["static"] / "ledger.jsonl").open())
+               if r["kind"] == "item"]
+    allocated = max(lm.cache_len(p, DecodeConfig(max_new_tokens=10)) for p in prompts)
+    planned = runner.invoke(app, ["plan", str(runs["static"])])
+    assert planned.exit_code == 0, planned.output
+    assert f"static caches: each allocated for prompt + stage-1 budget + max new tokens - 1 positions, {allocated} " \
+           "at the longest prompt" in planned.output
+    assert "static caches" not in runner.invoke(app, ["plan", str(runs["dynamic"])]).output

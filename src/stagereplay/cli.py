@@ -410,6 +410,7 @@ def plan(
     prefill_tokens_per_second: Annotated[float | None, typer.Option("--prefill-tokens-per-second", help=(
         "prefill tokens per second, on top of the forward's step"))] = None,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="measure the rates on the real model")] = False,
+    cache: Cache = "dynamic",
 ) -> None:
     """What `paper` (or the run RUN) costs: forwards, caches, weights and time per stage; runs nothing."""
 
@@ -432,7 +433,8 @@ def plan(
         cfg = PlanConfig(n=n, suffix_tokens=suffix_tokens or max_new_tokens, stage1_tokens=stage1_tokens,
                          prompt_tokens=prompt_tokens, divergent=divergent, bridge_rows=rows, select=select,
                          sweep=sweep, later=later_model is not None or model is None, audit_sample=sample,
-                         dedup=not no_dedup, workers=w, resample=resample, resample_items=resample_items)
+                         dedup=not no_dedup, workers=w, resample=resample, resample_items=resample_items,
+                         cache=cache, max_new_tokens=max_new_tokens)
         rates = None
         if tokens_per_second is not None:
             rates = Rates({"": tokens_per_second},

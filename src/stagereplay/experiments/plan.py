@@ -9,6 +9,10 @@ Before a run the lengths are assumptions: every prompt as tokenized (or `prompt_
 `stage1_tokens` (default: the stage-1 budget), every suffix of `suffix_tokens` (default: `--max-new-tokens`),
 and `divergent` items whose live and fresh suffixes differ (default: all; it sizes the transplant selections
 and the carried-over 2x2 arm's diagnostic decode). After a run (`plan_run`) every length is the measured one.
+
+A dynamic cache holds what was fed so far, so its size is that of the longest sequence. A static cache
+(`--cache static`) is allocated whole before the first token, for prompt + stage-1 budget + max new tokens - 1
+positions (`LM.cache_len`), and is priced at that length whatever the suffixes turn out to be.
 """
 
 from __future__ import annotations
@@ -110,6 +114,9 @@ class PlanConfig:
     workers: int = 1
     resample: int = field(default=0, metadata={"help": "K sampled draws per state (0: no resample stage)"})
     resample_items: int = field(default=50, metadata={"help": "items the resample stage draws on"})
+    cache: str = field(default="dynamic", metadata={"help": "dynamic | static: how caches are sized"})
+    max_new_tokens: int | None = field(default=None, metadata={
+        "help": "the suffix budget a static cache is allocated for (at least suffix_tokens)"})
 
     def __post_init__(self) -> None:
         for name in ("n", "suffix_tokens", "stage1_tokens", "prompt_tokens", "bridge_rows", "workers",
@@ -123,6 +130,8 @@ class PlanConfig:
                                    "pass e.g. --audit-sample 20")
         if self.resample < 0:
             raise StageReplayError(f"--resample must be 0 or more, got {self.resample}", "pass e.g. --resample 32")
+        if self.cache not in ("dynamic", "static"):
+            raise StageReplayError(f"unknown cache {self.cache!r}", "use --cache dynamic or static")
         if self.divergent is not None and not 0 <= self.divergent <= self.n:
             raise StageReplayError(f"--divergent must lie in 0..--n ({self.n}), got {self.divergent}",
                                    "pass the number of items expected to diverge")
@@ -253,6 +262,20 @@ def audit_stages(stages: list[StagePlan], sample: int | None) -> list[StagePlan]
         audit.positions = max(audit.positions, s.positions)
         audit.caches = max(audit.caches, s.caches)
     return list(out.values())
+
+
+def static_positions(prompts: Iterable[int], max_stage1: int | None, max_new: int, context: int) -> int:
+    """The longest static cache a run allocates: per item, prompt + stage-1 budget + max_new - 1 (`LM.cache_len`;
+    the budget is `max_stage1`, else what `engine.limits.stage1_budget` leaves that item)."""
+    from stagereplay.engine.limits import stage1_budget
+
+    return max((p + (max_stage1 or stage1_budget(context, p, max_new)) + max_new - 1 for p in prompts), default=0)
+
+
+def allocate(stages: list[StagePlan], positions: int) -> None:
+    """Size every stage's caches at a static allocation of `positions`."""
+    for st in stages:
+        st.positions = positions
 
 
 def lengths_of(payload: dict[str, Any]) -> Lengths:
@@ -388,8 +411,8 @@ def _layers(stage: dict[str, Any]) -> int:
 
 
 def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
-              prompt: int = 256, steps: int = 32, rounds: int = 3, clock: Callable[[], float] | None = None
-              ) -> Rates:
+              prompt: int = 256, steps: int = 32, rounds: int = 3, clock: Callable[[], float] | None = None,
+              cache: str = "dynamic") -> Rates:
     """Measure a decode step and a prefill of `prompt` tokens on the real model, per precision: one warm-up
     round (it captures the step), then the median of `rounds` timed ones. `clock`: wall time by default
     (`time.process_time` times this process's CPU, steadier on a shared CPU)."""
@@ -402,7 +425,7 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
 
     rates, prefill = {}, {}
     for p in precisions:
-        lm = load(path, precision=p, device=device, threads=threads)
+        lm = load(path, precision=p, device=device, threads=threads, cache=cache)
         vocab = int(lm.model.config.get_text_config().vocab_size)
         length = max(2, min(prompt, lm.context - steps - 1))
         ids = [(7 * i + 3) % vocab for i in range(length)]
@@ -421,7 +444,7 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
         if extra > 0:
             prefill[p] = length / extra
         del lm
-    return Rates(rates, prefill, f"calibrated on {Path(path).name}, {device}, {threads} thread(s)")
+    return Rates(rates, prefill, f"calibrated on {Path(path).name}, {device}, {threads} thread(s), {cache} cache")
 
 
 def render(stages: list[StagePlan], shape: Shape, rates: Rates | None, workers: int = 1) -> str:
@@ -479,12 +502,23 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
     shape = model_shape(model)
     if run is not None:
         stages = plan_run(run, cfg.audit_sample)
+        config = read_manifest(run)["config"]
+        cache = config["model"].get("cache", "dynamic")  # a run from before --cache ran on a dynamic cache
+        if cache == "static":
+            decode = config["settings"]["decode"]
+            prompts = [len(r.payload.get("prompt_ids") or []) for r in items(read_ledger(run))]
+            allocate(stages, static_positions(prompts, decode.get("max_stage1_tokens"), decode["max_new_tokens"],
+                                              shape.context))
     else:
         prompts = prompt_lengths(model, data, cfg.n, cfg.prompt_tokens)
         budget = check_budgets(max(prompts), max_stage1_tokens, cfg.suffix_tokens, shape.context, STAGE1_BUDGET)
         stages = plan_paper(cfg, shape, prompts, budget)
+        cache = cfg.cache
+        if cache == "static":
+            max_new = max(cfg.max_new_tokens or 0, cfg.suffix_tokens)  # no suffix outgrows its budget
+            allocate(stages, static_positions(prompts, max_stage1_tokens, max_new, shape.context))
     if calibrate_on is not None:
-        rates = calibrate(model, sorted({s.precision for s in stages}), **calibrate_on)
+        rates = calibrate(model, sorted({s.precision for s in stages}), **calibrate_on, cache=cache)
     header = (f"model {Path(model).name}: {shape.layers} layers, {shape.kv_heads} KV heads of {shape.head_dim}, "
               f"{shape.params / 1e9:.3f}B parameters; a cache holds "
               f"{shape.cache_bytes(1, 'bf16') / 1024:.0f} KiB per position in bf16")
@@ -496,4 +530,7 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
                    + (f"of {cfg.audit_sample} units per stage" if cfg.audit_sample else "of every unit"))
     else:
         header += f"\nmeasured: the lengths recorded in {run}"
+    if cache == "static":
+        header += ("\nstatic caches: each allocated for prompt + stage-1 budget + max new tokens - 1 positions, "
+                   f"{stages[0].positions if stages else 0} at the longest prompt")
     return header + "\n" + render(stages, shape, rates, cfg.workers)
