@@ -234,7 +234,9 @@ def test_calibrate_measures_positive_rates(tiny_dir):
     from stagereplay.experiments.plan import calibrate
 
     rates = calibrate(str(tiny_dir("qwen2")), ["bf16"], prompt=32, steps=4)
-    assert rates.steps["bf16"] > 0 and "calibrated" in rates.source
+    assert rates.steps["bf16"] > 0 and "calibrated" in rates.source and "dynamic cache" in rates.source
+    both = calibrate(str(tiny_dir("qwen2")), ["bf16", "fp32"], prompt=32, steps=4, cache="static")
+    assert set(both.steps) == {"bf16", "fp32"} and min(both.steps.values()) > 0 and "static cache" in both.source
 
 
 def test_plan_of_a_directory_without_a_run_is_refused(tmp_path):

@@ -431,12 +431,12 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
         ids = [(7 * i + 3) % vocab for i in range(length)]
         timed: list[tuple[float, float]] = []  # (prefill s, one step s)
         for _ in range(rounds + 1):
-            cache = lm.new_cache(length + steps)
+            kv = lm.new_cache(length + steps)
             t0 = clock()
-            lm.stepper.forward(ids, cache, 0)
+            lm.stepper.forward(ids, kv, 0)
             t1 = clock()
             for k in range(steps):
-                lm.stepper.forward([ids[k % length]], cache, length + k)
+                lm.stepper.forward([ids[k % length]], kv, length + k)
             timed.append((t1 - t0, (clock() - t1) / steps))
         step = statistics.median(t for _, t in timed[1:])
         rates[p] = 1 / step
