@@ -12,7 +12,7 @@ largest single process is reported beside it. With no model options it runs on t
 that was timed).
 
 A shared CPU's pace moves under a run: on the 2-core machine of docs/reference/performance.md the same toy
-step took 2.8 ms at one hour and 7.7 ms half an hour later, with nothing else running in the machine. So each
+step took 2.8 ms at one time and 7.7 ms 25 minutes later, with nothing else running in the machine. So each
 run is bracketed by the library's own calibration (`experiments.plan.calibrate`: a captured decode step and a
 prefill on the primary model, per precision, in a fresh process), and the plan of the run as it ran
 (`plan_run`: its forwards, counted from its ledger) is priced at the pace measured before it. `wall / plan`
