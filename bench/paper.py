@@ -203,7 +203,7 @@ def plan_seconds(run: Path, rates: dict[str, tuple[float, float]], workers: int)
 
     stages = plan_run(run)
     priced = Rates({p: r[0] for p, r in rates.items()}, {p: r[1] for p, r in rates.items() if r[1] > 0})
-    seconds = sum(priced.seconds(s) / max(1, min(workers, s.units)) for s in stages)
+    seconds = sum(priced.wall(s, workers) for s in stages)
     return sum(s.forwards for s in stages), seconds
 
 

@@ -30,6 +30,15 @@ def stage1_budget(context: int, longest_prompt: int, max_new_tokens: int, cap: i
     return min(cap, context - longest_prompt - max_new_tokens)
 
 
+def static_cache_len(prompt_len: int, max_stage1_tokens: int | None, max_new_tokens: int, context: int) -> int:
+    """The positions a static cache is allocated for, for an item of `prompt_len` prompt tokens: what
+    generate(cache_implementation="static", max_new_tokens=budget + max_new_tokens) allocates, prompt + stage-1
+    budget + max_new_tokens - 1 (the last token emitted is never fed back); the budget is `max_stage1_tokens`,
+    else the default for this prompt (`stage1_budget`)."""
+    budget = max_stage1_tokens or stage1_budget(context, prompt_len, max_new_tokens)
+    return prompt_len + budget + max_new_tokens - 1
+
+
 def check_budgets(longest_prompt: int, stage1: int | None, max_new_tokens: int, context: int,
                   cap: int = STAGE1_BUDGET) -> int:
     """The stage-1 budget to use: the one given if prompt + stage 1 + suffix fit the context, else the default

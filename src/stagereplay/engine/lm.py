@@ -30,7 +30,7 @@ from stagereplay.engine.decode import (
     graphs_steps,
 )
 from stagereplay.engine.forwards import construction_spans
-from stagereplay.engine.limits import model_context, stage1_budget
+from stagereplay.engine.limits import model_context, stage1_budget, static_cache_len
 from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, set_determinism
 from stagereplay.engine.steps import StepRecord
 from stagereplay.errors import StageReplayError
@@ -130,8 +130,7 @@ class LM:
         if self.config.cache != "static":
             return None
         dc = decode_config or DecodeConfig()
-        budget = dc.max_stage1_tokens or stage1_budget(self.context, prompt_len, dc.max_new_tokens)
-        return prompt_len + budget + dc.max_new_tokens - 1
+        return static_cache_len(prompt_len, dc.max_stage1_tokens, dc.max_new_tokens, self.context)
 
     def new_cache(self, length: int | None) -> Any:
         """An empty cache of this LM's kind; a static one for `length` positions (a dynamic one ignores it)."""

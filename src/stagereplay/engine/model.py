@@ -43,8 +43,7 @@ class ModelConfig:
             raise StageReplayError(
                 f"unknown attention implementation {self.attn_impl!r}", f"use one of {', '.join(ATTN_IMPLS)}"
             )
-        if self.cache not in CACHES:
-            raise StageReplayError(f"unknown cache {self.cache!r}", f"use --cache {' or '.join(CACHES)}")
+        check_cache(self.cache)
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise StageReplayError(f"unknown device {self.device!r}", "use cpu, cuda or cuda:<index>")
         if self.threads < 1:
@@ -64,6 +63,13 @@ def torch_dtype(precision: str) -> torch.dtype:
         "fp32": torch.float32,
         "fp32-compute": torch.bfloat16,
     }[precision]
+
+
+def check_cache(cache: str) -> str:
+    """`cache` if it names a cache kind (CACHES), else a one-line error."""
+    if cache not in CACHES:
+        raise StageReplayError(f"unknown cache {cache!r}", f"use --cache {' or '.join(CACHES)}")
+    return cache
 
 
 def set_determinism(threads: int, device: str) -> dict[str, Any]:

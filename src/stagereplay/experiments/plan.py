@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.engine.forwards import Lengths, continuation_forwards
+from stagereplay.engine.limits import static_cache_len
+from stagereplay.engine.model import check_cache
 from stagereplay.errors import StageReplayError
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 
@@ -130,8 +132,7 @@ class PlanConfig:
                                    "pass e.g. --audit-sample 20")
         if self.resample < 0:
             raise StageReplayError(f"--resample must be 0 or more, got {self.resample}", "pass e.g. --resample 32")
-        if self.cache not in ("dynamic", "static"):
-            raise StageReplayError(f"unknown cache {self.cache!r}", "use --cache dynamic or static")
+        check_cache(self.cache)
         if self.divergent is not None and not 0 <= self.divergent <= self.n:
             raise StageReplayError(f"--divergent must lie in 0..--n ({self.n}), got {self.divergent}",
                                    "pass the number of items expected to diverge")
@@ -180,6 +181,10 @@ class Rates:
         x = self.steps.get(stage.precision) or self.steps[""]
         y = self.prefill_tokens.get(stage.precision) or self.prefill_tokens.get("")
         return stage.forwards / x + (stage.prefill_tokens / y if y else 0.0)
+
+    def wall(self, stage: StagePlan, workers: int) -> float:
+        """Seconds of `stage` spread over `workers` processes (no more of them busy than it has units)."""
+        return self.seconds(stage) / max(1, min(workers, stage.units))
 
 
 def _experiment(name: str) -> str:
@@ -264,16 +269,11 @@ def audit_stages(stages: list[StagePlan], sample: int | None) -> list[StagePlan]
     return list(out.values())
 
 
-def static_positions(prompts: Iterable[int], max_stage1: int | None, max_new: int, context: int) -> int:
-    """The longest static cache a run allocates: per item, prompt + stage-1 budget + max_new - 1 (`LM.cache_len`;
-    the budget is `max_stage1`, else what `engine.limits.stage1_budget` leaves that item)."""
-    from stagereplay.engine.limits import stage1_budget
-
-    return max((p + (max_stage1 or stage1_budget(context, p, max_new)) + max_new - 1 for p in prompts), default=0)
-
-
-def allocate(stages: list[StagePlan], positions: int) -> None:
-    """Size every stage's caches at a static allocation of `positions`."""
+def allocate(stages: list[StagePlan], prompts: Iterable[int], max_stage1: int | None, max_new: int,
+             context: int) -> None:
+    """Size every stage's caches at the longest static allocation of items with these prompt lengths
+    (`engine.limits.static_cache_len`, as `LM.cache_len` allocates them)."""
+    positions = max((static_cache_len(p, max_stage1, max_new, context) for p in prompts), default=0)
     for st in stages:
         st.positions = positions
 
@@ -312,7 +312,9 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
     plans: dict[str, StagePlan] = {}
     units: dict[str, list[Record]] = {}  # per stage, as the audit groups them, in ledger order
     made: dict[int, tuple[str, list[int], int]] = {}  # record seq -> (row, forwards, longest sequence)
+    prompts: list[int] = []
     for r in items(read_ledger(run_dir)):
+        prompts.append(len(r.payload.get("prompt_ids") or []))
         name = f"{r.experiment}/{r.checkpoint}"
         stage = stages_cfg.get(name)
         if stage is None:
@@ -327,6 +329,14 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
         units.setdefault(name, []).append(r)
         made[r.seq] = counted
     out = list(plans.values())
+    config = manifest["config"]
+    if run_cache(manifest) == "static":  # every cache is allocated whole: priced at the longest allocation
+        from stagereplay.engine.limits import model_context
+        from stagereplay.engine.model import load_checked_config
+
+        decode = config["settings"]["decode"]
+        allocate(out, prompts, decode.get("max_stage1_tokens"), decode["max_new_tokens"],
+                 model_context(load_checked_config(Path(config["model"]["path"]))))
     if not audited:
         return out
     if audit_sample is None:
@@ -345,6 +355,11 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
         audit.add(fw, longest)
         audit.caches = max(audit.caches, st.caches)
     return out + list(audits.values())
+
+
+def run_cache(manifest: dict[str, Any]) -> str:
+    """The cache kind a run ran on (a run from before `--cache` ran on a dynamic cache)."""
+    return str(manifest["config"]["model"].get("cache", "dynamic"))
 
 
 def unit_forwards(r: Record, stage: dict[str, Any]) -> tuple[str, list[int], int] | None:
@@ -458,7 +473,7 @@ def render(stages: list[StagePlan], shape: Shape, rates: Rates | None, workers: 
         row = (f"{s.name:28} {s.precision:>5} {s.units:>6} {s.forwards:>10} {s.prefill_tokens:>12} {s.steps:>10} "
                f"{s.caches:>7} {size:>10.1f} {shape.weight_bytes(s.precision) / 2**20:>12.1f}")
         if rates:
-            hours = rates.seconds(s) / max(1, min(workers, s.units)) / 3600
+            hours = rates.wall(s, workers) / 3600
             total += hours
             row += f" {hours:>8.3f}"
         lines.append(row)
@@ -502,13 +517,7 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
     shape = model_shape(model)
     if run is not None:
         stages = plan_run(run, cfg.audit_sample)
-        config = read_manifest(run)["config"]
-        cache = config["model"].get("cache", "dynamic")  # a run from before --cache ran on a dynamic cache
-        if cache == "static":
-            decode = config["settings"]["decode"]
-            prompts = [len(r.payload.get("prompt_ids") or []) for r in items(read_ledger(run))]
-            allocate(stages, static_positions(prompts, decode.get("max_stage1_tokens"), decode["max_new_tokens"],
-                                              shape.context))
+        cache = run_cache(read_manifest(run))
     else:
         prompts = prompt_lengths(model, data, cfg.n, cfg.prompt_tokens)
         budget = check_budgets(max(prompts), max_stage1_tokens, cfg.suffix_tokens, shape.context, STAGE1_BUDGET)
@@ -516,7 +525,7 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
         cache = cfg.cache
         if cache == "static":
             max_new = max(cfg.max_new_tokens or 0, cfg.suffix_tokens)  # no suffix outgrows its budget
-            allocate(stages, static_positions(prompts, max_stage1_tokens, max_new, shape.context))
+            allocate(stages, prompts, max_stage1_tokens, max_new, shape.context)
     if calibrate_on is not None:
         rates = calibrate(model, sorted({s.precision for s in stages}), **calibrate_on, cache=cache)
     header = (f"model {Path(model).name}: {shape.layers} layers, {shape.kv_heads} KV heads of {shape.head_dim}, "
