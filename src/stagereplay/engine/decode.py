@@ -190,15 +190,18 @@ class Stepper:
                 return self._step(input_ids, self.positions(past, 1), cache)
             if self._captured is None:
                 self._captured = torch.compile(_own_code(self._step), backend="eager", dynamic=True)
-            # A frame dynamo fails on runs eagerly rather than raising. Set by hand, not with config.patch(),
-            # which costs 5% of a toy step.
+            # A frame dynamo fails on runs eagerly rather than raising. Floats (the model's epsilons and
+            # scalings, constants of its config) are traced as the constants they are, not as graph inputs that
+            # each step would box into a tensor and read back: the ops get the same Python floats either way.
+            # Set by hand, not with config.patch(), which costs 5% of a toy step.
             config = torch._dynamo.config
-            suppress, config.suppress_errors = config.suppress_errors, True
+            saved = config.suppress_errors, config.specialize_float
+            config.suppress_errors = config.specialize_float = True
             frames = _compiled_frames()
             try:
                 return self._captured(input_ids, self.positions(past, 1), cache)
             finally:
-                config.suppress_errors = suppress
+                config.suppress_errors, config.specialize_float = saved
                 if _compiled_frames() != frames:
                     release_capture_garbage()
 
