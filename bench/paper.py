@@ -1,7 +1,7 @@
 """Wall time and peak memory of the whole protocol: `stagereplay paper` with 1 and 2 worker processes.
 
     python bench/paper.py [--n 200] [--workers 1,2[,ray:2]] [--executor local|ray] [--model DIR --later-model DIR --data FILE
-                          --boundary-after N] [--kernels native|avx2] [--json OUT] [--keep DIR]
+                          --boundary-after N] [--kernels auto|native|portable] [--json OUT] [--keep DIR]
 
 Each run is a fresh subprocess (`stagereplay paper --quiet --out <tmp> ...`). A `--workers` entry `ray:N` runs
 `--executor ray --workers N` (a bare `N` runs `--executor`'s default, local unless given; Ray's start-up, a
@@ -20,9 +20,9 @@ near 1 says the machine kept that pace; a run is comparable with another only at
 
 bf16 results depend on the CPU's kernels (AVX2, AVX-512, AVX-512 with AMX tiles route bf16 matmuls and
 attention differently), so the benchmark ends with the kernels that ran and the run's paper figures.
-`--kernels avx2` runs under `AVX2_KERNELS`: ATen held to its AVX2 kernels, MKL to its AVX2 code path
-(`MKL_CBWR`) and oneDNN to AVX2, which is what an AVX2 machine runs; on an AVX-512 machine it gives an AVX2
-machine's figures.
+`--kernels` is passed to `paper` (`execution.kernels`): `auto`, its default, runs the embedded toy on portable
+kernels (ATen, MKL and oneDNN held to their AVX2 code paths: an AVX2 machine's figures on any x86-64 CPU) and a
+model of your own on this CPU's; `native` runs this CPU's own kernels. The pace bracket runs on the same.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def _tree_rss(root: int) -> list[int]:
@@ -135,6 +134,8 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
         executor,
         "--threads",
         str(args.threads),
+        "--kernels",
+        args.kernels,
     ]
     for flag, value in (
         ("--model", args.model),
@@ -147,8 +148,7 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
             cmd += [flag, str(value)]
     before = pace(args)
     t0 = time.perf_counter()
-    env = {**os.environ, **(AVX2_KERNELS if args.kernels == "avx2" else {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = PeakRSS(proc.pid)
     output, _ = proc.communicate()
     peak.stop()
@@ -188,12 +188,19 @@ def pace(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     code = ("import json, sys; from stagereplay.experiments.plan import calibrate; "
             "r = calibrate(sys.argv[1], ('bf16', 'fp32'), threads=int(sys.argv[2]), steps=64, rounds=5); "
             "print(json.dumps({p: [r.steps[p], r.prefill_tokens.get(p, 0.0)] for p in r.steps}))")
-    env = {**os.environ, **(AVX2_KERNELS if args.kernels == "avx2" else {})}
+    env = {**os.environ, **kernel_env(args)}
     done = subprocess.run([sys.executable, "-c", code, model, str(args.threads)], capture_output=True, text=True,
                           env=env)
     if done.returncode != 0:
         raise SystemExit(f"calibrating {model} failed:\n{done.stderr[-2000:]}")
     return {k: (v[0], v[1]) for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def kernel_env(args: argparse.Namespace) -> dict[str, str]:
+    """The kernel variables `paper --kernels` sets in its own fresh process, for the pace bracket's process."""
+    from stagereplay.execution.kernels import choose
+
+    return choose(args.kernels, toy=args.model is None, device="cpu")
 
 
 def plan_seconds(run: Path, rates: dict[str, tuple[float, float]], workers: int) -> tuple[int, float]:
@@ -265,8 +272,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="JSONL items (default: the toy task)")
     p.add_argument("--boundary-after", type=int, default=None, help="stage 1 is the first N generated tokens")
     p.add_argument("--max-new-tokens", type=int, default=None, help="suffix length limit")
-    p.add_argument("--kernels", choices=("native", "avx2"), default="native",
-                   help="this CPU's own kernels, or AVX2's (AVX2_KERNELS) for an AVX2 machine's figures")
+    p.add_argument("--kernels", choices=("auto", "native", "portable"), default="auto",
+                   help="paper's --kernels: portable (AVX2 code paths, the same bits on any x86-64 CPU with AVX2), "
+                        "this CPU's own (native), or auto (portable for the embedded toy)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--keep", type=Path, default=None, help="keep the last run's directory here (a new path)")
     return p.parse_args(argv)

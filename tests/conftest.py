@@ -10,6 +10,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Tests compute on this machine's own kernels: torch loads here, before any command could choose portable ones
+# (`--kernels auto` keeps a process's kernels once torch has loaded; tests/test_kernels.py runs the choice in
+# fresh processes).
+import torch  # noqa: F401
 from tiny import save_r1_model, save_tiny_model
 
 

@@ -88,6 +88,9 @@ Seed = Annotated[int, typer.Option("--seed", help="base seed for sampling")]
 Workers = Annotated[int, typer.Option("--workers", help="local worker processes")]
 Executor = Annotated[str, typer.Option("--executor", help="local | ray")]
 Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables")]
+Kernels = Annotated[str, typer.Option("--kernels", help=(
+    "CPU kernels: native (this machine's own) | portable (AVX2 code paths: the same bits on every x86-64 CPU "
+    "with AVX2) | auto (portable for the embedded toy on a CPU, else native)"))]
 
 
 def _decode(max_new: int, max_stage1: int | None, sample: bool, temperature: float, top_k: int, seed: int,
@@ -131,6 +134,7 @@ def matched(
     block_size: Annotated[int, typer.Option("--block-size", help=(
         "the serving engine's K/V block size (its prefix cache reuses whole blocks)"))] = 32,
     cache: Cache = "dynamic",
+    kernels: Kernels = "auto",
 ) -> None:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
@@ -143,7 +147,7 @@ def matched(
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
-            workers, executor, shard, quiet, columns, engine, cross, block_size, cache=cache)
+            workers, executor, shard, quiet, columns, engine, cross, block_size, cache=cache, kernels=kernels)
 
     _run(go)
 
@@ -355,6 +359,7 @@ def paper(
     executor: Executor = "local",
     quiet: Quiet = False,
     cache: Cache = "dynamic",
+    kernels: Kernels = "auto",
 ) -> None:
     """The whole protocol in one command, then the report (defaults: the embedded toy model)."""
 
@@ -367,7 +372,7 @@ def paper(
         res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device=device,
                   threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
                   resample=resample, resample_items=resample_items, audit_sample=audit_sample or None, columns=columns,
-                  cache=cache)
+                  cache=cache, kernels=kernels)
         from stagereplay.experiments.audit import exit_code
 
         typer.echo(f"report: {out / 'report.html'}")
@@ -411,6 +416,7 @@ def plan(
         "prefill tokens per second, on top of the forward's step"))] = None,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="measure the rates on the real model")] = False,
     cache: Cache = "dynamic",
+    kernels: Kernels = "auto",
 ) -> None:
     """What `paper` (or the run RUN) costs: forwards, caches, weights and time per stage; runs nothing."""
 
@@ -441,6 +447,16 @@ def plan(
                           {"": prefill_tokens_per_second} if prefill_tokens_per_second else {},
                           f"{tokens_per_second:g} steps/s"
                           + (f", {prefill_tokens_per_second:g} prefill tokens/s" if prefill_tokens_per_second else ""))
+        from stagereplay.execution.kernels import check_kernels, choose, follow_run, pin
+
+        check_kernels(kernels)
+        if calibrate:  # timed on the kernels the run would use (or the run RUN used)
+            from stagereplay.records.ledger import read_manifest
+
+            if run_dir is not None and (run_dir / "manifest.json").is_file():
+                follow_run(read_manifest(run_dir))
+            else:
+                pin(choose(kernels, toy=model is None, device=device))
         typer.echo(make_plan(cfg, model, data, run_dir, max_stage1_tokens, rates,
                              {"device": device, "threads": threads} if calibrate else None))
 

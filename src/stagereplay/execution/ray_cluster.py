@@ -5,7 +5,8 @@ Actors are started on the first `run_ray` call of a command and live until the c
 stage of `paper`, its audit included, reuses them. Each actor holds one CPU, or one GPU (`num_gpus=1`) when
 the run is on CUDA, and keeps the model(s) it has loaded as a local worker does (`execution.models.cached_lm`:
 one at a time, the last released and collected before the next loads): a stage that comes back to a model
-setting an actor already holds does not load it again.
+setting an actor already holds does not load it again. Actors compute under this command's kernel variables
+(`execution.kernels`), given to them in their runtime environment.
 
 Jobs are handed out as actors free up: each idle actor takes the next job, and `ray.wait` over the jobs in
 flight says which actor is free next, so one long item holds up its own actor only. Results are buffered and
@@ -26,6 +27,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from stagereplay.errors import StageReplayError
+from stagereplay.execution.kernels import user_caps
 from stagereplay.execution.models import cached_lm
 
 if TYPE_CHECKING:
@@ -83,7 +85,10 @@ def actors(ray: Any, kind: str, count: int) -> list[Any]:
     key = (context.gcs_address, context.get_job_id(), kind)
     if _ACTORS["key"] != key or len(_ACTORS["handles"]) < count:
         shutdown_actors()
-        resources = {"num_gpus": 1} if kind == "gpu" else {"num_cpus": 1}
+        resources: dict[str, Any] = {"num_gpus": 1} if kind == "gpu" else {"num_cpus": 1}
+        caps = user_caps()  # this command's kernels (execution.kernels): an actor on another node inherits nothing
+        if caps:
+            resources["runtime_env"] = {"env_vars": caps}
         actor_class = ray.remote(**resources)(Replica)
         _ACTORS.update(key=key, handles=[actor_class.remote() for _ in range(count)])
     return list(_ACTORS["handles"][:count])

@@ -17,6 +17,7 @@ from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.model import ModelConfig, check_model_dir
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
+from stagereplay.execution.kernels import choose, pin
 from stagereplay.experiments.audit import AuditConfig, audit_run
 from stagereplay.experiments.bridge import run_bridge
 from stagereplay.experiments.matched import MatchedConfig, run_matched
@@ -63,11 +64,14 @@ def paper(
     executor: str = "local",
     quiet: bool = False,
     cache: str = "dynamic",
+    kernels: str = "auto",
 ) -> dict[str, Any]:
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
     checkpoint, audit, report. With `resample` = K > 0, also K sampled draws per boundary state on the first
     `resample_items` items, at bf16 and fp32 (the primary checkpoint). The audit verifies every record and
-    re-executes a seeded sample of `audit_sample` units per stage (None: every unit)."""
+    re-executes a seeded sample of `audit_sample` units per stage (None: every unit). `kernels`: the CPU kernels
+    (`execution.kernels`; by default portable ones for the embedded toy), chosen here, before torch loads."""
+    pin(choose(kernels, toy=model is None, device=device))
     if bridge_rows < 1:
         raise StageReplayError(f"--rows must be at least 1, got {bridge_rows}", "pass a positive --rows")
     TransplantConfig(select=select_primary)  # a bad selection rule fails here, before any run directory exists

@@ -17,6 +17,7 @@ from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig, check_model_dir
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
+from stagereplay.execution.kernels import choose, follow_run, pin
 from stagereplay.execution.local import cached_lm, check_worker_devices
 from stagereplay.experiments.common import ReplaySettings
 from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run, read_ledger, read_manifest
@@ -223,15 +224,18 @@ def matched(
     cross: str | None = None,
     block_size: int = 32,
     cache: str = "dynamic",
+    kernels: str = "auto",
 ) -> dict[str, Any]:
     """Run (or resume) the matched experiment into `out`; return results.json's content.
 
     With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards. `columns`
     maps the data's fields (`prompt=problem,answer=answer,id=unique_id`). With `engine="vllm"` the arms are a
-    serving engine's (`experiments.serving`); `cross="hf"` adds our engine's replay of its prefixes.
+    serving engine's (`experiments.serving`); `cross="hf"` adds our engine's replay of its prefixes. `kernels`:
+    the CPU kernels (`execution.kernels`), chosen here, before torch loads.
     """
     from stagereplay.experiments.matched import MatchedConfig, run_matched
 
+    pin(choose(kernels, toy=model is None and engine == "hf", device=device))
     ex = ExecConfig(workers, executor)
     part = parse_shard(shard)
     arms = serving_arms(engine, cross, block_size, construction, ex, decode or DecodeConfig(), precision)
@@ -305,6 +309,7 @@ def _existing(run_dir: str | Path, check_ledger: bool = True) -> tuple[Path, dic
     if not (path / "manifest.json").exists():
         raise StageReplayError(f"no run in {path} (manifest.json missing)", "run `stagereplay matched --out` first")
     manifest = read_manifest(path)
+    follow_run(manifest)  # the kernels the run was made with, where this process can still choose them
     if check_ledger:
         read_ledger(path)  # a newer schema or a broken chain stops here, before anything runs
     return path, manifest

@@ -104,7 +104,7 @@ def _nvidia_driver() -> str | None:
 
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE",
               "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
-"""Environment variables that cap or pin the CPU kernels of ATen, oneDNN and MKL (see `portable_kernels`)."""
+"""Environment variables that cap or pin the CPU kernels of ATen, oneDNN and MKL (`execution.kernels` chooses them)."""
 
 
 def _cpu_features() -> dict[str, bool] | None:
