@@ -11,7 +11,7 @@ bf16 matmul on AMX tiles costs more than on AVX2 (docs/reference/performance.md)
 The libraries read these variables when torch loads, so a choice is made before the first import of torch and
 holds for the process and every worker it starts (local workers and a local Ray instance inherit the
 environment; Ray actors are given it). The ledger records them in each process's environment
-(`records.provenance.KERNEL_ENV`), and the audit compares them (`records.kernels`).
+(`KERNEL_ENV`), and the audit compares them (`records.kernels`).
 
 - `native`: whatever this process's environment says (no variable is touched);
 - `portable`: `PORTABLE`, refused once torch has loaded without it;
@@ -31,11 +31,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.records.provenance import KERNEL_ENV
 
 PORTABLE: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 """The environment of portable kernels (ATen, MKL and oneDNN held to their AVX2 code paths)."""
 CHOICES = ("auto", "native", "portable")
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE",
+              "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+"""Environment variables that cap or pin the CPU kernels of ATen, oneDNN and MKL (each process's environment
+records them: `records.provenance`)."""
 
 
 def check_kernels(kernels: str) -> None:

@@ -21,6 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from stagereplay.execution.kernels import KERNEL_ENV
+
 PACKAGES = ("stagereplay", "torch", "transformers", "tokenizers", "safetensors", "numpy", "scipy", "pydantic")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "chat_template.jinja")
@@ -102,9 +104,6 @@ def _nvidia_driver() -> str | None:
         return None
 
 
-KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE",
-              "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
-"""Environment variables that cap or pin the CPU kernels of ATen, oneDNN and MKL (`execution.kernels` chooses them)."""
 
 
 def _cpu_features() -> dict[str, bool] | None:
