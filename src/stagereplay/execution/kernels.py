@@ -4,8 +4,8 @@ bf16 and fp32 bits follow the kernels. On a CPU, ATen, MKL and oneDNN pick their
 the same run gives other bits on an AVX2 machine, an AVX-512 one and one with AMX tiles (docs/reference/toy.md
 has the toy's figures on each). `PORTABLE` holds all three to their AVX2 code paths: ATen to its AVX2 kernels,
 MKL to its AVX2 path under conditional numerical reproducibility (`MKL_CBWR`), oneDNN to AVX2, which also
-routes bf16 matmuls to ATen as on a machine without AVX-512. Every such CPU then computes the same bits, and an
-audit on another machine re-executes exactly. On a CPU with AMX tiles it is also faster at batch 1: a one-row
+routes bf16 matmuls to ATen as on a machine without AVX-512. Every such CPU then runs the same code paths, and
+an audit on another machine re-executes under them. On a CPU with AMX tiles it is also faster at batch 1: a one-row
 bf16 matmul on AMX tiles costs more than on AVX2 (docs/reference/performance.md).
 
 The libraries read these variables when torch loads, so a choice is made before the first import of torch and
