@@ -447,18 +447,8 @@ def plan(
                           {"": prefill_tokens_per_second} if prefill_tokens_per_second else {},
                           f"{tokens_per_second:g} steps/s"
                           + (f", {prefill_tokens_per_second:g} prefill tokens/s" if prefill_tokens_per_second else ""))
-        from stagereplay.execution.kernels import check_kernels, choose, follow_run, pin
-
-        check_kernels(kernels)
-        if calibrate:  # timed on the kernels the run would use (or the run RUN used)
-            from stagereplay.records.ledger import read_manifest
-
-            if run_dir is not None and (run_dir / "manifest.json").is_file():
-                follow_run(read_manifest(run_dir))
-            else:
-                pin(choose(kernels, toy=model is None, device=device))
         typer.echo(make_plan(cfg, model, data, run_dir, max_stage1_tokens, rates,
-                             {"device": device, "threads": threads} if calibrate else None))
+                             {"device": device, "threads": threads} if calibrate else None, kernels))
 
     _run(go)
 

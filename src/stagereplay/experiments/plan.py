@@ -29,6 +29,7 @@ from stagereplay.engine.forwards import Lengths, continuation_forwards
 from stagereplay.engine.limits import static_cache_len
 from stagereplay.engine.model import check_cache
 from stagereplay.errors import StageReplayError
+from stagereplay.execution.kernels import check_kernels, choose, follow_run, pin
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 
 PEAK_CACHES = {"matched": 4, "bridge": 3, "precision_2x2": 3, "transplant": 4, "resample": 4}
@@ -500,16 +501,23 @@ def prompt_lengths(model: str, data: str | None, n: int, prompt_tokens: int | No
 
 
 def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run: Path | None = None,
-         max_stage1_tokens: int | None = None, rates: Rates | None = None, calibrate_on: dict[str, Any] | None = None
-         ) -> str:
+         max_stage1_tokens: int | None = None, rates: Rates | None = None, calibrate_on: dict[str, Any] | None = None,
+         kernels: str = "auto") -> str:
     """The plan's table: of `run` as it ran (its measured lengths), else of `paper` on `model` with `cfg`'s
-    lengths. `calibrate_on` (device, threads) measures the rates on the real model instead of `rates`."""
+    lengths. `calibrate_on` (device, threads) measures the rates on the real model instead of `rates`, on the
+    kernels the run would use (`kernels`, chosen before torch loads) or those `run` recorded."""
     from stagereplay.engine.limits import STAGE1_BUDGET, check_budgets
 
+    check_kernels(kernels)
     if run is not None:
         if not (run / "manifest.json").exists():
             raise StageReplayError(f"no run in {run} (manifest.json missing)", "pass a run directory, or no RUN")
-        model = read_manifest(run)["config"]["model"]["path"]
+        manifest = read_manifest(run)
+        if calibrate_on is not None:
+            follow_run(manifest)
+        model = manifest["config"]["model"]["path"]
+    elif calibrate_on is not None:
+        pin(choose(kernels, toy=model is None, device=calibrate_on["device"]))
     if model is None:
         from stagereplay.toy import toy_checkpoint
 
@@ -517,7 +525,7 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
     shape = model_shape(model)
     if run is not None:
         stages = plan_run(run, cfg.audit_sample)
-        cache = run_cache(read_manifest(run))
+        cache = run_cache(manifest)
     else:
         prompts = prompt_lengths(model, data, cfg.n, cfg.prompt_tokens)
         budget = check_budgets(max(prompts), max_stage1_tokens, cfg.suffix_tokens, shape.context, STAGE1_BUDGET)
