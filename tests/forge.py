@@ -60,15 +60,26 @@ def edit(record: Record) -> dict[str, Any]:
 
 
 def carry_over(chain: list[Record], k: int) -> None:
-    """After editing the matched record `chain[k]`, edit the copies too: every 2x2 arm that carries one of its
-    arms over (`same_as`) gets that arm's fields, and its comparisons are recomputed, as a careful forger would."""
+    """After editing the matched record `chain[k]`, edit the copies too: every 2x2 or transplant arm that carries
+    one of its arms over (`same_as`) gets that arm's fields, and what follows from the arms is recomputed (a 2x2's
+    comparisons, a transplant's outcomes), as a careful forger would."""
+    from stagereplay.experiments.transplant import outcome
+
     source = chain[k]
     arms = {f"{source.experiment}/{source.checkpoint}:{a['name']}": a for a in source.payload.get("arms", [])}
     for i, r in enumerate(chain):
-        if r.kind != "item" or r.experiment != "precision_2x2" or r.item_id != source.item_id:
+        if r.kind != "item" or r.experiment not in ("precision_2x2", "transplant") or r.item_id != source.item_id:
             continue
         p = edit(r)
         for a in p.get("arms", []):
             if a.get("same_as") in arms:
-                a.update({f: v for f, v in arms[a["same_as"]].items() if f != "name"})
+                a.update({f: v for f, v in arms[a["same_as"]].items() if f not in ("name", "construction")})
+        if r.experiment == "transplant" and p.get("status") == "ok":
+            suffix = {a["name"]: tuple(a["suffix_ids"]) for a in p["arms"]}
+            fresh = next(a["name"] for a in p["arms"] if a["name"] != "live" and "->" not in a["name"])
+            p["baseline_diverges"] = suffix["live"] != suffix[fresh]
+            for key, prefix in (("directions", ""), ("control", "control:")):
+                for direction in p.get(key, {}):
+                    donor, _, recipient = direction.partition("->")
+                    p[key][direction] = outcome(suffix[f"{prefix}{direction}"], suffix[donor], suffix[recipient])
         chain[i] = with_payload(r, p)

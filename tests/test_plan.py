@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,18 +72,18 @@ def test_plan_of_a_run_counts_exactly_the_forwards_it_made(counted_run):
 
 
 def test_negative_control_the_count_misses_a_carried_arm_decoded_in_full(counted_run):
-    """Were the 2x2's carried-over arm decoded in full (no dedup), the count would not be the run's."""
+    """Were the 2x2's carried-over arms decoded in full (no dedup), the count would not be the run's."""
     out, sizes = counted_run
     records = [r for r in items(read_ledger(out)) if r.experiment == "precision_2x2" and r.part == "bf16"]
     assert records and all(any(a.get("same_as") for a in r.payload["arms"]) for r in records)
     planned: Counter[int] = Counter()
     for stage in plan_run(out):
         planned.update(stage.sizes)
-    for r in records:  # swap the counted look for the whole suffix
-        n, reused = grid_lengths(r.payload)
-        assert reused == "oneshot" and n.look is not None
-        looked = precision_2x2.forwards(n, ("incremental", "oneshot"), "bf16", "oneshot")
-        full = precision_2x2.forwards(n, ("incremental", "oneshot"), "bf16", None)
+    for r in records:  # swap the counted looks for the whole suffixes
+        n = grid_lengths(r.payload)
+        assert {c for c, _ in n.looks} == {"incremental", "oneshot"}
+        looked = precision_2x2.forwards(n, ("incremental", "oneshot"), "bf16")
+        full = precision_2x2.forwards(replace(n, looks=()), ("incremental", "oneshot"), "bf16")
         if looked != full:
             planned.subtract(Counter(looked))
             planned.update(Counter(full))
@@ -90,9 +91,11 @@ def test_negative_control_the_count_misses_a_carried_arm_decoded_in_full(counted
     assert +planned != +sizes
 
 
-def test_the_2x2_arm_is_the_matched_arm_and_verify_checks_it(counted_run, tmp_path):
-    """At the run's precision the 2x2's one-shot arm is the matched record's (`same_as`), field for field; at
-    fp32 nothing is carried over; the verify-only audit checks the claim, and a forged copy fails it."""
+def test_the_2x2_arms_are_the_matched_arms_and_verify_checks_it(counted_run, tmp_path):
+    """At the run's precision the 2x2's one-shot arm is the matched record's one-shot arm and its incremental arm
+    the matched live arm (`same_as`), field for field but the construction, the cache fingerprint included: the
+    incremental cache rebuilt from the fixed prefix is live's bit for bit. At fp32 nothing is carried over; the
+    verify-only audit checks the claim, and a forged copy fails it."""
     import shutil
 
     from forge import edit, load, save, with_payload
@@ -109,13 +112,16 @@ def test_the_2x2_arm_is_the_matched_arm_and_verify_checks_it(counted_run, tmp_pa
         if r.part == "fp32":
             assert not carried
             continue
-        (arm,) = carried
-        assert arm["same_as"] == "matched/primary:oneshot" and arm["name"] == "oneshot@bf16"
-        source = next(a for a in matched[r.item_id]["arms"] if a["name"] == "oneshot")
-        assert {k: v for k, v in arm.items() if k not in ("name", "same_as")} == {
-            k: v for k, v in source.items() if k != "name"}
-        assert r.payload["diagnostics"]["margins"]["oneshot@bf16"] == matched[r.item_id]["diagnostics"]["margins"][
-            "oneshot"]
+        assert [(a["name"], a["construction"], a["same_as"]) for a in carried] == [
+            ("incremental@bf16", "incremental", "matched/primary:live"),
+            ("oneshot@bf16", "oneshot", "matched/primary:oneshot")]
+        for arm in carried:
+            name = arm["same_as"].rpartition(":")[2]
+            source = next(a for a in matched[r.item_id]["arms"] if a["name"] == name)
+            assert {k: v for k, v in arm.items() if k not in ("name", "construction", "same_as")} == {
+                k: v for k, v in source.items() if k not in ("name", "construction")}
+            assert r.payload["diagnostics"]["margins"][arm["name"]] == matched[r.item_id]["diagnostics"]["margins"][
+                name]
     assert audit(out, verify_only=True)["reproduced"]
     # Negative control: a carried arm whose cache fingerprint is not the matched arm's (chain recomputed).
     forged = tmp_path / "forged"
@@ -123,13 +129,82 @@ def test_the_2x2_arm_is_the_matched_arm_and_verify_checks_it(counted_run, tmp_pa
     chain, manifest = load(forged)
     k = next(i for i, r in enumerate(chain) if r.kind == "item" and r.experiment == "precision_2x2" and r.part == "bf16")
     payload = edit(chain[k])
-    arm = next(a for a in payload["arms"] if a.get("same_as"))
+    arm = next(a for a in payload["arms"] if a.get("same_as") == "matched/primary:oneshot")
     arm["cache_fp"] = "0" * 64
     chain[k] = with_payload(chain[k], payload)
     save(forged, chain, manifest)
     found = audit(forged, verify_only=True)
     assert not found["reproduced"]
     assert any("cache_fp is not the one of matched/primary:oneshot" in m["what"] for m in found["mismatches"])
+
+
+def test_the_transplants_own_arms_are_the_matched_arms_and_verify_checks_it(counted_run, tmp_path):
+    """A transplant's live and one-shot arms are the matched record's (`same_as`): their boundary caches, rebuilt
+    here, have the recorded fingerprints, so their own suffixes are not decoded again. A forged fingerprint on one
+    of them fails the verify-only audit."""
+    import shutil
+
+    from forge import edit, load, save, with_payload
+
+    from stagereplay.runs import audit
+
+    out, _ = counted_run
+    records = items(read_ledger(out))
+    matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}
+    transplants = [r for r in records if r.experiment == "transplant" and r.payload["status"] == "ok"]
+    assert transplants
+    for r in transplants:
+        own = {a["name"]: a for a in r.payload["arms"] if a.get("same_as")}
+        assert {n: a["same_as"] for n, a in own.items()} == {
+            "live": f"matched/{r.checkpoint}:live", "oneshot": f"matched/{r.checkpoint}:oneshot"}
+        source = {a["name"]: a for a in matched[(r.checkpoint, r.item_id)]["arms"]}
+        for name, arm in own.items():
+            assert {k: v for k, v in arm.items() if k != "same_as"} == source[name]
+    forged = tmp_path / "forged"
+    shutil.copytree(out, forged)
+    chain, manifest = load(forged)
+    k = next(i for i, r in enumerate(chain) if r.kind == "item" and r.experiment == "transplant"
+             and r.payload["status"] == "ok")
+    payload = edit(chain[k])
+    next(a for a in payload["arms"] if a["name"] == "live")["cache_fp"] = "0" * 64
+    chain[k] = with_payload(chain[k], payload, recompare=False)
+    save(forged, chain, manifest)
+    found = audit(forged, verify_only=True)
+    assert any("cache_fp is not the one of matched/" in m["what"] for m in found["mismatches"])
+
+
+def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(counted_run, tiny_dir):
+    """The gate on carrying an arm over is the rebuilt cache's fingerprint. Given a recorded arm whose cache_fp is
+    not the cache's (negative control), the 2x2 and the transplant decode that arm in full and record it as their
+    own, and what they decode is the recorded computation: the same suffix, the true fingerprint."""
+    from stagereplay.engine.lm import load
+    from stagereplay.experiments.audit import _job, _reuse
+    from stagereplay.experiments.precision_2x2 import grid_item
+    from stagereplay.experiments.transplant import transplant_item
+    from stagereplay.records.ledger import read_manifest
+    from stagereplay.tasks.base import Item
+
+    out, _ = counted_run
+    records = items(read_ledger(out))
+    stages = read_manifest(out)["stages"]
+    matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}
+    prefixes = {k: p.get("prefix_ids") for k, p in matched.items()}
+    lm = load(str(tiny_dir("qwen2")))
+    for experiment, work in (("precision_2x2", grid_item), ("transplant", transplant_item)):
+        r = next(r for r in records if r.experiment == experiment and r.checkpoint == "primary"
+                 and r.part in ("", "bf16") and r.payload["status"] == "ok")
+        stage = stages[f"{experiment}/primary"]
+        item = Item(r.item_id, tuple(r.payload["prompt_ids"]), r.payload["answer"])
+        reuse = _reuse(r, stage, stages, matched)
+        assert reuse
+        job = _job(r, stage, item, prefixes, reuse)
+        assert work(lm, job)["arms"] == r.payload["arms"]  # as recorded: carried over
+        wrong = tuple((*x[:-2], {**x[-2], "cache_fp": "0" * 64}, x[-1]) if experiment == "precision_2x2"
+                      else (*x[:-1], {**x[-1], "cache_fp": "0" * 64}) for x in reuse)
+        again = work(lm, _job(r, stage, item, prefixes, wrong))
+        assert not any(a.get("same_as") for a in again["arms"])
+        for a, b in zip(again["arms"], r.payload["arms"], strict=True):
+            assert (a["name"], a["suffix_ids"], a["cache_fp"]) == (b["name"], b["suffix_ids"], b["cache_fp"])
 
 
 def test_diagnostic_steps_reach_the_last_first_divergence():
@@ -174,15 +249,16 @@ def test_plan_sizes_a_14b_checkpoint_from_its_config_alone(tmp_path):
     assert int(row[4]) == 200 * (2 * p + 2 * (p + s - 1))
     assert int(row[6]) == 4 and float(row[7]) == pytest.approx(192 * (p + s + n) / 1024, abs=0.05)  # one, MiB
     assert float(row[8]) == pytest.approx(14.770e9 * 2 / 2**20, rel=1e-3)  # bf16 weights, MiB
-    # With 166 of 200 items divergent (the reference paper's count), the carried-over arm is decoded in full
-    # only on those; with all divergent (the default, a bound) dedup saves no forward. `--audit-sample 0`: the
-    # full re-executing audit; by default the plan counts paper's sample.
+    # With 166 of 200 items divergent (the reference paper's count), the carried-over arms are decoded in full
+    # only on those; with all divergent (the default, a bound) dedup saves only the pair's replay (both arms
+    # carried over watch each other). `--audit-sample 0`: the full re-executing audit; by default the plan
+    # counts paper's sample.
     runs = [CliRunner().invoke(app, [*args, *extra]) for extra in (
         ["--divergent", "166", "--audit-sample", "0", "--no-dedup"], ["--divergent", "166", "--audit-sample", "0"],
         ["--divergent", "166"], ["--audit-sample", "0", "--no-dedup"], ["--audit-sample", "0"])]
     hours = [float(r.output.splitlines()[-1].split(", ")[3].split()[0]) for r in runs]
     assert hours[0] > hours[1] > hours[2]  # each saving shows; negative control: the full audit costs more
-    assert hours[3] == hours[4]
+    assert hours[3] > hours[4]
     # `--resample K` adds a stage per precision on the first --resample-items items: two live states (or two
     # incremental ones at fp32), a one-shot prefill, and 5K draws of N steps each.
     k = 3
@@ -250,3 +326,14 @@ def test_lengths_of_a_record(counted_run):
     n = lengths_of(r.payload)
     assert n.prefix == r.payload["boundary"] and n.stage1 == r.payload["boundary"] - len(r.payload["prompt_ids"])
     assert Path(out).is_dir()
+
+
+def test_paper_command_and_plan_share_the_audit_sample_default():
+    """`paper`'s --audit-sample default is the library's, which `plan` counts by default."""
+    import inspect
+
+    from stagereplay import cli
+    from stagereplay.experiments import paper
+
+    assert inspect.signature(cli.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
+    assert inspect.signature(paper.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE

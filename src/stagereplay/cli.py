@@ -351,7 +351,7 @@ def paper(
     resample: Annotated[int, typer.Option("--resample", help="K sampled draws per state (0: no resample stage)")] = 0,
     resample_items: Annotated[int, typer.Option("--resample-items", help="items the resample stage draws on")] = 50,
     audit_sample: Annotated[int, typer.Option("--audit-sample", help=(
-        "units per stage the closing audit re-executes, after verifying every record (0: every unit)"))] = 20,
+        "units per stage the closing audit re-executes, after verifying every record (0: every unit)"))] = 10,
     device: Device = "cpu",
     threads: Threads = 1,
     attn_impl: AttnImpl = "sdpa",
@@ -407,7 +407,7 @@ def plan(
         "items whose live and fresh suffixes diverge (default: all)"))] = None,
     audit_sample: Annotated[int | None, typer.Option("--audit-sample", help=(
         "units per stage the audit re-executes (0: every unit; default: paper's, or what RUN's audit did)"))] = None,
-    no_dedup: Annotated[bool, typer.Option("--no-dedup", help="count the 2x2 recomputing the matched arm")] = False,
+    no_dedup: Annotated[bool, typer.Option("--no-dedup", help="count the 2x2 and the transplants decoding the matched arms again")] = False,
     resample: Annotated[int, typer.Option("--resample", help="K sampled draws per state (0: no resample stage)")] = 0,
     resample_items: Annotated[int, typer.Option("--resample-items", help="items the resample stage draws on")] = 50,
     tokens_per_second: Annotated[float | None, typer.Option("--tokens-per-second", help=(

@@ -58,7 +58,8 @@ class Lengths:
     suffix: int  # the length of every arm's suffix not named in `arms`
     arms: tuple[tuple[str, int], ...] = ()  # (arm name, suffix length) as recorded
     generated: int = 0
-    look: int | None = None  # a 2x2 arm carried over from matched: the steps its diagnostics decode again
+    looks: tuple[tuple[str, int], ...] = ()  # (construction, steps): a 2x2 arm carried over from matched
+    """and the steps its diagnostics decode again."""
 
     @property
     def prefix(self) -> int:

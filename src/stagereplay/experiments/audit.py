@@ -118,19 +118,23 @@ def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple
 
         extra = job_extra(stage, record.part, prefix)
     else:
-        extra = (("prefix", prefix), ("config", tuple(stage["config"].items())))
+        extra = (("prefix", prefix), ("config", tuple(stage["config"].items())), ("reuse", reuse))
     return Job(item, settings, record.part, extra)
 
 
 def _reuse(record: Record, stage: dict[str, Any], stages: dict[str, Any],
            matched: dict[tuple[str, str], dict[str, Any]]) -> Any:
-    """The matched arm a 2x2 record carries over (`precision_2x2.reused_arm`), as the run found it."""
-    from stagereplay.experiments.precision_2x2 import reused_arm
+    """The matched arms a 2x2 or transplant record carries over (`precision_2x2.reused_arms`,
+    `transplant.reused_arms`), as the run found them."""
+    from stagereplay.experiments import precision_2x2, transplant
 
-    if record.experiment != "precision_2x2" or (record.checkpoint, record.item_id) not in matched:
+    key = (record.checkpoint, record.item_id)
+    matched_stage = stages.get(f"matched/{record.checkpoint}")
+    if record.experiment == "transplant":
+        return transplant.reused_arms(stage, matched_stage, matched.get(key), record.checkpoint)
+    if record.experiment != "precision_2x2" or key not in matched:
         return None
-    return reused_arm(stage, stages.get(f"matched/{record.checkpoint}"), matched[(record.checkpoint, record.item_id)],
-                      record.checkpoint, record.part)
+    return precision_2x2.reused_arms(stage, matched_stage, matched[key], record.checkpoint, record.part)
 
 
 def _model_key(stages: dict[str, Any], group: tuple[str, str, str]) -> tuple[str, str]:

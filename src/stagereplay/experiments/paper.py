@@ -36,9 +36,12 @@ from stagereplay.records.ledger import atomic_write, open_run
 from stagereplay.report.results import AUDIT_FILE
 from stagereplay.report.summaries import summarize_matched
 
-AUDIT_SAMPLE = 20
+AUDIT_SAMPLE = 10
 """Units per stage the audit of `paper` re-executes by default: with every record verified without a model,
-a seeded sample keeps the audit a fraction of the run (`stagereplay audit RUN` re-executes all of it)."""
+a seeded sample keeps the audit a fraction of the run (`stagereplay audit RUN` re-executes all of it). Ten
+keep `paper` on the embedded toy within about ten minutes on two cores (docs/reference/performance.md); at
+scale pick it for the detection wanted, 1 - (1 - f)^N for a fraction f of units that do not reproduce
+(docs/how-to/plan.md)."""
 
 
 def paper(

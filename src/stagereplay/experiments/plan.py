@@ -21,7 +21,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +113,8 @@ class PlanConfig:
     precisions: tuple[str, ...] = ("bf16", "fp32")
     audit_sample: int | None = field(default=None, metadata={"help": "units per stage the audit re-executes "
                                                                       "(None or 0: every unit)"})
-    dedup: bool = field(default=True, metadata={"help": "the 2x2 carries the matched arm over (False: as before)"})
+    dedup: bool = field(default=True, metadata={"help": "the 2x2 and the transplants carry the matched arms over "
+                                                        "(False: they decode them again)"})
     workers: int = 1
     resample: int = field(default=0, metadata={"help": "K sampled draws per state (0: no resample stage)"})
     resample_items: int = field(default=50, metadata={"help": "items the resample stage draws on"})
@@ -218,7 +219,9 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
         kind, k, _ = parse_selection(rule)
         t = TransplantConfig(select=rule, sweep=cfg.sweep and checkpoint == "primary")
         chosen = units[: divergent if kind == "all" else min(k, divergent)]
-        stage(f"transplant/{checkpoint}", "bf16", [(u, transplant.forwards(u, t, shape.layers)) for u in chosen])
+        carried = (("live", 0), (t.construction, 0)) if cfg.dedup else ()  # own suffixes: the matched run's
+        stage(f"transplant/{checkpoint}", "bf16", [(u, transplant.forwards(replace(u, looks=carried), t, shape.layers))
+                                                   for u in chosen])
 
     def replay(i: int) -> list[int]:
         # The diagnostics decode the first-run arm of a divergent pair again to its first divergent step d
@@ -230,11 +233,15 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
     stage("bridge/primary", "bf16", [(u, bridge.forwards(u)) for u in units[: cfg.bridge_rows]])
     transplants("primary", cfg.select)
     for p in cfg.precisions:
-        reused = "oneshot" if cfg.dedup and p == "bf16" and "oneshot" in cfg.constructions else None
-        # A carried-over arm is decoded only to the first divergence: at most all of it where the arms diverge,
-        # its first step where they do not.
-        todo = [(u, precision_2x2.forwards(Lengths(u.prompt, s1, n, look=n if i < divergent else 1),
-                                           cfg.constructions, p, reused) + (replay(i) if p == "bf16" else []))
+        # At the run's precision the matched arms are carried over (`precision_2x2.reused_arms`): each decoded only
+        # to the first divergence, at most all of it where the arms diverge, its first step where they do not; a
+        # pair is replayed only where one of its arms is decoded in full.
+        cs = cfg.constructions
+        carried = [c for c in cs if cfg.dedup and p == "bf16" and c in ("oneshot", *precision_2x2.CARRIED_FROM)]
+        pairs = sum(1 for i, a in enumerate(cs) for b in cs[i + 1 :] if not (a in carried and b in carried))
+        todo = [(u, precision_2x2.forwards(Lengths(u.prompt, s1, n, looks=tuple((c, n if i < divergent else 1)
+                                                                               for c in carried)), cs, p)
+                 + (replay(i) * pairs if p == "bf16" else []))
                 for i, u in enumerate(units)]
         stage(f"precision_2x2/primary@{p}", p, todo)
     if cfg.resample:
@@ -288,18 +295,17 @@ def lengths_of(payload: dict[str, Any]) -> Lengths:
     return Lengths(prompt, payload["boundary"] - prompt, 0, arms)
 
 
-def grid_lengths(payload: dict[str, Any]) -> tuple[Lengths, str | None]:
-    """A 2x2 record's lengths and the construction it carried over from matched (None when it did not), with the
-    steps that arm was decoded again for its diagnostics (`precision_2x2.diagnostic_steps`)."""
+def grid_lengths(payload: dict[str, Any]) -> Lengths:
+    """A 2x2 record's lengths, with the steps each arm it carried over from matched was decoded again for its
+    diagnostics (`precision_2x2.diagnostic_steps`: against every other arm's suffix, as `grid_item` runs it)."""
     from stagereplay.experiments.precision_2x2 import diagnostic_steps
 
     n = lengths_of(payload)
-    carried = [a for a in payload.get("arms", []) if a.get("same_as")]
-    if not carried:
-        return n, None
-    others = [tuple(a["suffix_ids"]) for a in payload["arms"] if not a.get("same_as")]
-    look = diagnostic_steps(carried[0]["suffix_ids"], others)
-    return Lengths(n.prompt, n.stage1, 0, n.arms, look=look), carried[0]["name"].split("@")[0]
+    arms = payload.get("arms", [])
+    looks = tuple((str(a["construction"]), diagnostic_steps(a["suffix_ids"], [tuple(o["suffix_ids"]) for o in arms
+                                                                             if o is not a]))
+                  for a in arms if a.get("same_as"))
+    return Lengths(n.prompt, n.stage1, 0, n.arms, looks=looks)
 
 
 def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = True) -> list[StagePlan]:
@@ -379,11 +385,11 @@ def unit_forwards(r: Record, stage: dict[str, Any]) -> tuple[str, list[int], int
         if p.get("status") != "ok":
             return None
         suffix = stage["settings"]["decode"]["max_new_tokens"]  # sweep continuations are not recorded
-        fw = transplant.forwards(Lengths(n.prompt, n.stage1, suffix, n.arms), TransplantConfig(**stage["config"]),
-                                 _layers(stage))
+        carried = tuple((a["name"], 0) for a in p.get("arms", []) if a.get("same_as"))  # own suffixes not decoded
+        fw = transplant.forwards(Lengths(n.prompt, n.stage1, suffix, n.arms, looks=carried),
+                                 TransplantConfig(**stage["config"]), _layers(stage))
     elif r.experiment == "precision_2x2":
-        lengths, reused = grid_lengths(p)
-        fw = precision_2x2.forwards(lengths, tuple(stage["constructions"]), r.part, reused)
+        fw = precision_2x2.forwards(grid_lengths(p), tuple(stage["constructions"]), r.part)
         name = f"{name}@{r.part}"
     elif r.experiment == "resample":
         if p.get("status") != "ok":
@@ -402,10 +408,11 @@ def replay_forwards(p: dict[str, Any]) -> list[int]:
     """The single-token forwards the diagnostics make replaying an arm to its pair's first divergent step d
     (experiments.diagnose, engine.steps.replay_logits): d + 1 for each (arm, d) with d >= 1 inside both arms'
     steps, for the arm of the pair that ran first (the other watched its suffix and kept its own logits there).
-    Arms run in the record's order, except an arm carried over from matched (`same_as`), which runs last and
-    decodes only as far as its diagnostics read."""
+    Arms run in the record's order, except the arms carried over from matched (`same_as`), which run last,
+    decode only as far as their diagnostics read and watch every other arm's suffix (never replayed)."""
     arms = p.get("arms", [])
-    order = [a["name"] for a in arms if "same_as" not in a] + [a["name"] for a in arms if "same_as" in a]
+    carried = {a["name"] for a in arms if "same_as" in a}
+    order = [a["name"] for a in arms if a["name"] not in carried] + [a["name"] for a in arms if a["name"] in carried]
     steps = {a["name"]: len(a.get("suffix_ids") or []) for a in arms}
     out: list[int] = []
     seen: set[tuple[str, int]] = set()
@@ -414,7 +421,7 @@ def replay_forwards(p: dict[str, Any]) -> list[int]:
         if a not in steps or b not in steps or not d or d >= steps[a] or d >= steps[b]:
             continue
         first = a if order.index(a) < order.index(b) else b
-        if (first, d) not in seen:
+        if first not in carried and (first, d) not in seen:
             seen.add((first, d))
             out += [1] * (d + 1)
     return out
@@ -543,7 +550,7 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
         s1 = cfg.stage1_tokens or budget
         header += (f"\nassumed: {cfg.n} items, prompts {min(prompts)}-{max(prompts)} tokens, stage 1 {s1}, suffix "
                    f"{cfg.suffix_tokens}, divergent {cfg.n if cfg.divergent is None else cfg.divergent}; "
-                   f"2x2 {'carries the matched arm over' if cfg.dedup else 'recomputes every arm'}; audit "
+                   f"2x2 and transplants {'carry the matched arms over' if cfg.dedup else 'recompute every arm'}; audit "
                    + (f"of {cfg.audit_sample} units per stage" if cfg.audit_sample else "of every unit"))
     else:
         header += f"\nmeasured: the lengths recorded in {run}"

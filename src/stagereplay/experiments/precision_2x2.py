@@ -31,37 +31,43 @@ def fixed_state(item: Item, prefix: list[int], settings: ReplaySettings, lm: LM)
 def grid_item(lm: LM, job: Job) -> dict[str, Any]:
     """Every construction at this process's precision on one fixed prefix, and their pairwise comparison.
 
-    With `reuse` (see `reused_arm`), the construction that the matched run already continued from this prefix
-    on this model is not continued again: its arm is the matched record's, marked `same_as`. Its cache is still
-    built (one prefill, for the cache differences) and continued only as far as the diagnostics read its logits
-    (the first step and the first divergent one, `diagnostic_steps`); those steps must repeat the recorded
-    tokens, or the arm is decoded in full and recorded as its own.
+    With `reuse` (see `reused_arms`), a construction whose arm the matched run already computed on this model
+    (its own construction, and `incremental`, which makes live generation's calls: the prompt, then one token
+    per forward) is not continued again: its cache is built (for the cache differences) and must be the
+    recorded arm's bit for bit (its fingerprint); it is then continued only as far as the diagnostics read its
+    logits (the first step and the latest first divergent one, `diagnostic_steps`), and those steps must repeat
+    the recorded tokens. Its arm is then the matched record's, marked `same_as`; otherwise it is decoded in
+    full and recorded as its own.
     """
     item, s = job.item, job.settings
     state = fixed_state(item, job.get("prefix"), s, lm)
-    reuse = job.get("reuse")
-    reused = reuse[0].rpartition(":")[2] if reuse else None
+    reuse = {c: (source, arm, margins) for c, source, arm, margins in job.get("reuse") or ()}
     built = {f"{c}@{lm.config.precision}": (c, lm.construct(state, c)) for c in job.get("constructions")}
     conts: dict[str, Continuation] = {}
     for name, (c, b) in built.items():
-        if c != reused:
+        if c not in reuse:
             # Each arm watches the earlier ones' suffixes: its logits at their first divergent step are kept as
             # it runs; the earlier arm's are replayed from its cache, which every arm here keeps for
             # `cache_difference`.
             conts[name] = lm.continue_from(b, s.decode, watch=[cont.suffix for cont in conts.values()])
+    suffixes = {name: conts[name].suffix if c not in reuse else tuple(reuse[c][1]["suffix_ids"])
+                for name, (c, _) in built.items()}
     carried: dict[str, tuple[dict[str, Any], list[Any]]] = {}  # arm name -> (its arm, its step margins)
     for name, (c, b) in built.items():
-        if c != reused:
+        if c not in reuse:
             continue
-        source, recorded, margins = reuse
-        others = [cont.suffix for cont in conts.values()]
-        steps = diagnostic_steps(recorded["suffix_ids"], others)
-        look = lm.continue_from(b, replace(s.decode, max_new_tokens=steps), watch=others)
-        if list(look.suffix) == recorded["suffix_ids"][: len(look.suffix)]:
-            conts[name] = look
-            carried[name] = ({**recorded, "name": name, "same_as": source}, margins)
-        else:  # not the computation the matched run recorded: this arm is its own
-            conts[name] = lm.continue_from(b, s.decode, watch=others)
+        source, recorded, margins = reuse[c]
+        others = [suffix for other, suffix in suffixes.items() if other != name]  # it watches every other arm
+        fp = b.fingerprint()
+        if fp == recorded["cache_fp"]:
+            steps = diagnostic_steps(recorded["suffix_ids"], others)
+            look = lm.continue_from(b, replace(s.decode, max_new_tokens=steps), watch=others)
+            if list(look.suffix) == recorded["suffix_ids"][: len(look.suffix)]:
+                conts[name] = look
+                carried[name] = ({**recorded, "name": name, "construction": c, "same_as": source}, margins)
+                continue
+        # not the computation the matched run recorded: this arm is its own
+        conts[name] = lm.continue_from(b, s.decode, watch=others)
     runs: dict[str, tuple[BoundaryState, Continuation]] = {name: (b, conts[name]) for name, (_, b) in built.items()}
     arms = [carried[name][0] if name in carried else arm_record(lm, name, b, cont, state.stage1, item, s.scorer)
             for name, (b, cont) in runs.items()]
@@ -76,12 +82,13 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
     return {**payload, "token_texts": token_texts(lm, payload)}
 
 
-def forwards(n: Lengths, constructions: tuple[str, ...], precision: str, reused: str | None = None) -> list[int]:
+def forwards(n: Lengths, constructions: tuple[str, ...], precision: str) -> list[int]:
     """The forwards `grid_item` makes at `precision` on a prefix of lengths `n`: each construction and its
-    continuation; the `reused` one (carried over from matched) continued only `n.look` steps."""
+    continuation; one carried over from matched (`n.looks`) continued only as many steps as its diagnostics read."""
     out: list[int] = []
+    looks = dict(n.looks)
     for c in constructions:
-        steps = n.look if c == reused and n.look is not None else n.of(f"{c}@{precision}")
+        steps = looks[c] if c in looks else n.of(f"{c}@{precision}")
         out += construct_forwards(c, n.prompt, n.prefix) + continuation_forwards(steps)
     return out
 
@@ -93,23 +100,30 @@ def diagnostic_steps(recorded: list[int], others: list[tuple[int, ...]]) -> int:
     return max(1, min(last + 1, len(recorded)))
 
 
-def reused_arm(grid_stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any],
-               checkpoint: str, precision: str) -> tuple[str, dict[str, Any], list[Any]] | None:
-    """(`matched/<checkpoint>:<construction>`, its arm, its step margins) when the 2x2 at `precision` would
-    repeat that arm: the same model at the same precision, the same settings, the same construction from the
-    same prefix (the 2x2's prefixes are the matched run's). None when anything differs or the matched record
-    has no diagnostics to carry over."""
+CARRIED_FROM = {"incremental": "live"}
+"""A fixed-prefix construction that makes the same forwards as a matched arm of another name: `incremental`
+feeds the prompt in one forward, then one token per forward, as live generation did (the bridge's claim, which
+the carried arm's cache fingerprint checks item by item)."""
+
+
+def reused_arms(grid_stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any],
+                checkpoint: str, precision: str) -> tuple[tuple[str, str, dict[str, Any], list[Any]], ...]:
+    """(construction, `matched/<checkpoint>:<arm>`, that arm, its step margins) for each construction of the 2x2
+    at `precision` that would repeat an arm of the matched record: the same model at the same precision, the
+    same settings, from the same prefix (the 2x2's prefixes are the matched run's), and the same forwards (the
+    matched run's own construction, and `incremental` for `live`: `CARRIED_FROM`). Empty when anything differs
+    or the matched record has no diagnostics to carry over."""
     if matched_stage is None or matched.get("status") != "ok":
-        return None
-    c = matched_stage["construction"]
+        return ()
     same_model = dict(matched_stage["model"]) == {**grid_stage["model"], "precision": precision}
-    if c not in grid_stage["constructions"] or not same_model or matched_stage["settings"] != grid_stage["settings"]:
-        return None
-    arm = next((a for a in matched.get("arms", []) if a.get("name") == c), None)
-    margins = (matched.get("diagnostics") or {}).get("margins", {}).get(c)
-    if arm is None or margins is None:
-        return None
-    return f"matched/{checkpoint}:{c}", arm, margins
+    if not same_model or matched_stage["settings"] != grid_stage["settings"]:
+        return ()
+    sources = {matched_stage["construction"]: matched_stage["construction"], **CARRIED_FROM}
+    arms = {a.get("name"): a for a in matched.get("arms", [])}
+    margins = (matched.get("diagnostics") or {}).get("margins", {})
+    return tuple((c, f"matched/{checkpoint}:{sources[c]}", arms[sources[c]], margins[sources[c]])
+                 for c in grid_stage["constructions"] if c in sources and sources[c] in arms
+                 and sources[c] in margins)
 
 
 def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:
@@ -144,6 +158,6 @@ def run_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: 
     for precision in precisions:
         jobs = [Job(item, settings, part=precision, extra=(
                     ("prefix", prefix), ("constructions", constructions),
-                    ("reuse", reused_arm(stage, matched_stage, matched[item.id], checkpoint, precision))))
+                    ("reuse", reused_arms(stage, matched_stage, matched[item.id], checkpoint, precision))))
                 for item, prefix in fixed]
         execute(run, EXPERIMENT, checkpoint, model.with_precision(precision), grid_item, jobs, ex, None, quiet)

@@ -105,10 +105,15 @@ def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: Transpla
 
 
 def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
+    """Live and the fresh construction with their own suffixes, then the transplants both ways (and the
+    zero-layer control). With `reuse` (`reused_arms`), an own suffix the matched run already decoded from the same
+    cache is not decoded again: the boundary cache built here must be the recorded arm's bit for bit (its
+    fingerprint), and the arm is then the matched record's, marked `same_as`."""
     item, s = job.item, job.settings
     cfg = TransplantConfig(**dict(job.get("config")))
+    reuse = {name: (source, arm) for name, source, arm in job.get("reuse") or ()}
     try:
-        live = lm.live(item, s.rule(), s.decode, keep_steps=False)
+        live = lm.live(item, s.rule(), s.decode, keep_going="live" not in reuse, keep_steps=False)
     except NoBoundary:
         live = None
     if live is None or list(live.prefix) != list(job.get("prefix")):
@@ -117,11 +122,24 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
     if live is None:
         return {"status": "prefix_not_reproduced", "prompt_ids": list(item.prompt_ids), "answer": item.answer,
                 "arms": [], "comparisons": []}
-    assert live.live_suffix is not None
     fresh = lm.construct(live, cfg.construction)
     states = {"live": live, cfg.construction: fresh}
-    own = {"live": live.live_suffix, cfg.construction: lm.continue_from(fresh, s.decode, keep_steps=False)}
-    arms = [arm_record(lm, name, states[name], own[name], live.stage1, item, s.scorer) for name in states]
+    own: dict[str, Continuation] = {}
+    arms = []
+    for name, state in states.items():
+        fp = state.fingerprint()
+        if name in reuse and reuse[name][1]["cache_fp"] == fp:
+            source, recorded = reuse[name]
+            own[name] = Continuation(tuple(recorded["suffix_ids"]), recorded["stop"])
+            arms.append({**recorded, "name": name, "construction": state.construction, "same_as": source})
+            continue
+        if name == "live":  # the uninterrupted loop's own suffix (its cache was the snapshot's, bit for bit)
+            suffix = live.live_suffix if live.live_suffix is not None else lm.continue_from(live, s.decode,
+                                                                                              keep_steps=False)
+        else:
+            suffix = lm.continue_from(state, s.decode, keep_steps=False)
+        own[name] = suffix
+        arms.append(arm_record(lm, name, state, suffix, live.stage1, item, s.scorer, cache_fp=fp))
     positions = parse_positions(cfg.positions, len(live.prefix) - 1) if cfg.positions else None
     pairs = [("live", cfg.construction), (cfg.construction, "live")]  # (donor, recipient)
 
@@ -154,16 +172,33 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
 
 def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
     """The forwards `transplant_item` makes for an item of lengths `n`: live with its suffix, the fresh
-    construction with its own, then one continuation per direction (transplant and control) and, with a
-    sweep, per direction of each of the 3 x `n_layers` bands (sweep continuations are not recorded: `n.suffix`)."""
-    c = cfg.construction
-    out = live_forwards(n.prompt, n.stage1 or 0, n.of("live")) + construct_forwards(c, n.prompt, n.prefix)
-    out += continuation_forwards(n.of(c))
+    construction with its own (neither suffix where it is carried over from matched: `n.looks`), then one
+    continuation per direction (transplant and control) and, with a sweep, per direction of each of the
+    3 x `n_layers` bands (sweep continuations are not recorded: `n.suffix`)."""
+    c, carried = cfg.construction, dict(n.looks)
+    out = live_forwards(n.prompt, n.stage1 or 0, None if "live" in carried else n.of("live"))
+    out += construct_forwards(c, n.prompt, n.prefix)
+    out += continuation_forwards(carried.get(c, n.of(c)))
     for arm in (f"{p}{d}->{r}" for p in ("", "control:") for d, r in (("live", c), (c, "live"))):
         out += continuation_forwards(n.of(arm))
     if cfg.sweep:
         out += continuation_forwards(n.suffix) * (2 * len(sweep_bands(n_layers)))
     return out
+
+
+def reused_arms(stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any] | None,
+                checkpoint: str) -> tuple[tuple[str, str, dict[str, Any]], ...]:
+    """(arm, `matched/<checkpoint>:<arm>`, that arm) for the transplant's own arms that the matched record of the
+    item already decoded: live, and the fresh construction when it is the matched run's, on the same model at the
+    same precision with the same settings. Empty when anything differs."""
+    if matched_stage is None or matched is None or matched.get("status") != "ok":
+        return ()
+    if dict(matched_stage["model"]) != dict(stage["model"]) or matched_stage["settings"] != stage["settings"]:
+        return ()
+    names = ["live"] + ([stage["config"]["construction"]]
+                        if stage["config"]["construction"] == matched_stage["construction"] else [])
+    arms = {a.get("name"): a for a in matched.get("arms", [])}
+    return tuple((name, f"matched/{checkpoint}:{name}", arms[name]) for name in names if name in arms)
 
 
 def divergent_ids(matched: list[Record], construction: str) -> list[str]:
@@ -212,6 +247,10 @@ def run_transplant(run: Run, model: ModelConfig, settings: ReplaySettings, check
     # Frozen before any transplant outcome exists: the rule and the items it picked.
     run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": asdict(model), "settings": settings.as_dict(),
                                                   "config": asdict(cfg), "selected": sorted(chosen)})
-    jobs = [Job(item, settings, extra=(("prefix", prefix), ("config", tuple(asdict(cfg).items()))))
+    stage = run.manifest["stages"][f"{EXPERIMENT}/{checkpoint}"]  # as JSON gives it back, as the audit reads it
+    matched_stage = run.manifest.get("stages", {}).get(f"matched/{checkpoint}")
+    matched = {r.item_id: r.payload for r in run.find("matched", checkpoint)}
+    jobs = [Job(item, settings, extra=(("prefix", prefix), ("config", tuple(asdict(cfg).items())),
+                                       ("reuse", reused_arms(stage, matched_stage, matched.get(item.id), checkpoint))))
             for item, prefix in candidates if item.id in chosen]
     execute(run, EXPERIMENT, checkpoint, model, transplant_item, jobs, ex, None, quiet)

@@ -253,8 +253,9 @@ def _arm_claims(record: Record, stage: dict[str, Any]) -> list[str]:
 
 
 def _same_as_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
-    """An arm marked `same_as: "<stage>:<arm>"` was not computed again: every field but its name must be that
-    recorded arm's (the re-executing audit then checks that the matched run still computes it)."""
+    """An arm marked `same_as: "<stage>:<arm>"` was not computed again: every field but its name and its
+    construction must be that recorded arm's, its cache fingerprint included (the re-executing audit then checks
+    that the matched run still computes it, and that the construction still builds that cache)."""
     bad = []
     for a in p.get("arms", []):
         ref = a.get("same_as")
@@ -266,8 +267,8 @@ def _same_as_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
         if arm is None:
             bad.append(f"arm {a.get('name')}: same_as {ref} names no recorded arm")
             continue
-        own = {k: v for k, v in a.items() if k not in ("name", "same_as")}
-        for f in diff_fields({k: v for k, v in arm.items() if k != "name"}, own):
+        own = {k: v for k, v in a.items() if k not in ("name", "construction", "same_as")}
+        for f in diff_fields({k: v for k, v in arm.items() if k not in ("name", "construction")}, own):
             bad.append(f"arm {a.get('name')}: {f} is not the one of {ref}, which it says it is")
     return bad
 
