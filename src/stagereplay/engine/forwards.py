@@ -58,8 +58,9 @@ class Lengths:
     suffix: int  # the length of every arm's suffix not named in `arms`
     arms: tuple[tuple[str, int], ...] = ()  # (arm name, suffix length) as recorded
     generated: int = 0
-    looks: tuple[tuple[str, int], ...] = ()  # (construction, steps): a 2x2 arm carried over from matched
-    """and the steps its diagnostics decode again."""
+    looks: tuple[tuple[str, int], ...] = ()
+    """(construction, steps) per arm carried over from matched (`same_as`): the steps decoded again for it (a
+    2x2's: as far as its diagnostics read; a transplant's own suffixes: none)."""
 
     @property
     def prefix(self) -> int:
