@@ -84,3 +84,23 @@ def test_missing_model_directory_is_one_line_and_leaves_nothing(tmp_path, items_
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "no-such-model" in lines[0] and "not found" in lines[0]
     assert not out.exists()
+
+
+def test_the_progress_bar_names_the_checkpoint(tmp_path, tiny_dir, items_file):
+    """A stage's bar reads `matched [primary] bf16`: its label is escaped, so rich does not take `[primary]` for
+    a style and drop it (the negative control: the same label unescaped loses it)."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn
+
+    out = tmp_path / "run"
+    args = ["matched", "--model", str(tiny_dir("qwen2")), "--data", str(items_file), "--out", str(out), "--n", "2",
+            "--boundary-after", "4", "--max-new-tokens", "4"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "matched [primary] bf16" in result.output
+    console = Console(file=io.StringIO(), width=80)
+    with Progress(TextColumn("{task.description}"), console=console) as bar:
+        bar.add_task("matched [primary] bf16")
+    assert "[primary]" not in console.file.getvalue()

@@ -126,13 +126,15 @@ def execute(run: Run, experiment: str, checkpoint: str, model: ModelConfig, work
     """Run every job not yet in the ledger, appending records in job order with the environment that
     computed each, with a progress bar. `env_work` returns a job's payload and environment itself (a serving
     engine adds its own to the environment); by default `work`'s payload gets `with_environment`'s."""
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     pending = [j for j in jobs if not run.done(experiment, checkpoint, j.item.id, j.part)]
     label = f"{experiment} [{checkpoint}]" + (f" {model.precision}" if model.precision else "")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   disable=quiet, transient=False) as bar:
-        task = bar.add_task(label, total=len(jobs), completed=len(jobs) - len(pending))
+        # The description is rich markup: escaped, "[primary]" is shown, not taken for a style.
+        task = bar.add_task(escape(label), total=len(jobs), completed=len(jobs) - len(pending))
         done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, lm)
         for job, out in zip(pending, done, strict=False):
             run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
