@@ -72,6 +72,26 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
     return arm
 
 
+def matched_arms(stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any] | None,
+                 precision: str | None = None) -> dict[str, dict[str, Any]]:
+    """By name, the arms of an item's matched record that `stage` may carry over instead of decoding them again:
+    those of a record that reached its boundary, when `stage` runs the matched stage's model (at `precision`, by
+    default the stage's own) with its settings. Empty otherwise. Which arms repeat which is the stage's to say;
+    that the cache an arm continues from is the recorded one, its item function checks (`cache_fp`)."""
+    if matched_stage is None or matched is None or matched.get("status") != "ok":
+        return {}
+    model = {**stage["model"], "precision": precision} if precision else dict(stage["model"])
+    if dict(matched_stage["model"]) != model or matched_stage["settings"] != stage["settings"]:
+        return {}
+    return {a.get("name"): a for a in matched.get("arms", [])}
+
+
+def carried_arm(recorded: dict[str, Any], name: str, construction: str, source: str) -> dict[str, Any]:
+    """Another stage's `recorded` arm as this stage's arm `name`, not decoded again: every field but its name and
+    construction is the recorded arm's, and `same_as` names it (`verify._same_as_claims` checks both)."""
+    return {**recorded, "name": name, "construction": construction, "same_as": source}
+
+
 def token_texts(lm: LM, payload: dict[str, Any]) -> dict[str, str]:
     """Each token the record shows, decoded alone (special tokens kept), keyed by its id as text: the prompt,
     stage 1, every arm's suffix and the top-5 candidates at each first divergence. The report's explorer and

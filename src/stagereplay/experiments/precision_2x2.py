@@ -11,7 +11,16 @@ from stagereplay.engine.lm import LM, BoundaryState, Continuation, check_constru
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute, token_texts
+from stagereplay.experiments.common import (
+    Job,
+    ReplaySettings,
+    arm_record,
+    carried_arm,
+    comparison,
+    execute,
+    matched_arms,
+    token_texts,
+)
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.records.ledger import Run
 from stagereplay.report.stats import first_divergence
@@ -64,7 +73,7 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
             look = lm.continue_from(b, replace(s.decode, max_new_tokens=steps), watch=others)
             if list(look.suffix) == recorded["suffix_ids"][: len(look.suffix)]:
                 conts[name] = look
-                carried[name] = ({**recorded, "name": name, "construction": c, "same_as": source}, margins)
+                carried[name] = (carried_arm(recorded, name, c, source), margins)
                 continue
         # not the computation the matched run recorded: this arm is its own
         conts[name] = lm.continue_from(b, s.decode, watch=others)
@@ -113,13 +122,11 @@ def reused_arms(grid_stage: dict[str, Any], matched_stage: dict[str, Any] | None
     same settings, from the same prefix (the 2x2's prefixes are the matched run's), and the same forwards (the
     matched run's own construction, and `incremental` for `live`: `CARRIED_FROM`). Empty when anything differs
     or the matched record has no diagnostics to carry over."""
-    if matched_stage is None or matched.get("status") != "ok":
+    arms = matched_arms(grid_stage, matched_stage, matched, precision)
+    if not arms:
         return ()
-    same_model = dict(matched_stage["model"]) == {**grid_stage["model"], "precision": precision}
-    if not same_model or matched_stage["settings"] != grid_stage["settings"]:
-        return ()
+    assert matched_stage is not None
     sources = {matched_stage["construction"]: matched_stage["construction"], **CARRIED_FROM}
-    arms = {a.get("name"): a for a in matched.get("arms", [])}
     margins = (matched.get("diagnostics") or {}).get("margins", {})
     return tuple((c, f"matched/{checkpoint}:{sources[c]}", arms[sources[c]], margins[sources[c]])
                  for c in grid_stage["constructions"] if c in sources and sources[c] in arms

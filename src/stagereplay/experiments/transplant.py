@@ -17,7 +17,7 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, arm_record, execute
+from stagereplay.experiments.common import Job, ReplaySettings, arm_record, carried_arm, execute, matched_arms
 from stagereplay.records.ledger import Record, Run
 from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
@@ -131,7 +131,7 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
         if name in reuse and reuse[name][1]["cache_fp"] == fp:
             source, recorded = reuse[name]
             own[name] = Continuation(tuple(recorded["suffix_ids"]), recorded["stop"])
-            arms.append({**recorded, "name": name, "construction": state.construction, "same_as": source})
+            arms.append(carried_arm(recorded, name, state.construction, source))
             continue
         if name == "live":  # the uninterrupted loop's own suffix (its cache was the snapshot's, bit for bit)
             suffix = live.live_suffix if live.live_suffix is not None else lm.continue_from(live, s.decode,
@@ -191,13 +191,12 @@ def reused_arms(stage: dict[str, Any], matched_stage: dict[str, Any] | None, mat
     """(arm, `matched/<checkpoint>:<arm>`, that arm) for the transplant's own arms that the matched record of the
     item already decoded: live, and the fresh construction when it is the matched run's, on the same model at the
     same precision with the same settings. Empty when anything differs."""
-    if matched_stage is None or matched is None or matched.get("status") != "ok":
+    arms = matched_arms(stage, matched_stage, matched)
+    if not arms:
         return ()
-    if dict(matched_stage["model"]) != dict(stage["model"]) or matched_stage["settings"] != stage["settings"]:
-        return ()
+    assert matched_stage is not None
     names = ["live"] + ([stage["config"]["construction"]]
                         if stage["config"]["construction"] == matched_stage["construction"] else [])
-    arms = {a.get("name"): a for a in matched.get("arms", [])}
     return tuple((name, f"matched/{checkpoint}:{name}", arms[name]) for name in names if name in arms)
 
 
