@@ -14,7 +14,8 @@ that was timed).
 A shared CPU's pace moves under a run: on the 2-core machine of docs/reference/performance.md the same toy
 step took 2.8 ms at one time and 7.7 ms 25 minutes later, with nothing else running in the machine. So each
 run is bracketed by the library's own calibration (`experiments.plan.calibrate`: a captured decode step and a
-prefill on the primary model, per precision, in a fresh process), and the plan of the run as it ran
+prefill on the primary model, per precision, in as many fresh processes at once as the run has workers, since
+workers sharing the CPU each step slower than one alone), and the plan of the run as it ran
 (`plan_run`: its forwards, counted from its ledger) is priced at the pace measured before it. `wall / plan`
 near 1 says the machine kept that pace; a run is comparable with another only at a similar pace.
 
@@ -146,7 +147,7 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
     ):
         if value is not None:
             cmd += [flag, str(value)]
-    before = pace(args)
+    before = pace(args, workers)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = PeakRSS(proc.pid)
@@ -155,7 +156,7 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"`{' '.join(map(str, cmd))}` failed ({proc.returncode}):\n{output[-3000:]}")
-    after = pace(args)
+    after = pace(args, workers)
     forwards, planned = plan_seconds(out, before, workers)
     from stagereplay.records.ledger import items, read_ledger
 
@@ -177,20 +178,22 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
     }
 
 
-def pace(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
-    """Per precision, (decode steps per second, prefill tokens per second) on the primary model, measured in a
-    fresh process with the run's kernels (`experiments.plan.calibrate`)."""
+def pace(args: argparse.Namespace, workers: int) -> dict[str, tuple[float, float]]:
+    """Per precision, (decode steps per second, prefill tokens per second) on the primary model, measured in
+    `workers` fresh processes at once with the run's kernels (`experiments.plan.calibrate`, `together`): the
+    pace of each of a run's workers, which share the CPU."""
     model = args.model
     if model is None:
         from stagereplay.toy import toy_checkpoint
 
         model = str(toy_checkpoint("primary"))
     code = ("import json, sys; from stagereplay.experiments.plan import calibrate; "
-            "r = calibrate(sys.argv[1], ('bf16', 'fp32'), threads=int(sys.argv[2]), steps=64, rounds=5); "
+            "r = calibrate(sys.argv[1], ('bf16', 'fp32'), threads=int(sys.argv[2]), steps=64, rounds=5, "
+            "together=int(sys.argv[3])); "
             "print(json.dumps({p: [r.steps[p], r.prefill_tokens.get(p, 0.0)] for p in r.steps}))")
     env = {**os.environ, **kernel_env(args)}
-    done = subprocess.run([sys.executable, "-c", code, model, str(args.threads)], capture_output=True, text=True,
-                          env=env)
+    done = subprocess.run([sys.executable, "-c", code, model, str(args.threads), str(workers)],
+                          capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"calibrating {model} failed:\n{done.stderr[-2000:]}")
     return {k: (v[0], v[1]) for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
@@ -316,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['executor']:>8}  {r['workers']:>7}  {r['wall_s']:8.1f}  {rows[0]['wall_s'] / r['wall_s']:8.2f}  "
             f"{r['peak_rss_tree_mb']:17.0f}  {r['peak_rss_single_mb']:19.0f}"
         )
-    print("machine pace, a captured decode step before / after each run (experiments.plan.calibrate):")
+    print("machine pace, a captured decode step before / after each run, as many processes at once as it has "
+          "workers (experiments.plan.calibrate):")
     for r in rows:
         steps = ", ".join(f"{p} {a:.2f} / {b:.2f} ms" for p, (a, b) in r["step_ms"].items())
         print(f"{r['executor']:>8}  {r['workers']:>7}  {steps}; plan of the run at the pace before it: "

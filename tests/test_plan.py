@@ -315,6 +315,45 @@ def test_calibrate_measures_positive_rates(tiny_dir):
     assert set(both.steps) == {"bf16", "fp32"} and min(both.steps.values()) > 0 and "static cache" in both.source
 
 
+def test_calibrating_together_times_as_many_fresh_processes(tiny_dir):
+    """Workers share the CPU and each steps slower than one alone: `together` measures in that many processes."""
+    import os
+
+    from stagereplay.experiments.plan import calibrate_each
+
+    each = calibrate_each(2, str(tiny_dir("qwen2")), ["bf16"], prompt=32, steps=4, rounds=1)
+    pids = {pid for pid, _ in each}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert all(r.steps["bf16"] > 0 and "calibrated" in r.source for _, r in each)
+
+
+def test_rates_measured_together_are_their_mean():
+    from stagereplay.experiments.plan import Rates, mean_rates
+
+    a = Rates({"bf16": 100.0, "fp32": 50.0}, {"bf16": 1000.0}, "calibrated on m")
+    b = Rates({"bf16": 300.0, "fp32": 150.0}, {"bf16": 3000.0, "fp32": 10.0}, "calibrated on m")
+    m = mean_rates([a, b], "2 processes at once")
+    assert m.steps == {"bf16": 200.0, "fp32": 100.0}
+    assert m.prefill_tokens == {"bf16": 2000.0}  # fp32's prefill rate: measured by one process only
+    assert m.source == "calibrated on m, 2 processes at once"
+
+
+def test_plan_calibrates_as_many_processes_as_cpu_workers(monkeypatch):
+    from stagereplay.experiments import plan as plan_module
+
+    seen = []
+
+    def measured(model, precisions, device, threads, cache, together):
+        seen.append((device, together))
+        return plan_module.Rates({p: 100.0 for p in precisions})
+
+    monkeypatch.setattr(plan_module, "calibrate", measured)
+    for workers in ("1", "2"):
+        result = CliRunner().invoke(app, ["plan", "--n", "4", "--calibrate", "--workers", workers])
+        assert result.exit_code == 0, result.output
+    assert seen == [("cpu", 1), ("cpu", 2)]
+
+
 def test_plan_of_a_directory_without_a_run_is_refused(tmp_path):
     result = CliRunner().invoke(app, ["plan", str(tmp_path)])
     assert result.exit_code == 2 and "no run in" in result.output

@@ -414,7 +414,8 @@ def plan(
         "decode steps per second (any forward costs one)"))] = None,
     prefill_tokens_per_second: Annotated[float | None, typer.Option("--prefill-tokens-per-second", help=(
         "prefill tokens per second, on top of the forward's step"))] = None,
-    calibrate: Annotated[bool, typer.Option("--calibrate", help="measure the rates on the real model")] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help=(
+        "measure the rates on the real model (on a CPU, in as many processes at once as --workers)"))] = False,
     cache: Cache = "dynamic",
     kernels: Kernels = "auto",
 ) -> None:

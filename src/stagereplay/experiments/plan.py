@@ -435,10 +435,27 @@ def _layers(stage: dict[str, Any]) -> int:
 
 def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
               prompt: int = 256, steps: int = 32, rounds: int = 3, clock: Callable[[], float] | None = None,
-              cache: str = "dynamic") -> Rates:
+              cache: str = "dynamic", together: int = 1) -> Rates:
     """Measure a decode step and a prefill of `prompt` tokens on the real model, per precision: one warm-up
     round (it captures the step), then the median of `rounds` timed ones. `clock`: wall time by default
-    (`time.process_time` times this process's CPU, steadier on a shared CPU)."""
+    (`time.process_time` times this process's CPU, steadier on a shared CPU).
+
+    `together` > 1: that many fresh processes measure at the same time, each rate the mean of theirs
+    (`calibrate_each`). A run's workers share the CPU, its caches and its memory bandwidth, and a core of a busy
+    machine may run slower than one of an idle one, so a step of one of `together` workers costs more than a
+    step measured alone (docs/reference/performance.md)."""
+    if together > 1:
+        each = calibrate_each(together, path, precisions, device=device, threads=threads, prompt=prompt,
+                              steps=steps, rounds=rounds, cache=cache)
+        return mean_rates([r for _, r in each], f"{together} processes at once")
+    return _calibrate(path, precisions, device, threads, prompt, steps, rounds, clock, cache)
+
+
+def _calibrate(path: str, precisions: Sequence[str], device: str, threads: int, prompt: int, steps: int,
+               rounds: int, clock: Callable[[], float] | None, cache: str,
+               ready: Callable[[], Any] | None = None) -> Rates:
+    """`calibrate` in this process; `ready()` is called after each precision's warm-up round, before the timed
+    ones (a barrier, so that processes measuring together time the same seconds)."""
     import statistics
     import time
 
@@ -453,7 +470,9 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
         length = max(2, min(prompt, lm.context - steps - 1))
         ids = [(7 * i + 3) % vocab for i in range(length)]
         timed: list[tuple[float, float]] = []  # (prefill s, one step s)
-        for _ in range(rounds + 1):
+        for r in range(rounds + 1):
+            if r == 1 and ready is not None:
+                ready()
             kv = lm.new_cache(length + steps)
             t0 = clock()
             lm.stepper.forward(ids, kv, 0)
@@ -468,6 +487,47 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
             prefill[p] = length / extra
         del lm
     return Rates(rates, prefill, f"calibrated on {Path(path).name}, {device}, {threads} thread(s), {cache} cache")
+
+
+def _calibrate_in_turn(barrier: Any, kwargs: dict[str, Any]) -> tuple[int, Rates]:
+    """One of `calibrate_each`'s processes; a failure breaks the barrier, so that the others stop waiting."""
+    import os
+
+    try:
+        return os.getpid(), _calibrate(**kwargs, clock=None, ready=barrier.wait)
+    except BaseException:
+        barrier.abort()
+        raise
+
+
+def calibrate_each(together: int, path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
+                   prompt: int = 256, steps: int = 32, rounds: int = 3, cache: str = "dynamic"
+                   ) -> list[tuple[int, Rates]]:
+    """`calibrate` in `together` fresh processes at once, started from this one's environment (its kernel
+    variables included) and timing their rounds together (a barrier after each warm-up): (pid, rates) of
+    each."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, ProcessPoolExecutor(max_workers=together, mp_context=context) as pool:
+        barrier = manager.Barrier(together, timeout=600)
+        kwargs = {"path": path, "precisions": tuple(precisions), "device": device, "threads": threads,
+                  "prompt": prompt, "steps": steps, "rounds": rounds, "cache": cache}
+        futures = [pool.submit(_calibrate_in_turn, barrier, kwargs) for _ in range(together)]
+        return [f.result() for f in futures]
+
+
+def mean_rates(measured: Sequence[Rates], how: str) -> Rates:
+    """Per precision, the mean of the `measured` rates (what each of as many workers makes at once); a prefill
+    rate only where every one measured it."""
+    def mean(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) / len(known) if known and len(known) == len(values) else None
+
+    steps = {p: mean([r.steps.get(p) for r in measured]) or 0.0 for p in measured[0].steps}
+    prefill = {p: x for p in steps if (x := mean([r.prefill_tokens.get(p) for r in measured]))}
+    return Rates(steps, prefill, f"{measured[0].source}, {how}")
 
 
 def render(stages: list[StagePlan], shape: Shape, rates: Rates | None, workers: int = 1) -> str:
@@ -542,7 +602,9 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
             max_new = max(cfg.max_new_tokens or 0, cfg.suffix_tokens)  # no suffix outgrows its budget
             allocate(stages, prompts, max_stage1_tokens, max_new, shape.context)
     if calibrate_on is not None:
-        rates = calibrate(model, sorted({s.precision for s in stages}), **calibrate_on, cache=cache)
+        together = cfg.workers if calibrate_on["device"] == "cpu" else 1  # workers on a CPU share it
+        rates = calibrate(model, sorted({s.precision for s in stages}), **calibrate_on, cache=cache,
+                          together=together)
     header = (f"model {Path(model).name}: {shape.layers} layers, {shape.kv_heads} KV heads of {shape.head_dim}, "
               f"{shape.params / 1e9:.3f}B parameters; a cache holds "
               f"{shape.cache_bytes(1, 'bf16') / 1024:.0f} KiB per position in bf16")
