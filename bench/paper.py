@@ -22,7 +22,8 @@ near 1 says the machine kept that pace; a run is comparable with another only at
 bf16 results depend on the CPU's kernels (AVX2, AVX-512, AVX-512 with AMX tiles route bf16 matmuls and
 attention differently), so the benchmark ends with the kernels that ran and the run's paper figures.
 `--kernels` is passed to `paper` (`execution.kernels`): `auto`, its default, runs the embedded toy on portable
-kernels (ATen, MKL and oneDNN held to their AVX2 code paths: an AVX2 machine's figures on any x86-64 CPU) and a
+kernels (ATen and oneDNN held to their AVX2 code paths, MKL to its COMPATIBLE branch: the same figures on any
+x86-64 CPU with AVX2, Intel or AMD) and a
 model of your own on this CPU's; `native` runs this CPU's own kernels. The pace bracket runs on the same.
 """
 
@@ -276,7 +277,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--boundary-after", type=int, default=None, help="stage 1 is the first N generated tokens")
     p.add_argument("--max-new-tokens", type=int, default=None, help="suffix length limit")
     p.add_argument("--kernels", choices=("auto", "native", "portable"), default="auto",
-                   help="paper's --kernels: portable (AVX2 code paths, the same bits on any x86-64 CPU with AVX2), "
+                   help="paper's --kernels: portable (the same bits on any x86-64 CPU with AVX2), "
                         "this CPU's own (native), or auto (portable for the embedded toy)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--keep", type=Path, default=None, help="keep the last run's directory here (a new path)")

@@ -112,6 +112,9 @@ def test_the_toy_runs_on_portable_kernels_by_default_and_records_them(toy_runs):
     assert recorded_caps(manifest) == PORTABLE
     envs = _environments(toy_runs["auto"])
     assert envs and all(_caps(e) == PORTABLE and e["kernels"]["cpu"]["capability"] == "AVX2" for e in envs)
+    # The branch MKL itself says it runs: the one PORTABLE asks for, on this CPU's vendor too.
+    assert {e["kernels"]["cpu"]["mkl_branch"] for e in envs} == {"COMPATIBLE"}
+    assert all(e["kernels"]["cpu"]["vendor"] for e in envs)
 
 
 def test_native_records_no_kernel_variable(toy_runs):
@@ -119,6 +122,28 @@ def test_native_records_no_kernel_variable(toy_runs):
     envs = _environments(toy_runs["native"])
     assert envs and all(_caps(e) == {} for e in envs)
     assert {e["kernels"]["cpu"]["capability"] for e in envs} == {torch.backends.cpu.get_cpu_capability()}
+    assert {e["kernels"]["cpu"]["mkl_branch"] for e in envs} == {"off"}
+
+
+def _mkl_branch_in_a_fresh_process(cbwr: str) -> str:
+    code = ("from stagereplay.records.provenance import environment; "
+            "print(environment('cpu', {})['kernels']['cpu']['mkl_branch'])")
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_ENV}
+    done = subprocess.run([sys.executable, "-c", code], env={**env, "MKL_CBWR": cbwr}, capture_output=True,
+                          text=True, timeout=300, check=True)
+    return done.stdout.strip()
+
+
+@needs_avx2
+def test_the_recorded_mkl_branch_is_the_one_mkl_runs_not_the_one_asked_for():
+    """MKL runs a vendor's branch only on that vendor's CPUs: asked for AVX2 on an AMD CPU it falls back to its
+    own dispatch (AUTO) without a word, and computes other bits than an Intel CPU on AVX2 does. COMPATIBLE, the
+    portable kernels' branch, holds on every vendor's CPU."""
+    from stagereplay.records.provenance import _cpu_vendor
+
+    assert _mkl_branch_in_a_fresh_process("COMPATIBLE") == "COMPATIBLE"
+    if _cpu_vendor() == "AuthenticAMD":
+        assert _mkl_branch_in_a_fresh_process("AVX2") == "AUTO"
 
 
 @needs_avx2

@@ -89,8 +89,8 @@ Workers = Annotated[int, typer.Option("--workers", help="local worker processes"
 Executor = Annotated[str, typer.Option("--executor", help="local | ray")]
 Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables")]
 Kernels = Annotated[str, typer.Option("--kernels", help=(
-    "CPU kernels: native (this machine's own) | portable (AVX2 code paths: the same bits on every x86-64 CPU "
-    "with AVX2) | auto (portable for the embedded toy on a CPU, else native)"))]
+    "CPU kernels: native (this machine's own) | portable (ATen and oneDNN on AVX2, MKL on its branch for every "
+    "vendor: the same bits on every x86-64 CPU with AVX2) | auto (portable for the embedded toy on a CPU, else native)"))]
 
 
 def _decode(max_new: int, max_stage1: int | None, sample: bool, temperature: float, top_k: int, seed: int,

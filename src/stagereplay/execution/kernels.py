@@ -2,11 +2,16 @@
 
 bf16 and fp32 bits follow the kernels. On a CPU, ATen, MKL and oneDNN pick theirs by the instruction set, so
 the same run gives other bits on an AVX2 machine, an AVX-512 one and one with AMX tiles (docs/reference/toy.md
-has the toy's figures on each). `PORTABLE` holds all three to their AVX2 code paths: ATen to its AVX2 kernels,
-MKL to its AVX2 path under conditional numerical reproducibility (`MKL_CBWR`), oneDNN to AVX2, which also
-routes bf16 matmuls to ATen as on a machine without AVX-512. Every such CPU then runs the same code paths, and
-an audit on another machine re-executes under them. On a CPU with AMX tiles it is also faster at batch 1: a one-row
-bf16 matmul on AMX tiles costs more than on AVX2 (docs/reference/performance.md).
+has the toy's figures on each). MKL also picks its code by the CPU's vendor. `PORTABLE` holds all three to code
+paths that every x86-64 CPU with AVX2 runs alike: ATen to its AVX2 kernels; MKL, under conditional numerical
+reproducibility (`MKL_CBWR`), to its `COMPATIBLE` branch, the one it documents for Intel and non-Intel
+processors alike (SSE2, without the approximate reciprocals whose bits differ between vendors; MKL runs its
+`AVX2` branch on Intel processors only, and on an AMD one quietly falls back to its own dispatch); oneDNN to
+AVX2, which also routes bf16 matmuls away from it as on a machine without AVX-512. Every such CPU then runs the
+same code paths, and an audit on another machine re-executes under them. The environment records the MKL
+branch in force (`mkl_branch`), so a cap that a library ignored shows in the ledger. On a CPU with AMX tiles
+portable kernels are also faster at batch 1: a one-row bf16 matmul on AMX tiles costs more than on AVX2
+(docs/reference/performance.md).
 
 The libraries read these variables when torch loads, so a choice is made before the first import of torch and
 holds for the process and every worker it starts (local workers and a local Ray instance inherit the
@@ -32,8 +37,9 @@ from typing import Any
 
 from stagereplay.errors import StageReplayError
 
-PORTABLE: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-"""The environment of portable kernels (ATen, MKL and oneDNN held to their AVX2 code paths)."""
+PORTABLE: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+"""The environment of portable kernels (ATen and oneDNN held to their AVX2 code paths, MKL to its branch for
+every vendor's CPU)."""
 CHOICES = ("auto", "native", "portable")
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE",
               "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")

@@ -28,7 +28,9 @@ _COMMON: tuple[tuple[str, tuple[str, ...]], ...] = (
 _CPU: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ISA", ("kernels", "cpu", "capability")),
     ("CPU features", ("kernels", "cpu", "features")),
+    ("CPU vendor", ("kernels", "cpu", "vendor")),
     ("kernel caps", ("kernels", "cpu", "env")),
+    ("MKL branch", ("kernels", "cpu", "mkl_branch")),
     ("oneDNN", ("kernels", "cpu", "mkldnn_enabled")),
 )
 _GPU: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -118,6 +118,42 @@ def _cpu_features() -> dict[str, bool] | None:
     return {name: bool(p()) for name, p in probes.items()}  # type: ignore[misc]  # None excluded above
 
 
+MKL_BRANCHES = {0: "off", 1: "off", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2",
+                9: "AVX", 10: "AVX2", 11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1", 14: "AVX512_E1"}
+"""MKL's conditional-numerical-reproducibility branches by their code (mkl_cbwr.h); "off": CNR not set."""
+
+
+def _cpu_vendor() -> str | None:
+    """The CPU's vendor string (GenuineIntel, AuthenticAMD): MKL picks its code paths by it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _mkl_branch() -> str | None:
+    """The MKL code branch in force, as MKL itself reports it (None where torch's MKL cannot be asked).
+
+    It may differ from what `MKL_CBWR` asked: MKL runs a vendor's branch only on that vendor's CPUs and falls
+    back to its own dispatch (AUTO) without a word, so the variable alone does not say which code ran."""
+    import ctypes
+
+    import torch
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        get = lib.mkl_serv_cbwr_get  # what mkl_cbwr_get(MKL_CBWR_BRANCH) returns; torch exports only this name
+    except (OSError, AttributeError):
+        return None
+    get.restype, get.argtypes = ctypes.c_int, [ctypes.c_int]
+    code = int(get(1)) & 0xFFFF  # MKL_CBWR_BRANCH; the STRICT flag (0x10000) is part of the variable
+    return MKL_BRANCHES.get(code, f"code {code}")
+
+
 def _kernels(device: str) -> dict[str, Any]:
     """The global switches that choose this device's kernels: SDPA backends, reduced-precision reductions and
     TF32 (CUDA only: on a CPU they choose nothing, so a CPU run does not depend on them), the float32 matmul
@@ -132,6 +168,8 @@ def _kernels(device: str) -> dict[str, Any]:
         "cpu": {
             "capability": cpu.get_cpu_capability(),
             "features": _cpu_features(),
+            "vendor": _cpu_vendor(),
+            "mkl_branch": _mkl_branch(),
             "mkldnn_enabled": torch.backends.mkldnn.enabled,
             "mkldnn_available": torch.backends.mkldnn.is_available(),
             "env": {k: os.environ.get(k) for k in KERNEL_ENV},
