@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -16,7 +17,9 @@ import pytest
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
+from stagereplay.errors import StageReplayError
 from stagereplay.experiments.audit import verify_ledger
+from stagereplay.records.ledger import open_run
 
 runner = CliRunner()
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -103,6 +106,50 @@ def test_second_writer_is_refused_with_the_holders_pid(tmp_path, tiny_dir, items
     assert f"being written by process {first.pid}" in second.stderr
     assert first.wait(timeout=300) == 0, first.stderr.read()
     assert len(_items(out)) == 10 and verify_ledger(out) == []
+
+
+def _held_lock(run: Path) -> int:
+    """Hold RUN/.lock as a writer does (flock on its own open file, its pid inside) and return the fd."""
+    run.mkdir(exist_ok=True)
+    fd = os.open(run / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(fd, b"4242", 0)
+    return fd
+
+
+def test_a_writer_between_its_lock_and_its_manifest_is_named_not_called_foreign(tmp_path):
+    """The window a second writer can meet: the lock held, the manifest still a temporary file beside it."""
+    out = tmp_path / "run"
+    fd = _held_lock(out)
+    try:
+        (out / ".manifest.json.x1y2.tmp").write_text("{")
+        with pytest.raises(StageReplayError, match="being written by process 4242"), open_run(out, {"config": {}}):
+            pass
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in out.iterdir()) == [".lock", ".manifest.json.x1y2.tmp"]
+
+
+def test_a_folder_of_other_files_is_refused_and_left_as_it_was(tmp_path):
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "todo.txt").write_text("x")
+    with pytest.raises(StageReplayError, match="exists and is not a stagereplay run"), open_run(foreign, {"config": {}}):
+        pass
+    assert [p.name for p in foreign.iterdir()] == ["todo.txt"]  # no lock file left in it
+    (foreign / ".lock").write_text("")  # a lock file does not make other files a run's
+    with pytest.raises(StageReplayError, match="exists and is not a stagereplay run"), open_run(foreign, {"config": {}}):
+        pass
+
+
+def test_a_writer_killed_before_its_manifest_landed_leaves_a_folder_that_opens_anew(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text("999999")
+    (out / ".manifest.json.x1y2.tmp").write_text("{")
+    with open_run(out, {"config": {"n": 1}}) as run:
+        assert run.records == []
+    assert json.loads((out / "manifest.json").read_text()) == {"config": {"n": 1}}
 
 
 def test_different_configuration_into_an_existing_run_names_the_fields(tmp_path, tiny_dir, items_file, reference):

@@ -213,6 +213,11 @@ def _lock(path: Path) -> int:
     return fd
 
 
+def _before_manifest(name: str) -> bool:
+    """What a run's folder may hold before its manifest: the lock, and a writer's unrenamed manifest."""
+    return name == LOCK or (name.startswith(f".{MANIFEST}.") and name.endswith(".tmp"))
+
+
 def _set_aside_torn_tail(path: Path) -> None:
     ledger = path / LEDGER
     if not ledger.exists():
@@ -248,13 +253,20 @@ def open_run(path: Path, manifest: dict[str, Any], identity: tuple[str, ...] = (
     created = not path.exists()
     if not created and not path.is_dir():
         raise StageReplayError(f"--out {path} exists and is not a directory", "choose another --out")
-    if not created and any(p.name != LOCK for p in path.iterdir()) and not (path / MANIFEST).exists():
+    # A folder with files but no lock file and no manifest is someone else's: refused before a lock file is left
+    # in it. A lock file marks a run's folder even before its manifest lands (another writer may be between
+    # taking the lock and renaming the manifest into place), so there the lock is taken first, and `_lock`
+    # names the writer that holds it.
+    if not created and not (path / LOCK).exists() and not (path / MANIFEST).exists() and any(path.iterdir()):
         raise StageReplayError(f"--out {path} exists and is not a stagereplay run", "choose an empty or new folder")
     path.mkdir(parents=True, exist_ok=True)
     fd = None
     run: Run | None = None
     try:
         fd = _lock(path)
+        if not (path / MANIFEST).exists() and not all(_before_manifest(p.name) for p in path.iterdir()):
+            raise StageReplayError(f"--out {path} exists and is not a stagereplay run",
+                                   "choose an empty or new folder")
         if (path / MANIFEST).exists():
             existing = read_manifest(path)
             differ = [f for key in identity for f in diff_fields(existing.get(key), manifest.get(key), f"{key}.")]
