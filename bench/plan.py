@@ -70,13 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stagereplay.engine import decode
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.experiments.plan import (
-        calibrate,
         model_shape,
         plan_paper,
         plan_run,
         prompt_lengths,
         render,
     )
+    from stagereplay.experiments.rates import calibrate
     from stagereplay.runs import paper
     from stagereplay.toy import toy_checkpoint
 

@@ -307,7 +307,7 @@ def test_plan_without_a_tokenizer_asks_for_the_prompt_length(tmp_path):
 
 
 def test_calibrate_measures_positive_rates(tiny_dir):
-    from stagereplay.experiments.plan import calibrate
+    from stagereplay.experiments.rates import calibrate
 
     rates = calibrate(str(tiny_dir("qwen2")), ["bf16"], prompt=32, steps=4)
     assert rates.steps["bf16"] > 0 and "calibrated" in rates.source and "dynamic cache" in rates.source
@@ -319,7 +319,7 @@ def test_calibrating_together_times_as_many_fresh_processes(tiny_dir):
     """Workers share the CPU and each steps slower than one alone: `together` measures in that many processes."""
     import os
 
-    from stagereplay.experiments.plan import calibrate_each
+    from stagereplay.experiments.rates import calibrate_each
 
     each = calibrate_each(2, str(tiny_dir("qwen2")), ["bf16"], prompt=32, steps=4, rounds=1)
     pids = {pid for pid, _ in each}
@@ -328,7 +328,7 @@ def test_calibrating_together_times_as_many_fresh_processes(tiny_dir):
 
 
 def test_rates_measured_together_are_their_mean():
-    from stagereplay.experiments.plan import Rates, mean_rates
+    from stagereplay.experiments.rates import Rates, mean_rates
 
     a = Rates({"bf16": 100.0, "fp32": 50.0}, {"bf16": 1000.0}, "calibrated on m")
     b = Rates({"bf16": 300.0, "fp32": 150.0}, {"bf16": 3000.0, "fp32": 10.0}, "calibrated on m")

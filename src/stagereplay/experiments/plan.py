@@ -3,7 +3,7 @@
 Per stage: the items, the forwards (prefill forwards and their tokens, single-token decode steps) counted by
 each experiment's own `forwards(...)` (the list its item function makes, built from engine.forwards, which
 `LM.construct` also runs from), the most K/V caches alive at once and their size at the longest sequence, the
-weights resident, and with rates (given, or measured by `calibrate` on the real model) the wall time.
+weights resident, and with rates (given, or measured by `rates.calibrate` on the real model) the wall time.
 
 Before a run the lengths are assumptions: every prompt as tokenized (or `prompt_tokens`), stage 1 of
 `stage1_tokens` (default: the stage-1 budget), every suffix of `suffix_tokens` (default: `--max-new-tokens`),
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from stagereplay.engine.limits import static_cache_len
 from stagereplay.engine.model import check_cache
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.kernels import check_kernels, choose, follow_run, pin
+from stagereplay.experiments.rates import Rates, calibrate
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 
 PEAK_CACHES = {"matched": 4, "bridge": 3, "precision_2x2": 3, "transplant": 4, "resample": 4}
@@ -167,26 +168,6 @@ class StagePlan:
     @property
     def prefill_tokens(self) -> int:
         return sum(k * v for k, v in self.sizes.items() if k > 1)
-
-
-@dataclass(frozen=True)
-class Rates:
-    """Forwards per second (a decode step; any forward costs at least one) and, where known, prefill tokens
-    per second on top, per precision."""
-
-    steps: dict[str, float]
-    prefill_tokens: dict[str, float] = field(default_factory=dict)
-    source: str = "given"
-
-    def seconds(self, stage: StagePlan) -> float:
-        """Per precision, or for every precision under the key ""."""
-        x = self.steps.get(stage.precision) or self.steps[""]
-        y = self.prefill_tokens.get(stage.precision) or self.prefill_tokens.get("")
-        return stage.forwards / x + (stage.prefill_tokens / y if y else 0.0)
-
-    def wall(self, stage: StagePlan, workers: int) -> float:
-        """Seconds of `stage` spread over `workers` processes (no more of them busy than it has units)."""
-        return self.seconds(stage) / max(1, min(workers, stage.units))
 
 
 def _experiment(name: str) -> str:
@@ -431,103 +412,6 @@ def _layers(stage: dict[str, Any]) -> int:
     from stagereplay.engine.model import load_checked_config
 
     return int(load_checked_config(Path(stage["model"]["path"])).get_text_config().num_hidden_layers)
-
-
-def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
-              prompt: int = 256, steps: int = 32, rounds: int = 3, clock: Callable[[], float] | None = None,
-              cache: str = "dynamic", together: int = 1) -> Rates:
-    """Measure a decode step and a prefill of `prompt` tokens on the real model, per precision: one warm-up
-    round (it captures the step), then the median of `rounds` timed ones. `clock`: wall time by default
-    (`time.process_time` times this process's CPU, steadier on a shared CPU).
-
-    `together` > 1: that many fresh processes measure at the same time, each rate the mean of theirs
-    (`calibrate_each`). A run's workers share the CPU, its caches and its memory bandwidth, and a core of a busy
-    machine may run slower than one of an idle one, so a step of one of `together` workers costs more than a
-    step measured alone (docs/reference/performance.md)."""
-    if together > 1:
-        each = calibrate_each(together, path, precisions, device=device, threads=threads, prompt=prompt,
-                              steps=steps, rounds=rounds, cache=cache)
-        return mean_rates([r for _, r in each], f"{together} processes at once")
-    return _calibrate(path, precisions, device, threads, prompt, steps, rounds, clock, cache)
-
-
-def _calibrate(path: str, precisions: Sequence[str], device: str, threads: int, prompt: int, steps: int,
-               rounds: int, clock: Callable[[], float] | None, cache: str,
-               ready: Callable[[], Any] | None = None) -> Rates:
-    """`calibrate` in this process; `ready()` is called after each precision's warm-up round, before the timed
-    ones (a barrier, so that processes measuring together time the same seconds)."""
-    import statistics
-    import time
-
-    clock = clock or time.perf_counter
-
-    from stagereplay.engine.lm import load
-
-    rates, prefill = {}, {}
-    for p in precisions:
-        lm = load(path, precision=p, device=device, threads=threads, cache=cache)
-        vocab = int(lm.model.config.get_text_config().vocab_size)
-        length = max(2, min(prompt, lm.context - steps - 1))
-        ids = [(7 * i + 3) % vocab for i in range(length)]
-        timed: list[tuple[float, float]] = []  # (prefill s, one step s)
-        for r in range(rounds + 1):
-            if r == 1 and ready is not None:
-                ready()
-            kv = lm.new_cache(length + steps)
-            t0 = clock()
-            lm.stepper.forward(ids, kv, 0)
-            t1 = clock()
-            for k in range(steps):
-                lm.stepper.forward([ids[k % length]], kv, length + k)
-            timed.append((t1 - t0, (clock() - t1) / steps))
-        step = statistics.median(t for _, t in timed[1:])
-        rates[p] = 1 / step
-        extra = statistics.median(t for t, _ in timed[1:]) - step  # a prefill costs a step plus its tokens
-        if extra > 0:
-            prefill[p] = length / extra
-        del lm
-    return Rates(rates, prefill, f"calibrated on {Path(path).name}, {device}, {threads} thread(s), {cache} cache")
-
-
-def _calibrate_in_turn(barrier: Any, kwargs: dict[str, Any]) -> tuple[int, Rates]:
-    """One of `calibrate_each`'s processes; a failure breaks the barrier, so that the others stop waiting."""
-    import os
-
-    try:
-        return os.getpid(), _calibrate(**kwargs, clock=None, ready=barrier.wait)
-    except BaseException:
-        barrier.abort()
-        raise
-
-
-def calibrate_each(together: int, path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
-                   prompt: int = 256, steps: int = 32, rounds: int = 3, cache: str = "dynamic"
-                   ) -> list[tuple[int, Rates]]:
-    """`calibrate` in `together` fresh processes at once, started from this one's environment (its kernel
-    variables included) and timing their rounds together (a barrier after each warm-up): (pid, rates) of
-    each."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager, ProcessPoolExecutor(max_workers=together, mp_context=context) as pool:
-        barrier = manager.Barrier(together, timeout=600)
-        kwargs = {"path": path, "precisions": tuple(precisions), "device": device, "threads": threads,
-                  "prompt": prompt, "steps": steps, "rounds": rounds, "cache": cache}
-        futures = [pool.submit(_calibrate_in_turn, barrier, kwargs) for _ in range(together)]
-        return [f.result() for f in futures]
-
-
-def mean_rates(measured: Sequence[Rates], how: str) -> Rates:
-    """Per precision, the mean of the `measured` rates (what each of as many workers makes at once); a prefill
-    rate only where every one measured it."""
-    def mean(values: list[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return sum(known) / len(known) if known and len(known) == len(values) else None
-
-    steps = {p: mean([r.steps.get(p) for r in measured]) or 0.0 for p in measured[0].steps}
-    prefill = {p: x for p in steps if (x := mean([r.prefill_tokens.get(p) for r in measured]))}
-    return Rates(steps, prefill, f"{measured[0].source}, {how}")
 
 
 def render(stages: list[StagePlan], shape: Shape, rates: Rates | None, workers: int = 1) -> str:

@@ -1,0 +1,147 @@
+"""What a forward costs on a machine: rates given by the user, or measured on the real model (`calibrate`).
+
+`stagereplay plan` prices each stage's forwards at these rates (`experiments.plan`); `bench/paper.py` brackets a
+run with `calibrate` to price the run's own plan at the pace the machine had around it. A step is timed after a
+warm-up round that captures it, on the cache kind and kernels the run would use; `together` > 1 times that many
+fresh processes at once, as a run's workers step at once on a shared CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Priced(Protocol):
+    """What a rate prices: a stage's forwards, its prefill tokens and its units (`plan.StagePlan`)."""
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def forwards(self) -> int: ...
+
+    @property
+    def prefill_tokens(self) -> int: ...
+
+    @property
+    def units(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Forwards per second (a decode step; any forward costs at least one) and, where known, prefill tokens
+    per second on top, per precision."""
+
+    steps: dict[str, float]
+    prefill_tokens: dict[str, float] = field(default_factory=dict)
+    source: str = "given"
+
+    def seconds(self, stage: Priced) -> float:
+        """Per precision, or for every precision under the key ""."""
+        x = self.steps.get(stage.precision) or self.steps[""]
+        y = self.prefill_tokens.get(stage.precision) or self.prefill_tokens.get("")
+        return stage.forwards / x + (stage.prefill_tokens / y if y else 0.0)
+
+    def wall(self, stage: Priced, workers: int) -> float:
+        """Seconds of `stage` spread over `workers` processes (no more of them busy than it has units)."""
+        return self.seconds(stage) / max(1, min(workers, stage.units))
+
+
+def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
+              prompt: int = 256, steps: int = 32, rounds: int = 3, clock: Callable[[], float] | None = None,
+              cache: str = "dynamic", together: int = 1) -> Rates:
+    """Measure a decode step and a prefill of `prompt` tokens on the real model, per precision: one warm-up
+    round (it captures the step), then the median of `rounds` timed ones. `clock`: wall time by default
+    (`time.process_time` times this process's CPU, steadier on a shared CPU).
+
+    `together` > 1: that many fresh processes measure at the same time, each rate the mean of theirs
+    (`calibrate_each`). A run's workers share the CPU, its caches and its memory bandwidth, and a core of a busy
+    machine may run slower than one of an idle one, so a step of one of `together` workers costs more than a
+    step measured alone (docs/reference/performance.md)."""
+    if together > 1:
+        each = calibrate_each(together, path, precisions, device=device, threads=threads, prompt=prompt,
+                              steps=steps, rounds=rounds, cache=cache)
+        return mean_rates([r for _, r in each], f"{together} processes at once")
+    return _calibrate(path, precisions, device, threads, prompt, steps, rounds, clock, cache)
+
+
+def _calibrate(path: str, precisions: Sequence[str], device: str, threads: int, prompt: int, steps: int,
+               rounds: int, clock: Callable[[], float] | None, cache: str,
+               ready: Callable[[], Any] | None = None) -> Rates:
+    """`calibrate` in this process; `ready()` is called after each precision's warm-up round, before the timed
+    ones (a barrier, so that processes measuring together time the same seconds)."""
+    import statistics
+    import time
+
+    clock = clock or time.perf_counter
+
+    from stagereplay.engine.lm import load
+
+    rates, prefill = {}, {}
+    for p in precisions:
+        lm = load(path, precision=p, device=device, threads=threads, cache=cache)
+        vocab = int(lm.model.config.get_text_config().vocab_size)
+        length = max(2, min(prompt, lm.context - steps - 1))
+        ids = [(7 * i + 3) % vocab for i in range(length)]
+        timed: list[tuple[float, float]] = []  # (prefill s, one step s)
+        for r in range(rounds + 1):
+            if r == 1 and ready is not None:
+                ready()
+            kv = lm.new_cache(length + steps)
+            t0 = clock()
+            lm.stepper.forward(ids, kv, 0)
+            t1 = clock()
+            for k in range(steps):
+                lm.stepper.forward([ids[k % length]], kv, length + k)
+            timed.append((t1 - t0, (clock() - t1) / steps))
+        step = statistics.median(t for _, t in timed[1:])
+        rates[p] = 1 / step
+        extra = statistics.median(t for t, _ in timed[1:]) - step  # a prefill costs a step plus its tokens
+        if extra > 0:
+            prefill[p] = length / extra
+        del lm
+    return Rates(rates, prefill, f"calibrated on {Path(path).name}, {device}, {threads} thread(s), {cache} cache")
+
+
+def _calibrate_in_turn(barrier: Any, kwargs: dict[str, Any]) -> tuple[int, Rates]:
+    """One of `calibrate_each`'s processes; a failure breaks the barrier, so that the others stop waiting."""
+    import os
+
+    try:
+        return os.getpid(), _calibrate(**kwargs, clock=None, ready=barrier.wait)
+    except BaseException:
+        barrier.abort()
+        raise
+
+
+def calibrate_each(together: int, path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
+                   prompt: int = 256, steps: int = 32, rounds: int = 3, cache: str = "dynamic"
+                   ) -> list[tuple[int, Rates]]:
+    """`calibrate` in `together` fresh processes at once, started from this one's environment (its kernel
+    variables included) and timing their rounds together (a barrier after each warm-up): (pid, rates) of
+    each."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, ProcessPoolExecutor(max_workers=together, mp_context=context) as pool:
+        barrier = manager.Barrier(together, timeout=600)
+        kwargs = {"path": path, "precisions": tuple(precisions), "device": device, "threads": threads,
+                  "prompt": prompt, "steps": steps, "rounds": rounds, "cache": cache}
+        futures = [pool.submit(_calibrate_in_turn, barrier, kwargs) for _ in range(together)]
+        return [f.result() for f in futures]
+
+
+def mean_rates(measured: Sequence[Rates], how: str) -> Rates:
+    """Per precision, the mean of the `measured` rates (what each of as many workers makes at once); a prefill
+    rate only where every one measured it."""
+    def mean(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) / len(known) if known and len(known) == len(values) else None
+
+    steps = {p: mean([r.steps.get(p) for r in measured]) or 0.0 for p in measured[0].steps}
+    prefill = {p: x for p in steps if (x := mean([r.prefill_tokens.get(p) for r in measured]))}
+    return Rates(steps, prefill, f"{measured[0].source}, {how}")
