@@ -253,20 +253,18 @@ def open_run(path: Path, manifest: dict[str, Any], identity: tuple[str, ...] = (
     created = not path.exists()
     if not created and not path.is_dir():
         raise StageReplayError(f"--out {path} exists and is not a directory", "choose another --out")
-    # A folder with files but no lock file and no manifest is someone else's: refused before a lock file is left
-    # in it. A lock file marks a run's folder even before its manifest lands (another writer may be between
-    # taking the lock and renaming the manifest into place), so there the lock is taken first, and `_lock`
-    # names the writer that holds it.
-    if not created and not (path / LOCK).exists() and not (path / MANIFEST).exists() and any(path.iterdir()):
+    # Before its manifest lands a run's folder holds at most the lock and the manifest's temporary file (another
+    # writer may be between taking the lock and renaming the manifest into place: `_lock` below names it). Any
+    # other folder with files is someone else's, refused before a lock file is left in it. The names are read
+    # before the manifest is looked for, so a manifest renamed in between is seen by the second look.
+    names = [] if created else [p.name for p in path.iterdir()]
+    if not all(_before_manifest(name) for name in names) and not (path / MANIFEST).exists():
         raise StageReplayError(f"--out {path} exists and is not a stagereplay run", "choose an empty or new folder")
     path.mkdir(parents=True, exist_ok=True)
     fd = None
     run: Run | None = None
     try:
         fd = _lock(path)
-        if not (path / MANIFEST).exists() and not all(_before_manifest(p.name) for p in path.iterdir()):
-            raise StageReplayError(f"--out {path} exists and is not a stagereplay run",
-                                   "choose an empty or new folder")
         if (path / MANIFEST).exists():
             existing = read_manifest(path)
             differ = [f for key in identity for f in diff_fields(existing.get(key), manifest.get(key), f"{key}.")]
