@@ -68,4 +68,5 @@ def items_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def attn_for(arch: str) -> str:
-    return "eager" if arch.startswith("gemma") else "sdpa"
+    """The attention a user gets by default: what transformers picks (SDPA, eager for Gemma 2's softcapping)."""
+    return "auto"

@@ -21,7 +21,7 @@ from stagereplay.cli import app
 from stagereplay.engine import cache as cache_mod
 from stagereplay.engine.boundary import After
 from stagereplay.engine.cache import (
-    _bits,
+    bits,
     cache_fingerprint,
     check_cache_kinds,
     clone_cache,
@@ -46,7 +46,7 @@ def _changed(a, b, layer: int, tensor: str = "k") -> set[int]:
     """Absolute positions at which one layer's K (or V) differs bitwise between two caches."""
     la, lb = a.layers[layer], b.layers[layer]
     x, y = (la.keys, lb.keys) if tensor == "k" else (la.values, lb.values)
-    rows = (_bits(x) != _bits(y)).flatten(0, 1).any(dim=(0, 2)).nonzero()[:, 0].tolist()
+    rows = (bits(x) != bits(y)).flatten(0, 1).any(dim=(0, 2)).nonzero()[:, 0].tolist()
     return {layer_span(la)[0] + r for r in rows}
 
 
@@ -57,7 +57,7 @@ def _everywhere_nudged(cache):
         for layer in out.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name).clone()
-                _bits(t).add_(1)
+                bits(t).add_(1)
                 setattr(layer, name, t)
     return out
 

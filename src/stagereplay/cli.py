@@ -66,7 +66,8 @@ Out = Annotated[Path, typer.Option("--out", help="run directory (created, or res
 Precision = Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32 | fp32-compute")]
 Device = Annotated[str, typer.Option("--device", help="cpu | cuda | cuda:<i>")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads per process (fixed, recorded)")]
-AttnImpl = Annotated[str, typer.Option("--attn-impl", help="eager | sdpa")]
+AttnImpl = Annotated[str, typer.Option("--attn-impl", help="auto (what transformers picks for the model: sdpa where "
+                                                            "it has it, else eager; recorded) | eager | sdpa")]
 Cache = Annotated[str, typer.Option("--cache", help=(
     "dynamic (the default: grows per step, equals generate()) | static (preallocated, equals "
     "generate(cache_implementation='static'); CUDA-graph captured on a GPU)"))]
@@ -114,7 +115,7 @@ def matched(
     precision: Precision = "bf16",
     device: Device = "cpu",
     threads: Threads = 1,
-    attn_impl: AttnImpl = "sdpa",
+    attn_impl: AttnImpl = "auto",
     max_new_tokens: MaxNew = 128,
     max_stage1_tokens: MaxStage1 = None,
     sample: Sample = False,
@@ -354,7 +355,7 @@ def paper(
         "units per stage the closing audit re-executes, after verifying every record (0: every unit)"))] = 10,
     device: Device = "cpu",
     threads: Threads = 1,
-    attn_impl: AttnImpl = "sdpa",
+    attn_impl: AttnImpl = "auto",
     workers: Annotated[int, typer.Option("--workers", help="processes; 0 = one per core on CPU (at most 2)")] = 0,
     executor: Executor = "local",
     quiet: Quiet = False,

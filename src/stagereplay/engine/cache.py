@@ -245,7 +245,7 @@ class CacheDifference:
         return {"layer": self.layer, "tensor": self.tensor, "position": self.position, "reason": self.reason}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
     import torch
 
     # Compare bit patterns, not values: -0.0 == 0.0 and NaN != NaN would both hide or invent differences.
@@ -268,7 +268,7 @@ def compare_caches(a: Any, b: Any) -> list[CacheDifference]:
             if x.shape != y.shape or x.dtype != y.dtype or start_b != start:
                 out.append(CacheDifference(i, name, None, "shape or dtype"))
                 continue
-            bx, by = _bits(x), _bits(y).to(x.device)
+            bx, by = bits(x), bits(y).to(x.device)
             if torch.equal(bx, by):  # on the device, no copy: the common case costs one pass
                 continue
             differs = (bx != by).flatten(0, 1).any(dim=(0, 2))  # [T]
@@ -290,5 +290,5 @@ def nudged(cache: Any, layer: int = 0, tensor: str = "k", index: Sequence[int] =
         row = pos - start
         if not 0 <= row < keys.shape[-2]:
             raise ValueError(f"position {pos} is not in layer {layer}'s span {layer_span(out.layers[layer])}")
-        _bits(keys if tensor == "k" else values)[b, h, row, d] += 1  # in place: the clone's own tensors
+        bits(keys if tensor == "k" else values)[b, h, row, d] += 1  # in place: the clone's own tensors
     return out

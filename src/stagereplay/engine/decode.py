@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -119,12 +120,24 @@ class Stepper:
     With `capture`, single-token steps (all of decoding, and the incremental construction) run through
     `torch.compile(backend="eager")`: dynamo records the forward's tensor operations once and replays them
     without the Python of the module stack, which at batch 1 costs more than the arithmetic on small models.
-    The eager backend runs the recorded operations as they are, with no fusion and no decomposition: the same
-    kernels on the same inputs, so every bit is the eager forward's (tests/test_decode_speed_invariance.py
-    checks logits and caches against generate() on every tiny architecture). Multi-token prefills stay
-    eager. A frame dynamo cannot compile runs eagerly; `TORCHDYNAMO_DISABLE=1` turns capture off. After a
-    step that compiled, the cycle collector runs once (`release_capture_garbage`): tracing leaves the step's
-    cache in reference cycles, which would otherwise keep it alive after its owner dropped it.
+    Multi-token prefills stay eager. A frame dynamo cannot compile runs eagerly; `TORCHDYNAMO_DISABLE=1`
+    turns capture off. After a step that compiled, the cycle collector runs once (`release_capture_garbage`):
+    tracing leaves the step's cache in reference cycles, which would otherwise keep it alive after its owner
+    dropped it.
+
+    The rule a captured step lives by: it may remove Python, never change an operation. It must call the
+    operations the eager step calls, in its order, on tensors of the same shapes, strides and dtypes, with the
+    same scalar arguments; the eager backend then runs the same kernels on the same inputs and every bit is the
+    eager forward's. Tracing alone does not guarantee it: a library may branch on "am I being compiled", and
+    then the traced step is another computation. transformers' SDPA attention does, for a single query token
+    with a mask and grouped K/V heads (a sliding-window layer once its window is full, every static-cache
+    step): eagerly it packs the query's heads into the query axis, (B, H, 1, D) -> (B, H_kv, H/H_kv, D); traced,
+    it repeats the K/V heads instead. The two calls reach different SDPA kernels, whose bits differ (always in
+    fp32, at near-ties in bf16 on an AVX-512 CPU), so a captured Gemma 3 or Mistral with a window shorter than
+    the sequence left generate()'s trajectory. `EAGER_BRANCHES` lists such switches, and a captured step runs
+    with each held at its eager value (`_eager_branches`). Since any new switch breaks the rule the same way,
+    a run proves its captured step equal to the eager step on its own model before it uses it
+    (engine.proof), and runs eagerly where they differ.
 
     A static cache's steps are never given to dynamo: transformers builds their attention differently while
     dynamo traces (it repeats K/V heads where the eager step packs the query's), which moves fp32 bits. They run
@@ -138,6 +151,7 @@ class Stepper:
         self.model = model
         self.device = device
         self.capture = capture and capture_available()
+        self.eager_branches = True  # hold library switches at their eager values while tracing (EAGER_BRANCHES)
         self._captured: Any = None  # the compiled single-token step, made on first use
         self.graphs: Any = None  # engine.graphs.CudaGraphs: static-cache steps replayed as CUDA graphs
         if graphs and device.startswith("cuda"):
@@ -199,7 +213,8 @@ class Stepper:
             config.suppress_errors = config.specialize_float = True
             frames = _compiled_frames()
             try:
-                return self._captured(input_ids, self.positions(past, 1), cache)
+                with _eager_branches(self.eager_branches):
+                    return self._captured(input_ids, self.positions(past, 1), cache)
             finally:
                 config.suppress_errors, config.specialize_float = saved
                 if _compiled_frames() != frames:
@@ -211,6 +226,38 @@ class Stepper:
         extra[self.cache_kw] = cache
         out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **extra)
         return out.logits[0, -1]
+
+
+EAGER_BRANCHES: tuple[tuple[str, str], ...] = (
+    ("transformers.integrations.sdpa_attention", "is_torchdynamo_compiling"),
+)
+"""(module, function) pairs through which a library asks whether it is being compiled and computes otherwise
+when it is: held at their eager answer (False) while a step is traced. Each must be a module global that the
+library calls at trace time (so dynamo reads the held value and guards on it)."""
+
+
+def _not_compiling() -> bool:
+    return False
+
+
+@contextmanager
+def _eager_branches(on: bool = True) -> Iterator[None]:
+    """Within: every `EAGER_BRANCHES` switch answers as in an eager step. Set around every call of the captured
+    step, not only its first: dynamo guards on the functions it read, and a restored original would recompile."""
+    import sys
+
+    saved = []
+    if on:
+        for name, attr in EAGER_BRANCHES:
+            module = sys.modules.get(name)
+            if module is not None and hasattr(module, attr):
+                saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, _not_compiling)
+    try:
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
 
 
 def _compiled_frames() -> int:

@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from stagereplay.engine.cache import bits
 from stagereplay.engine.steps import TOP_K
 
 if TYPE_CHECKING:
@@ -79,13 +80,6 @@ def position_bands(prompt_len: int, n_positions: int) -> list[tuple[str, int, in
     return [(name, lo, hi) for name, lo, hi in bands if hi > lo]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.contiguous().view(view)
-
-
 def _per_position(x: torch.Tensor, y: torch.Tensor, n_positions: int) -> torch.Tensor:
     """[4, n_positions] fp64 rows: max |x-y|, sum (x-y)^2, sum x^2, count of differing bits; per absolute position.
 
@@ -101,7 +95,7 @@ def _per_position(x: torch.Tensor, y: torch.Tensor, n_positions: int) -> torch.T
         diff.abs().amax(dim=(0, 1, 3)),
         diff.pow(2).sum(dim=(0, 1, 3)),
         xf.pow(2).sum(dim=(0, 1, 3)),
-        (_bits(x) != _bits(y)).sum(dim=(0, 1, 3)).float(),
+        (bits(x) != bits(y)).sum(dim=(0, 1, 3)).float(),
     ]).double()  # [4, T_l]; fp64 from here, so sums over layers and positions stay exact counts
     out = torch.zeros((4, n_positions), dtype=torch.float64, device=x.device)
     t = min(rows.shape[1], n_positions)

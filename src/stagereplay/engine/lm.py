@@ -31,7 +31,8 @@ from stagereplay.engine.decode import (
 )
 from stagereplay.engine.forwards import construction_spans
 from stagereplay.engine.limits import model_context, stage1_budget, static_cache_len
-from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, set_determinism
+from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, resolve_attn_impl, set_determinism
+from stagereplay.engine.proof import Proof, proof_reach, prove_steps, proven, remember, report
 from stagereplay.engine.steps import StepRecord
 from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Item
@@ -114,6 +115,34 @@ class LM:
         self.eos = eos_ids(model, tokenizer)
         self.n_layers = int(model.config.get_text_config().num_hidden_layers)
         self.context = model_context(model.config)
+        self.proof: Proof | None = None  # the fast step's proof (engine.proof), once a run has needed it
+
+    # -- fast steps -------------------------------------------------------------------------------------
+
+    def prove(self, prompt: Sequence[int], reach: int) -> Proof | None:
+        """Prove the fast single-token step (captured by dynamo, or a CUDA graph) equal to the eager step from
+        `prompt` to position `reach` before it is used there (engine.proof); on a difference, turn it off for
+        good and say so. Proven once per process and model, again only for a run that reaches further. None
+        where every step is eager anyway. The outcome goes into `determinism`, so every record's environment
+        carries it."""
+        stepper = self.stepper
+        if self.proof is None:
+            self.proof = proven(self.config)
+        if self.proof is not None and not self.proof.equal:
+            stepper.capture, stepper.graphs = False, None
+        if not stepper.capture and stepper.graphs is None:
+            return self.proof
+        if self.proof is None or self.proof.positions < reach:
+            target = proof_reach(reach, self.proof.positions if self.proof else 0, self.context)
+            path = "cuda-graph" if stepper.graphs is not None else "captured"
+            anchor = Stepper(self.model, self.config.device)
+            self.proof = prove_steps(path, stepper, anchor, lambda: self.new_cache(target), prompt, target)
+            remember(self.config, self.proof)
+            report(self.proof)
+            if not self.proof.equal:
+                stepper.capture, stepper.graphs = False, None
+        self.determinism["fast_steps"] = self.proof.as_dict()
+        return self.proof
 
     # -- caches -----------------------------------------------------------------------------------------
 
@@ -144,6 +173,7 @@ class LM:
                  seed: int = 0) -> list[int]:
         """Plain decoding with the live loop (no boundary): the tokens generate() would give, greedy by default;
         with a sampling `decode_config`, those of generate(do_sample=True) after `torch.manual_seed(seed)`."""
+        self.prove(prompt_ids, len(prompt_ids) + max_new_tokens)
         cache = self.new_cache(len(prompt_ids) + max_new_tokens - 1)  # generate()'s static max_cache_len
         logits = self.stepper.forward(prompt_ids, cache, 0)
         sampler = Sampler(decode_config or DecodeConfig(), seed, self.config.device)
@@ -169,6 +199,7 @@ class LM:
         ended = boundary.bind(self.tokenizer).watch()
         budget = dc.max_stage1_tokens or stage1_budget(self.context, len(prompt), dc.max_new_tokens)
         cache_len = self.cache_len(len(prompt), replace(dc, max_stage1_tokens=budget))
+        self.prove(prompt, len(prompt) + budget + dc.max_new_tokens)
         cache = self.new_cache(cache_len)
         logits = self.stepper.forward(prompt, cache, 0)
         past = len(prompt)
@@ -212,6 +243,8 @@ class LM:
                 cache_len += max(0, len(ids) - len(prefix))
             prefix = ids
             body = prefix[:-1]
+        if name != "oneshot":
+            self.prove(body[:n_prompt], len(body))
         cache = self.new_cache(cache_len)
         # oneshot: one forward; incremental: the same operations as live generation, the prompt in one forward,
         # then one token per forward; chunked:<n>: n at a time (engine.forwards, which `stagereplay plan` counts).
@@ -244,6 +277,7 @@ class LM:
                 f"a static cache of {state.cache_len} positions cannot hold {past} + {dc.max_new_tokens} new tokens",
                 "continue with the --max-new-tokens the boundary state was built for",
             )
+        self.prove(state.prefix[: state.prompt_len], past + dc.max_new_tokens)
         logits = self.stepper.forward([state.prefix[-1]], cache, past)
         pick = Sampler(dc, state.seed if seed is None else seed, self.config.device)
         record = StepRecord(dc.max_new_tokens, watch, self.stepper) if keep_steps else None
@@ -281,12 +315,13 @@ def load(
     precision: str = "bf16",
     device: str = "cpu",
     threads: int = 1,
-    attn_impl: str = "sdpa",
+    attn_impl: str = "auto",
     cache: str = "dynamic",
 ) -> LM:
-    """Load a local Hugging Face causal LM for replay (no network), with determinism settings applied."""
-    config = ModelConfig(path=str(path), precision=precision, device=device, threads=threads, attn_impl=attn_impl,
-                         cache=cache)
+    """Load a local Hugging Face causal LM for replay (no network), with determinism settings applied.
+    `attn_impl="auto"`: the attention transformers picks for the model (engine.model.resolve_attn_impl)."""
+    config = ModelConfig(path=str(path), precision=precision, device=device, threads=threads,
+                         attn_impl=resolve_attn_impl(path, attn_impl), cache=cache)
     determinism = set_determinism(config.threads, config.device)
     model, tokenizer = load_model_and_tokenizer(config)
     return LM(model, tokenizer, config, determinism)

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 Precision = Literal["bf16", "fp16", "fp32", "fp32-compute"]
 PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp32-compute")
 ATTN_IMPLS: tuple[str, ...] = ("eager", "sdpa")
+AUTO = "auto"
+"""`--attn-impl auto` (the default): the attention transformers picks for the model, resolved before a run starts
+(`resolve_attn_impl`) and recorded as what it resolved to."""
 CACHES: tuple[str, ...] = ("dynamic", "static")
 
 
@@ -200,6 +203,37 @@ def load_checked_config(path: Path) -> Any:
         implementation = None  # transformers reports a broken generation config itself
     check_cache_kinds(config, implementation)
     return config
+
+
+def supported_attn_impls(config: Any) -> tuple[str, ...]:
+    """The attentions of ATTN_IMPLS that transformers has for this model's class (eager always)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, AttributeError):
+        return ATTN_IMPLS  # transformers will say itself what it cannot load
+    # SDPA has no logit softcapping: a model that caps its attention logits (Gemma 2 always, Gemma 3 when set) has
+    # only eager attention, whatever its class says.
+    capped = getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None
+    return ("eager", "sdpa") if getattr(cls, "_supports_sdpa", False) and not capped else ("eager",)
+
+
+def resolve_attn_impl(path: str | Path, requested: str = AUTO) -> str:
+    """The attention a run of the model in `path` uses: with `auto`, what transformers picks by default (SDPA where
+    the model has it, else eager); an explicit choice the model lacks is refused, naming the one it has."""
+    if requested != AUTO and requested not in ATTN_IMPLS:
+        raise StageReplayError(f"unknown attention implementation {requested!r}",
+                               f"use {AUTO} or one of {', '.join(ATTN_IMPLS)}")
+    config = load_checked_config(check_model_dir(path))
+    supported = supported_attn_impls(config)
+    if requested == AUTO:
+        return "sdpa" if "sdpa" in supported else "eager"
+    if requested not in supported:
+        name = type(config).__name__.removesuffix("Config")
+        raise StageReplayError(f"transformers has no {requested} attention for {name} models",
+                               f"pass --attn-impl {supported[-1]}, or leave --attn-impl unset for the model's own")
+    return requested
 
 
 def load_config_and_tokenizer(path: str) -> tuple[Any, Any]:

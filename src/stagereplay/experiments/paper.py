@@ -62,7 +62,7 @@ def paper(
     columns: str | None = None,
     device: str = "cpu",
     threads: int = 1,
-    attn_impl: str = "sdpa",
+    attn_impl: str = "auto",
     workers: int = 0,
     executor: str = "local",
     quiet: bool = False,

@@ -14,7 +14,7 @@ from stagereplay.engine.boundary import BoundaryRule
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.limits import model_context
 from stagereplay.engine.lm import LM
-from stagereplay.engine.model import ModelConfig, check_model_dir
+from stagereplay.engine.model import ModelConfig, check_model_dir, resolve_attn_impl
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import choose, follow_run, pin
@@ -54,9 +54,10 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
     rule = "" if boundary is None else boundary.describe()
     if scorer is None:
         scorer = "last-number"
-    config = ModelConfig(path=str(Path(model).resolve()), precision=precision, device=device, threads=threads,
-                         attn_impl=attn_impl, cache=cache)
-    check_model_dir(config.path)
+    path = str(Path(model).resolve())
+    check_model_dir(path)
+    config = ModelConfig(path=path, precision=precision, device=device, threads=threads,
+                         attn_impl=resolve_attn_impl(path, attn_impl), cache=cache)
     if data and not data.startswith(HF_PREFIX):
         data = str(Path(data).resolve())  # a file or folder; an hf: name stays as given
     return Source(config, DataConfig(path=data or None, n=n, columns=columns),
@@ -87,8 +88,14 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Ite
     for item in items:
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
     source = fit_stage1(source, config, tokenizer, items)
-    # Captured steps are bit-identical to eager ones (see engine.decode.Stepper); recorded all the same.
-    determinism = {**determinism, "captured_steps": captures_steps(m.precision, m.cache)}
+    captured = captures_steps(m.precision, m.cache)
+    if lm is not None and items:  # the fast step proven on this model before any item uses it (engine.proof)
+        longest, dc = max(len(i.prompt_ids) for i in items), source.settings.decode
+        prompt = next(i.prompt_ids for i in items if len(i.prompt_ids) == longest)
+        lm.prove(prompt, longest + (dc.max_stage1_tokens or 0) + dc.max_new_tokens)
+        determinism, captured = dict(lm.determinism), lm.stepper.capture
+    # Captured steps are the eager ones, bit for bit, where proven (workers prove their own); recorded all the same.
+    determinism = {**determinism, "captured_steps": captured}
     if graphs_steps(m.precision, m.cache, m.device):  # CUDA graphs replay the eager kernels (engine.graphs)
         determinism["cuda_graph_steps"] = True
     return source, lm, items, data_hash, determinism
@@ -214,7 +221,7 @@ def matched(
     precision: str = "bf16",
     device: str = "cpu",
     threads: int = 1,
-    attn_impl: str = "sdpa",
+    attn_impl: str = "auto",
     workers: int = 1,
     executor: str = "local",
     shard: str | None = None,
