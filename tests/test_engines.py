@@ -41,7 +41,8 @@ def test_cross_without_a_serving_engine_is_refused(tmp_path):
     out = tmp_path / "run"
     result = runner.invoke(app, ["matched", "--cross", "hf", "--n", "1", "--out", str(out)])
     assert result.exit_code == 2
-    assert result.stderr.strip() == "error: --cross replays a serving engine's prefixes; pass it with --engine vllm"
+    assert result.stderr.strip() == ("error: --cross replays a serving engine's prefixes; pass it with --engine vllm "
+                                     "or --engine llama.cpp")
     assert not out.exists()
 
 

@@ -54,7 +54,8 @@ def _run(fn: Callable[[], T]) -> T:
 
 
 # Options shared by commands that load a model.
-Model = Annotated[str | None, typer.Option("--model", help="local model directory (default: the embedded toy)")]
+Model = Annotated[str | None, typer.Option("--model", help=(
+    "local model directory, or a .gguf file (default: the embedded toy)"))]
 Data = Annotated[str | None, typer.Option("--data", help=(
     "items: a JSONL, JSON, CSV or Parquet file, a datasets.save_to_disk folder, or hf:NAME[:CONFIG][:SPLIT] "
     "(default: the toy task's held-out items)"))]
@@ -129,11 +130,16 @@ def matched(
     quiet: Quiet = False,
     columns: Columns = None,
     engine: Annotated[str, typer.Option("--engine", help=(
-        "hf (ours) | vllm: live, oneshot and prefix-cache arms in vLLM (docs/engines.md)"))] = "hf",
+        "hf (ours) | vllm: live, oneshot and prefix-cache arms in vLLM | llama.cpp: those and the state-restore "
+        "arms, on a --model .gguf (docs/engines.md)"))] = "hf",
     cross: Annotated[str | None, typer.Option("--cross", help=(
         "hf: also continue the serving engine's prefixes in ours (the hf-oneshot arm)"))] = None,
     block_size: Annotated[int, typer.Option("--block-size", help=(
         "the serving engine's K/V block size (its prefix cache reuses whole blocks)"))] = 32,
+    n_ctx: Annotated[int, typer.Option("--n-ctx", help="llama.cpp: context positions")] = 4096,
+    n_batch: Annotated[int, typer.Option("--n-batch", help="llama.cpp: prompt tokens per batch (-b)")] = 512,
+    n_ubatch: Annotated[int, typer.Option("--n-ubatch", help="llama.cpp: micro-batch size (-ub)")] = 512,
+    flash_attn: Annotated[bool, typer.Option("--flash-attn", help="llama.cpp: flash attention (-fa)")] = False,
     cache: Cache = "dynamic",
     kernels: Kernels = "auto",
 ) -> None:
@@ -148,9 +154,16 @@ def matched(
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
-            workers, executor, shard, quiet, columns, engine, cross, block_size, cache=cache, kernels=kernels)
+            workers, executor, shard, quiet, columns, engine, cross, block_size, cache=cache, kernels=kernels,
+            engine_options=_engine_options(engine, n_ctx, n_batch, n_ubatch, flash_attn))
 
     _run(go)
+
+
+def _engine_options(engine: str, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool) -> dict[str, Any]:
+    """llama.cpp's own settings (engine.serving.EngineConfig), given only for it."""
+    options = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "flash_attn": flash_attn}
+    return options if engine == "llama.cpp" else {}
 
 
 RunDir = Annotated[Path, typer.Argument(help="a run directory made by `stagereplay matched` or `paper`")]

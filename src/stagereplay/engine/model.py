@@ -117,7 +117,12 @@ def _check_device(config: ModelConfig) -> None:
 
 
 def check_model_dir(path: str | Path) -> Path:
-    """Fail fast, before any run directory exists, on a path that cannot hold a model."""
+    """Fail fast, before any run directory exists, on a path that cannot hold a model (a folder, or a GGUF file:
+    `engine.gguf`)."""
+    from stagereplay.engine.gguf import check_gguf, is_gguf
+
+    if is_gguf(path):
+        return check_gguf(path)
     p = Path(path)
     if not p.is_dir():
         raise StageReplayError(f"model directory not found: {p}", "pass --model a local directory holding config.json")
@@ -175,8 +180,11 @@ def _upcast_on_use(model: torch.nn.Module) -> None:
 def _load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
+    from stagereplay.engine.gguf import from_pretrained_args
+
     try:
-        return AutoTokenizer.from_pretrained(path)
+        where, kwargs = from_pretrained_args(path)
+        return AutoTokenizer.from_pretrained(where, **kwargs)
     except Exception as exc:
         raise StageReplayError(f"cannot load the tokenizer in {path} ({type(exc).__name__})",
                                "save the model's tokenizer into the same directory") from None
@@ -187,10 +195,12 @@ def load_checked_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     from stagereplay.engine.cache import check_cache_kinds
+    from stagereplay.engine.gguf import from_pretrained_args
 
     with _quiet_transformers():
         try:
-            config = AutoConfig.from_pretrained(path)
+            where, kwargs = from_pretrained_args(path)
+            config = AutoConfig.from_pretrained(where, **kwargs)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise StageReplayError(f"cannot read the model config in {path}: {first[:200]}",
@@ -253,11 +263,15 @@ def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
     model_config = load_checked_config(path)
     from transformers import AutoModelForCausalLM
 
+    from stagereplay.engine.gguf import from_pretrained_args
+
     with _quiet_transformers():
         tokenizer = _load_tokenizer(path)
+        where, kwargs = from_pretrained_args(path, weights=True)  # a GGUF file: dequantized (engine.gguf)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, config=model_config, dtype=torch_dtype(config.precision), attn_implementation=config.attn_impl,
+                where, **kwargs, config=model_config, dtype=torch_dtype(config.precision),
+                attn_implementation=config.attn_impl,
                 **_placement(config.device),
             )
         except Exception as exc:

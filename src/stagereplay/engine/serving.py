@@ -9,14 +9,14 @@ which):
     Generation.top                           the top-k (token id, logprob) of every step, best first
     version() / settings()                   what fixes its numbers, for the manifest and the environment
 
-A second engine (SGLang, llama.cpp) is one module (`require()`, `load(...)` and a class of this shape) and one
-line in `ENGINES`.
+Another engine is one module (`require()`, `load(...)` and a class of this shape) and one line in `ENGINES`:
+llama.cpp is `engine.llamacpp_engine`, whose context state adds the `state-restore` arms (`EXTRA_ARMS`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from stagereplay.errors import StageReplayError
@@ -24,8 +24,11 @@ from stagereplay.errors import StageReplayError
 TOP_LOGPROBS = 5
 """Top-k logprobs recorded per step: enough for the margin (top-1 minus top-2) and a look at the near-ties."""
 
-ENGINES: dict[str, str] = {"vllm": "stagereplay.engine.vllm_engine"}
+ENGINES: dict[str, str] = {"vllm": "stagereplay.engine.vllm_engine",
+                           "llama.cpp": "stagereplay.engine.llamacpp_engine"}
 """Engine name -> the module whose `load(config)` returns a `ServingEngine`."""
+EXTRA_ARMS: dict[str, tuple[str, ...]] = {"llama.cpp": ("state-restore", "oneshot-restore")}
+"""Arms an engine runs beside oneshot and prefix-cache: llama.cpp saves and restores a sequence's K/V."""
 
 
 @dataclass(frozen=True)
@@ -45,23 +48,40 @@ class EngineConfig:
     """Everything that decides which numbers a serving engine produces (the model's path and precision are the
     run's `ModelConfig`; these are the engine's own settings)."""
 
-    name: str = field(metadata={"help": "vllm"})
-    block_size: int = field(default=32, metadata={
+    name: str = field(metadata={"help": "vllm | llama.cpp"})
+    block_size: int = field(default=32, metadata={"engines": ("vllm",),
         "help": "tokens per K/V block: the prefix cache reuses whole blocks, so it must be below the prefixes"})
-    enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs or compilation"})
-    kv_cache_gib: int = field(default=1, metadata={"help": "CPU K/V cache space in GiB (VLLM_CPU_KVCACHE_SPACE)"})
-    gpu_memory_utilization: float = field(default=0.5, metadata={
+    enforce_eager: bool = field(default=True, metadata={"engines": ("vllm",),
+                                                        "help": "no CUDA graphs or compilation"})
+    kv_cache_gib: int = field(default=1, metadata={"engines": ("vllm",),
+                                                   "help": "CPU K/V cache space in GiB (VLLM_CPU_KVCACHE_SPACE)"})
+    gpu_memory_utilization: float = field(default=0.5, metadata={"engines": ("vllm",),
         "help": "GPU share for weights and cache (leaves room for the transformers model of --cross hf)"})
     seed: int = field(default=0, metadata={"help": "engine seed (greedy decoding does not read it)"})
+    n_ctx: int = field(default=4096, metadata={"engines": ("llama.cpp",),
+                                               "help": "context positions (prompt + stage 1 + suffix must fit)"})
+    n_batch: int = field(default=512, metadata={"engines": ("llama.cpp",),
+                                                "help": "prompt tokens per llama_decode (llama-server's -b)"})
+    n_ubatch: int = field(default=512, metadata={"engines": ("llama.cpp",),
+                                                 "help": "micro-batch: tokens per graph compute (-ub)"})
+    flash_attn: bool = field(default=False, metadata={"engines": ("llama.cpp",),
+                                                      "help": "llama.cpp's flash attention (-fa)"})
 
     def __post_init__(self) -> None:
         if self.name not in ENGINES:
             raise StageReplayError(f"unknown engine {self.name!r}", f"use hf or one of {', '.join(ENGINES)}")
         if self.block_size < 1:
             raise StageReplayError(f"--block-size must be at least 1, got {self.block_size}", "pass e.g. 32")
+        for name in ("n_ctx", "n_batch", "n_ubatch"):
+            if getattr(self, name) < 1:
+                raise StageReplayError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",
+                                       "pass a positive size")
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The settings this engine reads (a field another engine reads is left out, so a run's identity names
+        only what decided its numbers)."""
+        reads = {f.name for f in fields(self) if self.name in f.metadata.get("engines", (self.name,))}
+        return {k: v for k, v in asdict(self).items() if k in reads}
 
 
 class ServingEngine(Protocol):

@@ -243,6 +243,11 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     stages = manifest.get("stages", {})
     model = run_config["model"]
     here = environment(model["device"], set_determinism(model["threads"], model["device"]))
+    from stagereplay.experiments.serving_jobs import engine_build_here
+
+    build = engine_build_here(stages)  # a serving engine that records its build: this machine's, to compare
+    if build is not None:
+        here = {**here, "engine": {"build": build}}
     differences = {env: kernel_differences(recorded, here) for env, recorded in environments.items()}
     other = [r for r in records if differences.get(r.env, [("environment", NOT_RECORDED, "this machine's")])]
     other_seqs = {r.seq for r in other}

@@ -99,7 +99,7 @@ def relocate(manifest: dict[str, Any], where: Relocation, need_inputs: bool = Tr
             here, how = str(Path(given).resolve()), f"{FLAGS[checkpoint]}, hashes match"
             if checkpoint in bound:
                 check_model(here, bound[checkpoint], checkpoint)
-        elif Path(recorded).is_dir():
+        elif Path(recorded).exists():  # a folder, or a GGUF file
             continue
         else:
             toy = _toy_match(checkpoint, bound[checkpoint]) if checkpoint in bound else None

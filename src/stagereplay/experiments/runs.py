@@ -232,6 +232,7 @@ def matched(
     block_size: int = 32,
     cache: str = "dynamic",
     kernels: str = "auto",
+    engine_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) the matched experiment into `out`; return results.json's content.
 
@@ -245,7 +246,10 @@ def matched(
     pin(choose(kernels, toy=model is None and engine == "hf", device=device))
     ex = ExecConfig(workers, executor)
     part = parse_shard(shard)
-    arms = serving_arms(engine, cross, block_size, construction, ex, decode or DecodeConfig(), precision)
+    arms = serving_arms(engine, cross, block_size, construction, ex, decode or DecodeConfig(), precision,
+                        engine_options)
+    if arms is not None:
+        arms.check_model(model)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
                             threads, attn_impl, columns=columns, cache=cache)
     source, lm, items, data_hash, determinism = prepare(source, ex)
@@ -276,17 +280,18 @@ def matched(
 
 
 def serving_arms(engine: str, cross: str | None, block_size: int, construction: str, ex: ExecConfig,
-                 decode: DecodeConfig, precision: str) -> Any:
+                 decode: DecodeConfig, precision: str, options: dict[str, Any] | None = None) -> Any:
     """The arms of a serving engine's matched run, or None for our engine; what it cannot run is refused here,
-    before anything loads."""
+    before anything loads. `options`: the engine's own settings (llama.cpp's batch sizes, engine.serving)."""
     if engine == "hf":
         if cross is not None:
-            raise StageReplayError("--cross replays a serving engine's prefixes", "pass it with --engine vllm")
+            raise StageReplayError("--cross replays a serving engine's prefixes",
+                                   "pass it with --engine vllm or --engine llama.cpp")
         return None
     from stagereplay.engine.serving import EngineConfig, require_engine
     from stagereplay.experiments.serving import ServingArms
 
-    config = EngineConfig(engine, block_size=block_size)
+    config = EngineConfig(engine, block_size=block_size, **(options or {}))
     if construction != "oneshot":
         raise StageReplayError(f"--construction {construction} is our engine's; --engine {engine} runs oneshot and "
                                "prefix-cache", "drop --construction")
@@ -331,7 +336,7 @@ def _matched_stage(manifest: dict[str, Any], checkpoint: str, where: Any = None)
     if stage is None:
         raise StageReplayError(f"the run has no matched experiment at checkpoint {checkpoint!r}",
                                "run `stagereplay matched` into it first")
-    if not Path(stage["model"]["path"]).is_dir():
+    if not Path(stage["model"]["path"]).exists():  # a folder, or a GGUF file
         raise StageReplayError(f"the run's {checkpoint} model is not at {stage['model']['path']}",
                                f"pass {FLAGS.get(checkpoint, '--model')} PATH where it is now (checked against the "
                                "run's hashes)")
@@ -363,11 +368,12 @@ def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = (),
         from stagereplay.experiments.serving_2x2 import check_serving_constructions, run_serving_2x2
 
         arms = arms_of(manifest["stages"][f"matched/{checkpoint}"])
-        constructions = constructions or arms.fresh
+        constructions = constructions or arms.grid
         check_serving_constructions(constructions, arms)
         for p in precisions:
-            serving_arms(served["name"], arms.cross or None, served["block_size"], "oneshot",
-                         ExecConfig(workers, executor), DecodeConfig(), p)
+            serving_arms(served["name"], arms.cross or None, served.get("block_size", 32), "oneshot",
+                         ExecConfig(workers, executor), DecodeConfig(), p,
+                         {k: v for k, v in served.items() if k not in ("name", "block_size")})
         with open_run(path, manifest) as run:
             run_serving_2x2(run, model, settings, checkpoint, arms, constructions, precisions, quiet)
             return finish(run, quiet)

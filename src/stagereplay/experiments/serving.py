@@ -12,6 +12,8 @@ Per item, in one engine and this order (the prefix cache is emptied where an arm
     live#replica, prefix-cache#replica    the two again, from a reset
     oneshot         reset; a request for P: nothing cached, one fresh prefill
     oneshot#replica
+    state-restore, oneshot-restore (+ #replica)   llama.cpp only: its saved boundary states restored and
+                    continued (`experiments.serving_restore`)
     hf-oneshot      (--cross hf) our engine prefills P[0:T-1] in one forward and continues from P[T-1]
     hf-oneshot#replica
 
@@ -29,7 +31,14 @@ from typing import Any
 from stagereplay.engine.boundary import stage1_end
 from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.engine.model import ModelConfig
-from stagereplay.engine.serving import TOP_LOGPROBS, EngineConfig, Generation, ServingEngine, load_engine
+from stagereplay.engine.serving import (
+    EXTRA_ARMS,
+    TOP_LOGPROBS,
+    EngineConfig,
+    Generation,
+    ServingEngine,
+    load_engine,
+)
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.experiments.common import Job, ReplaySettings, comparison, execute, no_boundary_payload
@@ -57,7 +66,25 @@ class ServingArms:
     @property
     def fresh(self) -> tuple[str, ...]:
         """The arms set against live, in the order of the report's columns."""
-        return ("oneshot", "prefix-cache", *((f"{self.cross}-oneshot",) if self.cross else ()))
+        return ("oneshot", "prefix-cache", *EXTRA_ARMS.get(self.engine.name, ()),
+                *((f"{self.cross}-oneshot",) if self.cross else ()))
+
+    def check_model(self, model: str | None) -> None:
+        """Refuse, before anything loads, a model the engine cannot run (llama.cpp runs GGUF files only; None is
+        the embedded toy's folder)."""
+        import importlib
+
+        from stagereplay.engine.serving import ENGINES
+
+        check = getattr(importlib.import_module(ENGINES[self.engine.name]), "check_model", None)
+        if check is not None:
+            check(model)
+
+    @property
+    def grid(self) -> tuple[str, ...]:
+        """The arms `precision-2x2` crosses with precision by default: all but state-restore, which needs live's
+        state at each precision (llama.cpp's `chunked:<n>`, its prompt batch size, may be added)."""
+        return tuple(a for a in self.fresh if a != "state-restore")
 
     def extra(self) -> tuple[tuple[str, Any], ...]:
         return (("construction", "oneshot"), ("engine", tuple(self.engine.as_dict().items())),
@@ -145,6 +172,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     """One item's arms on the serving engine (and ours with --cross hf); `lm` is our engine at the same
     precision: its tokenizer scores and finds the boundary, and it runs the cross arm."""
     from stagereplay.experiments.precision_2x2 import fixed_state
+    from stagereplay.experiments.serving_restore import boundary_saver, live_run, restore_arms
 
     item, s = job.item, job.settings
     engine_config = EngineConfig(**dict(job.get("engine")))
@@ -157,8 +185,14 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     rule = s.rule().bind(lm.tokenizer)
     prompt = list(item.prompt_ids)
 
+    restores = EXTRA_ARMS.get(engine.name, ())
+    states: list[Any] = []  # live's boundary states, where the engine saves them (serving_restore)
+
     def live() -> tuple[Generation, int | None, dict[str, Any] | None]:
-        g, watch = engine.generate(prompt, budget + max_new, reuse=False), rule.watch()
+        g, state = live_run(engine, prompt, budget + max_new,
+                            boundary_saver(rule.watch(), lm.eos, budget) if restores else None)
+        states.append(state)
+        watch = rule.watch()
         end = stage1_end(g.tokens, watch, lm.eos, budget)
         return g, end, watch.detail()
 
@@ -172,6 +206,8 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     def served(name: str, construction: str, g: Generation, start: int = 0) -> None:
         arms.append(served_arm(lm, engine.name, name, construction, g, start, max_new, stage1, item, s.scorer,
                                len(prompt)))
+        if construction == "live" and states[-1] is not None:  # the boundary state's cache, as saved
+            arms[-1]["cache_fp"] = states[-1].fingerprint
 
     served("live", "live", first, end + 1)
     served("prefix-cache", "prefix-cache", engine.generate(prefix, max_new, reuse=True))
@@ -184,6 +220,13 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     for name in ("oneshot", "oneshot#replica"):
         served(name, "oneshot", engine.generate(prefix, max_new, reuse=False))
     fresh = ["oneshot", "prefix-cache"]
+    if restores:
+        def restored(name: str, g: Generation, cache_fp: str) -> dict[str, Any]:
+            return arm_of(lm, name, name.split("#")[0], engine.name, g.tokens[:max_new], g.top[:max_new], stage1,
+                          item, s.scorer, cache_fp)
+
+        arms += restore_arms(engine, prefix, states if replica_prefix_equal else states[:1], max_new, restored)
+        fresh += restores
     if cross:
         state = fixed_state(item, prefix, s, lm)
         for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):

@@ -10,6 +10,8 @@ Per item and precision p, in one engine at p (and ours at p for the cross arm):
                       precision it should; at another, its blocks past the first differing token are not P's
                       and are not reused, which `cached_from_decode` shows)
     hf-oneshot@p      our engine prefills P[0:T-1] and continues from P[T-1]
+    oneshot-restore@p (llama.cpp) a prefill of P[0:T-1] saved, restored into a cleared context and continued
+    chunked:<n>@p     (llama.cpp) a request for P with its prompt processed n tokens per batch (`--n-batch`)
 """
 
 from __future__ import annotations
@@ -39,12 +41,19 @@ from stagereplay.records.ledger import Run
 EXPERIMENT = "precision_2x2"
 
 
+def _chunk(construction: str) -> int | None:
+    """n of `chunked:<n>`, else None."""
+    kind, _, n = construction.partition(":")
+    return int(n) if kind == "chunked" and n.isdigit() and int(n) > 0 else None
+
+
 def check_serving_constructions(constructions: tuple[str, ...], arms: ServingArms) -> None:
-    allowed = arms.fresh
+    allowed = arms.grid
+    chunks = arms.engine.name == "llama.cpp"
     for c in constructions:
-        if c not in allowed:
-            raise StageReplayError(f"construction {c!r} is not an arm of this {arms.engine.name} run",
-                                   f"use {', '.join(allowed)}")
+        if c not in allowed and not (chunks and _chunk(c) is not None):
+            raise StageReplayError(f"construction {c!r} is not an arm of this {arms.engine.name} run's 2x2",
+                                   f"use {', '.join(allowed)}" + (" or chunked:<n>" if chunks else ""))
 
 
 def serving_grid_item(lm: LM, job: Job) -> dict[str, Any]:
@@ -66,6 +75,14 @@ def serving_grid_item(lm: LM, job: Job) -> dict[str, Any]:
             arm = served_arm(lm, engine.name, name, c, hit, 0, max_new, stage1, item, s.scorer, len(prompt))
             arm["live_prefix_equal"] = list(live.tokens) == stage1
             arms.append(arm)
+        elif c == "oneshot-restore":
+            state = engine.build_state(prefix[:-1])  # type: ignore[attr-defined]  # llama.cpp's (checked)
+            g, loaded = engine.restore(state, prefix[-1], max_new)  # type: ignore[attr-defined]
+            arms.append(arm_of(lm, name, c, engine.name, g.tokens[:max_new], g.top[:max_new], stage1, item,
+                               s.scorer, loaded))
+        elif _chunk(c) is not None:
+            g, _ = engine.run(prefix, max_new, chunk=_chunk(c))  # type: ignore[attr-defined]  # llama.cpp's
+            arms.append(served_arm(lm, engine.name, name, c, g, 0, max_new, stage1, item, s.scorer, len(prompt)))
         else:  # <cross>-oneshot: ours, on the same IDs
             built = lm.construct(fixed_state(item, prefix, s, lm), "oneshot")
             cont = lm.continue_from(built, s.decode)

@@ -19,3 +19,15 @@ def serving_job_extra(experiment: str, stage: dict[str, Any], prefix: Any) -> tu
     if experiment == "matched":
         return arms.extra()
     return job_extra(arms, tuple(stage["constructions"]), prefix)
+
+
+def engine_build_here(stages: dict[str, Any]) -> dict[str, Any] | None:
+    """The build of the serving engine a run's stages name, as installed here (llama.cpp records its build; the
+    audit compares it as it compares torch's kernels), or None where no stage names such an engine."""
+    for stage in stages.values():
+        if stage.get("engine", {}).get("name") == "llama.cpp":
+            from stagereplay.engine.llamacpp_engine import build_info, require
+
+            require()
+            return build_info()
+    return None

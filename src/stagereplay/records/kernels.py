@@ -24,6 +24,7 @@ _COMMON: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transformers", ("packages", "transformers")),
     ("threads", ("determinism", "threads")),
     ("deterministic algorithms", ("determinism", "deterministic_algorithms")),
+    ("engine build", ("engine", "build")),  # a serving engine's own kernels (llama.cpp: version, CPU features)
 )
 _CPU: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ISA", ("kernels", "cpu", "capability")),

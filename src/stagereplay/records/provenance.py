@@ -68,8 +68,12 @@ def _hash_files(files: list[Path]) -> str:
 
 def model_hashes(path: str | Path) -> dict[str, Any]:
     """What identifies a model directory: config, weights, tokenizer files (together and each), and the
-    generation config (where EOS comes from)."""
+    generation config (where EOS comes from). A GGUF file holds all of these: its bytes are its identity."""
+    from stagereplay.engine.gguf import file_hashes, is_gguf
+
     p = Path(path)
+    if is_gguf(p) and p.is_file():
+        return file_hashes(p)
     weights = [*p.glob("*.safetensors"), *p.glob("*.bin")]
     tokenizer = [p / n for n in TOKENIZER_FILES if (p / n).exists()]
     generation = p / "generation_config.json"

@@ -1,0 +1,111 @@
+"""GGUF files in our engine: `--model PATH.gguf` loads through transformers' GGUF support, dequantized.
+
+A GGUF file is one file holding the weights (quantized or not), the config and the tokenizer, as llama.cpp and the
+apps built on it run them. transformers reads all three from it (it needs the `gguf` package, and `accelerate` for
+its loading path). Its default keeps quantized weights packed and computes every matmul in float32 whatever dtype
+is asked for, so `--precision` would not mean what it means for a folder; here every weight is dequantized at load
+(`GgufConfig(dequantize=True)`) into a plain dense model and cast to the run's dtype: the same arithmetic as a
+folder checkpoint at that precision, on the weights the file holds (for a Q4_1 file, its 4-bit values times their
+block scales, exact in fp32; rounded again in bf16).
+
+What identifies the model is the file's bytes: `file_hashes` hashes them (config and tokenizer are inside), and
+relocation and the audit check a moved file against that hash, as they check a folder's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from stagereplay.errors import StageReplayError
+
+SUFFIX = ".gguf"
+MAGIC = b"GGUF"
+NEEDS = ("gguf", "accelerate")
+"""What transformers' GGUF loading imports, beside transformers and torch."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A path names a GGUF file by its suffix (what llama.cpp and every GGUF app go by)."""
+    return str(path).lower().endswith(SUFFIX)
+
+
+def require_gguf_packages() -> None:
+    missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise StageReplayError(f"loading a GGUF file needs {' and '.join(missing)}, not installed here",
+                               "pip install 'stagereplay[llamacpp]' (or: pip install gguf accelerate)")
+
+
+def architecture(path: str | Path) -> str:
+    """`general.architecture` from the file's metadata (no tensor data is read)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception as exc:  # a truncated or foreign file: gguf raises whatever its parser meets
+        raise StageReplayError(f"cannot read the GGUF metadata of {path} ({type(exc).__name__})",
+                               "pass a complete .gguf file (llama.cpp's convert_hf_to_gguf.py writes one)") from None
+
+
+def supported_architectures() -> tuple[str, ...]:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return tuple(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+
+
+def check_gguf(path: str | Path) -> Path:
+    """Fail fast, before any run directory exists, on a GGUF path our engine cannot load."""
+    p = Path(path)
+    if not p.is_file():
+        raise StageReplayError(f"GGUF file not found: {p}", "pass --model an existing .gguf file or a model directory")
+    with open(p, "rb") as f:
+        if f.read(4) != MAGIC:
+            raise StageReplayError(f"{p} is not a GGUF file (it does not start with GGUF)",
+                                   "pass a .gguf file written by llama.cpp's converter, or a model directory")
+    require_gguf_packages()
+    arch = architecture(p)
+    supported = supported_architectures()
+    if arch not in supported:
+        raise StageReplayError(f"transformers {_transformers_version()} cannot load GGUF architecture {arch!r} "
+                               f"({p.name})", f"use a model of one of {', '.join(supported)}, or its "
+                               "Hugging Face folder")
+    return p
+
+
+def _transformers_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("transformers")
+
+
+def from_pretrained_args(path: str | Path, weights: bool = False) -> tuple[Path, dict[str, Any]]:
+    """What `from_pretrained` takes for this path: a folder as is; a GGUF file as its folder and `gguf_file`,
+    dequantized when the weights load."""
+    p = Path(path)
+    if not is_gguf(p):
+        return p, {}
+    kwargs: dict[str, Any] = {"gguf_file": p.name}
+    if weights:
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    return p.parent, kwargs
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of the file's bytes (its name is not part of what it is: a renamed copy is the same model)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_hashes(path: str | Path) -> dict[str, Any]:
+    """A GGUF model's identity for the manifest: the file (weights, config and tokenizer are all inside it)."""
+    return {"gguf": file_sha256(path)}

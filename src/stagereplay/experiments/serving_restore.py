@@ -1,0 +1,77 @@
+"""The arms of an engine that saves and restores a sequence's K/V (llama.cpp): the boundary state taken from live
+and from a one-shot prefill, each loaded into a cleared context and continued (`matched --engine llama.cpp`).
+
+    live            as on any serving engine, and the sequence's K/V saved the moment the boundary token is
+                    emitted (before it is fed): the cache over P[0:T-1], the pending token P[T-1]. Its fingerprint
+                    is live's `cache_fp`
+    state-restore   live's saved K/V loaded into the cleared context (llama-server's slot restore), P[T-1] fed as
+                    a decode step, then decoded: exactly the operations live ran, so it must continue as live did
+                    unless the restore itself changes something
+    oneshot-restore a fresh prefill of P[0:T-1] as one batch, saved, loaded the same way and continued: the whole-
+                    cache transplant of the one-shot state into live's position. Set against live, only the cache
+                    differs; `cache_equal` says whether the two caches are the same bytes
+    each #replica   the same from live#replica's saved state, and from a second one-shot prefill
+
+A restore arm's `cache_fp` is the cache re-read after the load (so a restore that changed the bytes shows), and
+`restored_positions` how many positions it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from stagereplay.engine.boundary import Watch
+from stagereplay.engine.serving import Generation, ServingEngine
+
+RESTORE_ARMS = ("state-restore", "oneshot-restore")
+
+
+def boundary_saver(watch: Watch, eos: Collection[int], budget: int) -> Callable[[int], bool]:
+    """Called on each emitted token in order: True on the boundary token, the decision `boundary.stage1_end`
+    makes afterwards (the first token the watch accepts, unless an EOS or the stage-1 budget comes first)."""
+    seen = 0
+    done = False
+
+    def save(token: int) -> bool:
+        nonlocal seen, done
+        if done:
+            return False
+        seen += 1
+        if seen > budget:
+            done = True
+            return False
+        if watch.step(token):
+            done = True
+            return True
+        if token in eos:
+            done = True
+        return False
+
+    return save
+
+
+def live_run(engine: ServingEngine, prompt: Sequence[int], max_tokens: int, saver: Callable[[int], bool] | None
+             ) -> tuple[Generation, Any]:
+    """Live's request, with the boundary state saved where the engine can (None: it cannot)."""
+    run = getattr(engine, "run", None)
+    if run is None or saver is None:
+        return engine.generate(prompt, max_tokens, reuse=False), None
+    generation, snapshot = run(prompt, max_tokens, save=saver)
+    return generation, snapshot
+
+
+def restore_arms(engine: Any, prefix: Sequence[int], states: Sequence[Any], max_new: int,
+                 arm: Callable[[str, Generation, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """state-restore from each of `states` (live's, live#replica's), then oneshot-restore and its replica.
+    `arm(name, generation, cache_fp)` builds an arm record."""
+    out = []
+    names = ("state-restore", "state-restore#replica")
+    for name, state in zip(names, states, strict=False):
+        if state is not None and list(state.ids) == list(prefix[:-1]):
+            g, loaded = engine.restore(state, prefix[-1], max_new)
+            out.append({**arm(name, g, loaded), "restored_positions": len(state.ids)})
+    for name in ("oneshot-restore", "oneshot-restore#replica"):
+        g, loaded = engine.restore(engine.build_state(prefix[:-1]), prefix[-1], max_new)
+        out.append({**arm(name, g, loaded), "restored_positions": len(prefix) - 1})
+    return out

@@ -1,0 +1,205 @@
+"""llama.cpp as a second engine (`--engine llama.cpp`), on the embedded toy written as a GGUF by the test: the
+prompt cache's reuse of decode-written positions, the saved state that restores as live continued, exact
+replicas, the audit re-executing in llama.cpp and telling a forged record (integrity) from another build (not
+reproduced here), and the refusals. Needs llama-cpp-python (docs/how-to/llamacpp.md):
+`python -m pytest -m llamacpp tests/test_llamacpp.py`; the main suite deselects these tests.
+
+What holds only for these numerics (whether live and one-shot differ on this CPU) is reported by the runs, not
+asserted here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from stagereplay.cli import app
+
+pytestmark = pytest.mark.llamacpp
+runner = CliRunner()
+N = 3
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def toy_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gguf_files import write_toy_gguf
+
+    return write_toy_gguf(tmp_path_factory.mktemp("gguf") / "toy-f32.gguf")
+
+
+@pytest.fixture(scope="module")
+def run(toy_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("llamacpp") / "fp32"
+    result = runner.invoke(app, ["matched", "--engine", "llama.cpp", "--model", str(toy_gguf), "--cross", "hf",
+                                 "--precision", "fp32", "--n", str(N), "--max-new-tokens", str(MAX_NEW),
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _payloads(run: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    return [r["payload"] for r in lines if r["kind"] == "item" and r["payload"]["status"] == "ok"]
+
+
+def _arms(payload: dict) -> dict[str, dict]:
+    return {a["name"]: a for a in payload["arms"]}
+
+
+def _engine(toy_gguf: Path):
+    from stagereplay.engine.llamacpp_engine import load
+    from stagereplay.engine.lm import load as load_lm
+    from stagereplay.engine.serving import EngineConfig
+    from stagereplay.tasks import DataConfig, load_items
+
+    lm = load_lm(str(toy_gguf), "fp32")
+    items, _ = load_items(DataConfig(n=2), lm.tokenizer)
+    return load(EngineConfig("llama.cpp"), str(toy_gguf), "fp32", 1, "cpu"), items
+
+
+def test_the_prompt_cache_reuses_decode_written_positions_and_a_restored_state_continues(toy_gguf):
+    """A request for prompt + generated tokens right after the generation keeps every position but the last
+    (decode-written ones included) and recomputes the last; after a reset it keeps none. A saved sequence state
+    loaded into a cleared context re-reads as the same bytes and continues as live did. Negative control: the
+    state of another item's prefix, with the same pending token, continues otherwise (the cache is used)."""
+    engine, (item, other) = _engine(toy_gguf)
+    prompt = list(item.prompt_ids)
+    live = engine.generate(prompt, 60)
+    assert live.cached == 0 and len(live.top) == len(live.tokens)
+    assert all(step[0][0] == t and [lp for _, lp in step] == sorted((lp for _, lp in step), reverse=True)
+               for step, t in zip(live.top, live.tokens, strict=True))
+    prefix = [*prompt, *live.tokens[:40]]
+    hit = engine.generate(prefix, 20, reuse=True)
+    assert hit.cached == len(prefix) - 1 > len(prompt)
+    assert list(hit.tokens) == list(live.tokens[40:60])
+    assert engine.generate(prefix, 20, reuse=False).cached == 0
+    emitted = iter(range(1000))
+    g, state = engine.run(prompt, 60, save=lambda token: next(emitted) == 39)  # at the 40th token, before it is fed
+    assert list(g.tokens) == list(live.tokens) and state is not None and state.ids == tuple(prefix[:-1])
+    again, loaded = engine.restore(state, prefix[-1], 20)
+    assert loaded == state.fingerprint and again.cached == len(prefix) - 1
+    assert list(again.tokens) == list(live.tokens[40:60])
+    foreign = engine.build_state([*other.prompt_ids, *live.tokens[:39]])
+    moved, _ = engine.restore(foreign, prefix[-1], 20)
+    assert list(moved.tokens) != list(again.tokens)
+
+
+def test_every_arm_runs_with_an_exact_replica_and_state_restore_is_live(run):
+    """Each arm and its replica agree bit for bit; live's saved boundary state reloads as the same bytes and
+    continues as live did; the prompt cache kept every position but the last, stage 1's decode-written ones
+    included. Whether oneshot differs from live is a measurement, not asserted."""
+    payloads = _payloads(run)
+    assert len(payloads) == N
+    for p in payloads:
+        arms = _arms(p)
+        assert set(arms) == {f"{a}{r}" for a in ("live", "oneshot", "prefix-cache", "state-restore",
+                                                  "oneshot-restore", "hf-oneshot") for r in ("", "#replica")}
+        for c in p["comparisons"]:
+            if c["b"] == f"{c['a']}#replica":
+                assert c["suffix_equal"] and c["cache_equal"] is not False, c
+        assert arms["state-restore"]["cache_fp"] == arms["live"]["cache_fp"] is not None
+        assert arms["state-restore"]["suffix_ids"] == arms["live"]["suffix_ids"]
+        assert arms["prefix-cache"]["num_cached_tokens"] == p["boundary"] - 1
+        assert arms["prefix-cache"]["cached_from_decode"] == p["boundary"] - 1 - len(p["prompt_ids"])
+        assert arms["oneshot-restore"]["restored_positions"] == p["boundary"] - 1
+    manifest = json.loads((run / "manifest.json").read_text())
+    engine = manifest["environment"]["engine"]
+    assert engine["engine"] == "llama.cpp" and engine["cache_type"] == "f32" and "AVX" in engine["build"]["system_info"]
+    assert set(manifest["config"]["engine"]) == {"name", "seed", "n_ctx", "n_batch", "n_ubatch", "flash_attn"}
+    results = json.loads((run / "results.json").read_text())
+    assert [m["construction"] for m in results["matched"]] == ["oneshot", "prefix-cache", "state-restore",
+                                                                "oneshot-restore", "hf-oneshot"]
+
+
+def _forge_state_restore(run: Path, to: Path) -> None:
+    import forge
+
+    shutil.copytree(run, to)
+    (to / "audit.json").unlink(missing_ok=True)
+    chain, manifest = forge.load(to)
+    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.payload["status"] == "ok")
+    payload = forge.edit(chain[i])
+    arm = _arms(payload)["state-restore"]
+    arm["suffix_ids"][-1] = (arm["suffix_ids"][-1] + 1) % 256
+    arm["top_logprobs"][-1][0][0] = arm["suffix_ids"][-1]
+    chain[i] = forge.with_payload(chain[i], payload)
+    forge.save(to, chain, manifest)
+
+
+def test_audit_reexecutes_in_llamacpp_and_catches_a_forged_record(run, tmp_path):
+    """The audit re-runs every arm in llama.cpp and reproduces the run. A forger who edits the state-restore arm and
+    recomputes every checksum passes --verify-only and fails the re-execution as an integrity finding."""
+    result = runner.invoke(app, ["audit", str(run), "--quiet"])
+    assert result.exit_code == 0, result.output
+    audit = json.loads((run / "audit.json").read_text())
+    assert audit["reproduced"] and audit["trajectories"]["k"] == audit["trajectories"]["n"] == 12 * N
+    forged = tmp_path / "forged"
+    _forge_state_restore(run, forged)
+    assert runner.invoke(app, ["audit", str(forged), "--verify-only"]).exit_code == 0
+    result = runner.invoke(app, ["audit", str(forged), "--quiet"])
+    assert result.exit_code == 1
+    found = json.loads((forged / "audit.json").read_text())["mismatches"]
+    assert any("arm state-restore" in m["what"] and m["kind"] == "integrity" for m in found), found
+
+
+def test_under_another_llamacpp_build_a_difference_is_not_reproduced_here(run, tmp_path, monkeypatch):
+    """The record's build (version, compiled CPU features) is compared with this machine's: under another build the
+    same forged record is "not reproduced here" (exit 3), not an integrity finding, and the build is named."""
+    from stagereplay.engine import llamacpp_engine
+
+    forged = tmp_path / "forged"
+    _forge_state_restore(run, forged)
+    real = llamacpp_engine.build_info
+    monkeypatch.setattr(llamacpp_engine, "build_info", lambda: {**real(), "system_info": "CPU : AVX512 = 1 |"})
+    result = runner.invoke(app, ["audit", str(forged), "--quiet"])
+    assert result.exit_code == 3, result.output
+    audit = json.loads((forged / "audit.json").read_text())
+    assert [d["field"] for d in audit["environment"]["differences"]] == ["engine build"]
+    assert all(m["kind"] == "not_reproduced_here" for m in audit["mismatches"]), audit["mismatches"]
+
+
+def test_precision_2x2_takes_the_prompt_batch_as_its_construction_axis(run, tmp_path):
+    """`chunked:<n>` is a request for the prefix processed n tokens per batch: with n = 1 on the run's prefixes
+    the prompt runs as decode steps. The 2x2 audits; state-restore, which needs live at each precision, is
+    refused."""
+    grid = tmp_path / "grid"
+    shutil.copytree(run, grid)
+    result = runner.invoke(app, ["precision-2x2", str(grid), "--precisions", "fp32", "--constructions",
+                                 "oneshot,chunked:1,oneshot-restore", "--quiet"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((grid / "results.json").read_text())["precision_2x2"]
+    assert results["constructions"] == ["oneshot", "chunked:1", "oneshot-restore"]
+    assert runner.invoke(app, ["audit", str(grid), "--quiet"]).exit_code == 0
+    refused = runner.invoke(app, ["precision-2x2", str(grid), "--constructions", "state-restore", "--quiet"])
+    assert refused.exit_code == 2 and "is not an arm of this llama.cpp run" in refused.stderr
+
+
+@pytest.mark.parametrize("command", ["bridge", "transplant", "resample"])
+def test_experiments_that_need_our_cache_are_refused_on_a_llamacpp_run(run, command):
+    result = runner.invoke(app, [command, str(run), "--quiet"])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "llama.cpp engine does not expose" in line
+
+
+@pytest.mark.parametrize(("model", "extra", "says"), [
+    ("folder", [], "runs a GGUF file"),
+    ("gguf", ["--precision", "fp32-compute"], "does not run precision fp32-compute"),
+    ("gguf", ["--n-batch", "0"], "--n-batch must be at least 1"),
+    ("gguf", ["--sample"], "runs greedy"),
+])
+def test_what_a_llamacpp_run_cannot_do_is_refused_before_anything_runs(toy_gguf, tmp_path, model, extra, says):
+    from stagereplay.toy import toy_checkpoint
+
+    path = toy_gguf if model == "gguf" else toy_checkpoint("primary")
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["matched", "--engine", "llama.cpp", "--model", str(path), "--n", "1",
+                                 "--out", str(out), *extra])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert says in line and line.startswith("error: ")
+    assert not out.exists()
