@@ -90,6 +90,9 @@ Seed = Annotated[int, typer.Option("--seed", help="base seed for sampling")]
 Workers = Annotated[int, typer.Option("--workers", help="local worker processes")]
 Executor = Annotated[str, typer.Option("--executor", help="local | ray")]
 Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables")]
+Batch = Annotated[int, typer.Option("--batch", help=(
+    "items stepping together: up to C items' decode steps share one forward of C rows, each row batch-invariant "
+    "(its attention per item; recorded, and later stages and the audit follow it); 1 = one item at a time"))]
 Kernels = Annotated[str, typer.Option("--kernels", help=(
     "CPU kernels: native (this machine's own) | portable (ATen and oneDNN on AVX2, MKL on its branch for every "
     "vendor: the same bits on every x86-64 CPU with AVX2) | auto (portable for the embedded toy on a CPU, else native)"))]
@@ -142,6 +145,7 @@ def matched(
     flash_attn: Annotated[bool, typer.Option("--flash-attn", help="llama.cpp: flash attention (-fa)")] = False,
     cache: Cache = "dynamic",
     kernels: Kernels = "auto",
+    batch: Batch = 1,
 ) -> None:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
@@ -155,7 +159,7 @@ def matched(
         dc = _decode(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
             workers, executor, shard, quiet, columns, engine, cross, block_size, cache=cache, kernels=kernels,
-            engine_options=_engine_options(engine, n_ctx, n_batch, n_ubatch, flash_attn))
+            engine_options=_engine_options(engine, n_ctx, n_batch, n_ubatch, flash_attn), batch=batch)
 
     _run(go)
 
@@ -374,6 +378,7 @@ def paper(
     quiet: Quiet = False,
     cache: Cache = "dynamic",
     kernels: Kernels = "auto",
+    batch: Batch = 1,
 ) -> None:
     """The whole protocol in one command, then the report (defaults: the embedded toy model)."""
 
@@ -386,7 +391,7 @@ def paper(
         res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device=device,
                   threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
                   resample=resample, resample_items=resample_items, audit_sample=audit_sample or None, columns=columns,
-                  cache=cache, kernels=kernels)
+                  cache=cache, kernels=kernels, batch=batch)
         from stagereplay.experiments.audit import exit_code
 
         typer.echo(f"report: {out / 'report.html'}")

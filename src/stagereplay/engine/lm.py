@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -32,7 +33,16 @@ from stagereplay.engine.decode import (
 from stagereplay.engine.forwards import construction_spans
 from stagereplay.engine.limits import model_context, stage1_budget, static_cache_len
 from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, resolve_attn_impl, set_determinism
-from stagereplay.engine.proof import Proof, proof_reach, prove_steps, proven, remember, report
+from stagereplay.engine.proof import (
+    BatchProof,
+    Proof,
+    proof_reach,
+    prove_batched,
+    prove_steps,
+    proven,
+    remember,
+    report,
+)
 from stagereplay.engine.steps import StepRecord
 from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Item
@@ -110,12 +120,15 @@ class LM:
         self.tokenizer = tokenizer
         self.config = config
         self.determinism = determinism or {}
+        if config.batch > 1:  # a row's bits may depend on the row count: part of every record's environment
+            self.determinism["batch"] = config.batch
         self.stepper = Stepper(model, config.device, capture=captures_steps(config.precision, config.cache),
                                graphs=graphs_steps(config.precision, config.cache, config.device))
         self.eos = eos_ids(model, tokenizer)
         self.n_layers = int(model.config.get_text_config().num_hidden_layers)
         self.context = model_context(model.config)
         self.proof: Proof | None = None  # the fast step's proof (engine.proof), once a run has needed it
+        self.batch_proof: BatchProof | None = None  # the batched step's (engine.proof.prove_batched)
 
     # -- fast steps -------------------------------------------------------------------------------------
 
@@ -143,6 +156,19 @@ class LM:
                 stepper.capture, stepper.graphs = False, None
         self.determinism["fast_steps"] = self.proof.as_dict()
         return self.proof
+
+    def prove_batch(self, prompts: Sequence[Sequence[int]]) -> BatchProof:
+        """Show, before items step together at `config.batch` rows, that a row's bits do not depend on its
+        batch-mates or slot here, and whether they equal batch 1's (engine.proof.prove_batched); say the answer
+        in one line and record it. A row that depends on its mates is refused."""
+        if self.batch_proof is None:
+            proof = prove_batched(self.model, self.config.batch, self.config.device, prompts or [[0]])
+            print(proof.line(), file=sys.stderr)
+            if not proof.invariant:
+                raise StageReplayError(proof.line(), "run with --batch 1")
+            self.batch_proof = proof
+            self.determinism["batch_check"] = proof.as_dict()
+        return self.batch_proof
 
     # -- caches -----------------------------------------------------------------------------------------
 
@@ -317,11 +343,12 @@ def load(
     threads: int = 1,
     attn_impl: str = "auto",
     cache: str = "dynamic",
+    batch: int = 1,
 ) -> LM:
     """Load a local Hugging Face causal LM for replay (no network), with determinism settings applied.
     `attn_impl="auto"`: the attention transformers picks for the model (engine.model.resolve_attn_impl)."""
     config = ModelConfig(path=str(path), precision=precision, device=device, threads=threads,
-                         attn_impl=resolve_attn_impl(path, attn_impl), cache=cache)
+                         attn_impl=resolve_attn_impl(path, attn_impl), cache=cache, batch=batch)
     determinism = set_determinism(config.threads, config.device)
     model, tokenizer = load_model_and_tokenizer(config)
     return LM(model, tokenizer, config, determinism)

@@ -36,6 +36,9 @@ class ModelConfig:
     cache: str = field(default="dynamic", metadata={
         "help": "dynamic (grows per step; equals generate()) | static (preallocated; equals "
                 "generate(cache_implementation='static'), CUDA-graph captured on a GPU)"})
+    batch: int = field(default=1, metadata={
+        "help": "rows of a batched decode step: up to this many items step together (engine.batch); a row's bits "
+                "may depend on the row count, never on its batch-mates, so it is part of the numbers"})
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -51,9 +54,24 @@ class ModelConfig:
             raise StageReplayError(f"unknown device {self.device!r}", "use cpu, cuda or cuda:<index>")
         if self.threads < 1:
             raise StageReplayError(f"--threads must be at least 1, got {self.threads}", "pass --threads 1 or more")
+        if self.batch < 1:
+            raise StageReplayError(f"--batch must be at least 1, got {self.batch}", "pass --batch 1 or more")
+        if self.batch > 1 and self.cache != "dynamic":
+            raise StageReplayError("--batch runs on dynamic caches only", "pass --cache dynamic, or --batch 1")
+        if self.batch > 1 and self.precision == "fp32-compute":
+            raise StageReplayError("--batch does not run fp32-compute (its hooks recast weights per forward)",
+                                   "pass --precision fp32, or --batch 1")
 
     def with_precision(self, precision: str) -> ModelConfig:
         return ModelConfig(**{**asdict(self), "precision": precision})
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as records keep them: `batch` only when above 1, so a batch-1 run records what it always
+        recorded (and a record without it reads back as batch 1)."""
+        out = asdict(self)
+        if self.batch == 1:
+            del out["batch"]
+        return out
 
 
 def torch_dtype(precision: str) -> torch.dtype:

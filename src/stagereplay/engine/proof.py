@@ -39,6 +39,7 @@ class Proof:
 
     path: str  # what was proven: "captured" (dynamo) | "cuda-graph"
     anchor: str  # what it was compared with: "eager"
+    prompt: int  # tokens prefilled before the first compared step
     positions: int  # the furthest position compared (exclusive)
     steps: int  # single-token steps compared
     equal: bool
@@ -88,7 +89,8 @@ def prove_steps(path: str, fast: Stepper, anchor: Stepper, new_cache: Callable[[
         past += 1
     if first is None and compare_caches(ours, theirs):
         first = past
-    return Proof(path, "eager", reach, steps, first is None, first, round(time.perf_counter() - started, 3))
+    return Proof(path, "eager", len(prompt), reach, steps, first is None, first,
+                 round(time.perf_counter() - started, 3))
 
 
 def report(proof: Proof) -> None:
@@ -126,3 +128,69 @@ def proven(config: Any) -> Proof | None:
 
 def remember(config: Any, proof: Proof) -> None:
     _PROVEN[_key(config)] = proof
+
+
+@dataclass(frozen=True)
+class BatchProof:
+    """What a batched step (engine.batch) was shown to be on this model and these kernels."""
+
+    rows: int
+    steps: int
+    invariant: bool  # each row's logits the same bits together, alone and in another slot
+    equals_batch_1: bool  # ... and the same bits as the batch-1 eager step (row-count-invariant kernels)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        if not self.invariant:
+            return f"--batch {self.rows}: a row's bits depend on its batch-mates here"
+        if self.equals_batch_1:
+            return (f"--batch {self.rows}: each row's bits are independent of its batch-mates and equal to --batch 1's "
+                    "here: batching changes no bit")
+        return (f"--batch {self.rows}: each row's bits are independent of its batch-mates, but differ from --batch 1's "
+                f"here (the kernels' bits follow the row count): records are exact at --batch {self.rows}, and are "
+                f"audited at it")
+
+
+def prove_batched(model: Any, rows: int, device: str, prompts: Sequence[Sequence[int]], steps: int = 8
+                  ) -> BatchProof:
+    """Run up to three prompts' greedy steps at `rows` rows together (slots 0, 1, 2), each alone (in the last slot),
+    and at batch 1 eagerly, and compare every step's logits bit for bit."""
+    import torch
+
+    from stagereplay.engine.batch import BatchedStep
+    from stagereplay.engine.cache import new_cache
+    from stagereplay.engine.decode import Stepper
+
+    eager, batched = Stepper(model, device), BatchedStep(model, rows, device)
+    prompts = [list(p) for p in prompts[: min(3, rows)]]
+
+    def run(slots: dict[int, int]) -> dict[int, list[torch.Tensor]]:
+        caches = {k: new_cache(model) for k in slots}
+        logits = {k: eager.forward(prompts[k], caches[k], 0) for k in slots}
+        out: dict[int, list[torch.Tensor]] = {k: [] for k in slots}
+        for t in range(steps):
+            row: list[tuple[int, Any, int] | None] = [None] * rows
+            for k, slot in slots.items():
+                row[slot] = (int(torch.argmax(logits[k].float())), caches[k], len(prompts[k]) + t)
+            made = batched.forward(row)
+            for k, slot in slots.items():
+                out[k].append(made[slot])  # type: ignore[arg-type]  # an active slot's logits
+                logits[k] = made[slot]  # type: ignore[assignment]
+        return out
+
+    def single(k: int) -> list[torch.Tensor]:
+        cache = new_cache(model)
+        logits = eager.forward(prompts[k], cache, 0)
+        out = []
+        for t in range(steps):
+            logits = eager.forward([int(torch.argmax(logits.float()))], cache, len(prompts[k]) + t)
+            out.append(logits)
+        return out
+
+    together = run({k: k for k in range(len(prompts))})
+    alone = {k: run({k: rows - 1})[k] for k in range(len(prompts))}
+    invariant = all(same_bits(a, b) for k in together for a, b in zip(together[k], alone[k], strict=True))
+    equal = all(same_bits(a, b) for k in together for a, b in zip(together[k], single(k), strict=True))
+    return BatchProof(rows, steps, invariant, equal)

@@ -66,18 +66,50 @@ def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int
     """`work(lm, job)` for every job, in this process (`workers == 1`) or a pool, yielded in job order."""
     if workers == 1:
         lm = lm or cached_lm(config)
+        if config.batch > 1:
+            yield from run_batched(lm, work, jobs, config.batch)
+            return
         for job in jobs:
             yield work(lm, job)
         return
     check_worker_devices(config.device, workers)
     pool = _pool(workers)
-    futures = [pool.submit(_call, config, work, job) for job in jobs]
+    if config.batch > 1:  # each worker takes `batch` jobs at a time and steps them together
+        chunks = [jobs[i : i + config.batch] for i in range(0, len(jobs), config.batch)]
+        futures = [pool.submit(_call_batched, config, work, chunk) for chunk in chunks]
+    else:
+        futures = [pool.submit(_call, config, work, job) for job in jobs]
     try:
         for f in futures:
-            yield f.result()
+            if config.batch > 1:
+                yield from f.result()
+            else:
+                yield f.result()
     finally:
         for f in futures:
             f.cancel()
+
+
+def run_batched(lm: LM, work: Work, jobs: Sequence[Any], rows: int) -> Iterator[dict[str, Any]]:
+    """`work(lm, job)` for every job, up to `rows` at once as item threads whose steps share batched forwards
+    (engine.batcher), yielded in job order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stagereplay.engine.batcher import batched
+
+    lm.prove_batch([job.item.prompt_ids for job in jobs[:3] if hasattr(job, "item")])
+    with batched(lm, rows) as batcher, ThreadPoolExecutor(max_workers=rows) as threads:
+        futures = [threads.submit(batcher.run, work, lm, job) for job in jobs]
+        try:
+            for f in futures:
+                yield f.result()
+        finally:
+            for f in futures:
+                f.cancel()
+
+
+def _call_batched(config: ModelConfig, work: Work, jobs: Sequence[Any]) -> list[dict[str, Any]]:
+    return list(run_batched(cached_lm(worker_config(config, _WORKER_INDEX)), work, jobs, config.batch))
 
 
 def _pool(workers: int) -> Any:

@@ -33,7 +33,8 @@ def cached_lm(config: ModelConfig, keep: int = MAX_MODELS) -> LM:
             while len(_LMS) >= keep:
                 _LMS.pop(next(iter(_LMS)))  # the least recently used, dropped before the next one loads
             gc.collect()
-        lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl, config.cache)
+        lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl, config.cache,
+                  config.batch)
     _LMS[config] = lm
     return lm
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from stagereplay.engine.cache import cache_fingerprints, compare_caches
@@ -62,7 +61,7 @@ def forwards(n: Lengths) -> list[int]:
 
 def run_bridge(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, rows: int,
                ex: ExecConfig, quiet: bool = False) -> None:
-    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": asdict(model), "settings": settings.as_dict(),
+    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": model.as_dict(), "settings": settings.as_dict(),
                                                   "rows": rows})
     jobs = [Job(item, settings, extra=(("prefix", prefix),)) for item, prefix in fixed_prefixes(run, checkpoint)]
     execute(run, EXPERIMENT, checkpoint, model, bridge_item, jobs[:rows], ex, None, quiet)

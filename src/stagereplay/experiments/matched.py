@@ -3,7 +3,7 @@ with an exact replica from scratch."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stagereplay.engine.forwards import (
@@ -48,7 +48,7 @@ class MatchedConfig:
         check_construction(self.construction)
 
     def stage(self) -> dict[str, Any]:
-        return {"model": asdict(self.model), "settings": self.settings.as_dict(), "construction": self.construction}
+        return {"model": self.model.as_dict(), "settings": self.settings.as_dict(), "construction": self.construction}
 
 
 def matched_item(lm: LM, job: Job) -> dict[str, Any]:

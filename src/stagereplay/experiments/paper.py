@@ -68,12 +68,14 @@ def paper(
     quiet: bool = False,
     cache: str = "dynamic",
     kernels: str = "auto",
+    batch: int = 1,
 ) -> dict[str, Any]:
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
     checkpoint, audit, report. With `resample` = K > 0, also K sampled draws per boundary state on the first
     `resample_items` items, at bf16 and fp32 (the primary checkpoint). The audit verifies every record and
     re-executes a seeded sample of `audit_sample` units per stage (None: every unit). `kernels`: the CPU kernels
-    (`execution.kernels`; by default portable ones for the embedded toy), chosen here, before torch loads."""
+    (`execution.kernels`; by default portable ones for the embedded toy), chosen here, before torch loads.
+    `batch`: up to this many items step together (engine.batch), at every stage and in the audit."""
     pin(choose(kernels, toy=model is None, device=device))
     if bridge_rows < 1:
         raise StageReplayError(f"--rows must be at least 1, got {bridge_rows}", "pass a positive --rows")
@@ -83,7 +85,7 @@ def paper(
         workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), "bf16", device, threads,
-                            attn_impl, columns=columns, cache=cache)
+                            attn_impl, columns=columns, cache=cache, batch=batch)
     if later_model is None and model is None:
         from stagereplay.toy import toy_checkpoint
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 from stagereplay.engine.decode import derive_seed
@@ -155,7 +155,7 @@ def check_fixed_constructions(constructions: tuple[str, ...]) -> None:
 def run_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str,
             constructions: tuple[str, ...], precisions: tuple[str, ...], ex: ExecConfig, quiet: bool = False) -> None:
     check_fixed_constructions(constructions)
-    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": asdict(model), "settings": settings.as_dict(),
+    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": model.as_dict(), "settings": settings.as_dict(),
                                                   "constructions": list(constructions),
                                                   "precisions": list(precisions)})
     stage = run.manifest["stages"][f"{EXPERIMENT}/{checkpoint}"]  # as JSON gives it back, as the audit reads it

@@ -153,7 +153,7 @@ def run_resample(run: Run, model: ModelConfig, settings: ReplaySettings, checkpo
         model.with_precision(p)  # validates the name before anything runs
     fixed = fixed_prefixes(run, checkpoint)[: cfg.n]
     # Frozen before the first draw: the sampling settings, the seed rule and the items.
-    stage = {"model": asdict(model), "settings": settings.as_dict(), "config": asdict(cfg),
+    stage = {"model": model.as_dict(), "settings": settings.as_dict(), "config": asdict(cfg),
              "precisions": list(precisions), "items": [item.id for item, _ in fixed],
              "seeds": {"base": cfg.seed, "rule": SEED_RULE, "streams": STREAMS}}
     run.begin_stage(f"{EXPERIMENT}/{checkpoint}", stage)

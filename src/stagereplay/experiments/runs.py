@@ -6,7 +6,7 @@ a half-written run behind.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ class Source:
 def resolve_source(model: str | None, data: str | None, n: int | None, boundary: BoundaryRule | None,
                    scorer: str | None, decode: DecodeConfig, precision: str, device: str, threads: int,
                    attn_impl: str, checkpoint: str = "primary", columns: str | None = None,
-                   cache: str = "dynamic") -> Source:
+                   cache: str = "dynamic", batch: int = 1) -> Source:
     """Fill in the embedded toy's checkpoint and held-out items when no model or data is given.
 
     Nothing else is special to the toy: with no boundary rule the rule is left empty for `prepare` to default
@@ -57,7 +57,7 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
     path = str(Path(model).resolve())
     check_model_dir(path)
     config = ModelConfig(path=path, precision=precision, device=device, threads=threads,
-                         attn_impl=resolve_attn_impl(path, attn_impl), cache=cache)
+                         attn_impl=resolve_attn_impl(path, attn_impl), cache=cache, batch=batch)
     if data and not data.startswith(HF_PREFIX):
         data = str(Path(data).resolve())  # a file or folder; an hf: name stays as given
     return Source(config, DataConfig(path=data or None, n=n, columns=columns),
@@ -88,8 +88,11 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Ite
     for item in items:
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
     source = fit_stage1(source, config, tokenizer, items)
-    captured = captures_steps(m.precision, m.cache)
-    if lm is not None and items:  # the fast step proven on this model before any item uses it (engine.proof)
+    captured = captures_steps(m.precision, m.cache) and m.batch == 1
+    if lm is not None and items and m.batch > 1:  # the batched step shown batch-invariant before items share it
+        lm.prove_batch([i.prompt_ids for i in items[:3]])
+        determinism = dict(lm.determinism)
+    elif lm is not None and items:  # the fast step proven on this model before any item uses it (engine.proof)
         longest, dc = max(len(i.prompt_ids) for i in items), source.settings.decode
         prompt = next(i.prompt_ids for i in items if len(i.prompt_ids) == longest)
         lm.prove(prompt, longest + (dc.max_stage1_tokens or 0) + dc.max_new_tokens)
@@ -173,7 +176,7 @@ def new_manifest(command: str, config: dict[str, Any], source: Source, items: li
         "command": command,
         "config": {
             **config,
-            "model": asdict(source.model),
+            "model": source.model.as_dict(),
             "data": source.data.as_dict(),
             "settings": source.settings.as_dict(),
             "dataset_hash": data_hash,
@@ -233,6 +236,7 @@ def matched(
     cache: str = "dynamic",
     kernels: str = "auto",
     engine_options: dict[str, Any] | None = None,
+    batch: int = 1,
 ) -> dict[str, Any]:
     """Run (or resume) the matched experiment into `out`; return results.json's content.
 
@@ -251,7 +255,7 @@ def matched(
     if arms is not None:
         arms.check_model(model)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
-                            threads, attn_impl, columns=columns, cache=cache)
+                            threads, attn_impl, columns=columns, cache=cache, batch=batch)
     source, lm, items, data_hash, determinism = prepare(source, ex)
     print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)

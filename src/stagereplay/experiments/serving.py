@@ -264,10 +264,9 @@ def with_engine_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
 def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, data: DataConfig, arms: ServingArms,
                         items: list[Item], lm: LM | None, checkpoint: str = "primary", quiet: bool = False) -> None:
     """Append a serving matched record for every item not yet in the ledger (in this process: one engine)."""
-    from dataclasses import asdict
 
     run.begin_stage(f"matched/{checkpoint}", {
-        "model": asdict(model), "settings": settings.as_dict(), "construction": "oneshot",
+        "model": model.as_dict(), "settings": settings.as_dict(), "construction": "oneshot",
         "engine": arms.engine.as_dict(), "cross": arms.cross, "arms": list(arms.fresh)})
     jobs = [Job(item, settings, extra=arms.extra()) for item in items]
     execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(), lm, quiet,

@@ -16,7 +16,6 @@ Per item and precision p, in one engine at p (and ours at p for the cross arm):
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -100,7 +99,7 @@ def run_serving_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, chec
                     constructions: tuple[str, ...], precisions: tuple[str, ...], quiet: bool = False) -> None:
     check_serving_constructions(constructions, arms)
     run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {
-        "model": asdict(model), "settings": settings.as_dict(), "constructions": list(constructions),
+        "model": model.as_dict(), "settings": settings.as_dict(), "constructions": list(constructions),
         "precisions": list(precisions), "engine": arms.engine.as_dict(), "cross": arms.cross})
     fixed = fixed_prefixes(run, checkpoint)
     for precision in precisions:

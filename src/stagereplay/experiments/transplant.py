@@ -244,7 +244,7 @@ def run_transplant(run: Run, model: ModelConfig, settings: ReplaySettings, check
     chosen = set(select([i.id for i, _ in candidates], cfg.select))
     check_selection(model, cfg, [prefix for item, prefix in candidates if item.id in chosen])
     # Frozen before any transplant outcome exists: the rule and the items it picked.
-    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": asdict(model), "settings": settings.as_dict(),
+    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": model.as_dict(), "settings": settings.as_dict(),
                                                   "config": asdict(cfg), "selected": sorted(chosen)})
     stage = run.manifest["stages"][f"{EXPERIMENT}/{checkpoint}"]  # as JSON gives it back, as the audit reads it
     matched_stage = run.manifest.get("stages", {}).get(f"matched/{checkpoint}")

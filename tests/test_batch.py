@@ -1,0 +1,179 @@
+"""Batched exact replay: an item's record is the same bits whatever else is in its batch (engine.batch).
+
+Checked on every tiny architecture (sliding windows shorter than the sequence included), in bf16 and fp32:
+the batched step row by row (together, alone, in another slot), whole runs' item payloads across item orders,
+subsets and items run alone, and every experiment of `paper`. Under portable kernels a row's bits do not depend
+on the row count either, so there the batched step equals the batch-1 step, which checks the per-row attention
+and masks themselves. Negative control: a batch whose attention is padded across rows, as a naive batch pads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import SLIDING
+
+from stagereplay.engine import batch
+from stagereplay.engine.cache import new_cache
+from stagereplay.engine.decode import Stepper
+from stagereplay.engine.lm import load
+from stagereplay.execution.kernels import PORTABLE
+
+ARCHS = ("qwen2", "llama", "qwen3", "mistral-sw", "gemma2", "gemma3")
+PROMPTS = ("Q: what is 12+7? Think.", "Hello there, a longer prompt than the others", "abc")
+ROWS = 4
+
+
+def _steps(lm, slots: dict[int, int], n: int = 24) -> dict[int, list[torch.Tensor]]:
+    """Greedy steps of PROMPTS[k] in slot slots[k] of a ROWS-row batched step, all together: each step's logits."""
+    step, eager = batch.BatchedStep(lm.model, ROWS, "cpu"), Stepper(lm.model, "cpu")
+    prompts = {k: lm.tokenizer.encode(PROMPTS[k]) for k in slots}
+    caches = {k: new_cache(lm.model) for k in slots}
+    logits = {k: eager.forward(prompts[k], caches[k], 0) for k in slots}
+    out: dict[int, list[torch.Tensor]] = {k: [] for k in slots}
+    for t in range(n):
+        rows: list = [None] * ROWS
+        for k, slot in slots.items():
+            rows[slot] = (int(torch.argmax(logits[k].float())), caches[k], len(prompts[k]) + t)
+        made = step.forward(rows)
+        for k, slot in slots.items():
+            logits[k] = made[slot]
+            out[k].append(made[slot])
+    return out
+
+
+def _batch1(lm, k: int, n: int = 24) -> list[torch.Tensor]:
+    eager, prompt = Stepper(lm.model, "cpu"), lm.tokenizer.encode(PROMPTS[k])
+    cache = new_cache(lm.model)
+    logits, out = eager.forward(prompt, cache, 0), []
+    for t in range(n):
+        logits = eager.forward([int(torch.argmax(logits.float()))], cache, len(prompt) + t)
+        out.append(logits)
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32),
+                           y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32))
+               for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_row_is_the_same_bits_together_alone_and_in_any_slot(tiny_dir, arch, precision):
+    lm = load(str(tiny_dir(arch)), precision=precision)
+    together = _steps(lm, {0: 0, 1: 1, 2: 2})
+    for k in range(3):
+        assert _same(together[k], _steps(lm, {k: ROWS - 1 - k})[k]), f"item {k} moved with its batch-mates"
+    if arch in SLIDING:  # the sequences outgrow the window of 8
+        assert len(lm.tokenizer.encode(PROMPTS[2])) + 24 > 8
+
+
+def test_under_portable_kernels_the_batched_step_is_the_batch_1_step(tiny_dir):
+    """Portable bf16 kernels give a row the same bits at every row count, so each row must equal the batch-1
+    step: the per-row attention, masks and sliding windows are then the batch-1 engine's own."""
+    for arch in ARCHS:
+        tiny_dir(arch)  # built here, read by the child
+    root = Path(tiny_dir("qwen2")).parent
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_batch as t; "
+            f"from stagereplay.engine.lm import load; "
+            f"bad = [a for a in t.ARCHS if not all(t._same(t._steps(l, {{k: k}})[k], t._batch1(l, k)) for k in range(3)"
+            f" for l in [load({str(root)!r} + '/' + a, precision='bf16')])]; print('differ:', bad)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **PORTABLE}, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "differ: []" in out.stdout, out.stdout
+
+
+def _padded_attention(module, query, key, value, attention_mask, **kwargs):
+    """What a naive batch does: every row's K/V padded to the longest row and attended in one call."""
+    step = batch._current[-1]
+    kvs = step.kv[module.layer_idx]
+    longest = max(kv[0].shape[-2] for kv in kvs if kv is not None)
+    keys, values, masks = [], [], []
+    for q, kv in zip(query, kvs, strict=True):
+        k, v = kv if kv is not None else (torch.zeros_like(q[None, :1].expand(1, key.shape[1], 1, -1)),) * 2
+        pad = longest - k.shape[-2]
+        keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+        values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+        masks.append(torch.arange(longest) >= pad)
+    mask = torch.stack(masks)[:, None, None, :]
+    return step.attention(module)(module, query, torch.cat(keys), torch.cat(values), mask, **kwargs)
+
+
+def test_negative_control_a_batch_padded_across_rows_is_not_invariant(tiny_dir, monkeypatch):
+    lm = load(str(tiny_dir("qwen2")), precision="fp32")
+    monkeypatch.setattr(batch, "_rows_attention", _padded_attention)
+    together = _steps(lm, {0: 0, 1: 1, 2: 2})
+    alone = _steps(lm, {2: 3})
+    assert not _same(together[2], alone[2])
+
+
+def _payloads(run: Path) -> dict[str, str]:
+    return {r["item_id"] + "/" + r["experiment"] + "/" + r["checkpoint"] + "/" + r["part"]:
+            json.dumps(r["payload"], sort_keys=True)
+            for r in map(json.loads, (run / "ledger.jsonl").read_text().splitlines()) if r["kind"] == "item"}
+
+
+def _data(tmp_path: Path, items_file: Path, ids: list[int], name: str) -> Path:
+    rows = (items_file.read_text().splitlines())
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(rows[i] + "\n" for i in ids))
+    return path
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matched_records_are_the_same_bits_in_any_order_subset_or_alone(tiny_dir, items_file, tmp_path, arch,
+                                                                         precision):
+    from stagereplay.engine.boundary import After
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.runs import matched
+
+    def run(ids: list[int], name: str) -> dict[str, str]:
+        out = tmp_path / name
+        matched(out, model=str(tiny_dir(arch)), data=str(_data(tmp_path, items_file, ids, name)),
+                boundary=After(6), decode=DecodeConfig(max_new_tokens=12), precision=precision, quiet=True,
+                batch=ROWS)
+        return _payloads(out)
+
+    forward, backward, alone = run([0, 1, 2, 3, 4], "forward"), run([4, 3, 2, 1, 0], "backward"), run([3], "alone")
+    assert forward == backward
+    assert {k: v for k, v in forward.items() if k.startswith("q003/")} == alone
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, items_file, tmp_path, precision,
+                                                                      capsys):
+    """The answer printed and recorded before a batched run predicts it: records equal to --batch 1's exactly
+    when the check found the batched step equal to the batch-1 step on this model (fp32 on MKL: they differ;
+    bf16 on portable kernels: they do not; native bf16: either, by CPU)."""
+    from stagereplay.engine.boundary import After
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.execution.models import release_models
+    from stagereplay.runs import matched
+
+    data = _data(tmp_path, items_file, [0, 1, 2, 3], "items")
+
+    def run(rows: int) -> tuple[dict[str, str], dict]:
+        release_models()
+        out = tmp_path / f"b{rows}"
+        matched(out, model=str(tiny_dir("qwen2")), data=str(data), boundary=After(6),
+                decode=DecodeConfig(max_new_tokens=12), precision=precision, quiet=True, batch=rows)
+        manifest = json.loads((out / "manifest.json").read_text())
+        return _payloads(out), manifest
+
+    one, _ = run(1)
+    four, manifest = run(4)
+    check = manifest["environment"]["determinism"]["batch_check"]
+    assert check["invariant"] and check["rows"] == 4
+    assert "--batch 4: each row's bits are independent of its batch-mates" in capsys.readouterr().err
+    assert (one == four) == check["equals_batch_1"]
+    if precision == "fp32":
+        assert one != four  # MKL's fp32 linears follow the row count: the outcome where batching moves bits
