@@ -1,6 +1,7 @@
 """Wall time and peak memory of the whole protocol: `stagereplay paper` with 1 and 2 worker processes.
 
-    python bench/paper.py [--n 200] [--workers 1,2[,ray:2]] [--executor local|ray] [--model DIR --later-model DIR --data FILE
+    python bench/paper.py [--n 200] [--workers 1,2[,ray:2]] [--batch 1[,16]] [--executor local|ray]
+                          [--model DIR --later-model DIR --data FILE
                           --boundary-after N] [--kernels auto|native|portable] [--json OUT] [--keep DIR]
 
 Each run is a fresh subprocess (`stagereplay paper --quiet --out <tmp> ...`). A `--workers` entry `ray:N` runs
@@ -9,7 +10,9 @@ local instance per run, is part of the wall time). Peak RSS is that of the whole
 process tree (the command and its worker processes), sampled every 50 ms and summed over the tree; the
 largest single process is reported beside it. With no model options it runs on the embedded toy checkpoints.
 `--keep DIR` keeps the run directory of the last `--workers` value (its report holds the tables of the run
-that was timed).
+that was timed). `--batch` runs each `--workers` value at each batch row count (`paper --batch C`), and the summary
+says which item payloads are byte-identical between the runs (a batched run's ledger records its C and its
+invariance check, so only the payloads can be equal).
 
 A shared CPU's pace moves under a run: on the 2-core machine of docs/reference/performance.md the same toy
 step took 2.8 ms at one time and 7.7 ms 25 minutes later, with nothing else running in the machine. So each
@@ -119,7 +122,7 @@ def parse_runs(spec: str, executor: str) -> list[tuple[str, int]]:
     return runs
 
 
-def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) -> dict[str, Any]:
+def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path, batch: int = 1) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
@@ -138,6 +141,8 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
         str(args.threads),
         "--kernels",
         args.kernels,
+        "--batch",
+        str(batch),
     ]
     for flag, value in (
         ("--model", args.model),
@@ -165,6 +170,8 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
     return {
         "executor": executor,
         "workers": workers,
+        "batch": batch,
+        "payloads": payloads(out),
         "wall_s": wall,
         "forwards": forwards,
         "plan_s": planned,
@@ -177,6 +184,14 @@ def run_paper(args: argparse.Namespace, executor: str, workers: int, out: Path) 
         "ledger_sha256": hashlib.sha256(ledger).hexdigest(),
         "command": cmd,
     }
+
+
+def payloads(run: Path) -> dict[str, str]:
+    """Each item record's payload (its unit as the key), as canonical JSON."""
+    from stagereplay.records.ledger import items, read_ledger
+
+    return {f"{r.experiment}/{r.checkpoint}/{r.item_id}/{r.part}": json.dumps(r.payload, sort_keys=True)
+            for r in items(read_ledger(run))}
 
 
 def pace(args: argparse.Namespace, workers: int) -> dict[str, tuple[float, float]]:
@@ -271,6 +286,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=200, help="items (fewer for a quick run)")
     p.add_argument("--workers", default="1,2", help="comma list of --workers values to run (ray:N: on Ray)")
     p.add_argument("--executor", choices=("local", "ray"), default="local", help="for the bare --workers values")
+    p.add_argument("--batch", default="1", help="comma list of --batch values to run each --workers value at")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--model", default=None, help="primary checkpoint (default: the embedded toy)")
     p.add_argument("--later-model", default=None, help="second checkpoint")
@@ -302,9 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     runs = parse_runs(args.workers, args.executor)
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (executor, w) in enumerate(runs):
-            out = Path(tmp) / f"paper-{executor}-w{w}"
-            rows.append(run_paper(args, executor, w, out))
+        runs = [(executor, w, int(b)) for executor, w in runs for b in args.batch.split(",")]
+        for i, (executor, w, b) in enumerate(runs):
+            out = Path(tmp) / f"paper-{executor}-w{w}-b{b}"
+            rows.append(run_paper(args, executor, w, out, b))
             if args.keep is not None and i == len(runs) - 1:
                 shutil.move(str(out), args.keep)
             else:
@@ -314,13 +331,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"stagereplay paper --n {args.n} ({args.model or 'embedded toy'}), {args.threads} thread(s) per process"
     )
     print(
-        f"{'executor':>8}  {'workers':>7}  {'wall s':>8}  {'speed-up':>8}  {'peak RSS tree MiB':>17}  {'largest process MiB':>19}"
+        f"{'executor':>8}  {'workers':>7}  {'batch':>5}  {'wall s':>8}  {'speed-up':>8}  {'peak RSS tree MiB':>17}  "
+        f"{'largest process MiB':>19}"
     )
     for r in rows:
         print(
-            f"{r['executor']:>8}  {r['workers']:>7}  {r['wall_s']:8.1f}  {rows[0]['wall_s'] / r['wall_s']:8.2f}  "
-            f"{r['peak_rss_tree_mb']:17.0f}  {r['peak_rss_single_mb']:19.0f}"
+            f"{r['executor']:>8}  {r['workers']:>7}  {r['batch']:>5}  {r['wall_s']:8.1f}  "
+            f"{rows[0]['wall_s'] / r['wall_s']:8.2f}  {r['peak_rss_tree_mb']:17.0f}  {r['peak_rss_single_mb']:19.0f}"
         )
+    first = rows[0]["payloads"]
+    for r in rows[1:]:
+        equal = sum(first.get(k) == v for k, v in r["payloads"].items())
+        print(f"item payloads of --workers {r['workers']} --batch {r['batch']} equal to the first run's: {equal} of "
+              f"{len(first)}")
     print("machine pace, a captured decode step before / after each run, as many processes at once as it has "
           "workers (experiments.rates.calibrate):")
     for r in rows:
@@ -334,7 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in rows[-1]["figures"]:
         print(line)
     if args.json:
-        args.json.write_text(json.dumps({"n": args.n, "rows": rows}, indent=2) + "\n")
+        kept = [{k: v for k, v in r.items() if k != "payloads"} for r in rows]
+        args.json.write_text(json.dumps({"n": args.n, "rows": kept}, indent=2) + "\n")
     return 0
 
 

@@ -21,6 +21,7 @@ SHAPES = {
     "qwen2.5-14b": (48, 5120, 40, 8, 13824, 152064),
     "qwen2.5-7b": (28, 3584, 28, 4, 18944, 152064),
     "50m": (8, 512, 8, 2, 1536, 28000),
+    "vocab152k": (4, 256, 4, 2, 512, 151936),  # bench/scale.py's: Qwen2.5's vocabulary on a small decoder
     "tiny": (2, 64, 4, 2, 128, 256),  # the benchmarks' smoke runs (tests/test_bench.py)
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]

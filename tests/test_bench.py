@@ -20,6 +20,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 # script: (tiny arguments, with {tmp} for a scratch directory; the regex its last line must match)
 TINY: dict[str, tuple[list[str], str]] = {
+    "batch.py": (["--models", "toy", "--rows", "1,4", "--items", "4", "--tokens", "4"],
+                 rf"^best: \S+ at C=\d+, {NUMBER}x batch 1's tokens/s$"),
     "decode.py": (["--models", "toy", "--tokens", "4", "--prompts", "1", "--repeats", "1"],
                   rf"^toy .* ours\s+{NUMBER} .* tokens == generate\(\): yes\s+graphs \d+$"),
     "gpu_check.py": (["model", "--device", "cpu", "--out", "{tmp}/out", "--model", "{tmp}/model"],

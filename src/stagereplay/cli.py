@@ -435,8 +435,11 @@ def plan(
         "prefill tokens per second, on top of the forward's step"))] = None,
     calibrate: Annotated[bool, typer.Option("--calibrate", help=(
         "measure the rates on the real model (on a CPU, in as many processes at once as --workers)"))] = False,
+    row_ms: Annotated[float | None, typer.Option("--row-ms", help=(
+        "with --batch: what each row beyond the first adds to a batched step, in ms (--calibrate measures it)"))] = None,
     cache: Cache = "dynamic",
     kernels: Kernels = "auto",
+    batch: Batch = 1,
 ) -> None:
     """What `paper` (or the run RUN) costs: forwards, caches, weights and time per stage; runs nothing."""
 
@@ -461,13 +464,20 @@ def plan(
                          prompt_tokens=prompt_tokens, divergent=divergent, bridge_rows=rows, select=select,
                          sweep=sweep, later=later_model is not None or model is None, audit_sample=sample,
                          dedup=not no_dedup, workers=w, resample=resample, resample_items=resample_items,
-                         cache=cache, max_new_tokens=max_new_tokens)
+                         cache=cache, max_new_tokens=max_new_tokens, batch=batch)
+        if row_ms is not None and not 0 <= row_ms < float("inf"):
+            raise StageReplayError(f"--row-ms must be 0 or more, got {row_ms}", "pass e.g. --row-ms 2")
         rates = None
         if tokens_per_second is not None:
             rates = Rates({"": tokens_per_second},
                           {"": prefill_tokens_per_second} if prefill_tokens_per_second else {},
                           f"{tokens_per_second:g} steps/s"
-                          + (f", {prefill_tokens_per_second:g} prefill tokens/s" if prefill_tokens_per_second else ""))
+                          + (f", {prefill_tokens_per_second:g} prefill tokens/s" if prefill_tokens_per_second else "")
+                          + (f", {row_ms:g} ms per extra row" if batch > 1 and row_ms is not None else ""),
+                          {"": row_ms / 1e3} if row_ms is not None else {})
+        elif batch > 1 and row_ms is not None and not calibrate:
+            raise StageReplayError("--row-ms prices a batched step on top of --tokens-per-second",
+                                   "pass --tokens-per-second too, or --calibrate")
         typer.echo(make_plan(cfg, model, data, run_dir, max_stage1_tokens, rates,
                              {"device": device, "threads": threads} if calibrate else None, kernels))
 

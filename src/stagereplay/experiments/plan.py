@@ -122,10 +122,11 @@ class PlanConfig:
     cache: str = field(default="dynamic", metadata={"help": "dynamic | static: how caches are sized"})
     max_new_tokens: int | None = field(default=None, metadata={
         "help": "the suffix budget a static cache is allocated for (at least suffix_tokens)"})
+    batch: int = field(default=1, metadata={"help": "rows of a batched step (`paper --batch C`)"})
 
     def __post_init__(self) -> None:
         for name in ("n", "suffix_tokens", "stage1_tokens", "prompt_tokens", "bridge_rows", "workers",
-                     "resample_items"):
+                     "resample_items", "batch"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise StageReplayError(f"--{name.replace('_', '-')} must be at least 1, got {value}",
@@ -151,6 +152,7 @@ class StagePlan:
     sizes: Counter[int] = field(default_factory=Counter)  # tokens per forward -> forwards
     positions: int = 0  # the longest sequence a cache of this stage holds
     caches: int = 0
+    rows: int = 1  # items stepping together (`--batch`): single-token steps share forwards of this many rows
 
     def add(self, forwards: Iterable[int], positions: int) -> None:
         self.units += 1
@@ -159,10 +161,17 @@ class StagePlan:
 
     @property
     def forwards(self) -> int:
-        return sum(self.sizes.values())
+        """Forwards made: each prefill alone, the single-token steps `rows` to a forward (rows kept full)."""
+        return sum(v for k, v in self.sizes.items() if k > 1) + self.batched_steps
+
+    @property
+    def batched_steps(self) -> int:
+        """Forwards of the single-token steps: one per step at batch 1, one per `rows` steps batched."""
+        return -(-self.steps // self.rows)
 
     @property
     def steps(self) -> int:
+        """Single-token steps, one per item and position (a batched forward makes `rows` of them)."""
         return self.sizes.get(1, 0)
 
     @property
@@ -244,10 +253,11 @@ def proof_stages(cfg: PlanConfig, prompt: int, reach: int, context: int) -> list
     """Before a process's first captured step on a model it proves that step equal to the eager one
     (engine.proof): one prefill, then two single-token steps per position up to the reach, rounded up as
     `LM.prove` rounds it; once per model setting (checkpoint, precision) and worker. One row per precision.
-    A static cache's CPU steps and fp32-compute's are eager: nothing to prove."""
+    A static cache's CPU steps and fp32-compute's are eager: nothing to prove; batched steps are not captured
+    (their check, `LM.prove_batch`, costs a few dozen forwards, not counted)."""
     from stagereplay.engine.proof import proof_reach
 
-    if cfg.cache != "dynamic":
+    if cfg.cache != "dynamic" or cfg.batch > 1:
         return []
     settings = {("primary", "bf16"), *(("primary", p) for p in cfg.precisions)}
     if cfg.later:
@@ -468,10 +478,11 @@ def render(stages: list[StagePlan], shape: Shape, rates: Rates | None, workers: 
             f"{'caches':>7} {'cache MiB':>10} {'weights MiB':>12}" + (f" {'hours':>8}" if rates else ""))
     lines = [head]
     total = 0.0
-    for s in stages:  # caches: the most alive at once; cache MiB: one of them at the stage's longest sequence
+    for s in stages:  # caches: the most alive at once (per item, times the items stepping together); cache MiB:
+        # one of them at the stage's longest sequence
         size = shape.cache_bytes(s.positions, s.precision) / 2**20
         row = (f"{s.name:28} {s.precision:>5} {s.units:>6} {s.forwards:>10} {s.prefill_tokens:>12} {s.steps:>10} "
-               f"{s.caches:>7} {size:>10.1f} {shape.weight_bytes(s.precision) / 2**20:>12.1f}")
+               f"{s.caches * s.rows:>7} {size:>10.1f} {shape.weight_bytes(s.precision) / 2**20:>12.1f}")
         if rates:
             hours = rates.wall(s, workers) / 3600
             total += hours
@@ -533,10 +544,13 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
         if cache == "static":
             max_new = max(cfg.max_new_tokens or 0, cfg.suffix_tokens)  # no suffix outgrows its budget
             allocate(stages, prompts, max_stage1_tokens, max_new, shape.context)
+    batch = cfg.batch if run is None else int(manifest["config"]["model"].get("batch", 1))
+    for st in stages:
+        st.rows = 1 if st.name.startswith("proof@") else batch  # a proof steps one item at a time
     if calibrate_on is not None:
         together = cfg.workers if calibrate_on["device"] == "cpu" else 1  # workers on a CPU share it
         rates = calibrate(model, sorted({s.precision for s in stages}), **calibrate_on, cache=cache,
-                          together=together)
+                          together=together, batch=batch)
     header = (f"model {Path(model).name}: {shape.layers} layers, {shape.kv_heads} KV heads of {shape.head_dim}, "
               f"{shape.params / 1e9:.3f}B parameters; a cache holds "
               f"{shape.cache_bytes(1, 'bf16') / 1024:.0f} KiB per position in bf16")
@@ -548,6 +562,9 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
                    + (f"of {cfg.audit_sample} units per stage" if cfg.audit_sample else "of every unit"))
     else:
         header += f"\nmeasured: the lengths recorded in {run}"
+    if batch > 1:
+        header += (f"\n--batch {batch}: single-token steps {batch} to a forward (rows kept full), each prefill alone; "
+                   f"caches alive: {batch} items' at once")
     if cache == "static":
         header += ("\nstatic caches: each allocated for prompt + stage-1 budget + max new tokens - 1 positions, "
                    f"{stages[0].positions if stages else 0} at the longest prompt")

@@ -29,6 +29,12 @@ class Priced(Protocol):
     @property
     def units(self) -> int: ...
 
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def rows(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -38,12 +44,19 @@ class Rates:
     steps: dict[str, float]
     prefill_tokens: dict[str, float] = field(default_factory=dict)
     source: str = "given"
+    row_seconds: dict[str, float] = field(default_factory=dict)
+    """What each row beyond the first adds to a batched step (its attention over its own cache, its share of the
+    row-wise work), per precision or under "": a forward of C rows costs a step plus C - 1 of these."""
 
     def seconds(self, stage: Priced) -> float:
         """Per precision, or for every precision under the key ""."""
         x = self.steps.get(stage.precision) or self.steps[""]
         y = self.prefill_tokens.get(stage.precision) or self.prefill_tokens.get("")
-        return stage.forwards / x + (stage.prefill_tokens / y if y else 0.0)
+        extra = 0.0
+        if stage.rows > 1:  # each batched forward's rows beyond the first (the last forward's rows counted too)
+            row = self.row_seconds.get(stage.precision, self.row_seconds.get("", 0.0))
+            extra = (stage.steps - -(-stage.steps // stage.rows)) * row
+        return stage.forwards / x + extra + (stage.prefill_tokens / y if y else 0.0)
 
     def wall(self, stage: Priced, workers: int) -> float:
         """Seconds of `stage` spread over `workers` processes (no more of them busy than it has units)."""
@@ -52,7 +65,7 @@ class Rates:
 
 def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
               prompt: int = 256, steps: int = 32, rounds: int = 3, clock: Callable[[], float] | None = None,
-              cache: str = "dynamic", together: int = 1) -> Rates:
+              cache: str = "dynamic", together: int = 1, batch: int = 1) -> Rates:
     """Measure a decode step and a prefill of `prompt` tokens on the real model, per precision: one warm-up
     round (it captures the step), then the median of `rounds` timed ones. `clock`: wall time by default
     (`time.process_time` times this process's CPU, steadier on a shared CPU).
@@ -60,17 +73,20 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
     `together` > 1: that many fresh processes measure at the same time, each rate the mean of theirs
     (`calibrate_each`). A run's workers share the CPU, its caches and its memory bandwidth, and a core of a busy
     machine may run slower than one of an idle one, so a step of one of `together` workers costs more than a
-    step measured alone (docs/reference/performance.md)."""
+    step measured alone (docs/reference/performance.md).
+
+    `batch` > 1: also a batched step of that many rows (engine.batch), each row on its own cache of `prompt`
+    positions, which gives what a row beyond the first adds (`Rates.row_seconds`)."""
     if together > 1:
         each = calibrate_each(together, path, precisions, device=device, threads=threads, prompt=prompt,
-                              steps=steps, rounds=rounds, cache=cache)
+                              steps=steps, rounds=rounds, cache=cache, batch=batch)
         return mean_rates([r for _, r in each], f"{together} processes at once")
-    return _calibrate(path, precisions, device, threads, prompt, steps, rounds, clock, cache)
+    return _calibrate(path, precisions, device, threads, prompt, steps, rounds, clock, cache, batch=batch)
 
 
 def _calibrate(path: str, precisions: Sequence[str], device: str, threads: int, prompt: int, steps: int,
                rounds: int, clock: Callable[[], float] | None, cache: str,
-               ready: Callable[[], Any] | None = None) -> Rates:
+               ready: Callable[[], Any] | None = None, batch: int = 1) -> Rates:
     """`calibrate` in this process; `ready()` is called after each precision's warm-up round, before the timed
     ones (a barrier, so that processes measuring together time the same seconds)."""
     import statistics
@@ -80,7 +96,7 @@ def _calibrate(path: str, precisions: Sequence[str], device: str, threads: int, 
 
     from stagereplay.engine.lm import load
 
-    rates, prefill = {}, {}
+    rates, prefill, rows = {}, {}, {}
     for p in precisions:
         lm = load(path, precision=p, device=device, threads=threads, cache=cache)
         vocab = int(lm.model.config.get_text_config().vocab_size)
@@ -102,8 +118,31 @@ def _calibrate(path: str, precisions: Sequence[str], device: str, threads: int, 
         extra = statistics.median(t for t, _ in timed[1:]) - step  # a prefill costs a step plus its tokens
         if extra > 0:
             prefill[p] = length / extra
+        if batch > 1:
+            rows[p] = max(0.0, (_batched_step(lm, ids, batch, steps, rounds, clock) - step) / (batch - 1))
         del lm
-    return Rates(rates, prefill, f"calibrated on {Path(path).name}, {device}, {threads} thread(s), {cache} cache")
+    how = f"calibrated on {Path(path).name}, {device}, {threads} thread(s), {cache} cache"
+    return Rates(rates, prefill, how + (f", batch {batch}" if batch > 1 else ""), rows)
+
+
+def _batched_step(lm: Any, ids: list[int], batch: int, steps: int, rounds: int, clock: Callable[[], float]
+                  ) -> float:
+    """Seconds of one batched step of `batch` rows, each on its own cache over `ids` (median of `rounds`)."""
+    import statistics
+
+    from stagereplay.engine.batch import BatchedStep
+
+    step = BatchedStep(lm.model, batch, lm.config.device)
+    timed = []
+    for _ in range(rounds + 1):
+        caches = [lm.new_cache(None) for _ in range(batch)]
+        for kv in caches:
+            lm.stepper.forward(ids, kv, 0)
+        t0 = clock()
+        for k in range(steps):
+            step.forward([(ids[k % len(ids)], kv, len(ids) + k) for kv in caches])
+        timed.append((clock() - t0) / steps)
+    return float(statistics.median(timed[1:]))
 
 
 def _calibrate_in_turn(barrier: Any, kwargs: dict[str, Any]) -> tuple[int, Rates]:
@@ -118,7 +157,7 @@ def _calibrate_in_turn(barrier: Any, kwargs: dict[str, Any]) -> tuple[int, Rates
 
 
 def calibrate_each(together: int, path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,
-                   prompt: int = 256, steps: int = 32, rounds: int = 3, cache: str = "dynamic"
+                   prompt: int = 256, steps: int = 32, rounds: int = 3, cache: str = "dynamic", batch: int = 1
                    ) -> list[tuple[int, Rates]]:
     """`calibrate` in `together` fresh processes at once, started from this one's environment (its kernel
     variables included) and timing their rounds together (a barrier after each warm-up): (pid, rates) of
@@ -130,7 +169,7 @@ def calibrate_each(together: int, path: str, precisions: Sequence[str], device: 
     with context.Manager() as manager, ProcessPoolExecutor(max_workers=together, mp_context=context) as pool:
         barrier = manager.Barrier(together, timeout=600)
         kwargs = {"path": path, "precisions": tuple(precisions), "device": device, "threads": threads,
-                  "prompt": prompt, "steps": steps, "rounds": rounds, "cache": cache}
+                  "prompt": prompt, "steps": steps, "rounds": rounds, "cache": cache, "batch": batch}
         futures = [pool.submit(_calibrate_in_turn, barrier, kwargs) for _ in range(together)]
         return [f.result() for f in futures]
 
@@ -144,4 +183,5 @@ def mean_rates(measured: Sequence[Rates], how: str) -> Rates:
 
     steps = {p: mean([r.steps.get(p) for r in measured]) or 0.0 for p in measured[0].steps}
     prefill = {p: x for p in steps if (x := mean([r.prefill_tokens.get(p) for r in measured]))}
-    return Rates(steps, prefill, f"{measured[0].source}, {how}")
+    rows = {p: x for p in steps if (x := mean([r.row_seconds.get(p) for r in measured])) is not None}
+    return Rates(steps, prefill, f"{measured[0].source}, {how}", rows)
