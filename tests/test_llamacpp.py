@@ -203,3 +203,21 @@ def test_what_a_llamacpp_run_cannot_do_is_refused_before_anything_runs(toy_gguf,
     (line,) = result.stderr.strip().splitlines()
     assert says in line and line.startswith("error: ")
     assert not out.exists()
+
+
+def test_the_benchmark_script_runs_on_a_tiny_gguf(toy_gguf, tmp_path):
+    """bench/llamacpp.py's steps (items, a matched run, its table) on the toy GGUF: the script is code and rots
+    unless something runs it."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "llamacpp.py"
+    items = tmp_path / "items.jsonl"
+    subprocess.run([sys.executable, str(bench), "data", str(items), "--n", "2"], check=True)
+    out = subprocess.run([sys.executable, str(bench), "matched", str(toy_gguf), str(items), str(tmp_path / "run"),
+                          "--precision", "fp32", "--n", "1", "--boundary-after", "4", "--max-stage1-tokens", "4",
+                          "--max-new-tokens", "8"], check=True, capture_output=True, text=True).stdout
+    assert "fp32 live vs oneshot: suffix" in out and "live vs state-restore" in out and "reused" in out
+    table = subprocess.run([sys.executable, str(bench), "table", str(tmp_path / "run")], check=True,
+                           capture_output=True, text=True).stdout
+    assert "live vs hf-oneshot" in table
