@@ -6,7 +6,7 @@ and F32 GGUFs that llama.cpp's own converter writes from its dequantized weights
                                     (the Q4_1 file dequantized into a folder, then F16 and F32 GGUFs of it)
     python bench/llamacpp.py matched OUT/model.gguf OUT/items.jsonl RUN [stagereplay matched options...]
     python bench/llamacpp.py table  RUN [RUN ...]                 the matched rows of each run, one line each
-    python bench/llamacpp.py sweep  MODEL.gguf ITEMS OUT          live vs oneshot under llama.cpp's knobs
+    python bench/llamacpp.py sweep  MODEL.gguf ITEMS              live vs oneshot under llama.cpp's knobs
 
 SmolLM2 is no reasoning model, so stage 1 is a token count (`--boundary-after 48`), the suffix 64 tokens, as in
 the probe the engine was built after.."""
@@ -117,7 +117,6 @@ def main() -> None:
     p = sub.add_parser("sweep")
     p.add_argument("model", type=Path)
     p.add_argument("items", type=Path)
-    p.add_argument("out", type=Path)
     p.add_argument("--precision", default="fp16")
     p.add_argument("--n", type=int, default=30)
     a = parser.parse_args()
@@ -131,12 +130,42 @@ def main() -> None:
         for run in a.runs:
             print(run, *rows(json.loads((run / "results.json").read_text())), sep="\n  ")
     else:
-        for name, knob in KNOBS.items():
-            results = matched(a.model, a.items, a.out / name.replace(" ", "_").replace(",", ""),
-                              ["--precision", a.precision, "--n", str(a.n), *knob], cross=False)
-            m = next(x for x in results["matched"] if x["construction"] == "oneshot")
-            s = m["suffix_disagreements"]
-            print(f"{name}: live vs oneshot {s['k']}/{s['n']}, first divergence {m['first_divergence']}", flush=True)
+        sweep(a.model, a.items, a.n, a.precision)
+
+
+def sweep(model: Path, items: Path, n: int, precision: str) -> None:
+    """Live against oneshot in llama.cpp alone (the engine's two requests, no run directory: cheap enough to try
+    every knob), per setting: items whose 64-token suffix after a 48-token stage 1 differs."""
+    from transformers import AutoTokenizer
+
+    from stagereplay.engine.llamacpp_engine import load
+    from stagereplay.engine.serving import EngineConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
+    rows = [json.loads(x) for x in items.read_text().splitlines()][:n]
+    prompts = [list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, return_dict=False))
+               for r in rows]
+    for name, knob in KNOBS.items():
+        options = {"n_batch": 512, "n_ubatch": 512, "flash_attn": False, "threads": 1}
+        flags = dict(zip(knob[::2], knob[1::2], strict=False))
+        options.update({k: int(flags[f"--{k.replace('_', '-')}"]) for k in ("n_batch", "n_ubatch", "threads")
+                        if f"--{k.replace('_', '-')}" in flags})
+        options["flash_attn"] = "--flash-attn" in knob
+        threads = int(options.pop("threads"))
+        engine = load(EngineConfig("llama.cpp", **options), str(model), precision, threads, "cpu")
+        differ, reached, first = 0, 0, []
+        for prompt in prompts:
+            live = engine.generate(prompt, 48 + 64)
+            if len(live.tokens) <= 48:  # stage 1 ended in an EOS: no boundary
+                continue
+            reached += 1
+            fresh = engine.generate([*prompt, *live.tokens[:48]], 64)
+            a, b = list(live.tokens[48:]), list(fresh.tokens)
+            if a != b:
+                differ += 1
+                first.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))))
+        engine.close()
+        print(f"{name}: live vs oneshot {differ}/{reached}, first divergence {first}", flush=True)
 
 
 if __name__ == "__main__":
