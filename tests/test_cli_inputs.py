@@ -73,6 +73,9 @@ MATCHED = [
     (["--threads", "-1"], "--threads must be at least 1"),
     (["--attn-impl", "flash"], "unknown attention implementation 'flash'"),
     (["--kernels", "fast"], "unknown --kernels 'fast'"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--batch", "4", "--cache", "static"], "--batch runs on dynamic caches only"),
+    (["--batch", "4", "--precision", "fp32-compute"], "--batch does not run fp32-compute"),
     (["--kernels", "portable", "--device", "cuda"], "--kernels portable holds x86-64 CPU kernels"),
     (["--max-new-tokens", "0"], "token limits must be at least 1"),
     (["--max-new-tokens", "-5"], "token limits must be at least 1"),
@@ -120,6 +123,19 @@ def test_matched_refuses_bad_values(tmp_path, tiny_dir, items_file, files, extra
     result = runner.invoke(app, [*args, *extra])
     _one_error_line(result, expect)
     assert not (tmp_path / "out").exists(), "a refused start leaves no run directory"
+
+
+def test_an_attention_the_model_lacks_is_refused_naming_the_one_it_has(tmp_path, tiny_dir, items_file):
+    """Gemma 2 has no SDPA attention (its softcapping): the default takes eager; asking for sdpa is refused."""
+    args = ["matched", "--out", str(tmp_path / "out"), "--quiet", "--n", "2", "--model", str(tiny_dir("gemma2")),
+            "--data", str(items_file), "--boundary-after", "4"]
+    result = runner.invoke(app, [*args, "--attn-impl", "sdpa"])
+    _one_error_line(result, "transformers has no sdpa attention for Gemma2 models; pass --attn-impl eager")
+    assert not (tmp_path / "out").exists()
+    result = runner.invoke(app, [*args, "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output + result.stderr
+    manifest = (tmp_path / "out" / "manifest.json").read_text()
+    assert '"attn_impl": "eager"' in manifest
 
 
 # Commands that extend a run or read one: `RUN` is a copy of a real matched run, which must stay as it was.

@@ -378,7 +378,9 @@ def paper(
     quiet: Quiet = False,
     cache: Cache = "dynamic",
     kernels: Kernels = "auto",
-    batch: Batch = 1,
+    batch: Annotated[int, typer.Option("--batch", help=(
+        "items stepping together (as matched's --batch); 0 = auto: 16 for the embedded toy on a CPU, 1 for your "
+        "model on a CPU, on a GPU what its memory holds beside the weights (at most 32)"))] = 0,
 ) -> None:
     """The whole protocol in one command, then the report (defaults: the embedded toy model)."""
 

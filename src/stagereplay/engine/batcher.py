@@ -35,7 +35,7 @@ class _Request:
     past: int
     result: Any = None
     error: BaseException | None = None
-    done: bool = field(default=False)
+    done: threading.Event = field(default_factory=threading.Event)  # set once `result` or `error` is
 
 
 class Batcher:
@@ -49,36 +49,43 @@ class Batcher:
         self.single = Stepper(model, device)  # prefills: one item at a time, the batch-1 engine's forwards
         self.rows = rows
         self.forwards = 0  # batched forwards run, for benchmarks
-        self._cond = threading.Condition()
+        self.patience = 0.005  # seconds a step waits for items busy elsewhere before going without them
+        self._lock = threading.Lock()
         self._active = 0
         self._pending: list[_Request] = []
 
     def run(self, work: Callable[..., Any], *args: Any) -> Any:
         """`work(*args)` as one item thread: its steps wait for the other items' steps."""
-        with self._cond:
+        with self._lock:
             self._active += 1
         try:
             return work(*args)
         finally:
-            with self._cond:
+            with self._lock:
                 self._active -= 1
                 self._flush()
 
     def forward(self, ids: Sequence[int], cache: Any, past: int, device_token: torch.Tensor | None = None
                 ) -> torch.Tensor:
         request = _Request(list(ids), cache, past)
-        with self._cond:
+        with self._lock:
             self._pending.append(request)
             self._flush()
-            while not request.done:
-                self._cond.wait()
+        # Items busy elsewhere (hashing a cache, scoring) are not waited for long: after `patience` the steps asked
+        # for so far go without them (the grouping moves no bit). Each request has its own event, so a forward
+        # wakes only the threads it served.
+        while not request.done.wait(self.patience):
+            with self._lock:
+                if not request.done.is_set():
+                    self._flush(force=True)
         if request.error is not None:
             raise request.error
         return request.result
 
-    def _flush(self) -> None:
-        """Run what is pending once every item thread in flight is waiting on a step (call with the lock)."""
-        if not self._pending or len(self._pending) < self._active:
+    def _flush(self, force: bool = False) -> None:
+        """Run what is pending once every item thread in flight is waiting on a step, or now with `force` (call
+        with the lock)."""
+        if not self._pending or (len(self._pending) < self._active and not force):
             return
         pending, self._pending = self._pending, []
         try:
@@ -97,8 +104,7 @@ class Batcher:
             for r in pending:
                 r.error = exc
         for r in pending:
-            r.done = True
-        self._cond.notify_all()
+            r.done.set()
 
 
 @contextmanager

@@ -44,6 +44,32 @@ scale pick it for the detection wanted, 1 - (1 - f)^N for a fraction f of units 
 (docs/how-to/plan.md)."""
 
 
+TOY_BATCH = 16
+"""`paper`'s batch on the embedded toy on a CPU: its steps are mostly per-forward overhead, which 16 rows share."""
+MAX_GPU_BATCH = 32
+
+
+def gpu_batch(model: str | None, device: str, decode: DecodeConfig) -> int:
+    """The most items whose caches fit beside the weights on `device`, at most `MAX_GPU_BATCH`: per item, the most
+    caches any stage holds (`plan.PEAK_CACHES`) in fp32 (the 2x2's fp32 stage is the largest) at the longest
+    sequence the budgets allow, within 90% of the memory free before the fp32 weights load."""
+    import torch
+
+    from stagereplay.engine.limits import STAGE1_BUDGET
+    from stagereplay.experiments.plan import PEAK_CACHES, model_shape
+
+    if model is None:
+        from stagereplay.toy import toy_checkpoint
+
+        model = str(toy_checkpoint("primary"))
+    shape = model_shape(model)
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    positions = min(shape.context, (decode.max_stage1_tokens or STAGE1_BUDGET) + decode.max_new_tokens + 1024)
+    per_item = max(PEAK_CACHES.values()) * shape.cache_bytes(positions, "fp32")
+    room = 0.9 * free - shape.weight_bytes("fp32")
+    return max(1, min(MAX_GPU_BATCH, int(room // per_item)))
+
+
 def paper(
     out: str | Path,
     model: str | None = None,
@@ -68,14 +94,16 @@ def paper(
     quiet: bool = False,
     cache: str = "dynamic",
     kernels: str = "auto",
-    batch: int = 1,
+    batch: int = 0,
 ) -> dict[str, Any]:
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
     checkpoint, audit, report. With `resample` = K > 0, also K sampled draws per boundary state on the first
     `resample_items` items, at bf16 and fp32 (the primary checkpoint). The audit verifies every record and
     re-executes a seeded sample of `audit_sample` units per stage (None: every unit). `kernels`: the CPU kernels
     (`execution.kernels`; by default portable ones for the embedded toy), chosen here, before torch loads.
-    `batch`: up to this many items step together (engine.batch), at every stage and in the audit."""
+    `batch`: up to this many items step together (engine.batch), at every stage and in the audit; 0 (auto):
+    `TOY_BATCH` for the embedded toy on a CPU, 1 for a model of the user's on a CPU, on a GPU what its free memory
+    holds (`gpu_batch`)."""
     pin(choose(kernels, toy=model is None, device=device))
     if bridge_rows < 1:
         raise StageReplayError(f"--rows must be at least 1, got {bridge_rows}", "pass a positive --rows")
@@ -84,6 +112,10 @@ def paper(
     if workers == 0:  # auto: one single-threaded process per core on a CPU (capped), one process per GPU run
         workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)
+    if batch == 0:
+        batch = TOY_BATCH if model is None and device == "cpu" else 1
+        if device.startswith("cuda"):
+            batch = gpu_batch(model, device, decode or DecodeConfig())
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), "bf16", device, threads,
                             attn_impl, columns=columns, cache=cache, batch=batch)
     if later_model is None and model is None:
