@@ -53,14 +53,15 @@ class Profile:
 
 
 PROFILES = {
-    # One H200: 40 + 50 + 75 + 2 x 90 + 100 = 445 s of steps; gpu_check.sh's wheel install and start-up fit in
+    # One H200: 40 + 50 + 75 + 2 x 90 + 100 + 60 = 505 s of steps; gpu_check.sh's wheel install and start-up fit in
     # the rest of 8 minutes. A 7B model at batch 1 makes 40-70 decode steps/s eager (host-bound), so a matched
     # item (2 x 96 stage-1 steps + 4 x 48 suffix steps) takes 6-10 s; the rest is loading 15 GB and capturing
     # the step, per process.
     "cuda": Profile("qwen2.5-7b", 96, 48,
-                    {"gpu tests": 40, "engine tests": 50, "model": 75, "matched": 90, "2x2": 100},
+                    {"gpu tests": 40, "engine tests": 50, "model": 75, "matched": 90, "2x2": 100, "batch": 60},
                     "live_loop_equals_generate or incremental_is_bit_exact"),  # every tiny architecture
-    "cpu": Profile("tiny", 8, 8, {"gpu tests": 120, "engine tests": 120, "model": 120, "matched": 120, "2x2": 120},
+    "cpu": Profile("tiny", 8, 8, {"gpu tests": 120, "engine tests": 120, "model": 120, "matched": 120, "2x2": 120,
+                                  "batch": 120},
                    "live_loop_equals_generate and qwen2-bf16"),
 }
 
@@ -142,16 +143,19 @@ def decode_steps(run: Path, prefix: str) -> tuple[int, int]:
 
 
 def step_matched(a: argparse.Namespace) -> int:
-    out, tag = a.out, f"matched [{a.cache}]"
+    out, tag = a.out, f"matched [{a.cache}]" if a.batch == 1 else f"matched [{a.cache}, --batch {a.batch}]"
+    name = f"matched-{a.cache}" + (f"-b{a.batch}" if a.batch > 1 else "")
     if not has_cache_option() and a.cache != "dynamic":
         row(out, tag, "not in this build (no --cache option): skipped")
         return 0
-    run = a.out / f"matched-{a.cache}"
-    args = ["matched", "--model", str(a.model), "--data", str(a.model / "items.jsonl"), "--n", "2",
+    run = a.out / name
+    args = ["matched", "--model", str(a.model), "--data", str(a.model / "items.jsonl"), "--n", str(max(2, a.batch)),
             "--boundary-after", str(a.stage1), "--max-new-tokens", str(a.suffix), "--max-stage1-tokens",
             str(a.stage1), "--device", a.device, "--quiet", "--out", str(run)]
     if has_cache_option():
         args += ["--cache", a.cache]
+    if a.batch > 1:  # items stepping together: each row's bits independent of its batch-mates (engine.batch)
+        args += ["--batch", str(a.batch)]
     loads = timed_loads(a.device)
     t = time.perf_counter()
     cli(args)
@@ -176,7 +180,11 @@ def step_matched(a: argparse.Namespace) -> int:
         f"{logit:.3g}, {cache:.3g} ({results['suffix_disagreements']['k']}/{results['n_boundary']} divergent)")
     manifest = json.loads((run / "manifest.json").read_text())
     row(out, f"{tag}: cache kind recorded", str(manifest["config"]["model"].get("cache", "not recorded")))
-    (out / f"matched-{a.cache}.json").write_text(json.dumps({"replicas_exact": [k, n]}) + "\n")
+    if a.batch > 1:
+        check = manifest["environment"]["determinism"].get("batch_check", {})
+        row(out, f"{tag}: rows independent of batch-mates | equal to batch 1",
+            f"{'yes' if check.get('invariant') else 'NO'} | {'yes' if check.get('equals_batch_1') else 'no'}")
+    (out / f"{name}.json").write_text(json.dumps({"replicas_exact": [k, n]}) + "\n")
     return 0
 
 
@@ -283,11 +291,13 @@ def step_all(a: argparse.Namespace) -> int:
     steps = [("model", [*me, "model", *common], profile.budgets["model"])]
     steps += [(f"matched [{c}]", [*me, "matched", *common, "--cache", c], profile.budgets["matched"]) for c in caches]
     steps += [("2x2", [*me, "2x2", *common], profile.budgets["2x2"])]
+    steps += [("matched [dynamic, --batch 16]", [*me, "matched", *common, "--cache", "dynamic", "--batch", "16"],
+               profile.budgets["batch"])]
     for name, cmd, budget in steps:
         total += 1
         done += run_step(out, name, cmd, budget) == 0
-    exact = [json.loads((out / f"matched-{c}.json").read_text())["replicas_exact"] for c in caches
-             if (out / f"matched-{c}.json").exists()]
+    exact = [json.loads((out / f"{c}.json").read_text())["replicas_exact"]
+             for c in [f"matched-{c}" for c in caches] + ["matched-dynamic-b16"] if (out / f"{c}.json").exists()]
     verdict = ("not measured" if not exact else
                "yes" if all(k == n and n for k, n in exact) else "NO")
     row(out, "gpu check", f"{done}/{total} steps done in {time.perf_counter() - t0:.0f} s")
@@ -307,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix", type=int, default=None, help="suffix tokens per arm")
     p.add_argument("--cache", default="dynamic", help="matched: the --cache to run")
     p.add_argument("--caches", default="static,dynamic", help="all: comma list of --cache values")
+    p.add_argument("--batch", type=int, default=1, help="matched: items stepping together (--batch)")
     a = p.parse_args(argv)
     profile = PROFILES["cuda" if a.device.startswith("cuda") else "cpu"]
     a.shape = a.shape or profile.shape
