@@ -177,3 +177,26 @@ def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, 
     assert (one == four) == check["equals_batch_1"]
     if precision == "fp32":
         assert one != four  # MKL's fp32 linears follow the row count: the outcome where batching moves bits
+
+
+def test_a_step_that_depends_on_its_batch_mates_is_refused_before_the_run(tiny_dir, items_file, tmp_path,
+                                                                          monkeypatch):
+    """Negative control of the check: with attention padded across rows, the check before the run sees a row
+    move with its batch-mates, and the run is refused in one line before any run directory exists."""
+    from stagereplay.engine.boundary import After
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.engine.proof import prove_batched
+    from stagereplay.errors import StageReplayError
+    from stagereplay.execution.models import release_models
+    from stagereplay.runs import matched
+
+    monkeypatch.setattr(batch, "_rows_attention", _padded_attention)
+    lm = load(str(tiny_dir("qwen2")), precision="fp32")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    assert not prove_batched(lm.model, ROWS, "cpu", prompts).invariant
+    release_models()
+    with pytest.raises(StageReplayError, match="depend on its batch-mates"):
+        matched(tmp_path / "out", model=str(tiny_dir("qwen2")), data=str(items_file), n=3, boundary=After(6),
+                decode=DecodeConfig(max_new_tokens=8), precision="fp32", quiet=True, batch=ROWS)
+    assert not (tmp_path / "out").exists()
+    release_models()
