@@ -47,6 +47,23 @@ def _matched(out, model, data, **kw):
     )
 
 
+def test_ray_actors_and_local_workers_batch_too(tmp_path, tiny_dir, items_file, local_ray):
+    """`--batch 4` on two Ray actors and on two local workers (each takes 4 jobs at a time and steps them together)
+    records what one process does: the same item payloads, with the batch recorded in each environment."""
+    import json
+
+    model = tiny_dir("qwen2")
+    runs = {name: tmp_path / name for name in ("ray", "workers", "local")}
+    _matched(runs["ray"], model, items_file, workers=2, executor="ray", precision="fp32", batch=4)
+    _matched(runs["workers"], model, items_file, workers=2, executor="local", precision="fp32", batch=4)
+    _matched(runs["local"], model, items_file, workers=1, executor="local", precision="fp32", batch=4)
+    payloads = {name: [json.dumps(r.payload, sort_keys=True) for r in items(read_ledger(run))]
+                for name, run in runs.items()}
+    assert len(payloads["local"]) == 6 and payloads["ray"] == payloads["workers"] == payloads["local"]
+    envs = [r.payload for r in read_ledger(runs["ray"]) if r.kind == "environment"]
+    assert envs and all(e["determinism"]["batch"] == 4 for e in envs)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_ray_ledger_equals_local_ledger(tmp_path, tiny_dir, items_file, local_ray, cache):
     """The actors load with the run's whole model setting, its cache kind included (a static run recorded by a

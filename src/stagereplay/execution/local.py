@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from stagereplay.errors import StageReplayError
+from stagereplay.execution.batched import run_batched, run_chunk
 from stagereplay.execution.config import Work
 from stagereplay.execution.models import cached_lm, release_models
 from stagereplay.execution.ray_cluster import shutdown_actors
@@ -90,26 +91,8 @@ def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int
             f.cancel()
 
 
-def run_batched(lm: LM, work: Work, jobs: Sequence[Any], rows: int) -> Iterator[dict[str, Any]]:
-    """`work(lm, job)` for every job, up to `rows` at once as item threads whose steps share batched forwards
-    (engine.batcher), yielded in job order."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from stagereplay.engine.batcher import batched
-
-    lm.prove_batch([job.item.prompt_ids for job in jobs[:3] if hasattr(job, "item")])
-    with batched(lm, rows) as batcher, ThreadPoolExecutor(max_workers=rows) as threads:
-        futures = [threads.submit(batcher.run, work, lm, job) for job in jobs]
-        try:
-            for f in futures:
-                yield f.result()
-        finally:
-            for f in futures:
-                f.cancel()
-
-
 def _call_batched(config: ModelConfig, work: Work, jobs: Sequence[Any]) -> list[dict[str, Any]]:
-    return list(run_batched(cached_lm(worker_config(config, _WORKER_INDEX)), work, jobs, config.batch))
+    return run_chunk(cached_lm(worker_config(config, _WORKER_INDEX)), jobs, work, config.batch)
 
 
 def _pool(workers: int) -> Any:
