@@ -119,6 +119,7 @@ def main() -> None:
     p.add_argument("items", type=Path)
     p.add_argument("--precision", default="fp16")
     p.add_argument("--n", type=int, default=30)
+    p.add_argument("--knobs", default=",".join(KNOBS), help="which settings, comma-separated (default: all)")
     a = parser.parse_args()
     if a.step == "data":
         print(write_items(a.path, a.n))
@@ -130,10 +131,10 @@ def main() -> None:
         for run in a.runs:
             print(run, *rows(json.loads((run / "results.json").read_text())), sep="\n  ")
     else:
-        sweep(a.model, a.items, a.n, a.precision)
+        sweep(a.model, a.items, a.n, a.precision, a.knobs.split(","))
 
 
-def sweep(model: Path, items: Path, n: int, precision: str) -> None:
+def sweep(model: Path, items: Path, n: int, precision: str, knobs: list[str]) -> None:
     """Live against oneshot in llama.cpp alone (the engine's two requests, no run directory: cheap enough to try
     every knob), per setting: items whose 64-token suffix after a 48-token stage 1 differs."""
     from transformers import AutoTokenizer
@@ -145,7 +146,8 @@ def sweep(model: Path, items: Path, n: int, precision: str) -> None:
     rows = [json.loads(x) for x in items.read_text().splitlines()][:n]
     prompts = [list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, return_dict=False))
                for r in rows]
-    for name, knob in KNOBS.items():
+    for name in knobs:
+        knob = KNOBS[name]
         options = {"n_batch": 512, "n_ubatch": 512, "flash_attn": False, "threads": 1}
         flags = dict(zip(knob[::2], knob[1::2], strict=False))
         options.update({k: int(flags[f"--{k.replace('_', '-')}"]) for k in ("n_batch", "n_ubatch", "threads")
