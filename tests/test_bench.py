@@ -31,6 +31,8 @@ TINY: dict[str, tuple[list[str], str]] = {
     "gpu_wheels.sh": (["--dry-run"], r"^would download \d+ wheels into .*\.whl for CPython 3\.12 manylinux x86_64$"),
     "gpu_decode.py": (["--shape", "tiny", "--device", "cpu", "--tokens", "8", "--repeats", "1", "--copy-mib", "16"],
                       rf"^ours static: {NUMBER}x floor, tokens == generate\(\): yes$"),
+    # Its data step only: the others need llama-cpp-python, which the llamacpp-marked tests run (tests/test_llamacpp.py).
+    "llamacpp.py": (["data", "{tmp}/items.jsonl", "--n", "3"], r"^/.*/items\.jsonl$"),
     "long_trace.py": (["--items", "1", "--stage1", "16", "--suffix", "8"],
                       rf"^overhead -?{NUMBER}% of forward time, peak RSS \d+ MiB$"),
     "long_trace.py --cache static": (["--items", "1", "--stage1", "16", "--suffix", "8", "--cache", "static"],
