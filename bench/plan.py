@@ -81,14 +81,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stagereplay.toy import toy_checkpoint
 
     args.n = args.n or (2 if args.scale else 4)
+    from stagereplay.engine import lm as lm_module
+
     sizes: Counter[int] = Counter()
-    forward = decode.Stepper.forward
+    proofs: Counter[int] = Counter()  # the forwards proving the captured step: a process's set-up, not a unit's
+    proving = [False]
+    forward, prove = decode.Stepper.forward, lm_module.prove_steps
 
     def counted(self: Any, ids: Sequence[int], cache: Any, past: int) -> Any:
-        sizes[len(ids)] += 1
+        (proofs if proving[0] else sizes)[len(ids)] += 1
         return forward(self, ids, cache, past)
 
+    def counted_proof(*a: Any, **k: Any) -> Any:
+        proving[0] = True
+        try:
+            return prove(*a, **k)
+        finally:
+            proving[0] = False
+
     decode.Stepper.forward = counted  # type: ignore[method-assign]  # a counting wrapper of the same method
+    lm_module.prove_steps = counted_proof  # type: ignore[assignment]  # the same function, its forwards counted apart
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         if args.scale:
@@ -98,9 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             options, before = {"decode": DecodeConfig(max_new_tokens=args.max_new_tokens)}, None
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         start = clock()
-        results = paper(out, n=args.n, workers=1, threads=args.threads, quiet=True, **options)
+        results = paper(out, n=args.n, workers=1, threads=args.threads, quiet=True, batch=1, **options)
         wall = clock() - start
         decode.Stepper.forward = forward  # type: ignore[method-assign]
+        lm_module.prove_steps = prove
         stages = plan_run(out)
         shape = model_shape(model)
         rates = calibrate(model, sorted({s.precision for s in stages}), threads=args.threads, clock=clock)
@@ -120,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     estimate = sum(rates.seconds(s) for s in stages)
     same = +planned == +sizes
     print(f"run: {sum(sizes.values())} forwards ({sizes[1]} single-token), {wall:.1f} s {args.clock} (paper --n {args.n} "
-          f"--workers 1, load, report and audit included); rates: "
+          f"--workers 1, load, report and audit included; {sum(proofs.values())} more proving the captured step); rates: "
           + ", ".join(f"{p} {x:.0f} steps/s" for p, x in rates.steps.items()))
     if args.json:
         args.json.write_text(json.dumps({"run_forwards": sum(sizes.values()), "plan_forwards": sum(planned.values()),

@@ -86,8 +86,9 @@ def test_a_run_proves_its_captured_step_and_records_it(tmp_path):
     assert lm.config.attn_impl == "sdpa"  # what transformers picks for Gemma 3
     prompt = lm.tokenizer.encode("What is 3+4?")
     assert lm.generate(prompt, 40) == _generate(lm, prompt, 40)
-    proof = lm.determinism["fast_steps"]
-    assert proof["equal"] and proof["path"] == "captured" and proof["positions"] >= len(prompt) + 40
+    assert lm.determinism["fast_steps"] == {"path": "captured", "anchor": "eager", "equal": True,
+                                            "first_difference": None}
+    assert lm.proof is not None and lm.proof.positions >= len(prompt) + 40  # every position the call reaches
     assert lm.stepper.capture
 
 

@@ -47,8 +47,11 @@ class Proof:
     seconds: float
 
     def as_dict(self) -> dict[str, Any]:
-        """What a record's environment keeps: all but the time, so that equal proofs record equal bytes."""
-        return {k: v for k, v in asdict(self).items() if k != "seconds"}
+        """What a record's environment keeps: what was proven and its outcome. Not how far or from which prompt
+        (a worker proves from its first item, the command's process from the longest prompt), nor the time, so
+        that a run's ledger is the same bytes for any --workers."""
+        return {"path": self.path, "anchor": self.anchor, "equal": self.equal,
+                "first_difference": self.first_difference}
 
     def line(self) -> str:
         if self.equal:

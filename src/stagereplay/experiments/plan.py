@@ -359,7 +359,6 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
         decode = config["settings"]["decode"]
         allocate(out, prompts, decode.get("max_stage1_tokens"), decode["max_new_tokens"],
                  model_context(load_checked_config(Path(config["model"]["path"]))))
-    out += run_proof_stages(run_dir, stages_cfg)
     if not audited:
         return out
     if audit_sample is None:
@@ -378,29 +377,6 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
         audit.add(fw, longest)
         audit.caches = max(audit.caches, st.caches)
     return out + list(audits.values())
-
-
-def run_proof_stages(run_dir: Path, stages_cfg: dict[str, Any]) -> list[StagePlan]:
-    """The proofs of the captured step a run made (engine.proof), as its records' environments recorded them: one
-    prefill and two steps per compared position, once per model setting (path, precision) and environment
-    (worker processes with equal environments share one record, so a run with workers counts one of theirs)."""
-    chain = read_ledger(run_dir)
-    envs = {r.env: r.payload for r in chain if r.kind == "environment"}
-    seen: set[tuple[str, str, str]] = set()
-    out: dict[str, StagePlan] = {}
-    for r in items(chain):
-        stage = stages_cfg.get(f"{r.experiment}/{r.checkpoint}")
-        proof = ((envs.get(r.env) or {}).get("determinism") or {}).get("fast_steps")
-        if stage is None or not proof:
-            continue
-        precision = r.part if r.experiment in ("precision_2x2", "resample") and r.part else stage["model"]["precision"]
-        key = (stage["model"]["path"], precision, r.env)
-        if key in seen:
-            continue
-        seen.add(key)
-        row = out.setdefault(precision, StagePlan(f"proof@{precision}", precision, caches=2))
-        row.add([proof["prompt"], *[1] * (2 * proof["steps"])], proof["positions"])
-    return list(out.values())
 
 
 def run_cache(manifest: dict[str, Any]) -> str:

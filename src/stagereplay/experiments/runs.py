@@ -91,13 +91,14 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Ite
     captured = captures_steps(m.precision, m.cache) and m.batch == 1
     if lm is not None and items and m.batch > 1:  # the batched step shown batch-invariant before items share it
         lm.prove_batch([i.prompt_ids for i in items[:3]])
-        determinism = dict(lm.determinism)
+        determinism = {**determinism, "batch_check": lm.determinism["batch_check"]}
     elif lm is not None and items:  # the fast step proven on this model before any item uses it (engine.proof)
         longest, dc = max(len(i.prompt_ids) for i in items), source.settings.decode
         prompt = next(i.prompt_ids for i in items if len(i.prompt_ids) == longest)
         lm.prove(prompt, longest + (dc.max_stage1_tokens or 0) + dc.max_new_tokens)
-        determinism, captured = dict(lm.determinism), lm.stepper.capture
-    # Captured steps are the eager ones, bit for bit, where proven (workers prove their own); recorded all the same.
+        captured = lm.stepper.capture
+    # Captured steps are the eager ones, bit for bit, where proven: each process proves its own, and each record's
+    # environment says the outcome (`fast_steps`); the manifest says whether they were on, as before.
     determinism = {**determinism, "captured_steps": captured}
     if graphs_steps(m.precision, m.cache, m.device):  # CUDA graphs replay the eager kernels (engine.graphs)
         determinism["cuda_graph_steps"] = True
