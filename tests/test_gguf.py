@@ -59,7 +59,8 @@ def _matched(out: Path, model: Path) -> None:
 def test_the_gguf_hash_is_bound_and_a_moved_file_is_checked_against_it(toy_gguf, tmp_path):
     """The manifest binds the file's sha256; an audit finds a renamed copy by `--model` (the name is not part of
     the hash) and re-executes there. Negative control: a GGUF with another hash is refused in one line naming the
-    hash, before anything runs."""
+    hash, before anything runs, and so is a model directory; both tell the user to pass the .gguf file (a folder
+    run's refusal, which asks for the directory, is tests/test_other_machines.py's)."""
     from gguf_files import write_toy_gguf
 
     from stagereplay.engine.gguf import file_sha256
@@ -80,7 +81,15 @@ def test_the_gguf_hash_is_bound_and_a_moved_file_is_checked_against_it(toy_gguf,
     result = runner.invoke(app, ["audit", str(run), "--model", str(wrong), "--quiet"])
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
-    assert "is not the run's primary model: its gguf hash differs" in line and "; pass the directory" in line
+    assert "is not the run's primary model: its gguf hash differs" in line
+    assert line.endswith("; pass the .gguf file the run was made with") and "directory" not in line
+    from stagereplay.toy import toy_checkpoint
+
+    result = runner.invoke(app, ["audit", str(run), "--model", str(toy_checkpoint("primary")), "--quiet"])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "is not a .gguf file, and the run's primary model was one" in line
+    assert line.endswith("; pass the .gguf file the run was made with")
 
 
 def _header_only_gguf(path: Path, arch: str) -> Path:

@@ -214,6 +214,7 @@ def test_a_model_with_other_hashes_is_refused_naming_the_hash(moved, tmp_path, t
     assert result.exit_code == 2
     line = result.stderr.strip()
     assert "\n" not in line and "is not the run's primary model: its config hash differs (" in line
+    assert line.endswith("; pass the directory of the model the run was made with")
     assert (run / "ledger.jsonl").read_bytes() == ledger and not (run / "audit.json").exists()
 
 

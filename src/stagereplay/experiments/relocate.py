@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stagereplay.engine.gguf import is_gguf
 from stagereplay.engine.model import check_model_dir
 from stagereplay.errors import StageReplayError
 from stagereplay.records.ledger import diff_fields
@@ -49,16 +50,22 @@ def _get(d: Any, dotted: str) -> Any:
 
 
 def check_model(path: str, bound: dict[str, Any], checkpoint: str) -> None:
-    """Refuse a model directory whose hashes are not the run's, naming the first hash that differs."""
+    """Refuse a model (a directory, or a GGUF file: its hashes say which the run used) whose hashes are not the
+    run's, naming the first hash that differs and what to pass instead."""
+    flag = FLAGS.get(checkpoint, "--model")
+    gguf_run = "gguf" in bound  # a GGUF file's identity is its bytes alone (engine.gguf.file_hashes)
+    fix = ("pass the .gguf file the run was made with" if gguf_run
+           else "pass the directory of the model the run was made with")
+    if gguf_run and not is_gguf(path):
+        raise StageReplayError(f"{flag} {path} is not a .gguf file, and the run's {checkpoint} model was one", fix)
     check_model_dir(path)
     found = model_hashes(path)
     differ = diff_fields(bound, found)
     if differ:
         field = differ[0]
         raise StageReplayError(
-            f"{FLAGS.get(checkpoint, '--model')} {path} is not the run's {checkpoint} model: its {field} hash "
-            f"differs ({_short(_get(bound, field))} recorded, {_short(_get(found, field))} here)",
-            "pass the directory of the model the run was made with")
+            f"{flag} {path} is not the run's {checkpoint} model: its {field} hash "
+            f"differs ({_short(_get(bound, field))} recorded, {_short(_get(found, field))} here)", fix)
 
 
 def _toy_match(checkpoint: str, bound: dict[str, Any]) -> str | None:
