@@ -25,7 +25,7 @@ KNOBS = {
     "threads 1": [], "threads 2": ["--threads", "2"],
     "n_batch 32": ["--n-batch", "32"], "n_batch 7": ["--n-batch", "7"],
     "n_ubatch 16": ["--n-ubatch", "16"], "n_ubatch 1": ["--n-ubatch", "1"],
-    "flash-attn": ["--flash-attn"], "flash-attn, threads 2": ["--flash-attn", "--threads", "2"],
+    "flash-attn": ["--flash-attn"], "flash-attn + threads 2": ["--flash-attn", "--threads", "2"],
 }
 """One setting changed at a time from llama-cpp-python's defaults (1 thread here, n_batch = n_ubatch = 512, no
 flash attention)."""
@@ -149,7 +149,8 @@ def sweep(model: Path, items: Path, n: int, precision: str, knobs: list[str]) ->
     for name in knobs:
         knob = KNOBS[name]
         options = {"n_batch": 512, "n_ubatch": 512, "flash_attn": False, "threads": 1}
-        flags = dict(zip(knob[::2], knob[1::2], strict=False))
+        # each flag with the value after it, a switch (--flash-attn) with none
+        flags = {f: v for f, v in zip(knob, [*knob[1:], "--"], strict=False) if f.startswith("--") and not v.startswith("--")}
         options.update({k: int(flags[f"--{k.replace('_', '-')}"]) for k in ("n_batch", "n_ubatch", "threads")
                         if f"--{k.replace('_', '-')}" in flags})
         options["flash_attn"] = "--flash-attn" in knob
