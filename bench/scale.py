@@ -2,6 +2,7 @@
 
     python bench/scale.py                 # vocab 151,936, 4 layers, hidden 256, stage 1 of 1024, suffix 512, 2 items
     python bench/scale.py --tiny          # the same path at a toy size, in seconds (a smoke run)
+    python bench/scale.py --batch 8       # 8 items stepping together (16 items): C times one item's caches
 
 A random Qwen2 with the Qwen2.5 vocabulary (151,936), 4 layers, hidden 256, 4 query and 2 KV heads of 64, MLP
 512, context 8192, bf16, runs `stagereplay.runs.matched --n 2 --boundary-after 1024 --max-new-tokens 512` on the
@@ -19,6 +20,9 @@ Printed:
   returns), from what each continuation holds, so the same script measures any version of the engine (the
   diagnostics' replay of a divergent step adds one [V] per divergent pair while the item's record is made).
 
+With `--batch C` (items: 2C unless given), up to C items run at once (engine.batcher): the most caches alive are
+at most C times one item's (matched: 4 per item), and the logits kept are counted per item thread.
+
 The target is peak <= 1.15 x (floor + weights + the most caches alive x one cache). The last line is
 `peak RSS N MiB, floor F MiB, caches C MiB, logits kept L MiB`.
 """
@@ -30,6 +34,7 @@ import json
 import resource
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -38,6 +43,7 @@ from typing import Any
 
 FULL = {"vocab": 151_936, "layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "mlp": 512, "context": 8192,
         "stage1": 1024, "suffix": 512, "items": 2}
+PER_ITEM = 4  # the most K/V caches one matched item holds at once (tests/test_cache_count.py)
 TINY = {"vocab": 4096, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "mlp": 128, "context": 512,
         "stage1": 24, "suffix": 12, "items": 2}
 
@@ -84,11 +90,20 @@ class CacheCount:
 
 
 class LogitsKept:
-    """Bytes of full [V] logits held by the continuations of the item being run (max over items)."""
+    """Bytes of full [V] logits held by the continuations of the item being run (max over items; an item is a
+    thread under `--batch`)."""
 
     def __init__(self) -> None:
-        self.item = 0
+        self.local = threading.local()
         self.peak = 0
+
+    @property
+    def item(self) -> int:
+        return getattr(self.local, "item", 0)
+
+    @item.setter
+    def item(self, value: int) -> None:
+        self.local.item = value
 
     def wrap_continue(self, lm_class: Any) -> None:
         fn = lm_class._continue
@@ -155,11 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a toy-sized shape that runs in seconds (smoke run)")
     p.add_argument("--items", type=int, default=None, help="items (default 2)")
+    p.add_argument("--batch", type=int, default=1, help="items stepping together (--batch C)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     shape = dict(TINY if args.tiny else FULL)
-    if args.items:
-        shape["items"] = args.items
+    shape["items"] = args.items or (2 * args.batch if args.batch > 1 else shape["items"])
 
     import torch
 
@@ -192,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         results = matched(Path(tmp) / "run", model=str(model), data=str(data), boundary=After(shape["stage1"]),
                           decode=DecodeConfig(max_new_tokens=shape["suffix"], max_stage1_tokens=shape["stage1"]),
-                          precision="bf16", device="cpu", threads=1, quiet=True)
+                          precision="bf16", device="cpu", threads=1, quiet=True, batch=args.batch)
         seconds = time.perf_counter() - start
         ledger = [json.loads(line) for line in (Path(tmp) / "run" / "ledger.jsonl").read_text().splitlines()]
     peak = peak_mib()
@@ -213,12 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"suffix disagreements {m['suffix_disagreements']['k']}/{m['n_boundary']}")
     print(f"process floor (torch, transformers, the model, its captured step): {floor:.0f} MiB")
     print(f"one cache of {positions} positions {cache_mib:.2f} MiB; most caches alive at once {caches.peak} "
-          f"= {caches_mib:.2f} MiB")
+          f"= {caches_mib:.2f} MiB (--batch {args.batch}: at most {args.batch} x {PER_ITEM} = "
+          f"{args.batch * PER_ITEM}: {'met' if caches.peak <= args.batch * PER_ITEM else 'NOT met'})")
     print(f"full logits kept by one item's continuations: {logits_mib:.1f} MiB")
     print(f"peak RSS {peak:.0f} MiB{'' if resettable else ' (since the process started)'}; target <= 1.15 x "
           f"(floor + weights + caches) = {target:.0f} MiB: {'met' if peak <= target else 'NOT met'}")
     if args.json:
-        args.json.write_text(json.dumps({"shape": shape, "seconds": seconds, "floor_mib": floor,
+        args.json.write_text(json.dumps({"shape": shape, "batch": args.batch, "seconds": seconds, "floor_mib": floor,
                                          "peak_rss_mib": peak, "weights_mib": weights, "cache_mib": cache_mib,
                                          "caches_alive": caches.peak, "caches_mib": caches_mib,
                                          "logits_kept_mib": logits_mib, "target_mib": target}, indent=2) + "\n")

@@ -200,3 +200,66 @@ def test_a_step_that_depends_on_its_batch_mates_is_refused_before_the_run(tiny_d
                 decode=DecodeConfig(max_new_tokens=8), precision="fp32", quiet=True, batch=ROWS)
     assert not (tmp_path / "out").exists()
     release_models()
+
+
+def _every_stage(out: Path, model: Path, data: Path, precision: str) -> dict[str, str]:
+    """matched at --batch ROWS, then the bridge, transplants, the 2x2 (both precisions) and resample (both
+    precisions), each stage following the run's recorded batch: every item record's payload."""
+    from stagereplay.engine.boundary import After
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.experiments.resample import ResampleConfig
+    from stagereplay.experiments.transplant import TransplantConfig
+    from stagereplay.runs import bridge, matched, precision_2x2, resample, transplant
+
+    matched(out, model=str(model), data=str(data), boundary=After(6), decode=DecodeConfig(max_new_tokens=10),
+            precision=precision, quiet=True, batch=ROWS)
+    bridge(out, rows=5, quiet=True)
+    transplant(out, TransplantConfig(select="all-divergent"), quiet=True)
+    precision_2x2(out, quiet=True)
+    resample(out, ResampleConfig(k=2, n=5, precisions=("bf16", "fp32")), quiet=True)
+    assert json.loads((out / "manifest.json").read_text())["stages"]["matched/primary"]["model"]["batch"] == ROWS
+    return _payloads(out)
+
+
+# Each architecture once, the run's own precision alternating (the 2x2 and resample stages run both anyway;
+# matched alone runs every architecture at both, above).
+STAGE_CASES = [("qwen2", "bf16"), ("llama", "fp32"), ("qwen3", "bf16"), ("mistral-sw", "fp32"), ("gemma2", "bf16"),
+               ("gemma3", "fp32")]
+
+
+@pytest.mark.parametrize(("arch", "precision"), STAGE_CASES)
+def test_every_stage_records_the_same_bits_in_any_order_subset_or_alone(tiny_dir, items_file, tmp_path, arch,
+                                                                        precision):
+    """Every item record of every stage of a --batch run is the same bytes whether the items ran in one order, the
+    other, or one alone."""
+
+    def run(ids: list[int], name: str) -> dict[str, str]:
+        return _every_stage(tmp_path / name, tiny_dir(arch), _data(tmp_path, items_file, ids, name), precision)
+
+    forward, backward, alone = run([0, 1, 2, 3, 4], "forward"), run([4, 3, 2, 1, 0], "backward"), run([3], "alone")
+    assert {k.split("/")[1] for k in forward} >= {"matched", "bridge", "precision_2x2", "resample"}
+    assert forward == backward
+    assert {k: v for k, v in forward.items() if k.startswith("q003/")} == alone
+
+
+def test_negative_control_records_of_a_batch_padded_across_rows_depend_on_the_batch(tiny_dir, items_file, tmp_path,
+                                                                                    monkeypatch):
+    """The comparison above, with attention padded across rows as a naive batch pads it and the check before the
+    run switched off (it would refuse the run): an item's records are other bytes with batch-mates than alone."""
+    from stagereplay.engine.lm import LM
+    from stagereplay.execution.models import release_models
+
+    def unchecked(lm: LM, prompts: object) -> None:
+        lm.determinism["batch_check"] = {"skipped": True}
+
+    monkeypatch.setattr(batch, "_rows_attention", _padded_attention)
+    monkeypatch.setattr(LM, "prove_batch", unchecked)
+
+    def run(ids: list[int], name: str) -> dict[str, str]:
+        return _every_stage(tmp_path / name, tiny_dir("qwen2"), _data(tmp_path, items_file, ids, name), "fp32")
+
+    try:
+        together, alone = run([0, 1, 2, 3, 4], "together"), run([3], "alone")
+    finally:
+        release_models()  # no later test gets the unchecked model
+    assert {k: v for k, v in together.items() if k.startswith("q003/")} != alone

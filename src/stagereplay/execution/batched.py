@@ -30,6 +30,21 @@ def run_batched(lm: LM, work: Work, jobs: Sequence[Any], rows: int) -> Iterator[
                 f.cancel()
 
 
+CHUNK_BATCHES = 4
+"""A worker's chunk holds about this many batches of jobs: its item threads stream through them (a finished item's
+row goes to the next job at once), so rows run short only at the chunk's end; results come back a chunk at a time."""
+
+
+def chunks(jobs: Sequence[Any], rows: int, workers: int) -> list[Sequence[Any]]:
+    """`jobs` cut into contiguous chunks for `workers` processes stepping `rows` items together: a multiple of
+    `workers` chunks of nearly equal size (the processes finish together), each at most about `CHUNK_BATCHES`
+    batches long, and none empty. The cut moves no bit (a row's bits do not depend on its batch-mates)."""
+    per = max(1, rows * CHUNK_BATCHES)
+    count = min(len(jobs), workers * max(1, -(-len(jobs) // (workers * per))))
+    size = -(-len(jobs) // max(count, 1))
+    return [jobs[i : i + size] for i in range(0, len(jobs), size)]
+
+
 def run_chunk(lm: LM, jobs: Sequence[Any], work: Work, rows: int) -> list[dict[str, Any]]:
     """`run_batched` on one chunk of jobs, as a list (what a worker process or a Ray actor returns)."""
     return list(run_batched(lm, work, jobs, rows))

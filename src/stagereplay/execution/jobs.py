@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from stagereplay.execution.batched import run_chunk
+from stagereplay.execution.batched import chunks, run_chunk
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.local import run_local
 from stagereplay.execution.ray_cluster import run_ray
@@ -25,10 +25,9 @@ def run_jobs(config: ModelConfig, work: Work, jobs: Sequence[Any], ex: ExecConfi
     """`work(lm, job)` for every job, yielded in job order."""
     if not jobs:
         return
-    if ex.executor == "ray" and config.batch > 1:  # each actor takes `batch` jobs at a time, stepped together
-        chunks = [jobs[i : i + config.batch] for i in range(0, len(jobs), config.batch)]
+    if ex.executor == "ray" and config.batch > 1:  # each actor steps a chunk's jobs `batch` at a time
         chunk_work: Any = partial(run_chunk, work=work, rows=config.batch)  # a chunk's results, in job order
-        for results in run_ray(config, chunk_work, chunks, ex.workers):
+        for results in run_ray(config, chunk_work, chunks(jobs, config.batch, ex.workers), ex.workers):
             yield from results  # type: ignore[misc]  # a list of results, typed as Work's one
     elif ex.executor == "ray":
         yield from run_ray(config, work, jobs, ex.workers)

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.batched import run_batched, run_chunk
+from stagereplay.execution.batched import chunks, run_batched, run_chunk
 from stagereplay.execution.config import Work
 from stagereplay.execution.models import cached_lm, release_models
 from stagereplay.execution.ray_cluster import shutdown_actors
@@ -75,9 +75,8 @@ def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int
         return
     check_worker_devices(config.device, workers)
     pool = _pool(workers)
-    if config.batch > 1:  # each worker takes `batch` jobs at a time and steps them together
-        chunks = [jobs[i : i + config.batch] for i in range(0, len(jobs), config.batch)]
-        futures = [pool.submit(_call_batched, config, work, chunk) for chunk in chunks]
+    if config.batch > 1:  # each worker takes a chunk of jobs and steps them `batch` at a time
+        futures = [pool.submit(_call_batched, config, work, chunk) for chunk in chunks(jobs, config.batch, workers)]
     else:
         futures = [pool.submit(_call, config, work, job) for job in jobs]
     try:
