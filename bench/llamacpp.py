@@ -19,13 +19,14 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 STAGE = ["--boundary-after", "48", "--max-stage1-tokens", "48", "--max-new-tokens", "64", "--scorer", "last-number"]
-KNOBS = {
-    "threads 1": [], "threads 2": ["--threads", "2"],
-    "n_batch 32": ["--n-batch", "32"], "n_batch 7": ["--n-batch", "7"],
-    "n_ubatch 16": ["--n-ubatch", "16"], "n_ubatch 1": ["--n-ubatch", "1"],
-    "flash-attn": ["--flash-attn"], "flash-attn + threads 2": ["--flash-attn", "--threads", "2"],
+KNOBS: dict[str, dict[str, Any]] = {
+    "threads 1": {}, "threads 2": {"threads": 2},
+    "n_batch 32": {"n_batch": 32}, "n_batch 7": {"n_batch": 7},
+    "n_ubatch 16": {"n_ubatch": 16}, "n_ubatch 1": {"n_ubatch": 1},
+    "flash-attn": {"flash_attn": True}, "flash-attn + threads 2": {"flash_attn": True, "threads": 2},
 }
 """One setting changed at a time from llama-cpp-python's defaults (1 thread here, n_batch = n_ubatch = 512, no
 flash attention)."""
@@ -147,13 +148,7 @@ def sweep(model: Path, items: Path, n: int, precision: str, knobs: list[str]) ->
     prompts = [list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, return_dict=False))
                for r in rows]
     for name in knobs:
-        knob = KNOBS[name]
-        options = {"n_batch": 512, "n_ubatch": 512, "flash_attn": False, "threads": 1}
-        # each flag with the value after it, a switch (--flash-attn) with none
-        flags = {f: v for f, v in zip(knob, [*knob[1:], "--"], strict=False) if f.startswith("--") and not v.startswith("--")}
-        options.update({k: int(flags[f"--{k.replace('_', '-')}"]) for k in ("n_batch", "n_ubatch", "threads")
-                        if f"--{k.replace('_', '-')}" in flags})
-        options["flash_attn"] = "--flash-attn" in knob
+        options = {"n_batch": 512, "n_ubatch": 512, "flash_attn": False, "threads": 1, **KNOBS[name]}
         threads = int(options.pop("threads"))
         engine = load(EngineConfig("llama.cpp", **options), str(model), precision, threads, "cpu")
         differ, reached, first = 0, 0, []

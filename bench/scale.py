@@ -43,9 +43,9 @@ from typing import Any
 
 FULL = {"vocab": 151_936, "layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "mlp": 512, "context": 8192,
         "stage1": 1024, "suffix": 512, "items": 2}
-PER_ITEM = 4  # the most K/V caches one matched item holds at once (tests/test_cache_count.py)
 TINY = {"vocab": 4096, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "mlp": 128, "context": 512,
         "stage1": 24, "suffix": 12, "items": 2}
+PER_ITEM = 4  # the most K/V caches one matched item holds at once (tests/test_cache_count.py)
 
 
 def build(out: Path, shape: dict[str, int], seed: int = 0) -> Path:

@@ -64,8 +64,7 @@ def chunks(jobs: Sequence[Any], rows: int, workers: int) -> list[Sequence[Any]]:
     """`jobs` cut into contiguous chunks for `workers` processes stepping `rows` items together: a multiple of
     `workers` chunks of nearly equal size (the processes finish together), each at most about `CHUNK_BATCHES`
     batches long, and none empty. The cut moves no bit (a row's bits do not depend on its batch-mates)."""
-    per = max(1, rows * CHUNK_BATCHES)
-    count = min(len(jobs), workers * max(1, -(-len(jobs) // (workers * per))))
+    count = min(len(jobs), workers * max(1, -(-len(jobs) // (workers * rows * CHUNK_BATCHES))))
     size = -(-len(jobs) // max(count, 1))
     return [jobs[i : i + size] for i in range(0, len(jobs), size)]
 
