@@ -30,11 +30,16 @@ PROMPTS = ("Q: what is 12+7? Think.", "Hello there, a longer prompt than the oth
 ROWS = 4
 
 
-def _steps(lm, slots: dict[int, int], n: int = 24) -> dict[int, list[torch.Tensor]]:
+def _cache(lm, kind: str, prompt: list[int], n: int):
+    """An empty cache of `kind` for a prompt and n steps (a static one sized as generate() sizes it)."""
+    return new_cache(lm.model, kind, len(prompt) + n)
+
+
+def _steps(lm, slots: dict[int, int], n: int = 24, cache: str = "dynamic") -> dict[int, list[torch.Tensor]]:
     """Greedy steps of PROMPTS[k] in slot slots[k] of a ROWS-row batched step, all together: each step's logits."""
     step, eager = batch.BatchedStep(lm.model, ROWS, "cpu"), Stepper(lm.model, "cpu")
     prompts = {k: lm.tokenizer.encode(PROMPTS[k]) for k in slots}
-    caches = {k: new_cache(lm.model) for k in slots}
+    caches = {k: _cache(lm, cache, prompts[k], n) for k in slots}
     logits = {k: eager.forward(prompts[k], caches[k], 0) for k in slots}
     out: dict[int, list[torch.Tensor]] = {k: [] for k in slots}
     for t in range(n):
@@ -48,12 +53,12 @@ def _steps(lm, slots: dict[int, int], n: int = 24) -> dict[int, list[torch.Tenso
     return out
 
 
-def _batch1(lm, k: int, n: int = 24) -> list[torch.Tensor]:
+def _batch1(lm, k: int, n: int = 24, cache: str = "dynamic") -> list[torch.Tensor]:
     eager, prompt = Stepper(lm.model, "cpu"), lm.tokenizer.encode(PROMPTS[k])
-    cache = new_cache(lm.model)
-    logits, out = eager.forward(prompt, cache, 0), []
+    own = _cache(lm, cache, prompt, n)
+    logits, out = eager.forward(prompt, own, 0), []
     for t in range(n):
-        logits = eager.forward([int(torch.argmax(logits.float()))], cache, len(prompt) + t)
+        logits = eager.forward([int(torch.argmax(logits.float()))], own, len(prompt) + t)
         out.append(logits)
     return out
 
@@ -64,27 +69,41 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
                for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_row_is_the_same_bits_together_alone_and_in_any_slot(tiny_dir, arch, precision):
+def test_a_row_is_the_same_bits_together_alone_and_in_any_slot(tiny_dir, arch, precision, cache):
     lm = load(str(tiny_dir(arch)), precision=precision)
-    together = _steps(lm, {0: 0, 1: 1, 2: 2})
+    together = _steps(lm, {0: 0, 1: 1, 2: 2}, cache=cache)
     for k in range(3):
-        assert _same(together[k], _steps(lm, {k: ROWS - 1 - k})[k]), f"item {k} moved with its batch-mates"
+        assert _same(together[k], _steps(lm, {k: ROWS - 1 - k}, cache=cache)[k]), f"item {k} moved with its mates"
     if arch in SLIDING:  # the sequences outgrow the window of 8
         assert len(lm.tokenizer.encode(PROMPTS[2])) + 24 > 8
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_fp32_compute_batched_rows_are_fp32_batched_rows(tiny_dir, cache):
+    """fp32-compute (16-bit weights upcast per module) batches as fp32 does: each row invariant, and the same bits
+    as the fp32 model's batched row (an exact upcast), on every architecture."""
+    for arch in ARCHS:
+        compute, fp32 = (load(str(tiny_dir(arch)), precision=p) for p in ("fp32-compute", "fp32"))
+        together = _steps(compute, {0: 0, 1: 1, 2: 2}, cache=cache)
+        assert _same(together[1], _steps(compute, {1: 3}, cache=cache)[1]), arch
+        assert all(_same(together[k], _steps(fp32, {k: k}, cache=cache)[k]) for k in range(3)), arch
+
+
 def test_under_portable_kernels_the_batched_step_is_the_batch_1_step(tiny_dir):
     """Portable bf16 kernels give a row the same bits at every row count, so each row must equal the batch-1
-    step: the per-row attention, masks and sliding windows are then the batch-1 engine's own."""
+    step: the per-row attention, masks and sliding windows are then the batch-1 engine's own, on dynamic caches
+    and on static ones (each row attending over its own preallocated length, masked)."""
     for arch in ARCHS:
         tiny_dir(arch)  # built here, read by the child
     root = Path(tiny_dir("qwen2")).parent
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_batch as t; "
             f"from stagereplay.engine.lm import load; "
-            f"bad = [a for a in t.ARCHS if not all(t._same(t._steps(l, {{k: k}})[k], t._batch1(l, k)) for k in range(3)"
-            f" for l in [load({str(root)!r} + '/' + a, precision='bf16')])]; print('differ:', bad)")
+            f"bad = [(a, c) for a in t.ARCHS for c in ('dynamic', 'static') if not all(t._same(t._steps(l, {{k: k}}, "
+            f"cache=c)[k], t._batch1(l, k, cache=c)) for k in range(3) for l in [load({str(root)!r} + '/' + a, "
+            f"precision='bf16')])]; print('differ:', bad)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **PORTABLE}, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -107,11 +126,12 @@ def _padded_attention(module, query, key, value, attention_mask, **kwargs):
     return step.attention(module)(module, query, torch.cat(keys), torch.cat(values), mask, **kwargs)
 
 
-def test_negative_control_a_batch_padded_across_rows_is_not_invariant(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_negative_control_a_batch_padded_across_rows_is_not_invariant(tiny_dir, monkeypatch, cache):
     lm = load(str(tiny_dir("qwen2")), precision="fp32")
     monkeypatch.setattr(batch, "_rows_attention", _padded_attention)
-    together = _steps(lm, {0: 0, 1: 1, 2: 2})
-    alone = _steps(lm, {2: 3})
+    together = _steps(lm, {0: 0, 1: 1, 2: 2}, cache=cache)
+    alone = _steps(lm, {2: 3}, cache=cache)
     assert not _same(together[2], alone[2])
 
 
@@ -128,10 +148,14 @@ def _data(tmp_path: Path, items_file: Path, ids: list[int], name: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-@pytest.mark.parametrize("arch", ARCHS)
+MATCHED_CASES = [(arch, precision, "dynamic") for arch in ARCHS for precision in ("bf16", "fp32")] + [
+    ("qwen2", "bf16", "static"), ("mistral-sw", "fp32", "static"), ("gemma2", "fp32", "static"),
+    ("gemma3", "bf16", "static"), ("llama", "fp32-compute", "dynamic"), ("qwen3", "fp32-compute", "static")]
+
+
+@pytest.mark.parametrize(("arch", "precision", "cache"), MATCHED_CASES)
 def test_matched_records_are_the_same_bits_in_any_order_subset_or_alone(tiny_dir, items_file, tmp_path, arch,
-                                                                         precision):
+                                                                         precision, cache):
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.runs import matched
@@ -140,7 +164,7 @@ def test_matched_records_are_the_same_bits_in_any_order_subset_or_alone(tiny_dir
         out = tmp_path / name
         matched(out, model=str(tiny_dir(arch)), data=str(_data(tmp_path, items_file, ids, name)),
                 boundary=After(6), decode=DecodeConfig(max_new_tokens=12), precision=precision, quiet=True,
-                batch=ROWS)
+                batch=ROWS, cache=cache)
         return _payloads(out)
 
     forward, backward, alone = run([0, 1, 2, 3, 4], "forward"), run([4, 3, 2, 1, 0], "backward"), run([3], "alone")
@@ -148,9 +172,10 @@ def test_matched_records_are_the_same_bits_in_any_order_subset_or_alone(tiny_dir
     assert {k: v for k, v in forward.items() if k.startswith("q003/")} == alone
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, items_file, tmp_path, precision,
-                                                                      capsys):
+                                                                      cache, capsys):
     """The answer printed and recorded before a batched run predicts it: records equal to --batch 1's exactly
     when the check found the batched step equal to the batch-1 step on this model (fp32 on MKL: they differ;
     bf16 on portable kernels: they do not; native bf16: either, by CPU)."""
@@ -165,7 +190,7 @@ def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, 
         release_models()
         out = tmp_path / f"b{rows}"
         matched(out, model=str(tiny_dir("qwen2")), data=str(data), boundary=After(6),
-                decode=DecodeConfig(max_new_tokens=12), precision=precision, quiet=True, batch=rows)
+                decode=DecodeConfig(max_new_tokens=12), precision=precision, quiet=True, batch=rows, cache=cache)
         manifest = json.loads((out / "manifest.json").read_text())
         return _payloads(out), manifest
 

@@ -74,8 +74,6 @@ MATCHED = [
     (["--attn-impl", "flash"], "unknown attention implementation 'flash'"),
     (["--kernels", "fast"], "unknown --kernels 'fast'"),
     (["--batch", "0"], "--batch must be at least 1"),
-    (["--batch", "4", "--cache", "static"], "--batch runs on dynamic caches only"),
-    (["--batch", "4", "--precision", "fp32-compute"], "--batch does not run fp32-compute"),
     (["--kernels", "portable", "--device", "cuda"], "--kernels portable holds x86-64 CPU kernels"),
     (["--max-new-tokens", "0"], "token limits must be at least 1"),
     (["--max-new-tokens", "-5"], "token limits must be at least 1"),

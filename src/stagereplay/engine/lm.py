@@ -162,7 +162,8 @@ class LM:
         batch-mates or slot here, and whether they equal batch 1's (engine.proof.prove_batched); say the answer
         in one line and record it. A row that depends on its mates is refused."""
         if self.batch_proof is None:
-            proof = prove_batched(self.model, self.config.batch, self.config.device, prompts or [[0]])
+            proof = prove_batched(self.model, self.config.batch, self.config.device, prompts or [[0]],
+                                  cache=self.config.cache)
             print(proof.line(), file=sys.stderr)
             if not proof.invariant:
                 raise StageReplayError(proof.line(), "run with --batch 1")

@@ -56,11 +56,6 @@ class ModelConfig:
             raise StageReplayError(f"--threads must be at least 1, got {self.threads}", "pass --threads 1 or more")
         if self.batch < 1:
             raise StageReplayError(f"--batch must be at least 1, got {self.batch}", "pass --batch 1 or more")
-        if self.batch > 1 and self.cache != "dynamic":
-            raise StageReplayError("--batch runs on dynamic caches only", "pass --cache dynamic, or --batch 1")
-        if self.batch > 1 and self.precision == "fp32-compute":
-            raise StageReplayError("--batch does not run fp32-compute (its hooks recast weights per forward)",
-                                   "pass --precision fp32, or --batch 1")
 
     def with_precision(self, precision: str) -> ModelConfig:
         return ModelConfig(**{**asdict(self), "precision": precision})

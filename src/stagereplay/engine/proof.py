@@ -156,10 +156,11 @@ class BatchProof:
                 f"audited at it")
 
 
-def prove_batched(model: Any, rows: int, device: str, prompts: Sequence[Sequence[int]], steps: int = 8
-                  ) -> BatchProof:
+def prove_batched(model: Any, rows: int, device: str, prompts: Sequence[Sequence[int]], steps: int = 8,
+                  cache: str = "dynamic") -> BatchProof:
     """Run up to three prompts' greedy steps at `rows` rows together (slots 0, 1, 2), each alone (in the last slot),
-    and at batch 1 eagerly, and compare every step's logits bit for bit."""
+    and at batch 1 eagerly, and compare every step's logits bit for bit, on caches of the run's kind (a static
+    one sized as generate() sizes it: prompt + steps positions, so its rows attend over their own lengths)."""
     import torch
 
     from stagereplay.engine.batch import BatchedStep
@@ -169,8 +170,11 @@ def prove_batched(model: Any, rows: int, device: str, prompts: Sequence[Sequence
     eager, batched = Stepper(model, device), BatchedStep(model, rows, device)
     prompts = [list(p) for p in prompts[: min(3, rows)]]
 
+    def fresh(k: int) -> Any:
+        return new_cache(model, cache, len(prompts[k]) + steps)
+
     def run(slots: dict[int, int]) -> dict[int, list[torch.Tensor]]:
-        caches = {k: new_cache(model) for k in slots}
+        caches = {k: fresh(k) for k in slots}
         logits = {k: eager.forward(prompts[k], caches[k], 0) for k in slots}
         out: dict[int, list[torch.Tensor]] = {k: [] for k in slots}
         for t in range(steps):
@@ -184,11 +188,11 @@ def prove_batched(model: Any, rows: int, device: str, prompts: Sequence[Sequence
         return out
 
     def single(k: int) -> list[torch.Tensor]:
-        cache = new_cache(model)
-        logits = eager.forward(prompts[k], cache, 0)
+        own = fresh(k)
+        logits = eager.forward(prompts[k], own, 0)
         out = []
         for t in range(steps):
-            logits = eager.forward([int(torch.argmax(logits.float()))], cache, len(prompts[k]) + t)
+            logits = eager.forward([int(torch.argmax(logits.float()))], own, len(prompts[k]) + t)
             out.append(logits)
         return out
 
