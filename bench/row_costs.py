@@ -1,0 +1,76 @@
+"""What one row of a batched step costs, operation by operation, on the kernels a run computes with: where the
+speed-up of `--batch C` can come from on a model's own shapes, and where it cannot.
+
+    python bench/row_costs.py [--model DIR] [--rows 1,4,16,64] [--keys 240] [--kernels auto|native|portable]
+
+For each precision (bf16, fp32) and row count C: a projection and the MLP's widest matmul (`linear` at
+[C, hidden] x [hidden, n] for the model's q, k, v, o, gate, up and down shapes, summed) and the per-row attention a
+batched step makes (the model's grouped-query SDPA at batch 1 over `--keys` positions, C times), in microseconds
+per row. A matmul whose cost per row falls with C is where batching saves work; one whose cost per row stays flat
+runs at the same rate per row at any C, and batching saves only the per-operation overhead around it. With no
+`--model` it reads the embedded toy's shapes and, under `--kernels auto`, runs on its portable kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _timed(fn, rounds: int = 200) -> float:  # type: ignore[no-untyped-def]
+    for _ in range(10):
+        fn()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        fn()
+    return (time.perf_counter() - start) / rounds * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a model folder (default: the embedded toy)")
+    p.add_argument("--rows", default="1,4,16,64")
+    p.add_argument("--keys", type=int, default=240, help="positions each row attends over")
+    p.add_argument("--kernels", default="auto")
+    a = p.parse_args()
+
+    from stagereplay.execution.kernels import choose, pin
+
+    pin(choose(a.kernels, toy=a.model is None, device="cpu"))
+    import torch
+    from torch.nn.functional import linear, scaled_dot_product_attention
+
+    from stagereplay.toy import toy_checkpoint
+
+    config = json.loads((Path(a.model or toy_checkpoint("primary")) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = config.get("head_dim") or hidden // heads
+    shapes = [(hidden, heads * dim), (hidden, kv_heads * dim), (hidden, kv_heads * dim), (heads * dim, hidden),
+              (hidden, inter), (hidden, inter), (inter, hidden)]
+    torch.set_num_threads(1)
+    print(f"{Path(a.model or 'toy').name}: hidden {hidden}, MLP {inter}, {heads} heads / {kv_heads} KV heads of {dim},"
+          f" {a.keys} keys; kernels {a.kernels}, 1 thread", file=sys.stderr)
+    print(f"{'precision':>9} {'C':>4} {'linears us/row':>15} {'attention us/row':>17}")
+    rows_list = [int(r) for r in a.rows.split(",")]
+    per_row: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            weights = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
+            q = torch.randn(1, heads, 1, dim, dtype=dtype)
+            k, v = (torch.randn(1, kv_heads, a.keys, dim, dtype=dtype) for _ in range(2))
+            attention = _timed(lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True))  # noqa: B023
+            for rows in rows_list:
+                xs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in weights]
+                linears = sum(_timed(lambda x=x, w=w: linear(x, w)) for x, w in zip(xs, weights, strict=True))
+                per_row.setdefault(name, []).append(linears / rows)
+                print(f"{name:>9} {rows:>4} {linears / rows:>15.1f} {attention:>17.1f}")
+    print(f"linears per row at C={rows_list[-1]} over C={rows_list[0]}: "
+          + ", ".join(f"{v[-1] / v[0]:.2f} ({k})" for k, v in per_row.items()))
+
+
+if __name__ == "__main__":
+    main()
