@@ -3,8 +3,8 @@ speed-up of `--batch C` can come from on a model's own shapes, and where it cann
 
     python bench/row_costs.py [--model DIR] [--rows 1,4,16,64] [--keys 240] [--kernels auto|native|portable]
 
-For each precision (bf16, fp32) and row count C: a projection and the MLP's widest matmul (`linear` at
-[C, hidden] x [hidden, n] for the model's q, k, v, o, gate, up and down shapes, summed) and the per-row attention a
+For each precision (bf16, fp32) and row count C: a decoder layer's seven matmuls (`linear` at C rows for the
+model's q, k, v, o, gate, up and down shapes, summed) and the per-row attention a
 batched step makes (the model's grouped-query SDPA at batch 1 over `--keys` positions, C times), in microseconds
 per row. A matmul whose cost per row falls with C is where batching saves work; one whose cost per row stays flat
 runs at the same rate per row at any C, and batching saves only the per-operation overhead around it. With no
@@ -17,10 +17,12 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
-def _timed(fn, rounds: int = 200) -> float:  # type: ignore[no-untyped-def]
+def _timed(fn: Callable[[], object], rounds: int = 200) -> float:
+    """Microseconds per call, after a warm-up."""
     for _ in range(10):
         fn()
     start = time.perf_counter()
