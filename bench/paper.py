@@ -225,7 +225,7 @@ def kernel_env(args: argparse.Namespace) -> dict[str, str]:
 def plan_seconds(run: Path, rates: dict[str, tuple[float, float]], workers: int) -> tuple[int, float]:
     """The run's forwards as it ran (`plan_run`, its audit sample included) and their time at `rates`, each
     stage spread over `workers` processes."""
-    from stagereplay.experiments.plan import plan_run
+    from stagereplay.experiments.plan_recorded import plan_run
     from stagereplay.experiments.rates import Rates
 
     stages = plan_run(run)

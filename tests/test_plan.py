@@ -17,7 +17,7 @@ from stagereplay.engine.boundary import After
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.forwards import construct_forwards
 from stagereplay.experiments import precision_2x2
-from stagereplay.experiments.plan import grid_lengths, lengths_of, plan_run
+from stagereplay.experiments.plan_recorded import grid_lengths, lengths_of, plan_run
 from stagereplay.records.ledger import items, read_ledger
 
 # DeepSeek-R1-Distill-Qwen-14B's shape, as its config.json states it (no weights, no tokenizer).

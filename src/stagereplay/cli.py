@@ -448,9 +448,9 @@ def plan(
     def go() -> None:
         import os
 
-        from stagereplay.experiments.plan import PlanConfig
         from stagereplay.experiments.plan import plan as make_plan
         from stagereplay.experiments.rates import Rates
+        from stagereplay.experiments.stage_plan import PlanConfig
         from stagereplay.experiments.transplant import parse_selection
 
         parse_selection(select)

@@ -51,12 +51,12 @@ MAX_GPU_BATCH = 32
 
 def gpu_batch(model: str | None, device: str, decode: DecodeConfig) -> int:
     """The most items whose caches fit beside the weights on `device`, at most `MAX_GPU_BATCH`: per item, the most
-    caches any stage holds (`plan.PEAK_CACHES`) in fp32 (the 2x2's fp32 stage is the largest) at the longest
+    caches any stage holds (`stage_plan.PEAK_CACHES`) in fp32 (the 2x2's fp32 stage is the largest) at the longest
     sequence the budgets allow, within 90% of the memory free before the fp32 weights load."""
     import torch
 
     from stagereplay.engine.limits import STAGE1_BUDGET
-    from stagereplay.experiments.plan import PEAK_CACHES, model_shape
+    from stagereplay.experiments.stage_plan import PEAK_CACHES, model_shape
 
     if model is None:
         from stagereplay.toy import toy_checkpoint

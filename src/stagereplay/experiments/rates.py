@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 
 class Priced(Protocol):
-    """What a rate prices: a stage's forwards, its prefill tokens and its units (`plan.StagePlan`)."""
+    """What a rate prices: a stage's forwards, its prefill tokens and its units (`stage_plan.StagePlan`)."""
 
     @property
     def precision(self) -> str: ...

@@ -1,0 +1,161 @@
+"""The work a recorded run did, from its ledger: every unit's forwards from its record's measured lengths (each
+experiment's own `forwards(...)`), and the audit's re-executions of the units it samples (`plan_run`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stagereplay.engine.forwards import Lengths
+from stagereplay.errors import StageReplayError
+from stagereplay.experiments.stage_plan import StagePlan, allocate, new_stage
+from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
+
+
+def lengths_of(payload: dict[str, Any]) -> Lengths:
+    """A record's measured lengths: prompt, stage 1, each arm's suffix (a no_boundary record: generated)."""
+    prompt = len(payload.get("prompt_ids") or [])
+    if payload.get("status") != "ok":
+        return Lengths(prompt, None, 0, generated=len(payload.get("generated_ids") or []))
+    arms = tuple((a["name"], len(a["suffix_ids"])) for a in payload.get("arms", []))
+    return Lengths(prompt, payload["boundary"] - prompt, 0, arms)
+
+
+def grid_lengths(payload: dict[str, Any]) -> Lengths:
+    """A 2x2 record's lengths, with the steps each arm it carried over from matched was decoded again for its
+    diagnostics (`precision_2x2.diagnostic_steps`: against every other arm's suffix, as `grid_item` runs it)."""
+    from stagereplay.experiments.precision_2x2 import diagnostic_steps
+
+    n = lengths_of(payload)
+    arms = payload.get("arms", [])
+    looks = tuple((str(a["construction"]), diagnostic_steps(a["suffix_ids"], [tuple(o["suffix_ids"]) for o in arms
+                                                                             if o is not a]))
+                  for a in arms if a.get("same_as"))
+    return Lengths(n.prompt, n.stage1, 0, n.arms, looks=looks)
+
+
+def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = True) -> list[StagePlan]:
+    """The stages of a run as it ran: every unit's forwards from its record's measured lengths; then its audit,
+    re-executing the units the audit picks (`audit.sample_units`: the run's own sample, from its audit.json,
+    unless `audit_sample` is given; 0 or none recorded: every unit)."""
+    from stagereplay.experiments.audit import AuditConfig, sample_units
+
+    manifest = read_manifest(run_dir)
+    stages_cfg = manifest.get("stages", {})
+    plans: dict[str, StagePlan] = {}
+    units: dict[str, list[Record]] = {}  # per stage, as the audit groups them, in ledger order
+    made: dict[int, tuple[str, list[int], int]] = {}  # record seq -> (row, forwards, longest sequence)
+    prompts: list[int] = []
+    for r in items(read_ledger(run_dir)):
+        prompts.append(len(r.payload.get("prompt_ids") or []))
+        name = f"{r.experiment}/{r.checkpoint}"
+        stage = stages_cfg.get(name)
+        if stage is None:
+            continue  # not a declared stage: the audit re-executes none of it, and verify names it
+        counted = unit_forwards(r, stage)
+        if counted is None:
+            continue
+        row, fw, longest = counted
+        precision = r.part or stage["model"]["precision"]
+        plan = plans.setdefault(row, new_stage(row, precision, stage.get("constructions", ())))
+        plan.add(fw, longest)
+        units.setdefault(name, []).append(r)
+        made[r.seq] = counted
+    out = list(plans.values())
+    config = manifest["config"]
+    if run_cache(manifest) == "static":  # every cache is allocated whole: priced at the longest allocation
+        from stagereplay.engine.limits import model_context
+        from stagereplay.engine.model import load_checked_config
+
+        decode = config["settings"]["decode"]
+        allocate(out, prompts, decode.get("max_stage1_tokens"), decode["max_new_tokens"],
+                 model_context(load_checked_config(Path(config["model"]["path"]))))
+    if not audited:
+        return out
+    if audit_sample is None:
+        recorded: dict[str, Any] = {}
+        if (run_dir / "audit.json").exists():
+            recorded = json.loads((run_dir / "audit.json").read_text()).get("sample") or {}
+        audit_sample, seed = recorded.get("per_stage"), recorded.get("seed", 0)
+    else:
+        seed = 0
+    chosen = sample_units(units, AuditConfig(audit_sample or None, seed))
+    audits: dict[str, StagePlan] = {}
+    for r in (r for rs in chosen.values() for r in rs):
+        row, fw, longest = made[r.seq]
+        st = plans[row]
+        audit = audits.setdefault(st.precision, StagePlan(f"audit@{st.precision}", st.precision))
+        audit.add(fw, longest)
+        audit.caches = max(audit.caches, st.caches)
+    return out + list(audits.values())
+
+
+def run_cache(manifest: dict[str, Any]) -> str:
+    """The cache kind a run ran on (a run from before `--cache` ran on a dynamic cache)."""
+    return str(manifest["config"]["model"].get("cache", "dynamic"))
+
+
+def unit_forwards(r: Record, stage: dict[str, Any]) -> tuple[str, list[int], int] | None:
+    """(its plan row, the forwards its item function made, its longest sequence) for one item record, from its
+    measured lengths; None for a unit whose lengths are not recorded (a transplant whose prefix was not
+    reproduced)."""
+    from stagereplay.experiments import bridge, matched, precision_2x2, resample, transplant
+    from stagereplay.experiments.transplant import TransplantConfig
+
+    name, p, n = f"{r.experiment}/{r.checkpoint}", r.payload, lengths_of(r.payload)
+    if r.experiment == "matched":
+        fw = matched.forwards(n, stage["construction"])
+    elif r.experiment == "bridge":
+        fw = bridge.forwards(n)
+    elif r.experiment == "transplant":
+        if p.get("status") != "ok":
+            return None
+        suffix = stage["settings"]["decode"]["max_new_tokens"]  # sweep continuations are not recorded
+        carried = tuple((a["name"], 0) for a in p.get("arms", []) if a.get("same_as"))  # own suffixes not decoded
+        fw = transplant.forwards(Lengths(n.prompt, n.stage1, suffix, n.arms, looks=carried),
+                                 TransplantConfig(**stage["config"]), _layers(stage))
+    elif r.experiment == "precision_2x2":
+        fw = precision_2x2.forwards(grid_lengths(p), tuple(stage["constructions"]), r.part)
+        name = f"{name}@{r.part}"
+    elif r.experiment == "resample":
+        if p.get("status") != "ok":
+            return None  # live generation no longer reached the prefix: how far it went is not recorded
+        source = dict(resample.job_extra(stage, r.part, None))["live_source"]
+        fw = resample.forwards(n, stage["config"]["k"], stage["config"]["construction"], source)
+        name = f"{name}@{r.part}"
+    else:
+        raise StageReplayError(f"plan does not count {r.experiment} stages yet", "plan a run without them")
+    if p.get("status") == "ok" and r.experiment in ("matched", "bridge", "precision_2x2"):
+        fw = fw + replay_forwards(p)
+    return name, fw, n.prefix + max((length for _, length in n.arms), default=n.generated)
+
+
+def replay_forwards(p: dict[str, Any]) -> list[int]:
+    """The single-token forwards the diagnostics make replaying an arm to its pair's first divergent step d
+    (experiments.diagnose, engine.steps.replay_logits): d + 1 for each (arm, d) with d >= 1 inside both arms'
+    steps, for the arm of the pair that ran first (the other watched its suffix and kept its own logits there).
+    Arms run in the record's order, except the arms carried over from matched (`same_as`), which run last,
+    decode only as far as their diagnostics read and watch every other arm's suffix (never replayed)."""
+    arms = p.get("arms", [])
+    carried = {a["name"] for a in arms if "same_as" in a}
+    order = [a["name"] for a in arms if a["name"] not in carried] + [a["name"] for a in arms if a["name"] in carried]
+    steps = {a["name"]: len(a.get("suffix_ids") or []) for a in arms}
+    out: list[int] = []
+    seen: set[tuple[str, int]] = set()
+    for c in p.get("comparisons", []):
+        a, b, d = c.get("a"), c.get("b"), c.get("first_divergence")
+        if a not in steps or b not in steps or not d or d >= steps[a] or d >= steps[b]:
+            continue
+        first = a if order.index(a) < order.index(b) else b
+        if first not in carried and (first, d) not in seen:
+            seen.add((first, d))
+            out += [1] * (d + 1)
+    return out
+
+
+def _layers(stage: dict[str, Any]) -> int:
+    from stagereplay.engine.model import load_checked_config
+
+    return int(load_checked_config(Path(stage["model"]["path"])).get_text_config().num_hidden_layers)

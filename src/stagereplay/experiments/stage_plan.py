@@ -1,0 +1,182 @@
+"""What a plan is made of: a model's shape (what sizes its caches and weights), the cost-relevant options of
+`paper` (`PlanConfig`), and one stage's work (`StagePlan`: its units, the token count of each forward they make,
+the most caches alive at once and the longest sequence they hold). `experiments.plan` fills them before a run,
+`experiments.plan_recorded` from a run's ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stagereplay.engine.limits import static_cache_len
+from stagereplay.engine.model import check_cache
+from stagereplay.errors import StageReplayError
+
+PEAK_CACHES = {"matched": 4, "bridge": 3, "precision_2x2": 3, "transplant": 4, "resample": 4}
+"""The most boundary/continuation caches an item holds at once (each item function's docstring says which)."""
+
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 4}  # a cache element at each precision
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 2}  # fp32-compute keeps 16-bit weights
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What sizes caches and weights: layers, KV heads x head dim, parameters, context."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    params: int
+    context: int
+
+    def cache_bytes(self, positions: int, precision: str) -> int:
+        """K and V of every layer over `positions` positions: 2 x layers x kv_heads x head_dim x bytes each."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * BYTES[precision] * positions
+
+    def weight_bytes(self, precision: str) -> int:
+        return self.params * WEIGHT_BYTES[precision]
+
+
+def model_shape(path: str | Path) -> Shape:
+    """The shape from config.json (no weights loaded); parameters from the safetensors headers when the
+    directory has weights, else from the config (a Qwen2/Llama-style decoder: embeddings, attention with
+    q/k/v biases when the config says so, a gated MLP, norms, an untied head unless tied)."""
+    from stagereplay.engine.limits import model_context
+    from stagereplay.engine.model import load_checked_config
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise StageReplayError(f"no config.json in {p}", "pass --model a directory holding the model's config.json")
+    config = load_checked_config(p)
+    c = config.get_text_config()
+    heads = int(c.num_attention_heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    params = _safetensors_params(p) or _config_params(c, heads, kv, head_dim)
+    return Shape(int(c.num_hidden_layers), kv, head_dim, params, model_context(config))
+
+
+def _safetensors_params(path: Path) -> int:
+    """Elements of every tensor in the directory's safetensors files, read from their headers only."""
+    total = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def _config_params(c: Any, heads: int, kv: int, head_dim: int) -> int:
+    h, inter, vocab = int(c.hidden_size), int(c.intermediate_size), int(c.vocab_size)
+    q, k = heads * head_dim, kv * head_dim
+    bias = (q + 2 * k) if getattr(c, "attention_bias", c.model_type == "qwen2") else 0
+    layer = h * q + 2 * h * k + q * h + bias + 3 * h * inter + 2 * h
+    head = 0 if getattr(c, "tie_word_embeddings", False) else vocab * h
+    return vocab * h + int(c.num_hidden_layers) * layer + h + head
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The cost-relevant options of `paper`, and the lengths a plan assumes before a run."""
+
+    n: int = field(default=200, metadata={"help": "items"})
+    suffix_tokens: int = field(default=128, metadata={"help": "every suffix's length (default --max-new-tokens)"})
+    stage1_tokens: int | None = field(default=None, metadata={"help": "stage-1 length (default: the budget)"})
+    prompt_tokens: int | None = field(default=None, metadata={"help": "prompt length when the items are unknown"})
+    divergent: int | None = field(default=None, metadata={"help": "items whose suffixes diverge (default: all)"})
+    bridge_rows: int = 12
+    select: str = "first:24"
+    sweep: bool = False
+    later: bool = True
+    constructions: tuple[str, ...] = ("incremental", "oneshot")
+    precisions: tuple[str, ...] = ("bf16", "fp32")
+    audit_sample: int | None = field(default=None, metadata={"help": "units per stage the audit re-executes "
+                                                                      "(None or 0: every unit)"})
+    dedup: bool = field(default=True, metadata={"help": "the 2x2 and the transplants carry the matched arms over "
+                                                        "(False: they decode them again)"})
+    workers: int = 1
+    resample: int = field(default=0, metadata={"help": "K sampled draws per state (0: no resample stage)"})
+    resample_items: int = field(default=50, metadata={"help": "items the resample stage draws on"})
+    cache: str = field(default="dynamic", metadata={"help": "dynamic | static: how caches are sized"})
+    max_new_tokens: int | None = field(default=None, metadata={
+        "help": "the suffix budget a static cache is allocated for (at least suffix_tokens)"})
+    batch: int = field(default=1, metadata={"help": "rows of a batched step (`paper --batch C`)"})
+
+    def __post_init__(self) -> None:
+        for name in ("n", "suffix_tokens", "stage1_tokens", "prompt_tokens", "bridge_rows", "workers",
+                     "resample_items", "batch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise StageReplayError(f"--{name.replace('_', '-')} must be at least 1, got {value}",
+                                       f"pass a positive --{name.replace('_', '-')}")
+        if self.audit_sample is not None and self.audit_sample < 0:
+            raise StageReplayError(f"--audit-sample must be 0 or more, got {self.audit_sample}",
+                                   "pass e.g. --audit-sample 20")
+        if self.resample < 0:
+            raise StageReplayError(f"--resample must be 0 or more, got {self.resample}", "pass e.g. --resample 32")
+        check_cache(self.cache)
+        if self.divergent is not None and not 0 <= self.divergent <= self.n:
+            raise StageReplayError(f"--divergent must lie in 0..--n ({self.n}), got {self.divergent}",
+                                   "pass the number of items expected to diverge")
+
+
+@dataclass
+class StagePlan:
+    """One stage's work: units and the token count of each forward they make (a multiset)."""
+
+    name: str
+    precision: str
+    units: int = 0
+    sizes: Counter[int] = field(default_factory=Counter)  # tokens per forward -> forwards
+    positions: int = 0  # the longest sequence a cache of this stage holds
+    caches: int = 0
+    rows: int = 1  # items stepping together (`--batch`): single-token steps share forwards of this many rows
+
+    def add(self, forwards: Iterable[int], positions: int) -> None:
+        self.units += 1
+        self.sizes.update(forwards)
+        self.positions = max(self.positions, positions)
+
+    @property
+    def forwards(self) -> int:
+        """Forwards made: each prefill alone, the single-token steps `rows` to a forward (rows kept full)."""
+        return sum(v for k, v in self.sizes.items() if k > 1) + self.batched_steps
+
+    @property
+    def batched_steps(self) -> int:
+        """Forwards of the single-token steps: one per step at batch 1, one per `rows` steps batched."""
+        return -(-self.steps // self.rows)
+
+    @property
+    def steps(self) -> int:
+        """Single-token steps, one per item and position (a batched forward makes `rows` of them)."""
+        return self.sizes.get(1, 0)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(k * v for k, v in self.sizes.items() if k > 1)
+
+
+def experiment_of(name: str) -> str:
+    return name.split("/")[0]
+
+
+def new_stage(name: str, precision: str, constructions: Sequence[str] = ()) -> StagePlan:
+    caches = len(constructions) + 1 if experiment_of(name) == "precision_2x2" else PEAK_CACHES[experiment_of(name)]
+    return StagePlan(name, precision, caches=caches)
+
+
+def allocate(stages: list[StagePlan], prompts: Iterable[int], max_stage1: int | None, max_new: int,
+             context: int) -> None:
+    """Size every stage's caches at the longest static allocation of items with these prompt lengths
+    (`engine.limits.static_cache_len`, as `LM.cache_len` allocates them)."""
+    positions = max((static_cache_len(p, max_stage1, max_new, context) for p in prompts), default=0)
+    for st in stages:
+        st.positions = positions
