@@ -392,3 +392,23 @@ def test_paper_command_and_plan_share_the_audit_sample_default():
 
     assert inspect.signature(cli.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
     assert inspect.signature(paper.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
+
+
+def test_paper_on_a_gpu_batches_as_many_items_as_their_caches_fit_beside_the_weights(monkeypatch):
+    """The default C on a GPU: items whose peak caches (4 per item, fp32, at the longest sequence the context
+    allows) fit in 90% of the free memory left after the fp32 weights; at least 1, at most MAX_GPU_BATCH."""
+    import torch
+
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.experiments.paper import MAX_GPU_BATCH, gpu_batch
+    from stagereplay.experiments.stage_plan import model_shape
+    from stagereplay.toy import toy_checkpoint
+
+    config = json.loads((toy_checkpoint("primary") / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    # The toy's context (512) is shorter than stage-1 budget + suffix: every cache is priced at 512 positions.
+    per_item = 4 * 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4 * 512
+    weights = model_shape(toy_checkpoint("primary")).weight_bytes("fp32")
+    for free, expected in [((weights + 3.5 * per_item) / 0.9, 3), (weights / 2, 1), (1e15, MAX_GPU_BATCH)]:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (int(free), int(free)))
+        assert gpu_batch(None, "cuda", DecodeConfig(max_new_tokens=128)) == expected
