@@ -7,8 +7,10 @@ For each precision (bf16, fp32) and row count C: a decoder layer's seven matmuls
 model's q, k, v, o, gate, up and down shapes, summed) and the per-row attention a
 batched step makes (the model's grouped-query SDPA at batch 1 over `--keys` positions, C times), in microseconds
 per row. A matmul whose cost per row falls with C is where batching saves work; one whose cost per row stays flat
-runs at the same rate per row at any C, and batching saves only the per-operation overhead around it. With no
-`--model` it reads the embedded toy's shapes and, under `--kernels auto`, runs on its portable kernels.
+runs at the same rate per row at any C, and batching saves only the per-operation overhead around it. Beside them,
+the same attention for C rows of one length in one call (batch C, no padding): the most any grouping of rows could
+save on attention, and whether a row's output there is batch 1's bits (`same`). With no `--model` it reads the
+embedded toy's shapes and, under `--kernels auto`, runs on its portable kernels.
 """
 
 from __future__ import annotations
@@ -56,22 +58,34 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"{Path(a.model or 'toy').name}: hidden {hidden}, MLP {inter}, {heads} heads / {kv_heads} KV heads of {dim},"
           f" {a.keys} keys; kernels {a.kernels}, 1 thread", file=sys.stderr)
-    print(f"{'precision':>9} {'C':>4} {'linears us/row':>15} {'attention us/row':>17}")
+    print(f"{'precision':>9} {'C':>4} {'linears us/row':>15} {'attention us/row':>17} {'in one call us/row':>19}"
+          f" {'same':>5}")
     rows_list = [int(r) for r in a.rows.split(",")]
     per_row: dict[str, list[float]] = {}
+    grouped: dict[str, list[float]] = {}  # attention per row in one call over one call per row
     with torch.inference_mode():
         for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             weights = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
             q = torch.randn(1, heads, 1, dim, dtype=dtype)
             k, v = (torch.randn(1, kv_heads, a.keys, dim, dtype=dtype) for _ in range(2))
             attention = _timed(lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True))  # noqa: B023
+            alone = scaled_dot_product_attention(q, k, v, enable_gqa=True)
             for rows in rows_list:
                 xs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in weights]
                 linears = sum(_timed(lambda x=x, w=w: linear(x, w)) for x, w in zip(xs, weights, strict=True))
                 per_row.setdefault(name, []).append(linears / rows)
-                print(f"{name:>9} {rows:>4} {linears / rows:>15.1f} {attention:>17.1f}")
+                # Row 0 is the batch-1 row; the others are other rows of the same length.
+                qs = torch.cat([q, torch.randn(rows - 1, heads, 1, dim, dtype=dtype)])
+                ks, vs = (torch.cat([t, torch.randn(rows - 1, kv_heads, a.keys, dim, dtype=dtype)]) for t in (k, v))
+                together = _timed(lambda qs=qs, ks=ks, vs=vs: scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))
+                same = torch.equal(scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)[:1], alone)
+                grouped.setdefault(name, []).append(together / rows / attention)
+                print(f"{name:>9} {rows:>4} {linears / rows:>15.1f} {attention:>17.1f} {together / rows:>19.1f}"
+                      f" {'yes' if same else 'no':>5}")
     print(f"linears per row at C={rows_list[-1]} over C={rows_list[0]}: "
-          + ", ".join(f"{v[-1] / v[0]:.2f} ({k})" for k, v in per_row.items()))
+          + ", ".join(f"{v[-1] / v[0]:.2f} ({k})" for k, v in per_row.items())
+          + f"; attention in one call over one per row at C={rows_list[-1]}: "
+          + ", ".join(f"{v[-1]:.2f} ({k})" for k, v in grouped.items()))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ TINY: dict[str, tuple[list[str], str]] = {
     # Its data step only: the others need llama-cpp-python, which the llamacpp-marked tests run (tests/test_llamacpp.py).
     "llamacpp.py": (["data", "{tmp}/items.jsonl", "--n", "3"], r"^/.*/items\.jsonl$"),
     "row_costs.py": (["--rows", "1,2", "--keys", "8"],
-                     rf"^linears per row at C=2 over C=1: {NUMBER} \(bf16\), {NUMBER} \(fp32\)$"),
+                     rf"^linears per row at C=2 over C=1: {NUMBER} \(bf16\), {NUMBER} \(fp32\); attention in one call"
+                     rf" over one per row at C=2: {NUMBER} \(bf16\), {NUMBER} \(fp32\)$"),
     "long_trace.py": (["--items", "1", "--stage1", "16", "--suffix", "8"],
                       rf"^overhead -?{NUMBER}% of forward time, peak RSS \d+ MiB$"),
     "long_trace.py --cache static": (["--items", "1", "--stage1", "16", "--suffix", "8", "--cache", "static"],
