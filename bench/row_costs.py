@@ -9,8 +9,12 @@ batched step makes (the model's grouped-query SDPA at batch 1 over `--keys` posi
 per row. A matmul whose cost per row falls with C is where batching saves work; one whose cost per row stays flat
 runs at the same rate per row at any C, and batching saves only the per-operation overhead around it. Beside them,
 the same attention for C rows of one length in one call (batch C, no padding): the most any grouping of rows could
-save on attention, and whether a row's output there is batch 1's bits (`same`). With no `--model` it reads the
-embedded toy's shapes and, under `--kernels auto`, runs on its portable kernels.
+save on attention, and whether a row's output there is batch 1's bits (`same`). Under the table, for a model with
+grouped K/V heads: a row's attention with its query heads packed per K/V head (transformers' `pack_gqa`, one query
+row per head of a group), its cost, and in how many of `DRAWS` random inputs at each length 1..`--keys` its bits
+differ from the grouped-query call's: a summation order of its own shows in a few draws only, as bf16 rounding
+hides most of it, so one draw per length would not tell. With no `--model` it reads the embedded toy's shapes and, under
+`--kernels auto`, runs on its portable kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+DRAWS = 8
+"""Random inputs at each length for the packed-heads comparison."""
 
 
 def _timed(fn: Callable[[], object], rounds: int = 200) -> float:
@@ -63,6 +70,7 @@ def main() -> None:
     rows_list = [int(r) for r in a.rows.split(",")]
     per_row: dict[str, list[float]] = {}
     grouped: dict[str, list[float]] = {}  # attention per row in one call over one call per row
+    packed: list[str] = []
     with torch.inference_mode():
         for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             weights = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
@@ -82,6 +90,20 @@ def main() -> None:
                 grouped.setdefault(name, []).append(together / rows / attention)
                 print(f"{name:>9} {rows:>4} {linears / rows:>15.1f} {attention:>17.1f} {together / rows:>19.1f}"
                       f" {'yes' if same else 'no':>5}")
+            if heads > kv_heads:
+                qp = q.view(1, kv_heads, heads // kv_heads, dim)
+                cost = _timed(lambda qp=qp, k=k, v=v: scaled_dot_product_attention(qp, k, v))
+                differ = 0
+                for n in range(1, a.keys + 1):
+                    for _ in range(DRAWS):
+                        qn = torch.randn(1, heads, 1, dim, dtype=dtype)
+                        kn, vn = (torch.randn(1, kv_heads, n, dim, dtype=dtype) for _ in range(2))
+                        grouped_call = scaled_dot_product_attention(qn, kn, vn, enable_gqa=True)
+                        packed_call = scaled_dot_product_attention(qn.view(1, kv_heads, -1, dim), kn, vn)
+                        differ += not torch.equal(packed_call.reshape(1, heads, 1, dim), grouped_call)
+                packed.append(f"{name} query heads packed: {cost:.1f} us a row against {attention:.1f}; bits differ in"
+                              f" {differ} of {DRAWS * a.keys} draws")
+    print("\n".join(packed))
     print(f"linears per row at C={rows_list[-1]} over C={rows_list[0]}: "
           + ", ".join(f"{v[-1] / v[0]:.2f} ({k})" for k, v in per_row.items())
           + f"; attention in one call over one per row at C={rows_list[-1]}: "
