@@ -13,8 +13,8 @@ save on attention, and whether a row's output there is batch 1's bits (`same`). 
 grouped K/V heads: a row's attention with its query heads packed per K/V head (transformers' `pack_gqa`, one query
 row per head of a group), its cost, and in how many of `DRAWS` random inputs at each length 1..`--keys` its bits
 differ from the grouped-query call's: a summation order of its own shows in a few draws only, as bf16 rounding
-hides most of it, so one draw per length would not tell. With no `--model` it reads the embedded toy's shapes and, under
-`--kernels auto`, runs on its portable kernels.
+hides most of it, so one draw per length would not tell. With no `--model` it reads the embedded toy's shapes and,
+under `--kernels auto`, runs on its portable kernels.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
           f" {'same':>5}")
     rows_list = [int(r) for r in a.rows.split(",")]
     per_row: dict[str, list[float]] = {}
-    grouped: dict[str, list[float]] = {}  # attention per row in one call over one call per row
+    one_call: dict[str, list[float]] = {}  # attention per row in one call over one call per row
     packed: list[str] = []
     with torch.inference_mode():
         for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
@@ -87,7 +87,7 @@ def main() -> None:
                 ks, vs = (torch.cat([t, torch.randn(rows - 1, kv_heads, a.keys, dim, dtype=dtype)]) for t in (k, v))
                 together = _timed(lambda qs=qs, ks=ks, vs=vs: scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))
                 same = torch.equal(scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)[:1], alone)
-                grouped.setdefault(name, []).append(together / rows / attention)
+                one_call.setdefault(name, []).append(together / rows / attention)
                 print(f"{name:>9} {rows:>4} {linears / rows:>15.1f} {attention:>17.1f} {together / rows:>19.1f}"
                       f" {'yes' if same else 'no':>5}")
             if heads > kv_heads:
@@ -103,11 +103,12 @@ def main() -> None:
                         differ += not torch.equal(packed_call.reshape(1, heads, 1, dim), grouped_call)
                 packed.append(f"{name} query heads packed: {cost:.1f} us a row against {attention:.1f}; bits differ in"
                               f" {differ} of {DRAWS * a.keys} draws")
-    print("\n".join(packed))
+    if packed:
+        print("\n".join(packed))
     print(f"linears per row at C={rows_list[-1]} over C={rows_list[0]}: "
           + ", ".join(f"{v[-1] / v[0]:.2f} ({k})" for k, v in per_row.items())
           + f"; attention in one call over one per row at C={rows_list[-1]}: "
-          + ", ".join(f"{v[-1]:.2f} ({k})" for k, v in grouped.items()))
+          + ", ".join(f"{v[-1]:.2f} ({k})" for k, v in one_call.items()))
 
 
 if __name__ == "__main__":
