@@ -387,10 +387,10 @@ def test_paper_command_and_plan_share_the_audit_sample_default():
     """`paper`'s --audit-sample default is the library's, which `plan` counts by default."""
     import inspect
 
-    from stagereplay import cli
+    from stagereplay.cli import experiments
     from stagereplay.experiments import paper
 
-    assert inspect.signature(cli.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
+    assert inspect.signature(experiments.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
     assert inspect.signature(paper.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
 
 

@@ -1,0 +1,94 @@
+"""The options that several commands share, and the library values they build (typer reads the annotations)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+# Options shared by commands that load a model.
+Model = Annotated[str | None, typer.Option("--model", help=(
+    "local model directory, or a .gguf file (default: the embedded toy)"))]
+Data = Annotated[str | None, typer.Option("--data", help=(
+    "items: a JSONL, JSON, CSV or Parquet file, a datasets.save_to_disk folder, or hf:NAME[:CONFIG][:SPLIT] "
+    "(default: the toy task's held-out items)"))]
+Columns = Annotated[str | None, typer.Option("--columns", help=(
+    "map the data's fields: TARGET=COLUMN,... with TARGET prompt, messages, user (a one-message chat), answer or "
+    "id (GSM8K and MATH-style problem/answer/unique_id rows need none)"))]
+N = Annotated[int | None, typer.Option("--n", help="run the first N items")]
+Out = Annotated[Path, typer.Option("--out", help="run directory (created, or resumed)")]
+Precision = Annotated[str, typer.Option("--precision", help="bf16 | fp16 | fp32 | fp32-compute")]
+Device = Annotated[str, typer.Option("--device", help="cpu | cuda | cuda:<i>")]
+Threads = Annotated[int, typer.Option("--threads", help="torch threads per process (fixed, recorded)")]
+AttnImpl = Annotated[str, typer.Option("--attn-impl", help="auto (what transformers picks for the model: sdpa where "
+                                                            "it has it, else eager; recorded) | eager | sdpa")]
+Cache = Annotated[str, typer.Option("--cache", help=(
+    "dynamic (the default: grows per step, equals generate()) | static (preallocated, equals "
+    "generate(cache_implementation='static'); CUDA-graph captured on a GPU)"))]
+Marker = Annotated[str | None, typer.Option("--boundary-marker", help=(
+    "stage 1 ends at the first token whose text completes this (default for a reasoning model: </think>)"))]
+Regex = Annotated[str | None, typer.Option("--boundary-regex", help=(
+    "stage 1 ends when its text matches (searched in the last 1024 characters and the new token's text)"))]
+After = Annotated[int | None, typer.Option("--boundary-after", help="stage 1 is the first N generated tokens")]
+Scorer = Annotated[str | None, typer.Option("--scorer", help=(
+    "last-number | exact | math (LaTeX answers: the last \\boxed{}, through math-verify) | regex:PATTERN"))]
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="suffix length limit")]
+MaxStage1 = Annotated[int | None, typer.Option("--max-stage1-tokens", help=(
+    "tokens allowed to reach the boundary (default: 8192 or what the context leaves)"))]
+Sample = Annotated[bool, typer.Option("--sample/--greedy", help="seeded sampling instead of greedy")]
+Temperature = Annotated[float, typer.Option("--temperature")]
+TopK = Annotated[int, typer.Option("--top-k", help="sample from the top k tokens only (0 = all)")]
+TopP = Annotated[float, typer.Option("--top-p", help="sample from the smallest set of this mass (1 = all)")]
+Seed = Annotated[int, typer.Option("--seed", help="base seed for sampling")]
+Workers = Annotated[int, typer.Option("--workers", help="local worker processes")]
+Executor = Annotated[str, typer.Option("--executor", help="local | ray")]
+Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables")]
+Batch = Annotated[int, typer.Option("--batch", help=(
+    "items stepping together: up to C items' decode steps share one forward of C rows, each row batch-invariant "
+    "(its attention per item; recorded, and later stages and the audit follow it); 1 = one item at a time"))]
+Kernels = Annotated[str, typer.Option("--kernels", help=(
+    "CPU kernels: native (this machine's own) | portable (ATen and oneDNN on AVX2, MKL on its branch for every "
+    "vendor: the same bits on every x86-64 CPU with AVX2) | auto (portable for the embedded toy on a CPU, else native)"))]
+
+# Options of `paper` and of `plan`, which prices what `paper` would run.
+LaterModel = Annotated[str | None, typer.Option("--later-model", help="second checkpoint")]
+Items = Annotated[int, typer.Option("--n")]
+Select = Annotated[str, typer.Option("--select", help="transplant selection at the primary checkpoint")]
+BridgeRows = Annotated[int, typer.Option("--rows", help="bridge rows")]
+Sweep = Annotated[bool, typer.Option("--sweep/--no-sweep", help="layer sweep at the primary checkpoint")]
+Resample = Annotated[int, typer.Option("--resample", help="K sampled draws per state (0: no resample stage)")]
+ResampleItems = Annotated[int, typer.Option("--resample-items", help="items the resample stage draws on")]
+Processes = Annotated[int, typer.Option("--workers", help="processes; 0 = one per core on CPU (at most 2)")]
+
+
+def decode_config(max_new: int, max_stage1: int | None, sample: bool, temperature: float, top_k: int, seed: int,
+            top_p: float = 1.0) -> Any:
+    from stagereplay.engine.decode import DecodeConfig
+
+    return DecodeConfig(max_new, max_stage1, sample, temperature, top_k, seed, top_p)
+
+
+
+def engine_options(engine: str, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool) -> dict[str, Any]:
+    """llama.cpp's own settings (engine.serving.EngineConfig), given only for it."""
+    options = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "flash_attn": flash_attn}
+    return options if engine == "llama.cpp" else {}
+
+
+RunDir = Annotated[Path, typer.Argument(help="a run directory made by `stagereplay matched` or `paper`")]
+Checkpoint = Annotated[str, typer.Option("--checkpoint", help="which model of the run")]
+# Inputs that moved since the run was made: each is checked against the run's hashes before anything runs.
+MovedModel = Annotated[str | None, typer.Option("--model", help=(
+    "where the run's primary model is now, if it moved (checked against the run's hashes)"))]
+MovedLater = Annotated[str | None, typer.Option("--later-model", help=(
+    "where the run's later model is now, if it moved (checked against the run's hashes)"))]
+MovedData = Annotated[str | None, typer.Option("--data", help=(
+    "where the run's data file is now, if it moved (checked against the run's dataset hash)"))]
+
+
+def relocation(model: str | None, later_model: str | None, data: str | None = None) -> Any:
+    from stagereplay.experiments.relocate import Relocation
+
+    return Relocation(model, later_model, data)
+

@@ -1,0 +1,147 @@
+"""Commands on a run directory: re-execute it, render its report, tell one item's story, export and merge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from stagereplay.cli.app import app, guarded
+from stagereplay.cli.options import (
+    Executor,
+    MovedData,
+    MovedLater,
+    MovedModel,
+    Quiet,
+    RunDir,
+    Workers,
+    relocation,
+)
+from stagereplay.errors import StageReplayError
+
+
+@app.command()
+def audit(
+    run_dir: RunDir,
+    verify_only: Annotated[bool, typer.Option("--verify-only", help="check the ledger's integrity only")] = False,
+    sample: Annotated[int | None, typer.Option("--sample", help=(
+        "re-execute a seeded sample of N units per stage (every record is still verified)"))] = None,
+    seed: Annotated[int, typer.Option("--seed", help="seed of the --sample")] = 0,
+    model: MovedModel = None,
+    later_model: MovedLater = None,
+    data: MovedData = None,
+    workers: Workers = 1,
+    executor: Executor = "local",
+    quiet: Quiet = False,
+) -> None:
+    """Re-execute a run from its manifest and ledger. Exit 0: every record reproduced; 1: an integrity finding
+    (tampering or a broken run, whatever the machine); 3: integrity holds, but units were not reproduced
+    under this machine's other kernels (the first line names the fields that differ)."""
+
+    def go() -> None:
+        from stagereplay.experiments.audit import AuditConfig, exit_code
+        from stagereplay.report.audit_lines import finding_lines, verdict_line
+        from stagereplay.runs import audit as run
+
+        res = run(run_dir, verify_only, workers, executor, quiet, AuditConfig(sample, seed),
+                  relocation(model, later_model, data))
+        for moved in res.get("relocated", []):
+            typer.echo(f"note: {moved['input']} found at {moved['here']} ({moved['how']}), recorded at "
+                       f"{moved['recorded']}", err=True)
+        for note in res.get("notes", []):
+            typer.echo(f"note: {note}", err=True)
+        for b in res.get("broken_records", []):
+            typer.echo(f"  ledger record {b['seq']}: {b['reason']}", err=True)
+        for line in finding_lines(res):
+            typer.echo(line, err=True)
+        if res.get("verify_only"):
+            typer.echo("ledger intact, bound and complete" if res["reproduced"] else "ledger damaged" if not
+                       res["chain_ok"] else "ledger intact, but its claims or completeness fail")
+        else:
+            t, c = res["trajectories"], res["comparisons"]
+            sampled = res.get("sample")
+            of = f" (a sample of {sampled['re_executed']} of {sampled['of']} records, seed {sampled['seed']})" \
+                if sampled else ""
+            typer.echo(f"trajectories reproduced {t['k']}/{t['n']}, comparisons reproduced {c['k']}/{c['n']}{of}")
+            typer.echo(verdict_line(res))
+        code = exit_code(res)
+        if code:
+            raise typer.Exit(code)
+
+    guarded(go)
+
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
+    """Rewrite report.md and report.html from results.json."""
+
+    def go() -> None:
+        from stagereplay.report.render import write_report
+
+        if not (run_dir / "results.json").exists():
+            raise StageReplayError(f"no results.json in {run_dir}", "run an experiment into it first")
+        md, html = write_report(run_dir)
+        typer.echo(f"wrote {md} and {html}")
+
+    guarded(go)
+
+
+@app.command()
+def show(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory")],
+    item_id: Annotated[str, typer.Argument(help="the item's id, as in the report's explorer")],
+    checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="only this model of the run")] = None,
+) -> None:
+    """One item's story: prompt, stage 1, both suffixes with the divergence marked, margins, cache per layer."""
+
+    def go() -> None:
+        from stagereplay.report.explorer import show_item
+
+        show_item(run_dir, item_id, checkpoint)
+
+    guarded(go)
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory")],
+    format: Annotated[str, typer.Option("--format", help="parquet | csv")] = "parquet",
+    output: Annotated[Path | None, typer.Option("--output", help="file to write")] = None,
+) -> None:
+    """One row per item and arm, token IDs included."""
+
+    def go() -> None:
+        from stagereplay.report.export import export_ledger
+
+        if format not in ("parquet", "csv"):
+            raise StageReplayError(f"unknown export format {format!r}", "use --format parquet or csv")
+        if not (run_dir / "ledger.jsonl").exists():
+            raise StageReplayError(f"no ledger.jsonl in {run_dir}", "point at a run directory")
+        if output is not None and output.is_dir():
+            raise StageReplayError(f"--output {output} is a directory", "pass the path of the file to write")
+        typer.echo(f"wrote {export_ledger(run_dir, format, output)}")  # type: ignore[arg-type]  # checked above
+
+    guarded(go)
+
+
+@app.command()
+def merge(
+    shards: Annotated[list[Path], typer.Argument(help="the shard run directories")],
+    out: Annotated[Path, typer.Option("--out", help="the merged run directory (new)")],
+) -> None:
+    """Join runs made with --shard I/N into the run one process would have made; refuses mismatched shards."""
+
+    def go() -> None:
+        from stagereplay.records.ledger import read_manifest
+        from stagereplay.records.shards import environment_notes
+        from stagereplay.runs import merge
+
+        typer.echo(f"merged {len(shards)} shards into {merge(shards, out)}")
+        for note in environment_notes(read_manifest(out)):
+            typer.echo(f"note: {note}", err=True)
+
+    guarded(go)
+
+
