@@ -123,6 +123,27 @@ def test_audit_reproduces_an_untouched_run(paper_run, tmp_path):
     assert audit["comparisons"]["k"] == audit["comparisons"]["n"] > 0
 
 
+def test_the_audit_reexecutes_the_units_of_one_model_setting_as_one_batch_of_jobs(paper_run, tmp_path, monkeypatch):
+    """Every stage's units on the same model settings go out together (at --batch C they step together), not a
+    stage at a time: one call per model setting, whatever the stages."""
+    import stagereplay.execution.jobs as jobs
+
+    calls: list[tuple[tuple[str, str], set[str]]] = []
+    run_jobs = jobs.run_jobs
+
+    def spy(config, work, units, ex, lm=None):
+        calls.append(((Path(config.path).parent.name, config.precision), {u.get("audit_unit") for u in units}))
+        return run_jobs(config, work, units, ex, lm)
+
+    monkeypatch.setattr(jobs, "run_jobs", spy)
+    result = runner.invoke(app, ["audit", str(_copy(paper_run, tmp_path)), "--quiet"])
+    assert result.exit_code == 0, result.output
+    settings = [setting for setting, _ in calls]
+    assert len(settings) == len(set(settings)) == 3, settings  # the primary in bf16 and fp32, the later in bf16
+    experiments = sorted(calls, key=lambda c: -len(c[1]))[0][1]
+    assert experiments == {"matched", "bridge", "transplant", "precision_2x2"}
+
+
 def test_audit_catches_one_changed_byte(paper_run, tmp_path):
     run = _copy(paper_run, tmp_path)
     data = bytearray((run / "ledger.jsonl").read_bytes())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +137,19 @@ def _reuse(record: Record, stage: dict[str, Any], stages: dict[str, Any],
     return precision_2x2.reused_arms(stage, matched_stage, matched[key], record.checkpoint, record.part)
 
 
-def _model_key(stages: dict[str, Any], group: tuple[str, str, str]) -> tuple[str, str]:
-    experiment, checkpoint, part = group
-    model = stages[f"{experiment}/{checkpoint}"]["model"]
-    return model["path"], part or model["precision"]
+UNIT = "audit_unit"
+"""A re-executed job's extra naming its experiment: units of several stages run as one batch of jobs."""
+
+
+def _unit_work(lm: Any, job: Job) -> dict[str, Any]:
+    """A unit of any of our engine's experiments, by the experiment its job names (`UNIT`)."""
+    return _work(job.get(UNIT), {})(lm, job)
+
+
+def _unit_model(record: Record, stage: dict[str, Any]) -> ModelConfig:
+    """The model settings a unit re-executes under: its stage's, at the unit's precision where it has one."""
+    model = ModelConfig(**stage["model"])
+    return model.with_precision(record.part) if record.experiment in PER_PRECISION else model
 
 
 def as_schema_1(item_id: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -203,6 +212,12 @@ def sample_units(groups: dict[str, list[Record]], config: AuditConfig) -> dict[s
         picked = set(rng.sample(range(len(records)), min(config.sample, len(records))))
         out[name] = [r for k, r in enumerate(records) if k in picked]
     return out
+
+
+def _where(record: Record) -> str:
+    """A unit's stage as findings name it, with the precision of a per-precision unit."""
+    part = record.part if record.experiment in PER_PRECISION else ""
+    return f"{record.experiment}/{record.checkpoint}{'@' + part if part else ''}"
 
 
 def _unit_precision(record: Record, stage: dict[str, Any]) -> str:
@@ -274,27 +289,33 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
             declared.discard(unit)
             by_stage.setdefault(unit[0], []).append(r)
     chosen = sample_units(by_stage, config)
-    groups: dict[tuple[str, str, str], list[Record]] = {}
+    # Units grouped by the model settings that re-execute them, whatever their stage: one batch of jobs per model,
+    # so that worker processes load each model once and its units step together (a row's bits do not depend on
+    # its batch-mates, engine.batch). A serving engine's stage runs alone, in its engine.
+    def stage_of(r: Record) -> dict[str, Any]:
+        return stages[f"{r.experiment}/{r.checkpoint}"]
+
+    groups: dict[tuple[ModelConfig, str], list[Record]] = {}
     for r in (r for rs in chosen.values() for r in rs):
-        groups.setdefault((r.experiment, r.checkpoint, r.part if r.experiment in PER_PRECISION else ""), []).append(r)
+        engine = f"{r.experiment}/{r.checkpoint}" if "engine" in stage_of(r) else ""
+        groups.setdefault((_unit_model(r, stage_of(r)), engine), []).append(r)
     t_ok = t_n = c_ok = c_n = 0
     again_by_seq: dict[int, Record] = {}
     elsewhere: list[tuple[Record, str, bool]] = []  # (unit, precision, tokens differ) not reproduced here
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), disable=quiet) as bar:
         task = bar.add_task("audit", total=sum(len(g) for g in groups.values()))
-        # Grouped by model settings, so that worker processes load each model once.
-        for (experiment, checkpoint, part), group in sorted(groups.items(), key=lambda g: _model_key(stages, g[0])):
-            stage = stages[f"{experiment}/{checkpoint}"]
-            model_config = ModelConfig(**stage["model"])
-            if part:
-                model_config = model_config.with_precision(part)
-            where = f"{experiment}/{checkpoint}{'@' + part if part else ''}"
-            missing = [r.item_id for r in group if r.item_id not in by_id]
-            mismatches += [{"item_id": i, "what": f"{where}: item is not in the manifest's dataset",
-                            "kind": "integrity"} for i in missing]
+        for (model_config, engine), group in sorted(groups.items(),
+                                                    key=lambda g: (g[0][0].path, g[0][0].precision, g[0][1])):
+            mismatches += [{"item_id": r.item_id, "what": f"{_where(r)}: item is not in the manifest's dataset",
+                            "kind": "integrity"} for r in group if r.item_id not in by_id]
             todo = [r for r in group if r.item_id in by_id]
-            jobs = [_job(r, stage, by_id[r.item_id], prefixes, _reuse(r, stage, stages, matched)) for r in todo]
-            for record, again in zip(todo, run_jobs(model_config, _work(experiment, stage), jobs, ex), strict=True):
+            jobs = [_job(r, stage_of(r), by_id[r.item_id], prefixes, _reuse(r, stage_of(r), stages, matched))
+                    for r in todo]
+            work = _work(group[0].experiment, stages[engine]) if engine else _unit_work
+            if not engine:
+                jobs = [replace(job, extra=(*job.extra, (UNIT, r.experiment))) for job, r in zip(jobs, todo, strict=True)]
+            for record, again in zip(todo, run_jobs(model_config, work, jobs, ex), strict=True):
+                where = _where(record)
                 if not binds(manifest):  # what a schema 1 record claims, as it fingerprinted it
                     again = claimed(as_schema_1(record.item_id, again), record.payload)
                 if "token_texts" not in record.payload:  # made before records kept their token texts
@@ -307,7 +328,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
                 mismatches += [{"item_id": record.item_id, "what": f"{where} {m}", "kind": kind} for m in bad]
                 if bad and kind == "not_reproduced_here":
                     tokens = any(f in m for m in bad for f in TOKEN_FIELDS)
-                    elsewhere.append((record, _unit_precision(record, stage), tokens))
+                    elsewhere.append((record, _unit_precision(record, stage_of(record)), tokens))
                 again_by_seq[record.seq] = record.model_copy(update={"payload": again})
                 bar.advance(task)
     again_records = [again_by_seq.get(r.seq, r) for r in records]  # a sample: the rest as recorded
