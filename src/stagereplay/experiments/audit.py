@@ -220,10 +220,6 @@ def _where(record: Record) -> str:
     return f"{record.experiment}/{record.checkpoint}{'@' + part if part else ''}"
 
 
-def _unit_precision(record: Record, stage: dict[str, Any]) -> str:
-    return record.part if record.experiment in PER_PRECISION else str(stage["model"]["precision"])
-
-
 TOKEN_FIELDS = ("suffix_ids", "suffix_fp", "prefix_ids", "prompt_ids", "text", "correct", "status", "boundary",
                 "first_divergence", "suffix_equal", "label_equal", "stop", "directions", "control",
                 "baseline_diverges", "(the arm)")
@@ -315,7 +311,6 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
             if not engine:
                 jobs = [replace(job, extra=(*job.extra, (UNIT, r.experiment))) for job, r in zip(jobs, todo, strict=True)]
             for record, again in zip(todo, run_jobs(model_config, work, jobs, ex), strict=True):
-                where = _where(record)
                 if not binds(manifest):  # what a schema 1 record claims, as it fingerprinted it
                     again = claimed(as_schema_1(record.item_id, again), record.payload)
                 if "token_texts" not in record.payload:  # made before records kept their token texts
@@ -325,10 +320,11 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
                 kind = "not_reproduced_here" if record.seq in other_seqs else "integrity"
                 if kind == "not_reproduced_here":
                     bad = _collapse_diagnostics(record.item_id, bad)
-                mismatches += [{"item_id": record.item_id, "what": f"{where} {m}", "kind": kind} for m in bad]
+                mismatches += [{"item_id": record.item_id, "what": f"{_where(record)} {m}", "kind": kind}
+                               for m in bad]
                 if bad and kind == "not_reproduced_here":
                     tokens = any(f in m for m in bad for f in TOKEN_FIELDS)
-                    elsewhere.append((record, _unit_precision(record, stage_of(record)), tokens))
+                    elsewhere.append((record, model_config.precision, tokens))
                 again_by_seq[record.seq] = record.model_copy(update={"payload": again})
                 bar.advance(task)
     again_records = [again_by_seq.get(r.seq, r) for r in records]  # a sample: the rest as recorded
