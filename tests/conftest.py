@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Each test proves its own fast steps: a machine's store of proofs (records.proofs) would let one test reuse
+# another's, and write into the home folder. The store's own tests give it a folder of their own.
+os.environ["STAGEREPLAY_PROOFS"] = "off"
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Tests compute on this machine's own kernels: torch loads here, before any command could choose portable ones

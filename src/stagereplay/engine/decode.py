@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -143,6 +143,10 @@ class Stepper:
     dynamo traces (it repeats K/V heads where the eager step packs the query's), which moves fp32 bits. They run
     eagerly on the CPU, and with `graphs` (CUDA) through one CUDA graph per cache (engine.graphs), which
     replays the eager step's kernels, the token written into the graph by the device (`device_token`).
+
+    `guard(position)`, where set (an LM sets it: `LM.fast_step_at`), is asked before every fast single-token step
+    and answers whether that position is proven (engine.proof), proving it first where it can; a step it refuses
+    runs eagerly. Within `proving()` (a proof running this very stepper beside its anchor) it is not asked.
     """
 
     MIN_POSITIONS = 1024  # initial length of the positions buffer; it doubles when a sequence outgrows it
@@ -153,6 +157,8 @@ class Stepper:
         self.capture = capture and capture_available()
         self.eager_branches = True  # hold library switches at their eager values while tracing (EAGER_BRANCHES)
         self._captured: Any = None  # the compiled single-token step, made on first use
+        self.guard: Callable[[int], bool] | None = None  # may a fast step run at this position? (see above)
+        self._proving = False
         self.graphs: Any = None  # engine.graphs.CudaGraphs: static-cache steps replayed as CUDA graphs
         if graphs and device.startswith("cuda"):
             from stagereplay.engine.graphs import CudaGraphs
@@ -178,6 +184,21 @@ class Stepper:
             buf = self._positions = torch.arange(size, dtype=torch.long, device=self.device).unsqueeze(0)
         return buf[:, past : past + n]
 
+    @contextmanager
+    def proving(self) -> Iterator[None]:
+        """Within: fast steps run unasked, as a proof of them must (engine.proof.prove_steps)."""
+        saved, self._proving = self._proving, True
+        try:
+            yield
+        finally:
+            self._proving = saved
+
+    def fast_at(self, past: int) -> bool:
+        """Whether the single-token step at `past` may take the fast path (captured or graphed)."""
+        if not self.capture and self.graphs is None:
+            return False
+        return self._proving or self.guard is None or self.guard(past)
+
     def forward(self, ids: Sequence[int], cache: Any, past: int, device_token: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """Feed `ids` at positions past..past+len(ids)-1; return the last position's logits [V].
@@ -193,14 +214,15 @@ class Stepper:
                 return self._step(input_ids, self.positions(past, n), cache)
             if self._token is None:
                 self._token = torch.empty((1, 1), dtype=torch.long, device=self.device)
-            if self.graphs is not None:
+            fast = self.fast_at(past)  # may prove further first, or turn the fast path off
+            if self.graphs is not None and fast:
                 token = self._token.fill_(ids[0]) if device_token is None else device_token.view(1, 1)
                 logits = self.graphs.forward(cache, token, past)
                 if logits is not None:
                     return logits
             # In place is safe: the previous step's forward has consumed it (in stream order on CUDA).
             input_ids = self._token.fill_(ids[0])  # (1, 1)
-            if not self.capture:
+            if not self.capture or not fast:
                 return self._step(input_ids, self.positions(past, 1), cache)
             if self._captured is None:
                 self._captured = torch.compile(_own_code(self._step), backend="eager", dynamic=True)

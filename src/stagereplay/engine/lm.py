@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,7 +37,8 @@ from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, reso
 from stagereplay.engine.proof import (
     BatchProof,
     Proof,
-    proof_reach,
+    ProofStore,
+    next_reach,
     prove_batched,
     prove_steps,
     proven,
@@ -129,33 +131,85 @@ class LM:
         self.context = model_context(model.config)
         self.proof: Proof | None = None  # the fast step's proof (engine.proof), once a run has needed it
         self.batch_proof: BatchProof | None = None  # the batched step's (engine.proof.prove_batched)
+        self.proof_store: ProofStore | None = None  # proofs kept per machine and setting (records.proofs)
+        self.show_proofs = False  # say each proof as it runs (a command's own process, not --quiet)
+        self._proof_prompt: tuple[int, ...] | None = None  # what the proofs prefill: the first prompt proven from
+        self._prompt_hint: tuple[int, ...] = (0,)  # the prompt in hand, for a proof a step asks for
+        self.stepper.guard = self.fast_step_at
 
     # -- fast steps -------------------------------------------------------------------------------------
 
     def prove(self, prompt: Sequence[int], reach: int) -> Proof | None:
         """Prove the fast single-token step (captured by dynamo, or a CUDA graph) equal to the eager step from
-        `prompt` to position `reach` before it is used there (engine.proof); on a difference, turn it off for
-        good and say so. Proven once per process and model, again only for a run that reaches further. None
-        where every step is eager anyway. The outcome goes into `determinism`, so every record's environment
-        carries it."""
-        stepper = self.stepper
+        `prompt` to at least position `reach`, now: a run's set-up before its first item (experiments.runs). Steps
+        past what is proven are proven as they come (`fast_step_at`), so `reach` need only be what the run is sure
+        to use. None where every step is eager anyway. The outcome goes into `determinism`, so every record's
+        environment carries it."""
+        self._proof_prompt = self._proof_prompt or tuple(prompt)
         if self.proof is None:
-            self.proof = proven(self.config)
-        if self.proof is not None and not self.proof.equal:
-            stepper.capture, stepper.graphs = False, None
-        if not stepper.capture and stepper.graphs is None:
-            return self.proof
-        if self.proof is None or self.proof.positions < reach:
-            target = proof_reach(reach, self.proof.positions if self.proof else 0, self.context)
-            path = "cuda-graph" if stepper.graphs is not None else "captured"
-            anchor = Stepper(self.model, self.config.device)
-            self.proof = prove_steps(path, stepper, anchor, lambda: self.new_cache(target), prompt, target)
-            remember(self.config, self.proof)
-            report(self.proof)
-            if not self.proof.equal:
-                stepper.capture, stepper.graphs = False, None
-        self.determinism["fast_steps"] = self.proof.as_dict()
+            self._adopt(proven(self.config))
+        if self._fast() and (self.proof is None or self.proof.positions < reach):
+            self._prove_to(reach)
         return self.proof
+
+    def fast_step_at(self, past: int) -> bool:
+        """The stepper's guard (`Stepper.guard`): whether a fast step may run at position `past`. A position past
+        the proven reach is proven first (to `next_reach`); one below the proof's prompt, which the proof prefilled
+        rather than stepped, runs eagerly."""
+        if self.proof is None:
+            self._adopt(proven(self.config))
+        if self.proof is None or past >= self.proof.positions:
+            self._prove_to(past + 1)
+        assert self.proof is not None
+        return self.proof.equal and self.proof.covers(past)
+
+    def _fast(self) -> bool:
+        return self.stepper.capture or self.stepper.graphs is not None
+
+    def _adopt(self, proof: Proof | None) -> None:
+        """Take `proof` as this LM's; a failed one turns the fast path off for good."""
+        if proof is None:
+            return
+        self.proof = proof
+        if not proof.equal:
+            self.stepper.capture, self.stepper.graphs = False, None
+        self.determinism["fast_steps"] = proof.as_dict()
+
+    def _prove_to(self, needed: int) -> None:
+        """Prove the fast step to at least `needed` positions (doubling what is proven), or take a proof as far from
+        the store (another process's on this machine and setting)."""
+        stepper, earlier = self.stepper, self.proof
+        path = "cuda-graph" if stepper.graphs is not None else "captured"
+        prompt = self._proof_prompt or self._prompt_hint
+        target = max(next_reach(needed, earlier.positions if earlier else 0, self.context), len(prompt) + 1)
+        store = self.proof_store
+        with store.lock(path) if store is not None else nullcontext():
+            stored = store.get(path) if store is not None else None
+            if store is not None and stored is not None and (not stored.equal or stored.covers(needed - 1)):
+                proof = replace(stored, reused=True)
+                self.say(f"{path} step proven on this machine before ({store.where(path)}): positions "
+                         f"{proof.prompt}-{proof.positions}")
+            else:
+                anchor = Stepper(self.model, self.config.device)
+                label = (f"proving the {path} step on this model: {target} positions" if earlier is None else
+                         f"proving the {path} step further: {earlier.positions} -> {target} positions")
+                with proof_progress(label, target - len(prompt), self.show_proofs) as advance:
+                    proof = prove_steps(path, stepper, anchor, lambda: self.new_cache(target), prompt, target,
+                                        advance)
+                self.say(f"{label}: {'equal' if proof.equal else 'different'} ({proof.seconds:.1f} s)")
+                proof = replace(proof, seconds=round(proof.seconds + (earlier.seconds if earlier else 0.0), 3),
+                                extensions=earlier.extensions + 1 if earlier else 0,
+                                key=store.key(path) if store is not None else "")
+                if store is not None:
+                    store.put(proof)
+        self._proof_prompt = self._proof_prompt or tuple(prompt)
+        remember(self.config, proof)
+        report(proof)
+        self._adopt(proof)
+
+    def say(self, line: str) -> None:
+        if self.show_proofs:
+            print(line, file=sys.stderr)
 
     def prove_batch(self, prompts: Sequence[Sequence[int]]) -> BatchProof:
         """Show, before items step together at `config.batch` rows, that a row's bits do not depend on its
@@ -200,7 +254,7 @@ class LM:
                  seed: int = 0) -> list[int]:
         """Plain decoding with the live loop (no boundary): the tokens generate() would give, greedy by default;
         with a sampling `decode_config`, those of generate(do_sample=True) after `torch.manual_seed(seed)`."""
-        self.prove(prompt_ids, len(prompt_ids) + max_new_tokens)
+        self._prompt_hint = tuple(prompt_ids)
         cache = self.new_cache(len(prompt_ids) + max_new_tokens - 1)  # generate()'s static max_cache_len
         logits = self.stepper.forward(prompt_ids, cache, 0)
         sampler = Sampler(decode_config or DecodeConfig(), seed, self.config.device)
@@ -226,7 +280,7 @@ class LM:
         ended = boundary.bind(self.tokenizer).watch()
         budget = dc.max_stage1_tokens or stage1_budget(self.context, len(prompt), dc.max_new_tokens)
         cache_len = self.cache_len(len(prompt), replace(dc, max_stage1_tokens=budget))
-        self.prove(prompt, len(prompt) + budget + dc.max_new_tokens)
+        self._prompt_hint = prompt
         cache = self.new_cache(cache_len)
         logits = self.stepper.forward(prompt, cache, 0)
         past = len(prompt)
@@ -270,8 +324,7 @@ class LM:
                 cache_len += max(0, len(ids) - len(prefix))
             prefix = ids
             body = prefix[:-1]
-        if name != "oneshot":
-            self.prove(body[:n_prompt], len(body))
+        self._prompt_hint = tuple(body[:n_prompt])
         cache = self.new_cache(cache_len)
         # oneshot: one forward; incremental: the same operations as live generation, the prompt in one forward,
         # then one token per forward; chunked:<n>: n at a time (engine.forwards, which `stagereplay plan` counts).
@@ -304,7 +357,7 @@ class LM:
                 f"a static cache of {state.cache_len} positions cannot hold {past} + {dc.max_new_tokens} new tokens",
                 "continue with the --max-new-tokens the boundary state was built for",
             )
-        self.prove(state.prefix[: state.prompt_len], past + dc.max_new_tokens)
+        self._prompt_hint = state.prefix[: state.prompt_len]
         logits = self.stepper.forward([state.prefix[-1]], cache, past)
         pick = Sampler(dc, state.seed if seed is None else seed, self.config.device)
         record = StepRecord(dc.max_new_tokens, watch, self.stepper) if keep_steps else None
@@ -318,6 +371,30 @@ class LM:
 
     def text(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+@contextmanager
+def proof_progress(label: str, total: int, show: bool) -> Iterator[Callable[[int], None] | None]:
+    """A transient progress bar for a proof (nested under a run's bar where rich can nest them); None unshown."""
+    if not show:
+        yield None
+        return
+    from rich.errors import LiveError
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   transient=True)
+    task = bar.add_task(escape(label), total=total)
+    try:
+        bar.start()
+    except LiveError:  # an older rich under a run's bar: the line said after the proof is enough
+        yield None
+        return
+    try:
+        yield lambda k: bar.advance(task, k)
+    finally:
+        bar.stop()
 
 
 def check_prompt(item: Item | Sequence[int], context: int) -> tuple[tuple[int, ...], str]:

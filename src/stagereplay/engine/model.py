@@ -154,19 +154,32 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def _quiet_transformers(gguf_file: bool = False) -> Iterator[None]:
+    """Within: transformers says only errors and draws no bars; for a GGUF file, its GGUF reader's too (it calls
+    tqdm itself, a bar update per tensor, past transformers' switch)."""
+    import functools
+    import sys
+
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    gguf = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf is None and gguf_file:
+        import transformers.modeling_gguf_pytorch_utils as gguf
+    tqdm = getattr(gguf, "tqdm", None)
+    if tqdm is not None:
+        gguf.tqdm = functools.partial(tqdm, disable=True)  # type: ignore[union-attr]
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
+        if tqdm is not None:
+            gguf.tqdm = tqdm  # type: ignore[union-attr]
 
 
 def _upcast_on_use(model: torch.nn.Module) -> None:
@@ -190,17 +203,30 @@ def _upcast_on_use(model: torch.nn.Module) -> None:
             module.register_forward_hook(after)
 
 
+_TOKENIZERS: dict[tuple[str, int], Any] = {}
+"""The last tokenizer loaded, by path and modification time: a command checks its items with it before the
+weights load, and the model then takes the same one (a GGUF file's tokenizer is rebuilt from its vocabulary, a
+minute for a 262k-token one)."""
+
+
 def _load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     from stagereplay.engine.gguf import from_pretrained_args
 
+    files = [path, *path.iterdir()] if path.is_dir() else [path]
+    key = (str(path.resolve()), max(f.stat().st_mtime_ns for f in files))
+    if key in _TOKENIZERS:
+        return _TOKENIZERS[key]
     try:
         where, kwargs = from_pretrained_args(path)
-        return AutoTokenizer.from_pretrained(where, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     except Exception as exc:
         raise StageReplayError(f"cannot load the tokenizer in {path} ({type(exc).__name__})",
                                "save the model's tokenizer into the same directory") from None
+    _TOKENIZERS.clear()  # one kept: a process that loads many models holds none of the others' vocabularies
+    _TOKENIZERS[key] = tokenizer
+    return tokenizer
 
 
 def load_checked_config(path: Path) -> Any:
@@ -276,9 +302,9 @@ def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
     model_config = load_checked_config(path)
     from transformers import AutoModelForCausalLM
 
-    from stagereplay.engine.gguf import from_pretrained_args
+    from stagereplay.engine.gguf import from_pretrained_args, is_gguf
 
-    with _quiet_transformers():
+    with _quiet_transformers(gguf_file=is_gguf(path)):
         tokenizer = _load_tokenizer(path)
         where, kwargs = from_pretrained_args(path, weights=True)  # a GGUF file: dequantized (engine.gguf)
         try:

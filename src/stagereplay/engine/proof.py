@@ -12,11 +12,17 @@ on a model, it runs the two side by side, in lockstep:
         compare the two steps' logits [V] bit for bit; stop at the first difference
     and at the end the two caches, layer by layer, bit for bit.
 
-`reach` is the furthest position the run can reach (prompt + stage-1 budget + suffix budget), so the steps cross
-every sliding window and every shape the run's steps take. A difference turns the fast path off for the
-process (the run goes on eagerly, exact and slower) and says so in one line; the outcome is recorded in each
-record's environment (`Proof.as_dict`). Cost: two steps per position up to `reach`, once per process and model
-(`stagereplay plan` counts them).
+A proof covers the positions [prompt, reach) it compared, and costs what the run uses, not what the context
+allows: `reach` is where the run's items can get (prompt + stage 1 + suffix, where a count boundary fixes stage 1)
+or, where a marker ends stage 1 at a length nobody knows yet, what the items have reached so far. The LM's
+stepper asks before every fast step whether its position is covered (`Stepper.guard`, `LM.fast_step_at`); one
+that is not is proven first, to the next reach of `next_reach` (doubling: the last reach is under twice the
+furthest position a step needed, and all the proofs of a run together under twice that reach), and a position below the proof's prompt runs eagerly. So a
+fast step never runs at a position no proof compared. A difference turns the fast path off for the process (the
+run goes on eagerly, exact and slower) and says so in one line; the outcome is recorded in each record's
+environment (`Proof.as_dict`). A proof is kept per machine and model setting (`LM.proof_store`,
+records.proofs), so the workers of a run, and later commands on the same setting, reuse it. Cost: two steps per
+position up to `reach` per proof (`schedule`, which `stagereplay plan` prices).
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -44,20 +51,53 @@ class Proof:
     steps: int  # single-token steps compared
     equal: bool
     first_difference: int | None  # the position whose logits (or, at the end, cache) first differed
-    seconds: float
+    seconds: float  # this proof's time (and its earlier, shorter ones')
+    extensions: int = 0  # earlier proofs of the same setting, each to a shorter reach, that this one extended
+    key: str = ""  # the machine and model setting it holds for (records.proofs.proof_key); "" where unstored
+    reused: bool = False  # taken from the store, made by another process (a worker, an earlier command)
+
+    def covers(self, position: int) -> bool:
+        """Whether a single-token step at `position` was compared (the proof's prompt was prefilled, not stepped)."""
+        return self.prompt <= position < self.positions
 
     def as_dict(self) -> dict[str, Any]:
-        """What a record's environment keeps: what was proven and its outcome. Not how far or from which prompt
-        (a worker proves from its first item, the command's process from the longest prompt), nor the time, so
-        that a run's ledger is the same bytes for any --workers."""
-        return {"path": self.path, "anchor": self.anchor, "equal": self.equal,
-                "first_difference": self.first_difference}
+        """What a record's environment keeps: what was proven, its outcome and which stored proof it is. Not how
+        far, from which prompt, by whom or in how long (a worker may prove or reuse), so that a run's ledger is the
+        same bytes for any --workers; the store's entry (records.proofs) keeps those."""
+        out = {"path": self.path, "anchor": self.anchor, "equal": self.equal,
+               "first_difference": self.first_difference}
+        return {**out, "proof": self.key[:16]} if self.key else out
+
+    def stored(self) -> dict[str, Any]:
+        """Everything, for the store's entry."""
+        return asdict(self)
 
     def line(self) -> str:
         if self.equal:
             return f"{self.path} steps equal the {self.anchor} steps bit for bit over {self.steps} steps"
         return (f"{self.path} steps differ from the {self.anchor} steps at position {self.first_difference}: "
                 f"running {self.anchor} steps (exact, slower)")
+
+
+class ProofStore(Protocol):
+    """Where one machine keeps the proofs of one model setting, for every process that runs it (records.proofs).
+    `path` names the fast step ("captured" or "cuda-graph")."""
+
+    def key(self, path: str) -> str:
+        """What the proof holds for: the machine, its kernels, the code and the model setting, hashed."""
+        ...
+
+    def lock(self, path: str) -> AbstractContextManager[None]:
+        """Within: no other process on this machine proves this setting (the first proves, the rest reuse)."""
+        ...
+
+    def get(self, path: str) -> Proof | None: ...
+
+    def put(self, proof: Proof) -> None: ...
+
+    def where(self, path: str) -> str:
+        """The entry's file, for the line that says a proof was reused."""
+        ...
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -70,8 +110,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def prove_steps(path: str, fast: Stepper, anchor: Stepper, new_cache: Callable[[], Any], prompt: Sequence[int],
-                reach: int) -> Proof:
-    """Run `fast` and `anchor` in lockstep from `prompt` to position `reach` (see the module docstring)."""
+                reach: int, advance: Callable[[int], None] | None = None) -> Proof:
+    """Run `fast` and `anchor` in lockstep from `prompt` to position `reach` (see the module docstring);
+    `advance(1)` after each compared step (a progress bar)."""
     import torch
 
     from stagereplay.engine.cache import clone_cache, compare_caches
@@ -81,15 +122,18 @@ def prove_steps(path: str, fast: Stepper, anchor: Stepper, new_cache: Callable[[
     logits = anchor.forward(list(prompt), ours, 0)
     theirs = clone_cache(ours)
     past, steps, first = len(prompt), 0, None
-    while past < reach:
-        token = int(torch.argmax(logits.float()))
-        logits = anchor.forward([token], ours, past)
-        fast_logits = fast.forward([token], theirs, past)
-        steps += 1
-        if not same_bits(logits, fast_logits):
-            first = past
-            break
-        past += 1
+    with fast.proving():
+        while past < reach:
+            token = int(torch.argmax(logits.float()))
+            logits = anchor.forward([token], ours, past)
+            fast_logits = fast.forward([token], theirs, past)
+            steps += 1
+            if advance is not None:
+                advance(1)
+            if not same_bits(logits, fast_logits):
+                first = past
+                break
+            past += 1
     if first is None and compare_caches(ours, theirs):
         first = past
     return Proof(path, "eager", len(prompt), reach, steps, first is None, first,
@@ -102,16 +146,32 @@ def report(proof: Proof) -> None:
         print(f"warning: {proof.line()}", file=sys.stderr)
 
 
-def proof_reach(reach: int, proven: int, context: int) -> int:
-    """How far to prove when a run needs `reach`: the next power of two (at least 256), within the context, so that
-    items whose prompts differ in length share one proof."""
-    target = max(256, 1 << max(0, reach - 1).bit_length())
-    return max(reach, min(target, context), proven)
+MIN_REACH = 64
+"""The shortest proof. Each of its positions costs two steps (a third of a second for a 270M model on a busy
+2-core CPU), so it is no longer than a short run needs; doubling from it keeps the number of proofs small."""
+
+
+def next_reach(needed: int, proven: int, context: int) -> int:
+    """How far to prove when a step needs positions up to `needed` (exclusive) and `proven` are covered: at least
+    double what is covered (and MIN_REACH), rounded up to a power of two, within the context, and never short of
+    `needed`. Doubling keeps a run's proofs together under twice its last reach (`schedule`)."""
+    target = max(needed, 2 * proven, MIN_REACH)
+    return max(needed, min(1 << (target - 1).bit_length(), context))
+
+
+def schedule(first: int, furthest: int, context: int) -> list[int]:
+    """The reaches a run proves to when its first proof needs `first` positions and its items go on to
+    `furthest`: each later proof starts when a step passes the last reach (what `stagereplay plan` prices)."""
+    reaches = [next_reach(first, 0, context)]
+    while reaches[-1] < min(furthest, context):
+        reaches.append(next_reach(reaches[-1] + 1, reaches[-1], context))
+    return reaches
 
 
 _PROVEN: dict[tuple[Any, int], Proof] = {}
 """This process's proofs by model setting and the model files' modification time: a model loaded again (the
-stages of a command, a test's second load) runs the same steps on the same kernels, and is not proven twice."""
+stages of a command, a test's second load) runs the same steps on the same kernels, and is not proven twice
+(other processes on this machine find them in the store, records.proofs)."""
 
 
 def _key(config: Any) -> tuple[Any, int]:

@@ -142,7 +142,11 @@ UNIT = "audit_unit"
 
 
 def _unit_work(lm: Any, job: Job) -> dict[str, Any]:
-    """A unit of any of our engine's experiments, by the experiment its job names (`UNIT`)."""
+    """A unit of any of our engine's experiments, by the experiment its job names (`UNIT`), its fast step proven
+    once per machine (records.proofs)."""
+    from stagereplay.records.proofs import attach_store
+
+    attach_store(lm)
     return _work(job.get(UNIT), {})(lm, job)
 
 

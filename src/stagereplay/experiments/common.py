@@ -14,6 +14,7 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.jobs import run_jobs
 from stagereplay.records.ledger import Run, sha256_json
+from stagereplay.records.proofs import attach_store
 from stagereplay.records.provenance import environment
 from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
@@ -139,7 +140,9 @@ def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
 
 
 def with_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
-    """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one)."""
+    """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one). The
+    process keeps and reuses its fast step's proofs in this machine's store (records.proofs)."""
+    attach_store(lm)
     return {"payload": work(lm, job), "environment": environment(lm.config.device, lm.determinism)}
 
 

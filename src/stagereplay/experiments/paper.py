@@ -125,7 +125,7 @@ def paper(
     later = ModelConfig(**{**asdict(source.model), "path": str(Path(later_model).resolve())}) if later_model else None
     if later is not None:
         check_model_dir(later.path)
-    source, lm, items, data_hash, determinism = prepare(source, ex)
+    source, lm, items, data_hash, determinism = prepare(source, ex, quiet)
     print_header(source, quiet)
     extra = {"later": later.path} if later else {}
     manifest = new_manifest("paper", {"later_model": later.path if later else None, "select_primary": select_primary,

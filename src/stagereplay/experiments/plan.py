@@ -88,32 +88,33 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
         stage("matched/later", "bf16", [(u, matched.forwards(u) + replay(i)) for i, u in enumerate(units)])
         transplants("later", "all-divergent")
     stages += audit_stages(stages, cfg.audit_sample or None)
-    stages += proof_stages(cfg, max(prompts), end, shape.context)
+    stages += proof_stages(cfg, min(prompts), end, shape.context)
     for st in stages:
         st.positions = min(st.positions, end)
     return stages
 
 
 def proof_stages(cfg: PlanConfig, prompt: int, reach: int, context: int) -> list[StagePlan]:
-    """Before a process's first captured step on a model it proves that step equal to the eager one
-    (engine.proof): one prefill, then two single-token steps per position up to the reach, rounded up as
-    `LM.prove` rounds it; once per model setting (checkpoint, precision) and worker. One row per precision.
-    A static cache's CPU steps and fp32-compute's are eager: nothing to prove; batched steps are not captured
-    (their check, `LM.prove_batch`, costs a few dozen forwards, not counted)."""
-    from stagereplay.engine.proof import proof_reach
+    """Before a captured step runs at a position, that position is proven equal to the eager step (engine.proof):
+    per proof one prefill of the shortest prompt, then two single-token steps per position up to its reach. With a
+    marker boundary the first proof is short and each later one doubles it as the items get further
+    (`engine.proof.schedule`, to the longest sequence assumed); once per model setting (checkpoint, precision) and
+    machine, whatever the workers (they share the store, records.proofs). One row per precision. A static cache's
+    CPU steps and fp32-compute's are eager: nothing to prove; batched steps are not captured (their check,
+    `LM.prove_batch`, costs a few dozen forwards, not counted)."""
+    from stagereplay.engine.proof import schedule
 
     if cfg.cache != "dynamic" or cfg.batch > 1:
         return []
     settings = {("primary", "bf16"), *(("primary", p) for p in cfg.precisions)}
     if cfg.later:
         settings.add(("later", "bf16"))
-    target = proof_reach(reach, 0, context)
     out: dict[str, StagePlan] = {}
     for _, precision in sorted(settings):
         if precision == "fp32-compute":
             continue
         row = out.setdefault(precision, StagePlan(f"proof@{precision}", precision, caches=2))
-        for _ in range(cfg.workers):
+        for target in schedule(prompt + 1, reach, context):
             row.add([prompt, *[1] * (2 * (target - prompt))], target)
     return list(out.values())
 

@@ -22,6 +22,7 @@ from stagereplay.execution.kernels import choose, pin
 from stagereplay.execution.local import cached_lm, check_worker_devices
 from stagereplay.experiments.common import ReplaySettings
 from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run
+from stagereplay.records.proofs import attach_store
 from stagereplay.records.provenance import environment, model_hashes, now, package_versions
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.tasks import DataConfig, Item, load_items
@@ -65,8 +66,10 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
                   ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
 
 
-def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Item], str, dict[str, Any]]:
-    """Load the model (when running in this process) and the items, before any run directory exists.
+def prepare(source: Source, ex: ExecConfig, quiet: bool = True
+            ) -> tuple[Source, LM | None, list[Item], str, dict[str, Any]]:
+    """Load the model (when running in this process) and the items, before any run directory exists, and prove
+    the fast step as far as the run is sure to go (`prove_reach`), with a progress bar unless `quiet`.
 
     Returns the source with its boundary rule and stage-1 budget resolved (`fit_stage1`), the model (None when
     workers load their own), the items, the data hash and the determinism settings.
@@ -78,32 +81,50 @@ def prepare(source: Source, ex: ExecConfig) -> tuple[Source, LM | None, list[Ite
     m = source.model
     check_worker_devices(m.device, ex.workers, ex.executor)  # one GPU per local worker, before anything loads
     lm: LM | None = None
-    if ex.workers == 1 and ex.executor == "local":
-        lm = cached_lm(m)
-        config, tokenizer, determinism = lm.model.config, lm.tokenizer, lm.determinism
-    else:  # workers load their own replicas; here only the config and tokenizer, to check the inputs up front
-        determinism = set_determinism(m.threads, m.device)
-        config, tokenizer = load_config_and_tokenizer(m.path)
+    # The inputs are checked against the config and tokenizer before any weights load (minutes at 14B, or for a
+    # GGUF file to dequantize): a bad item fails in seconds.
+    determinism = set_determinism(m.threads, m.device)
+    config, tokenizer = load_config_and_tokenizer(m.path)
     context = model_context(config)
     items, data_hash = load_items(source.data, tokenizer)
     for item in items:
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
     source = fit_stage1(source, config, tokenizer, items)
+    if ex.workers == 1 and ex.executor == "local":  # else workers load their own replicas
+        lm = cached_lm(m)
+        determinism = lm.determinism
     captured = captures_steps(m.precision, m.cache) and m.batch == 1
     if lm is not None and items and m.batch > 1:  # the batched step shown batch-invariant before items share it
         lm.prove_batch([i.prompt_ids for i in items[:3]])
         determinism = {**determinism, "batch_check": lm.determinism["batch_check"]}
     elif lm is not None and items:  # the fast step proven on this model before any item uses it (engine.proof)
-        longest, dc = max(len(i.prompt_ids) for i in items), source.settings.decode
-        prompt = next(i.prompt_ids for i in items if len(i.prompt_ids) == longest)
-        lm.prove(prompt, longest + (dc.max_stage1_tokens or 0) + dc.max_new_tokens)
+        attach_store(lm)
+        lm.show_proofs = not quiet
+        lm.prove(*prove_reach(source, items))
         captured = lm.stepper.capture
-    # Captured steps are the eager ones, bit for bit, where proven: each process proves its own, and each record's
-    # environment says the outcome (`fast_steps`); the manifest says whether they were on, as before.
+    # Captured steps are the eager ones, bit for bit, where proven (once per machine and model setting: workers
+    # reuse what the first to need it proved, records.proofs), and each record's environment says the outcome
+    # (`fast_steps`); the manifest says whether they were on, as before.
     determinism = {**determinism, "captured_steps": captured}
     if graphs_steps(m.precision, m.cache, m.device):  # CUDA graphs replay the eager kernels (engine.graphs)
         determinism["cuda_graph_steps"] = True
     return source, lm, items, data_hash, determinism
+
+
+def prove_reach(source: Source, items: list[Item]) -> tuple[tuple[int, ...], int]:
+    """What to prove before the first item: from the shortest prompt (every item steps from its own prompt on, so
+    from there every step is covered) to where the items are sure to go. A count boundary fixes stage 1, so that
+    is the longest prompt + stage 1 + the suffix budget; a marker ends it where nobody knows yet, so the proof
+    starts short and is extended as the items get further (`LM.fast_step_at`)."""
+    from stagereplay.engine.boundary import After, parse_boundary
+
+    dc = source.settings.decode
+    shortest = min((i.prompt_ids for i in items), key=len)
+    rule = parse_boundary(source.settings.boundary)
+    if isinstance(rule, After):
+        longest = max(len(i.prompt_ids) for i in items)
+        return shortest, longest + min(rule.n, dc.max_stage1_tokens or rule.n) + dc.max_new_tokens
+    return shortest, len(shortest) + 1
 
 
 def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -> Source:
@@ -258,7 +279,7 @@ def matched(
         arms.check_model(model)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
                             threads, attn_impl, columns=columns, cache=cache, batch=batch)
-    source, lm, items, data_hash, determinism = prepare(source, ex)
+    source, lm, items, data_hash, determinism = prepare(source, ex, quiet)
     print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)
     items = shard_items(items, part)
