@@ -128,8 +128,8 @@ def test_a_difference_past_the_first_reach_is_caught_by_the_extension(tmp_path, 
 
 
 def test_a_count_boundary_proves_to_its_reach_not_the_context(tiny_dir, items_file, fresh_proofs):
-    """`prepare` with --boundary-after: prompt + N + the suffix budget, rounded up, not the stage-1 budget that
-    the context leaves (a negative control: the budget's reach is the context here)."""
+    """`prepare` with --boundary-after: exactly prompt + N + the suffix budget (at least MIN_REACH), not the
+    stage-1 budget that the context leaves (a negative control: the budget's reach is the context here)."""
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.execution.config import ExecConfig
@@ -142,7 +142,7 @@ def test_a_count_boundary_proves_to_its_reach_not_the_context(tiny_dir, items_fi
     shortest, reach = prove_reach(source, items)
     assert len(shortest) == min(len(i.prompt_ids) for i in items)
     assert reach == max(len(i.prompt_ids) for i in items) + 6 + 8
-    assert lm.proof.positions == next_reach(reach, 0, lm.context) < lm.context
+    assert lm.proof.positions == max(reach, MIN_REACH) < lm.context
     budget = source.stage1["budget"]
     assert max(len(i.prompt_ids) for i in items) + budget + 8 == lm.context  # what the old rule proved to
 

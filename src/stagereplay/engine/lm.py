@@ -35,6 +35,7 @@ from stagereplay.engine.forwards import construction_spans
 from stagereplay.engine.limits import model_context, stage1_budget, static_cache_len
 from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, resolve_attn_impl, set_determinism
 from stagereplay.engine.proof import (
+    MIN_REACH,
     BatchProof,
     Proof,
     ProofStore,
@@ -149,7 +150,7 @@ class LM:
         if self.proof is None:
             self._adopt(proven(self.config))
         if self._fast() and (self.proof is None or self.proof.positions < reach):
-            self._prove_to(reach)
+            self._prove_to(reach, exact=True)
         return self.proof
 
     def fast_step_at(self, past: int) -> bool:
@@ -175,13 +176,16 @@ class LM:
             self.stepper.capture, self.stepper.graphs = False, None
         self.determinism["fast_steps"] = proof.as_dict()
 
-    def _prove_to(self, needed: int) -> None:
-        """Prove the fast step to at least `needed` positions (doubling what is proven), or take a proof as far from
-        the store (another process's on this machine and setting)."""
+    def _prove_to(self, needed: int, exact: bool = False) -> None:
+        """Prove the fast step to at least `needed` positions, or take a proof as far from the store (another
+        process's on this machine and setting). `exact`: `needed` is as far as the run goes (a count boundary's
+        reach), so prove that far (at least MIN_REACH); else double what is proven (`next_reach`)."""
         stepper, earlier = self.stepper, self.proof
         path = "cuda-graph" if stepper.graphs is not None else "captured"
         prompt = self._proof_prompt or self._prompt_hint
-        target = max(next_reach(needed, earlier.positions if earlier else 0, self.context), len(prompt) + 1)
+        reach = (min(max(needed, MIN_REACH), self.context) if exact
+                 else next_reach(needed, earlier.positions if earlier else 0, self.context))
+        target = max(reach, len(prompt) + 1)
         store = self.proof_store
         with store.lock(path) if store is not None else nullcontext():
             stored = store.get(path) if store is not None else None

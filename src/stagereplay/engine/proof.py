@@ -13,8 +13,9 @@ on a model, it runs the two side by side, in lockstep:
     and at the end the two caches, layer by layer, bit for bit.
 
 A proof covers the positions [prompt, reach) it compared, and costs what the run uses, not what the context
-allows: `reach` is where the run's items can get (prompt + stage 1 + suffix, where a count boundary fixes stage 1)
-or, where a marker ends stage 1 at a length nobody knows yet, what the items have reached so far. The LM's
+allows: `reach` is where the run's items can get (prompt + stage 1 + suffix, where a count boundary fixes stage 1:
+proven that far exactly, at least MIN_REACH) or, where a marker ends stage 1 at a length nobody knows yet, what the
+items have reached so far. The LM's
 stepper asks before every fast step whether its position is covered (`Stepper.guard`, `LM.fast_step_at`); one
 that is not is proven first, to the next reach of `next_reach` (doubling: the last reach is under twice the
 furthest position a step needed, and all the proofs of a run together under twice that reach), and a position below the proof's prompt runs eagerly. So a
