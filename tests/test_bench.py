@@ -76,7 +76,11 @@ def test_last_line_rejects_a_crash() -> None:
     assert not any(re.match(pattern, last_line(crash)) for _, pattern in TINY.values())
 
 
-@pytest.mark.parametrize("script", sorted(TINY))
+SLOW = ("paper.py", "gpu_check.sh", "plan.py", "matched_floor.py")
+"""Scripts whose smoke run is a whole protocol run (or several): the slow tier, which CI also runs."""
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in sorted(TINY)])
 def test_bench_script_runs_tiny(script: str, tmp_path: Path) -> None:
     args, pattern = TINY[script]
     runner = ["bash"] if script.split()[0].endswith(".sh") else [sys.executable]

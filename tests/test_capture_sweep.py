@@ -30,6 +30,7 @@ def _differing(results):
     return [(c, r) for c, r in results if not r["equal"] or not r["live_equals_generate"]]
 
 
+@pytest.mark.slow  # a 14-case sweep: the slow tier
 def test_captured_steps_equal_eager_steps_on_random_models():
     results = sweep(14)
     assert _differing(results) == []
@@ -39,6 +40,7 @@ def test_captured_steps_equal_eager_steps_on_random_models():
     assert len({c.arch for c, _ in results}) >= 4
 
 
+@pytest.mark.slow  # a sweep in a fresh process: the slow tier
 def test_captured_steps_equal_eager_steps_under_portable_kernels():
     env = {**os.environ, **PORTABLE, "PYTHONPATH": str(Path(__file__).parent)}
     out = subprocess.run([sys.executable, str(Path(__file__).parent / "capture_sweep.py"), "6"], env=env,
@@ -49,6 +51,7 @@ def test_captured_steps_equal_eager_steps_under_portable_kernels():
     assert all(c["equal"] and c["live_equals_generate"] for c in cases), out.stdout
 
 
+@pytest.mark.slow  # the sweep's negative control goes with the sweep
 def test_the_sweep_fails_with_the_bug_reintroduced():
     """Negative control: library switches not held at their eager values (the bug) fail the sweep."""
     results = sweep(3, bug=True, only_switch=True)

@@ -26,6 +26,9 @@ from stagereplay.experiments.verify import verify_run
 from stagereplay.records.ledger import Record, read_manifest
 
 runner = CliRunner()
+pytestmark = pytest.mark.slow  # a run forged every way, verified and audited in full: the slow tier (CI runs it)
+
+
 Chain = list[Record]
 
 

@@ -147,6 +147,7 @@ def test_the_recorded_mkl_branch_is_the_one_mkl_runs_not_the_one_asked_for():
 
 
 @needs_avx2
+@pytest.mark.slow  # runs, extends and audits in fresh processes: the slow tier
 def test_extending_and_auditing_a_run_follow_its_kernels(toy_runs, tmp_path):
     """A fresh process that extends the run computes under its variables, and its audit reproduces every
     record whatever this machine's own kernels are; with other variables set by the user, the audit names them

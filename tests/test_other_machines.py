@@ -99,6 +99,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(run, tmp_path / "run"))
 
 
+@pytest.mark.slow  # audits of two recorded runs under other kernels: the slow tier
 def test_an_audit_under_other_kernels_says_so_first_and_exits_3(scalar_runs, tmp_path):
     run = _copy(scalar_runs["scalar-bf16"], tmp_path)
     result = runner.invoke(app, ["audit", str(run), "--quiet"])
@@ -115,6 +116,7 @@ def test_an_audit_under_other_kernels_says_so_first_and_exits_3(scalar_runs, tmp
     assert {m["kind"] for m in audit["mismatches"]} == {"not_reproduced_here"}
 
 
+@pytest.mark.slow  # audits of two recorded runs under other kernels: the slow tier
 def test_the_same_run_under_its_own_kernels_reproduces(scalar_runs, tmp_path):
     """The control: the run made here is reproduced here, with no environment line."""
     run = _copy(scalar_runs["here-bf16"], tmp_path)
@@ -124,6 +126,7 @@ def test_the_same_run_under_its_own_kernels_reproduces(scalar_runs, tmp_path):
     assert "audit: every record reproduced" in result.stdout
 
 
+@pytest.mark.slow  # audits of two recorded runs under other kernels: the slow tier
 def test_a_forged_token_under_the_runs_own_kernels_is_an_integrity_finding(scalar_runs, tmp_path):
     """Beside the exit 3 above: the same kind of difference in a run made here is tampering (exit 1)."""
     run = _copy(scalar_runs["here-bf16"], tmp_path)
@@ -134,6 +137,7 @@ def test_a_forged_token_under_the_runs_own_kernels_is_an_integrity_finding(scala
     assert "integrity findings (tampering or a broken run)" in result.stdout
 
 
+@pytest.mark.slow  # audits of two recorded runs under other kernels: the slow tier
 def test_an_integrity_finding_is_one_under_any_kernels(scalar_runs, tmp_path):
     """A label that does not follow from its text is tampering wherever the audit runs."""
     run = _copy(scalar_runs["scalar-bf16"], tmp_path)
@@ -148,6 +152,7 @@ def test_an_integrity_finding_is_one_under_any_kernels(scalar_runs, tmp_path):
     assert "correct is not what scorer" in result.stderr
 
 
+@pytest.mark.slow  # audits of two recorded runs under other kernels: the slow tier
 def test_fp32_units_with_other_tokens_under_other_kernels_are_suspicious(scalar_runs, tmp_path):
     run = _copy(scalar_runs["scalar-fp32"], tmp_path)
     item = _forge_a_token(run)
@@ -265,6 +270,7 @@ def _sampled(run: Path, seed: int, n: int = 2) -> tuple[int, dict]:
     return result.exit_code, json.loads((run / "audit.json").read_text())
 
 
+@pytest.mark.slow  # audits of two recorded runs under other kernels: the slow tier
 def test_a_sampled_audit_re_executes_a_seeded_recorded_sample(scalar_runs, tmp_path):
     run = _copy(scalar_runs["here-bf16"], tmp_path)
     code, audit = _sampled(run, seed=0)
@@ -277,6 +283,7 @@ def test_a_sampled_audit_re_executes_a_seeded_recorded_sample(scalar_runs, tmp_p
     assert any(o != picked for o in others)  # the seed chooses
 
 
+@pytest.mark.slow  # audits of two recorded runs under other kernels: the slow tier
 def test_a_sampled_audit_catches_a_forgery_only_in_its_sample(scalar_runs, tmp_path):
     """What only re-execution can tell is caught in a sampled unit and missed outside the sample; what
     follows from recorded fields is caught everywhere, since every record is verified."""

@@ -17,6 +17,9 @@ from stagereplay.report.stats import wilson_interval
 runner = CliRunner()
 
 
+pytestmark = pytest.mark.slow  # a whole `paper` run and four audits of it: the slow tier (CI runs it)
+
+
 @pytest.fixture(scope="module")
 def paper_run(tmp_path_factory, tiny_dir, items_file) -> Path:
     from tiny import save_tiny_model

@@ -47,6 +47,7 @@ def _matched(out, model, data, **kw):
     )
 
 
+@pytest.mark.slow  # a local Ray cluster's actors: the slow tier
 def test_ray_actors_and_local_workers_batch_too(tmp_path, tiny_dir, items_file, local_ray):
     """`--batch 4` on two Ray actors and on two local workers (each takes 4 jobs at a time and steps them together)
     records what one process does: the same item payloads, with the batch recorded in each environment."""
@@ -64,6 +65,7 @@ def test_ray_actors_and_local_workers_batch_too(tmp_path, tiny_dir, items_file, 
     assert envs and all(e["determinism"]["batch"] == 4 for e in envs)
 
 
+@pytest.mark.slow  # a local Ray cluster's actors: the slow tier
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_ray_ledger_equals_local_ledger(tmp_path, tiny_dir, items_file, local_ray, cache):
     """The actors load with the run's whole model setting, its cache kind included (a static run recorded by a
@@ -90,6 +92,7 @@ def _where(lm, job):
     return {"job": job, "pid": os.getpid(), "lm": id(lm)}
 
 
+@pytest.mark.slow  # a local Ray cluster's actors: the slow tier
 def test_actors_and_their_models_persist_across_calls(tiny_dir, local_ray):
     """Two stages (two run_ray calls) run on the same two actors, each with the model it loaded for the first:
     one load per actor for the command. Negative control: after shutdown_workers (a command's end), the next
@@ -120,6 +123,7 @@ def _slow_first(lm, job):
     return {"job": job, "pid": os.getpid(), "t": time.time()}
 
 
+@pytest.mark.slow  # a local Ray cluster's actors: the slow tier
 @pytest.mark.parametrize("per_actor", [1, 2])
 def test_a_long_job_holds_up_only_its_own_actor(tiny_dir, local_ray, per_actor):
     """Jobs go to whichever actor is free: while job 0 runs, the other actor takes every later job, all done
@@ -140,6 +144,7 @@ def test_a_long_job_holds_up_only_its_own_actor(tiny_dir, local_ray, per_actor):
         assert 2 in stalled
 
 
+@pytest.mark.slow  # a local Ray cluster's actors: the slow tier
 def test_a_problem_inside_an_actor_reads_as_it_would_locally(tiny_dir, local_ray):
     from stagereplay.engine.model import ModelConfig
     from stagereplay.errors import StageReplayError

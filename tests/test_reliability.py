@@ -53,6 +53,7 @@ def reference(tmp_path_factory, tiny_dir, items_file) -> Path:
     return out
 
 
+@pytest.mark.slow  # kills and resumes a run many times: the slow tier
 def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_dir, items_file, reference):
     out = tmp_path / "run"
     args = _args(tiny_dir("qwen2"), items_file, out)

@@ -118,6 +118,7 @@ def test_resample_records_draws_seeds_and_results(resampled):
     assert by_precision["fp32"]["coupled"]["fresh_differ"] == 0
 
 
+@pytest.mark.slow  # re-executes 120+ draws: the slow tier
 def test_the_audit_re_executes_every_draw(resampled, tmp_path):
     import shutil
 
@@ -151,6 +152,7 @@ def test_the_audit_re_executes_every_draw(resampled, tmp_path):
     assert any(arm["name"] in m["what"] for m in mismatches)
 
 
+@pytest.mark.slow  # many draws: the slow tier
 def test_the_independent_test_has_power_on_states_built_to_differ():
     """Draws from another item's state (another prefix) are rejected at p < 0.01; equal samples are not."""
     from stagereplay.engine.boundary import Marker

@@ -254,6 +254,7 @@ def test_checkpoints_are_small_bf16_qwen2() -> None:
     assert total <= 20_000_000
 
 
+@pytest.mark.slow  # 80 greedy decodes of the toy with generate(): the slow tier
 def test_checkpoints_differ() -> None:
     primary, later = load("primary").state_dict(), load("later").state_dict()
     assert primary.keys() == later.keys()
@@ -261,6 +262,7 @@ def test_checkpoints_differ() -> None:
     assert greedy("primary", GREEDY_ITEMS) != greedy("later", GREEDY_ITEMS)
 
 
+@pytest.mark.slow  # shares test_checkpoints_differ's 80 greedy decodes: the slow tier
 @pytest.mark.parametrize("name", TOY_CHECKPOINTS)
 def test_greedy_fp32_reaches_the_boundary_and_is_often_right(name: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(toy_checkpoint(name))
