@@ -61,21 +61,9 @@ def test_the_sweep_fails_with_the_bug_reintroduced():
 
 def _window_model(tmp_path: Path) -> Path:
     """A Gemma 3 text model with SDPA and a window of 6, far shorter than the sequences below."""
-    from tiny import make_config, save_char_tokenizer
-    from transformers import AutoModelForCausalLM
+    from tiny import save_window_model
 
-    path = tmp_path / "gemma3-w6"
-    config = make_config("gemma3", layers=4, sliding_window=6)
-    config.layer_types = ["sliding_attention", "full_attention"] * 2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.to(torch.bfloat16).save_pretrained(path)
-    save_char_tokenizer(path)
-    return path
+    return save_window_model(tmp_path / "gemma3-w6", 6)
 
 
 def _generate(lm, prompt, n):

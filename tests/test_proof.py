@@ -20,21 +20,9 @@ pytestmark = pytest.mark.skipif(not capture_available(), reason="dynamo is unsup
 
 def _window_model(tmp_path: Path, window: int) -> Path:
     """A Gemma 3 text model with SDPA, sliding-window layers of `window` and a context of 512."""
-    from tiny import make_config, save_char_tokenizer
-    from transformers import AutoModelForCausalLM
+    from tiny import save_window_model
 
-    path = tmp_path / f"gemma3-w{window}"
-    config = make_config("gemma3", layers=4, sliding_window=window)
-    config.layer_types = ["sliding_attention", "full_attention"] * 2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.to(torch.bfloat16).save_pretrained(path)
-    save_char_tokenizer(path)
-    return path
+    return save_window_model(tmp_path / f"gemma3-w{window}", window)
 
 
 def _load(path: Path, precision: str):

@@ -196,3 +196,22 @@ def save_r1_model(path: Path, marker_kind: str = "merged", seed: int = 0, layers
     (path / "r1.json").write_text(json.dumps({"marker_kind": marker_kind, "boundary_step": step,
                                               "prompt_ids": list(prompt), "reply": reply}))
     return path
+
+
+def save_window_model(path: Path, window: int) -> Path:
+    """A Gemma 3 text model with SDPA, sliding-window layers of `window` alternating with global ones, context 512
+    (the captured step's switch fires once a window has filled: tests/test_capture_sweep.py, tests/test_proof.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = make_config("gemma3", layers=4, sliding_window=window)
+    config.layer_types = ["sliding_attention", "full_attention"] * 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.to(torch.bfloat16).save_pretrained(path)
+    save_char_tokenizer(path)
+    return path
