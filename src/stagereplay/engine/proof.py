@@ -62,12 +62,12 @@ class Proof:
         return self.prompt <= position < self.positions
 
     def as_dict(self) -> dict[str, Any]:
-        """What a record's environment keeps: what was proven, its outcome and which stored proof it is. Not how
-        far, from which prompt, by whom or in how long (a worker may prove or reuse), so that a run's ledger is the
-        same bytes for any --workers; the store's entry (records.proofs) keeps those."""
-        out = {"path": self.path, "anchor": self.anchor, "equal": self.equal,
-               "first_difference": self.first_difference}
-        return {**out, "proof": self.key[:16]} if self.key else out
+        """What a record's environment keeps: what was proven and its outcome. Not how far, from which prompt, by
+        whom, in how long or whether it was stored (a worker may prove or reuse, a store may be off), so that a
+        run's ledger is the same bytes for any --workers or executor; the store's entry (records.proofs) keeps
+        those."""
+        return {"path": self.path, "anchor": self.anchor, "equal": self.equal,
+                "first_difference": self.first_difference}
 
     def stored(self) -> dict[str, Any]:
         """Everything, for the store's entry."""
