@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,6 +40,7 @@ from stagereplay.engine.proof import (
     Proof,
     ProofStore,
     next_reach,
+    proof_progress,
     prove_batched,
     prove_steps,
     proven,
@@ -375,30 +376,6 @@ class LM:
 
     def text(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
-
-
-@contextmanager
-def proof_progress(label: str, total: int, show: bool) -> Iterator[Callable[[int], None] | None]:
-    """A transient progress bar for a proof (nested under a run's bar where rich can nest them); None unshown."""
-    if not show:
-        yield None
-        return
-    from rich.errors import LiveError
-    from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   transient=True)
-    task = bar.add_task(escape(label), total=total)
-    try:
-        bar.start()
-    except LiveError:  # an older rich under a run's bar: the line said after the proof is enough
-        yield None
-        return
-    try:
-        yield lambda k: bar.advance(task, k)
-    finally:
-        bar.stop()
 
 
 def check_prompt(item: Item | Sequence[int], context: int) -> tuple[tuple[int, ...], str]:

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -139,6 +139,30 @@ def prove_steps(path: str, fast: Stepper, anchor: Stepper, new_cache: Callable[[
         first = past
     return Proof(path, "eager", len(prompt), reach, steps, first is None, first,
                  round(time.perf_counter() - started, 3))
+
+
+@contextmanager
+def proof_progress(label: str, total: int, show: bool) -> Iterator[Callable[[int], None] | None]:
+    """A transient progress bar for a proof (nested under a run's bar where rich can nest them); None unshown."""
+    if not show:
+        yield None
+        return
+    from rich.errors import LiveError
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   transient=True)
+    task = bar.add_task(escape(label), total=total)
+    try:
+        bar.start()
+    except LiveError:  # an older rich under a run's bar: the line said after the proof is enough
+        yield None
+        return
+    try:
+        yield lambda k: bar.advance(task, k)
+    finally:
+        bar.stop()
 
 
 def report(proof: Proof) -> None:
