@@ -180,7 +180,7 @@ def _forge_a_token(run: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def moved(tmp_path_factory, tiny_dir, items_file, scalar_runs) -> dict[str, Path]:
+def moved(tmp_path_factory, tiny_dir, items_file) -> dict[str, Path]:
     """A run made here whose model and data then moved (copies, the originals renamed away)."""
     root = tmp_path_factory.mktemp("moved")
     model, data = root / "model", root / "items.jsonl"

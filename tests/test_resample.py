@@ -17,6 +17,7 @@ from stagereplay.records.ledger import Record, canonical_json
 from stagereplay.report.stats import benjamini_hochberg, total_variation, two_sample_answer_test
 
 runner = CliRunner()
+K = 2  # draws per state in the shared run
 SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 0}  # Thought Anchors' settings
 
 
@@ -85,11 +86,11 @@ def test_draws_start_from_one_snapshot_without_touching_it(tiny_dir):
 
 @pytest.fixture(scope="module")
 def resampled(tmp_path_factory):
-    """A toy matched run of 3 items with K = 4 draws at bf16 (the run's precision) and fp32 (fixed prefixes)."""
+    """A toy matched run of 3 items with K = 2 draws at bf16 (the run's precision) and fp32 (fixed prefixes)."""
     out = tmp_path_factory.mktemp("resample") / "run"
     r = runner.invoke(app, ["matched", "--n", "3", "--out", str(out), "--quiet", "--workers", "1"])
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["resample", str(out), "--k", "4", "--precisions", "bf16,fp32", "--quiet"])
+    r = runner.invoke(app, ["resample", str(out), "--k", str(K), "--precisions", "bf16,fp32", "--quiet"])
     assert r.exit_code == 0, r.output
     return out
 
@@ -98,34 +99,34 @@ def test_resample_records_draws_seeds_and_results(resampled):
     manifest = json.loads((resampled / "manifest.json").read_text())
     stage = manifest["stages"]["resample/primary"]
     assert stage["seeds"]["base"] == 0 and set(stage["seeds"]["streams"]) == {"A", "B", "C"}
-    assert stage["config"]["k"] == 4 and stage["precisions"] == ["bf16", "fp32"]
+    assert stage["config"]["k"] == K and stage["precisions"] == ["bf16", "fp32"]
     records = [json.loads(x) for x in (resampled / "ledger.jsonl").read_text().splitlines()]
     draws = [r for r in records if r["kind"] == "item" and r["experiment"] == "resample"]
     assert len(draws) == 2 * 3
     for r in draws:
         arms = r["payload"]["arms"]
-        assert len(arms) == 5 * 4  # live, fresh, replica on seeds A; fresh on B; live on C
-        assert len({a["seed"] for a in arms}) == 3 * 4  # one seed per stream and draw, shared within A
+        assert len(arms) == 5 * K  # live, fresh, replica on seeds A; fresh on B; live on C
+        assert len({a["seed"] for a in arms}) == 3 * K  # one seed per stream and draw, shared within A
         assert {a["seed"] for a in arms if a["stream"] == "A" and a["draw"] == 0} == {arms[0]["seed"]}
     results = json.loads((resampled / "results.json").read_text())
     by_precision = {e["precision"]: e for e in results["resample"]}
     assert by_precision["bf16"]["live_source"] == "live"
     assert by_precision["fp32"]["live_source"] == "incremental"
     for e in results["resample"]:
-        assert e["n_items"] == 3 and e["coupled"]["draws"] == 12
+        assert e["n_items"] == 3 and e["coupled"]["draws"] == 3 * K
         assert e["coupled"]["replica_differ"] == 0  # the negative control: live vs live replica, same seeds
         assert len(e["independent"]["tv_fresh"]) == len(e["independent"]["p_values"]) == 3
     assert by_precision["fp32"]["coupled"]["fresh_differ"] == 0
 
 
-@pytest.mark.slow  # re-executes 120+ draws: the slow tier
+@pytest.mark.slow  # re-executes 60+ draws: the slow tier
 def test_the_audit_re_executes_every_draw(resampled, tmp_path):
     import shutil
 
     r = runner.invoke(app, ["audit", str(resampled), "--quiet"])
     assert r.exit_code == 0, r.output
     audit = json.loads((resampled / "audit.json").read_text())
-    assert audit["reproduced"] and audit["trajectories"]["n"] >= 2 * 3 * 20
+    assert audit["reproduced"] and audit["trajectories"]["n"] >= 2 * 3 * 5 * K
 
     # A forged draw whose fingerprint and hash chain are recomputed still fails: the model does not emit it.
     forged = tmp_path / "forged"
