@@ -8,15 +8,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# A test session keeps its proofs of fast steps (records.proofs) in a folder of its own, shared by its workers and
-# the commands they start, never the home folder's: a model setting is proven once a session, as once a machine
-# for a user. The proofs' own tests, and those that count a run's forwards, give the store a folder of their own or
-# switch it off. The session's first process makes the folder; workers inherit it.
-if "STAGEREPLAY_PROOFS" not in os.environ:
-    import tempfile
-
-    os.environ["STAGEREPLAY_PROOFS"] = tempfile.mkdtemp(prefix="stagereplay-test-proofs-")
-    _SESSION_PROOFS = os.environ["STAGEREPLAY_PROOFS"]
+# Each test proves its own fast steps: a store of proofs (records.proofs) shared by the tests would let one test's
+# proof reach decide what another run records (a ledger's environment names how far its proof went), and would
+# write into the home folder. The store's own tests give it a folder of their own.
+os.environ["STAGEREPLAY_PROOFS"] = "off"
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Tests compute on this machine's own kernels: torch loads here, before any command could choose portable ones
@@ -80,11 +75,3 @@ def attn_for(arch: str) -> str:
     """The attention a user gets by default: what transformers picks (SDPA, eager for Gemma 2's softcapping)."""
     return "auto"
 
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """The session's folder of proofs goes with the process that made it (the controller, under xdist)."""
-    made = globals().get("_SESSION_PROOFS")
-    if made and not hasattr(config, "workerinput"):
-        import shutil
-
-        shutil.rmtree(made, ignore_errors=True)
