@@ -121,8 +121,8 @@ def cli(args: list[str]) -> None:
 def plan_estimate(run: Path, prefix: str) -> tuple[float, str]:
     """`stagereplay plan RUN`'s memory for the stages named `prefix*`: weights + caches alive x one cache at
     the stage's longest sequence, the largest over those stages (GiB), and the stage that sets it."""
-    from stagereplay.experiments.plan_recorded import plan_run
-    from stagereplay.experiments.stage_plan import model_shape
+    from stagereplay.plan.recorded import plan_run
+    from stagereplay.plan.stages import model_shape
     from stagereplay.records.ledger import read_manifest
 
     shape = model_shape(read_manifest(run)["config"]["model"]["path"])
@@ -137,7 +137,7 @@ def plan_estimate(run: Path, prefix: str) -> tuple[float, str]:
 
 def decode_steps(run: Path, prefix: str) -> tuple[int, int]:
     """Decode steps (single-token forwards) and all forwards of the stages named `prefix*`, from the ledger."""
-    from stagereplay.experiments.plan_recorded import plan_run
+    from stagereplay.plan.recorded import plan_run
 
     stages = [s for s in plan_run(run, audited=False) if s.name.startswith(prefix)]
     return sum(s.steps for s in stages), sum(s.forwards for s in stages)

@@ -140,8 +140,8 @@ def sweep(model: Path, items: Path, n: int, precision: str, knobs: list[str]) ->
     every knob), per setting: items whose 64-token suffix after a 48-token stage 1 differs."""
     from transformers import AutoTokenizer
 
-    from stagereplay.engine.llamacpp_engine import load
-    from stagereplay.engine.serving import EngineConfig
+    from stagereplay.serving.llamacpp import load
+    from stagereplay.serving.seam import EngineConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
     rows = [json.loads(x) for x in items.read_text().splitlines()][:n]

@@ -16,7 +16,7 @@ invariance check, so only the payloads can be equal).
 
 A shared CPU's pace moves under a run: on the 2-core machine of docs/reference/performance.md the same toy
 step took 2.8 ms at one time and 7.7 ms 25 minutes later, with nothing else running in the machine. So each
-run is bracketed by the library's own calibration (`experiments.rates.calibrate`: a captured decode step and a
+run is bracketed by the library's own calibration (`plan.rates.calibrate`: a captured decode step and a
 prefill on the primary model, per precision, in as many fresh processes at once as the run has workers, since
 workers sharing the CPU each step slower than one alone), and the plan of the run as it ran
 (`plan_run`: its forwards, counted from its ledger) is priced at the pace measured before it. `wall / plan`
@@ -196,14 +196,14 @@ def payloads(run: Path) -> dict[str, str]:
 
 def pace(args: argparse.Namespace, workers: int) -> dict[str, tuple[float, float]]:
     """Per precision, (decode steps per second, prefill tokens per second) on the primary model, measured in
-    `workers` fresh processes at once with the run's kernels (`experiments.rates.calibrate`, `together`): the
+    `workers` fresh processes at once with the run's kernels (`plan.rates.calibrate`, `together`): the
     pace of each of a run's workers, which share the CPU."""
     model = args.model
     if model is None:
         from stagereplay.toy import toy_checkpoint
 
         model = str(toy_checkpoint("primary"))
-    code = ("import json, sys; from stagereplay.experiments.rates import calibrate; "
+    code = ("import json, sys; from stagereplay.plan.rates import calibrate; "
             "r = calibrate(sys.argv[1], ('bf16', 'fp32'), threads=int(sys.argv[2]), steps=64, rounds=5, "
             "together=int(sys.argv[3])); "
             "print(json.dumps({p: [r.steps[p], r.prefill_tokens.get(p, 0.0)] for p in r.steps}))")
@@ -225,8 +225,8 @@ def kernel_env(args: argparse.Namespace) -> dict[str, str]:
 def plan_seconds(run: Path, rates: dict[str, tuple[float, float]], workers: int) -> tuple[int, float]:
     """The run's forwards as it ran (`plan_run`, its audit sample included) and their time at `rates`, each
     stage spread over `workers` processes."""
-    from stagereplay.experiments.plan_recorded import plan_run
-    from stagereplay.experiments.rates import Rates
+    from stagereplay.plan.rates import Rates
+    from stagereplay.plan.recorded import plan_run
 
     stages = plan_run(run)
     priced = Rates({p: r[0] for p, r in rates.items()}, {p: r[1] for p, r in rates.items() if r[1] > 0})
@@ -345,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"item payloads of --workers {r['workers']} --batch {r['batch']} equal to the first run's: {equal} of "
               f"{len(first)}")
     print("machine pace, a captured decode step before / after each run, as many processes at once as it has "
-          "workers (experiments.rates.calibrate):")
+          "workers (plan.rates.calibrate):")
     for r in rows:
         steps = ", ".join(f"{p} {a:.2f} / {b:.2f} ms" for p, (a, b) in r["step_ms"].items())
         print(f"{r['executor']:>8}  {r['workers']:>7}  {steps}; plan of the run at the pace before it: "

@@ -52,7 +52,7 @@ def scale_workload(kind: str, tmp: Path, n: int) -> tuple[str, dict[str, Any], A
 
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.experiments.stage_plan import PlanConfig
+    from stagereplay.plan.stages import PlanConfig
 
     shape = dict(scale.FULL if kind == "full" else scale.TINY)
     model = scale.build(tmp / "model", shape)
@@ -69,10 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from stagereplay.engine import decode
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.experiments.plan import plan_paper, prompt_lengths, render
-    from stagereplay.experiments.plan_recorded import plan_run
-    from stagereplay.experiments.rates import calibrate
-    from stagereplay.experiments.stage_plan import model_shape
+    from stagereplay.plan.paper import plan_paper, prompt_lengths, render
+    from stagereplay.plan.rates import calibrate
+    from stagereplay.plan.recorded import plan_run
+    from stagereplay.plan.stages import model_shape
     from stagereplay.runs import paper
     from stagereplay.toy import toy_checkpoint
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     from stagereplay.engine.cache import clone_cache
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import load
-    from stagereplay.experiments.runs import resolve_source
+    from stagereplay.runs.make import resolve_source
     from stagereplay.tasks import load_items
 
     tmp = tempfile.TemporaryDirectory()

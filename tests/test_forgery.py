@@ -21,8 +21,8 @@ import pytest
 from forge import carry_over, edit, load, save, with_payload
 from typer.testing import CliRunner
 
+from stagereplay.audit.verify import verify_run
 from stagereplay.cli import app
-from stagereplay.experiments.verify import verify_run
 from stagereplay.records.ledger import Record, read_manifest
 
 runner = CliRunner()

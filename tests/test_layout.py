@@ -15,7 +15,8 @@ SRC = Path(__file__).parents[1] / "src"
 CYCLES_TOOL = Path(__file__).parents[2] / "shared" / "tools" / "import_cycles.py"
 
 # Folders (rooms) from the bottom up: a module may import only from its own room or rooms below it.
-ORDER = ("errors", "tasks", "toy", "engine", "execution", "records", "report", "experiments", "runs", "cli")
+ORDER = ("errors", "tasks", "toy", "engine", "execution", "records", "report", "experiments", "serving", "audit", "plan",
+         "runs", "cli")
 
 
 def _room(module: str) -> str:

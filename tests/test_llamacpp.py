@@ -51,9 +51,9 @@ def _arms(payload: dict) -> dict[str, dict]:
 
 
 def _engine(toy_gguf: Path):
-    from stagereplay.engine.llamacpp_engine import load
     from stagereplay.engine.lm import load as load_lm
-    from stagereplay.engine.serving import EngineConfig
+    from stagereplay.serving.llamacpp import load
+    from stagereplay.serving.seam import EngineConfig
     from stagereplay.tasks import DataConfig, load_items
 
     lm = load_lm(str(toy_gguf), "fp32")
@@ -149,7 +149,7 @@ def test_audit_reexecutes_in_llamacpp_and_catches_a_forged_record(run, tmp_path)
 def test_under_another_llamacpp_build_a_difference_is_not_reproduced_here(run, tmp_path, monkeypatch):
     """The record's build (version, compiled CPU features) is compared with this machine's: under another build the
     same forged record is "not reproduced here" (exit 3), not an integrity finding, and the build is named."""
-    from stagereplay.engine import llamacpp_engine
+    from stagereplay.serving import llamacpp as llamacpp_engine
 
     forged = tmp_path / "forged"
     _forge_state_restore(run, forged)

@@ -17,7 +17,7 @@ from stagereplay.engine.boundary import After
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.forwards import construct_forwards
 from stagereplay.experiments import precision_2x2
-from stagereplay.experiments.plan_recorded import grid_lengths, lengths_of, plan_run
+from stagereplay.plan.recorded import grid_lengths, lengths_of, plan_run
 from stagereplay.records.ledger import items, read_ledger
 
 # DeepSeek-R1-Distill-Qwen-14B's shape, as its config.json states it (no weights, no tokenizer).
@@ -198,8 +198,8 @@ def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(
     """The gate on carrying an arm over is the rebuilt cache's fingerprint. Given a recorded arm whose cache_fp is
     not the cache's (negative control), the 2x2 and the transplant decode that arm in full and record it as their
     own, and what they decode is the recorded computation: the same suffix, the true fingerprint."""
+    from stagereplay.audit.reexecute import _job, _reuse
     from stagereplay.engine.lm import load
-    from stagereplay.experiments.audit import _job, _reuse
     from stagereplay.experiments.precision_2x2 import grid_item
     from stagereplay.experiments.transplant import transplant_item
     from stagereplay.records.ledger import read_manifest
@@ -328,7 +328,7 @@ def test_plan_without_a_tokenizer_asks_for_the_prompt_length(tmp_path):
 
 
 def test_calibrate_measures_positive_rates(tiny_dir):
-    from stagereplay.experiments.rates import calibrate
+    from stagereplay.plan.rates import calibrate
 
     rates = calibrate(str(tiny_dir("qwen2")), ["bf16"], prompt=32, steps=4)
     assert rates.steps["bf16"] > 0 and "calibrated" in rates.source and "dynamic cache" in rates.source
@@ -340,7 +340,7 @@ def test_calibrating_together_times_as_many_fresh_processes(tiny_dir):
     """Workers share the CPU and each steps slower than one alone: `together` measures in that many processes."""
     import os
 
-    from stagereplay.experiments.rates import calibrate_each
+    from stagereplay.plan.rates import calibrate_each
 
     each = calibrate_each(2, str(tiny_dir("qwen2")), ["bf16"], prompt=32, steps=4, rounds=1)
     pids = {pid for pid, _ in each}
@@ -349,7 +349,7 @@ def test_calibrating_together_times_as_many_fresh_processes(tiny_dir):
 
 
 def test_rates_measured_together_are_their_mean():
-    from stagereplay.experiments.rates import Rates, mean_rates
+    from stagereplay.plan.rates import Rates, mean_rates
 
     a = Rates({"bf16": 100.0, "fp32": 50.0}, {"bf16": 1000.0}, "calibrated on m")
     b = Rates({"bf16": 300.0, "fp32": 150.0}, {"bf16": 3000.0, "fp32": 10.0}, "calibrated on m")
@@ -360,7 +360,7 @@ def test_rates_measured_together_are_their_mean():
 
 
 def test_plan_calibrates_as_many_processes_as_cpu_workers(monkeypatch):
-    from stagereplay.experiments import plan as plan_module
+    from stagereplay.plan import paper as plan_module
 
     seen = []
 
@@ -393,7 +393,7 @@ def test_paper_command_and_plan_share_the_audit_sample_default():
     import inspect
 
     from stagereplay.cli import experiments
-    from stagereplay.experiments import paper
+    from stagereplay.runs import protocol as paper
 
     assert inspect.signature(experiments.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
     assert inspect.signature(paper.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
@@ -405,8 +405,8 @@ def test_paper_on_a_gpu_batches_as_many_items_as_their_caches_fit_beside_the_wei
     import torch
 
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.experiments.paper import MAX_GPU_BATCH, gpu_batch
-    from stagereplay.experiments.stage_plan import model_shape
+    from stagereplay.plan.stages import model_shape
+    from stagereplay.runs.protocol import MAX_GPU_BATCH, gpu_batch
     from stagereplay.toy import toy_checkpoint
 
     config = json.loads((toy_checkpoint("primary") / "config.json").read_text())

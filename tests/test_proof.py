@@ -123,7 +123,7 @@ def test_a_count_boundary_proves_to_its_reach_not_the_context(tiny_dir, items_fi
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.execution.config import ExecConfig
-    from stagereplay.experiments.runs import prepare, prove_reach, resolve_source
+    from stagereplay.runs.make import prepare, prove_reach, resolve_source
 
     source = resolve_source(str(tiny_dir("qwen2")), str(items_file), 4, After(6), None, DecodeConfig(max_new_tokens=8),
                             "bf16", "cpu", 1, "auto")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from stagereplay.audit.reexecute import verify_ledger
 from stagereplay.cli import app
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.audit import verify_ledger
 from stagereplay.records.ledger import open_run
 
 runner = CliRunner()

@@ -96,7 +96,7 @@ def _paper_results() -> dict[str, Any]:
 def test_fixture_is_an_intact_real_run(tmp_path: Path) -> None:
     """The fixture is what `fixtures/make_fixtures.py` got from a real `paper` run: bound, complete, every
     derivable claim holding, results.json what its ledger gives; and it fills every section the tests read."""
-    from stagereplay.experiments.verify import verify_run
+    from stagereplay.audit.verify import verify_run
     from stagereplay.records.ledger import read_manifest
 
     run = _copy_run(tmp_path)

@@ -338,7 +338,7 @@ def test_default_run_takes_a_reasoning_models_path(tmp_path: Path, monkeypatch: 
     assert _item_records(tmp_path / "file") == _item_records(tmp_path / "default")
 
     # Without a model, the audit checks the toy's items by the same hash: other rows are another dataset.
-    from stagereplay.experiments.verify import dataset_findings
+    from stagereplay.audit.verify import dataset_findings
     from stagereplay.tasks import toy
 
     manifest = json.loads((tmp_path / "default" / "manifest.json").read_text())

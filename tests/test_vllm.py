@@ -46,8 +46,8 @@ def _arms(payload: dict) -> dict[str, dict]:
 
 def _engine(precision: str = "bf16"):
     from stagereplay.engine.lm import load
-    from stagereplay.engine.serving import EngineConfig
-    from stagereplay.experiments.serving import cached_engine
+    from stagereplay.serving.matched import cached_engine
+    from stagereplay.serving.seam import EngineConfig
     from stagereplay.toy import toy_checkpoint
 
     lm = load(str(toy_checkpoint("primary")), precision)

@@ -271,7 +271,7 @@ def paper(
                   threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
                   resample=resample, resample_items=resample_items, audit_sample=audit_sample or None, columns=columns,
                   cache=cache, kernels=kernels, batch=batch)
-        from stagereplay.experiments.audit import exit_code
+        from stagereplay.audit.reexecute import exit_code
 
         typer.echo(f"report: {out / 'report.html'}")
         if exit_code(res["audit"]):

@@ -71,7 +71,7 @@ def decode_config(max_new: int, max_stage1: int | None, sample: bool, temperatur
 
 
 def engine_options(engine: str, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool) -> dict[str, Any]:
-    """llama.cpp's own settings (engine.serving.EngineConfig), given only for it."""
+    """llama.cpp's own settings (serving.seam.EngineConfig), given only for it."""
     options = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "flash_attn": flash_attn}
     return options if engine == "llama.cpp" else {}
 
@@ -88,7 +88,7 @@ MovedData = Annotated[str | None, typer.Option("--data", help=(
 
 
 def relocation(model: str | None, later_model: str | None, data: str | None = None) -> Any:
-    from stagereplay.experiments.relocate import Relocation
+    from stagereplay.audit.relocate import Relocation
 
     return Relocation(model, later_model, data)
 

@@ -75,17 +75,17 @@ def plan(
     def go() -> None:
         import os
 
-        from stagereplay.experiments.plan import plan as make_plan
-        from stagereplay.experiments.rates import Rates
-        from stagereplay.experiments.stage_plan import PlanConfig
         from stagereplay.experiments.transplant import parse_selection
+        from stagereplay.plan.paper import plan as make_plan
+        from stagereplay.plan.rates import Rates
+        from stagereplay.plan.stages import PlanConfig
 
         parse_selection(select)
         for name, rate in (("--tokens-per-second", tokens_per_second),
                            ("--prefill-tokens-per-second", prefill_tokens_per_second)):
             if rate is not None and not 0 < rate < float("inf"):
                 raise StageReplayError(f"{name} must be positive, got {rate}", f"pass e.g. {name} 40")
-        from stagereplay.experiments.paper import AUDIT_SAMPLE
+        from stagereplay.runs.protocol import AUDIT_SAMPLE
 
         w = workers or (min(2, os.cpu_count() or 1) if device == "cpu" else 1)
         sample = AUDIT_SAMPLE if audit_sample is None and run_dir is None else audit_sample

@@ -40,7 +40,7 @@ def audit(
     under this machine's other kernels (the first line names the fields that differ)."""
 
     def go() -> None:
-        from stagereplay.experiments.audit import AuditConfig, exit_code
+        from stagereplay.audit.reexecute import AuditConfig, exit_code
         from stagereplay.report.audit_lines import finding_lines, verdict_line
         from stagereplay.runs import audit as run
 

@@ -143,7 +143,7 @@ class LM:
 
     def prove(self, prompt: Sequence[int], reach: int) -> Proof | None:
         """Prove the fast single-token step (captured by dynamo, or a CUDA graph) equal to the eager step from
-        `prompt` to at least position `reach`, now: a run's set-up before its first item (experiments.runs). Steps
+        `prompt` to at least position `reach`, now: a run's set-up before its first item (runs.make). Steps
         past what is proven are proven as they come (`fast_step_at`), so `reach` need only be what the run is sure
         to use. None where every step is eager anyway. The outcome goes into `determinism`, so every record's
         environment carries it."""

@@ -1,4 +1,4 @@
-"""vLLM behind the serving seam (`engine.serving`): in-process, one greedy request at a time, prefix caching on.
+"""vLLM behind the serving seam (`serving.seam`): in-process, one greedy request at a time, prefix caching on.
 
 vLLM runs in its own virtual environment (its transformers cap differs from ours; docs/how-to/vllm.md). The settings
 that fix its numbers on a CPU are environment variables read when vLLM is imported, so `load` sets them first
@@ -20,8 +20,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from stagereplay.engine.serving import TOP_LOGPROBS, EngineConfig, Generation
 from stagereplay.errors import StageReplayError
+from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, Generation
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE",

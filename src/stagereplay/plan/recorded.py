@@ -10,7 +10,7 @@ from typing import Any
 
 from stagereplay.engine.forwards import Lengths
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.stage_plan import StagePlan, allocate, new_stage
+from stagereplay.plan.stages import StagePlan, allocate, new_stage
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 
 
@@ -40,7 +40,7 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
     """The stages of a run as it ran: every unit's forwards from its record's measured lengths; then its audit,
     re-executing the units the audit picks (`audit.sample_units`: the run's own sample, from its audit.json,
     unless `audit_sample` is given; 0 or none recorded: every unit)."""
-    from stagereplay.experiments.audit import AuditConfig, sample_units
+    from stagereplay.audit.reexecute import AuditConfig, sample_units
 
     manifest = read_manifest(run_dir)
     stages_cfg = manifest.get("stages", {})

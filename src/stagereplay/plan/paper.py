@@ -27,9 +27,9 @@ from typing import Any
 from stagereplay.engine.forwards import Lengths, continuation_forwards
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.kernels import check_kernels, choose, follow_run, pin
-from stagereplay.experiments.plan_recorded import plan_run, run_cache
-from stagereplay.experiments.rates import Rates, calibrate
-from stagereplay.experiments.stage_plan import PlanConfig, Shape, StagePlan, allocate, model_shape, new_stage
+from stagereplay.plan.rates import Rates, calibrate
+from stagereplay.plan.recorded import plan_run, run_cache
+from stagereplay.plan.stages import PlanConfig, Shape, StagePlan, allocate, model_shape, new_stage
 from stagereplay.records.ledger import read_manifest
 
 

@@ -15,9 +15,9 @@ from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import follow_run
 from stagereplay.experiments.common import ReplaySettings
-from stagereplay.experiments.runs import finish, serving_arms
 from stagereplay.records.ledger import open_run, read_ledger, read_manifest
 from stagereplay.records.shards import merge_runs
+from stagereplay.runs.make import finish, serving_arms
 
 
 def existing_run(run_dir: str | Path, check_ledger: bool = True) -> tuple[Path, dict[str, Any]]:
@@ -33,7 +33,7 @@ def existing_run(run_dir: str | Path, check_ledger: bool = True) -> tuple[Path, 
 
 def matched_stage(manifest: dict[str, Any], checkpoint: str, where: Any = None) -> tuple[ModelConfig, ReplaySettings]:
     """The matched stage's model and settings, its model where `where` (a `Relocation`) says it is now."""
-    from stagereplay.experiments.relocate import FLAGS, Relocation, relocate
+    from stagereplay.audit.relocate import FLAGS, Relocation, relocate
 
     stage = relocate(manifest, where or Relocation(), need_inputs=False)[0].get("stages", {}).get(
         f"matched/{checkpoint}")
@@ -50,7 +50,7 @@ def matched_stage(manifest: dict[str, Any], checkpoint: str, where: Any = None) 
 
 def refuse_serving(manifest: dict[str, Any], checkpoint: str, what: str) -> None:
     """Bridge, transplant and resample need boundary caches our engine made; a serving engine's run has none."""
-    from stagereplay.engine.serving import refuse_cache_access
+    from stagereplay.serving.seam import refuse_cache_access
 
     engine = manifest.get("stages", {}).get(f"matched/{checkpoint}", {}).get("engine")
     if engine is not None:
@@ -68,8 +68,8 @@ def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = (),
     model, settings = matched_stage(manifest, checkpoint, where)
     served = manifest["stages"][f"matched/{checkpoint}"].get("engine")
     if served is not None:  # a serving engine's run: its arms crossed with precision, in that engine
-        from stagereplay.experiments.serving import arms_of
-        from stagereplay.experiments.serving_2x2 import check_serving_constructions, run_serving_2x2
+        from stagereplay.serving.matched import arms_of
+        from stagereplay.serving.precision_2x2 import check_serving_constructions, run_serving_2x2
 
         arms = arms_of(manifest["stages"][f"matched/{checkpoint}"])
         constructions = constructions or arms.grid
@@ -145,9 +145,9 @@ def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, exec
     moved are now: each is checked against the run's hashes before anything runs."""
     import json
 
-    from stagereplay.experiments.audit import audit_run
-    from stagereplay.experiments.relocate import Relocation, relocate
-    from stagereplay.experiments.verify import verify_run
+    from stagereplay.audit.reexecute import audit_run
+    from stagereplay.audit.relocate import Relocation, relocate
+    from stagereplay.audit.verify import verify_run
     from stagereplay.records.ledger import atomic_write
     from stagereplay.report.results import AUDIT_FILE
 

@@ -12,18 +12,22 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from stagereplay.audit.reexecute import AuditConfig, audit_run
 from stagereplay.engine.boundary import BoundaryRule
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.model import ModelConfig, check_model_dir
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import choose, pin
-from stagereplay.experiments.audit import AuditConfig, audit_run
 from stagereplay.experiments.bridge import run_bridge
 from stagereplay.experiments.matched import MatchedConfig, run_matched
 from stagereplay.experiments.precision_2x2 import run_2x2
 from stagereplay.experiments.resample import ResampleConfig, run_resample
-from stagereplay.experiments.runs import (
+from stagereplay.experiments.transplant import TransplantConfig, run_transplant
+from stagereplay.records.ledger import atomic_write, open_run
+from stagereplay.report.results import AUDIT_FILE
+from stagereplay.report.summaries import summarize_matched
+from stagereplay.runs.make import (
     finish,
     new_manifest,
     prepare,
@@ -31,10 +35,6 @@ from stagereplay.experiments.runs import (
     require_boundary,
     resolve_source,
 )
-from stagereplay.experiments.transplant import TransplantConfig, run_transplant
-from stagereplay.records.ledger import atomic_write, open_run
-from stagereplay.report.results import AUDIT_FILE
-from stagereplay.report.summaries import summarize_matched
 
 AUDIT_SAMPLE = 10
 """Units per stage the audit of `paper` re-executes by default: with every record verified without a model,
@@ -56,7 +56,7 @@ def gpu_batch(model: str | None, device: str, decode: DecodeConfig) -> int:
     import torch
 
     from stagereplay.engine.limits import STAGE1_BUDGET
-    from stagereplay.experiments.stage_plan import PEAK_CACHES, model_shape
+    from stagereplay.plan.stages import PEAK_CACHES, model_shape
 
     if model is None:
         from stagereplay.toy import toy_checkpoint

@@ -1,6 +1,6 @@
 """What a forward costs on a machine: rates given by the user, or measured on the real model (`calibrate`).
 
-`stagereplay plan` prices each stage's forwards at these rates (`experiments.plan`); `bench/paper.py` brackets a
+`stagereplay plan` prices each stage's forwards at these rates (`plan.paper`); `bench/paper.py` brackets a
 run with `calibrate` to price the run's own plan at the pace the machine had around it. A step is timed after a
 warm-up round that captures it, on the cache kind and kernels the run would use; `together` > 1 times that many
 fresh processes at once, as a run's workers step at once on a shared CPU.

@@ -13,7 +13,7 @@ Per item, in one engine and this order (the prefix cache is emptied where an arm
     oneshot         reset; a request for P: nothing cached, one fresh prefill
     oneshot#replica
     state-restore, oneshot-restore (+ #replica)   llama.cpp only: its saved boundary states restored and
-                    continued (`experiments.serving_restore`)
+                    continued (`serving.restore`)
     hf-oneshot      (--cross hf) our engine prefills P[0:T-1] in one forward and continues from P[T-1]
     hf-oneshot#replica
 
@@ -31,7 +31,12 @@ from typing import Any
 from stagereplay.engine.boundary import stage1_end
 from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.engine.model import ModelConfig
-from stagereplay.engine.serving import (
+from stagereplay.errors import StageReplayError
+from stagereplay.execution.config import ExecConfig, Work
+from stagereplay.experiments.common import Job, ReplaySettings, comparison, execute, no_boundary_payload
+from stagereplay.records.ledger import Run
+from stagereplay.records.provenance import environment
+from stagereplay.serving.seam import (
     EXTRA_ARMS,
     TOP_LOGPROBS,
     EngineConfig,
@@ -39,11 +44,6 @@ from stagereplay.engine.serving import (
     ServingEngine,
     load_engine,
 )
-from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import ExecConfig, Work
-from stagereplay.experiments.common import Job, ReplaySettings, comparison, execute, no_boundary_payload
-from stagereplay.records.ledger import Run
-from stagereplay.records.provenance import environment
 from stagereplay.tasks import DataConfig
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
@@ -74,7 +74,7 @@ class ServingArms:
         the embedded toy's folder)."""
         import importlib
 
-        from stagereplay.engine.serving import ENGINES
+        from stagereplay.serving.seam import ENGINES
 
         check = getattr(importlib.import_module(ENGINES[self.engine.name]), "check_model", None)
         if check is not None:
@@ -172,7 +172,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     """One item's arms on the serving engine (and ours with --cross hf); `lm` is our engine at the same
     precision: its tokenizer scores and finds the boundary, and it runs the cross arm."""
     from stagereplay.experiments.precision_2x2 import fixed_state
-    from stagereplay.experiments.serving_restore import boundary_saver, live_run, restore_arms
+    from stagereplay.serving.restore import boundary_saver, live_run, restore_arms
 
     item, s = job.item, job.settings
     engine_config = EngineConfig(**dict(job.get("engine")))

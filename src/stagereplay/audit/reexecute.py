@@ -5,7 +5,7 @@ the edited tokens, fingerprints or labels are not what the model produces. Every
 is compared with its re-execution (token IDs and their fingerprints, every arm's cache fingerprint and
 label, every comparison field, transplant outcomes, statuses), and results.json is rebuilt from the
 re-executed records. The model-free checks (chain, binding, completeness, derivable claims) are
-`stagereplay.experiments.verify`, which runs first.
+`stagereplay.audit.verify`, which runs first.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ PER_PRECISION = ("precision_2x2", "resample")
 def verify_ledger(run_dir: Path) -> list[dict[str, Any]]:
     """Integrity only, no model: every line parses, every hash and link of the chain holds (from the
     manifest's identity when there is one), and the chain is bound to the manifest."""
-    from stagereplay.experiments.verify import read_chain
+    from stagereplay.audit.verify import read_chain
     from stagereplay.records.ledger import chain_problems, read_manifest
     from stagereplay.records.manifest import binding_problems, chain_start
 
@@ -88,7 +88,7 @@ def _work(experiment: str, stage: dict[str, Any]) -> Callable[..., dict[str, Any
     from stagereplay.experiments.transplant import transplant_item
 
     if "engine" in stage:  # a serving engine's records: re-executed in that engine
-        from stagereplay.experiments.serving_jobs import serving_work
+        from stagereplay.serving.jobs import serving_work
 
         return serving_work(experiment)
     return {"matched": matched_item, "precision_2x2": grid_item, "bridge": bridge_item,
@@ -104,7 +104,7 @@ def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple
     prefix = prefixes.get((record.checkpoint, record.item_id))
     extra: tuple[tuple[str, Any], ...]
     if "engine" in stage:
-        from stagereplay.experiments.serving_jobs import serving_job_extra
+        from stagereplay.serving.jobs import serving_job_extra
 
         extra = serving_job_extra(record.experiment, stage, prefix)
     elif record.experiment == "matched":
@@ -244,9 +244,9 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     results.json not yet rewritten (a paper run)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from stagereplay.audit.verify import claimed, expected_units, read_chain, verify_run
     from stagereplay.engine.model import load_config_and_tokenizer, set_determinism
     from stagereplay.execution.jobs import run_jobs
-    from stagereplay.experiments.verify import claimed, expected_units, read_chain, verify_run
 
     config = config or AuditConfig()
     checked = verify_run(run_dir, manifest, stored_results)
@@ -258,7 +258,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     stages = manifest.get("stages", {})
     model = run_config["model"]
     here = environment(model["device"], set_determinism(model["threads"], model["device"]))
-    from stagereplay.experiments.serving_jobs import engine_build_here
+    from stagereplay.serving.jobs import engine_build_here
 
     build = engine_build_here(stages)  # a serving engine that records its build: this machine's, to compare
     if build is not None:

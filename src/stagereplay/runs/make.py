@@ -1,5 +1,5 @@
 """The library entry point that makes a run directory (`matched`), and what every run shares: resolve the
-source, validate inputs, freeze the manifest, run, report (`experiments.extend` extends a run).
+source, validate inputs, freeze the manifest, run, report (`runs.extend` extends a run).
 
 Every check that can fail on bad input runs before the run directory is created, so a bad input never leaves
 a half-written run behind.
@@ -265,7 +265,7 @@ def matched(
 
     With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards. `columns`
     maps the data's fields (`prompt=problem,answer=answer,id=unique_id`). With `engine="vllm"` the arms are a
-    serving engine's (`experiments.serving`); `cross="hf"` adds our engine's replay of its prefixes. `kernels`:
+    serving engine's (`serving.matched`); `cross="hf"` adds our engine's replay of its prefixes. `kernels`:
     the CPU kernels (`execution.kernels`), chosen here, before torch loads.
     """
     from stagereplay.experiments.matched import MatchedConfig, run_matched
@@ -290,7 +290,7 @@ def matched(
         identity.update(engine=arms.engine.as_dict(), cross=arms.cross)
     manifest = new_manifest("matched", identity, source, items, data_hash, determinism)
     if arms is not None:  # the engine's version and settings, frozen with the rest before the first item
-        from stagereplay.experiments.serving import cached_engine
+        from stagereplay.serving.matched import cached_engine
 
         assert lm is not None  # a serving engine runs in this process (serving_arms)
         manifest["environment"]["engine"] = cached_engine(arms.engine, lm).settings()
@@ -298,7 +298,7 @@ def matched(
         if arms is None:
             run_matched(run, config, items, ex, lm, quiet)
         else:
-            from stagereplay.experiments.serving import run_serving_matched
+            from stagereplay.serving.matched import run_serving_matched
 
             run_serving_matched(run, source.model, source.settings, source.data, arms, items, lm, quiet=quiet)
         results = finish(run, quiet)
@@ -309,14 +309,14 @@ def matched(
 def serving_arms(engine: str, cross: str | None, block_size: int, construction: str, ex: ExecConfig,
                  decode: DecodeConfig, precision: str, options: dict[str, Any] | None = None) -> Any:
     """The arms of a serving engine's matched run, or None for our engine; what it cannot run is refused here,
-    before anything loads. `options`: the engine's own settings (llama.cpp's batch sizes, engine.serving)."""
+    before anything loads. `options`: the engine's own settings (llama.cpp's batch sizes, serving.seam)."""
     if engine == "hf":
         if cross is not None:
             raise StageReplayError("--cross replays a serving engine's prefixes",
                                    "pass it with --engine vllm or --engine llama.cpp")
         return None
-    from stagereplay.engine.serving import EngineConfig, require_engine
-    from stagereplay.experiments.serving import ServingArms
+    from stagereplay.serving.matched import ServingArms
+    from stagereplay.serving.seam import EngineConfig, require_engine
 
     config = EngineConfig(engine, block_size=block_size, **(options or {}))
     if construction != "oneshot":

@@ -1,4 +1,4 @@
-"""llama.cpp behind the serving seam (`engine.serving`), through llama-cpp-python: one context, greedy, in-process.
+"""llama.cpp behind the serving seam (`serving.seam`), through llama-cpp-python: one context, greedy, in-process.
 
 Requests run on one `llama_cpp.Llama` context, batch size 1, the way llama-server runs a slot:
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagereplay.engine.serving import TOP_LOGPROBS, EngineConfig, Generation
 from stagereplay.errors import StageReplayError
+from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, Generation
 
 CACHE_TYPES = {"fp16": ("f16", 1), "bf16": ("bf16", 30), "fp32": ("f32", 0)}
 """--precision -> the K/V cache's ggml type (name, enum value in ggml.h)."""

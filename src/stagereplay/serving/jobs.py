@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from stagereplay.execution.config import Work
-from stagereplay.experiments.serving import arms_of, serving_matched_item
-from stagereplay.experiments.serving_2x2 import job_extra, serving_grid_item
+from stagereplay.serving.matched import arms_of, serving_matched_item
+from stagereplay.serving.precision_2x2 import job_extra, serving_grid_item
 
 
 def serving_work(experiment: str) -> Work:
@@ -26,7 +26,7 @@ def engine_build_here(stages: dict[str, Any]) -> dict[str, Any] | None:
     audit compares it as it compares torch's kernels), or None where no stage names such an engine."""
     for stage in stages.values():
         if stage.get("engine", {}).get("name") == "llama.cpp":
-            from stagereplay.engine.llamacpp_engine import build_info, require
+            from stagereplay.serving.llamacpp import build_info, require
 
             require()
             return build_info()

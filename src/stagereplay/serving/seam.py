@@ -10,7 +10,7 @@ which):
     version() / settings()                   what fixes its numbers, for the manifest and the environment
 
 Another engine is one module (`require()`, `load(...)` and a class of this shape) and one line in `ENGINES`:
-llama.cpp is `engine.llamacpp_engine`, whose context state adds the `state-restore` arms (`EXTRA_ARMS`).
+llama.cpp is `serving.llamacpp`, whose context state adds the `state-restore` arms (`EXTRA_ARMS`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from stagereplay.errors import StageReplayError
 TOP_LOGPROBS = 5
 """Top-k logprobs recorded per step: enough for the margin (top-1 minus top-2) and a look at the near-ties."""
 
-ENGINES: dict[str, str] = {"vllm": "stagereplay.engine.vllm_engine",
-                           "llama.cpp": "stagereplay.engine.llamacpp_engine"}
+ENGINES: dict[str, str] = {"vllm": "stagereplay.serving.vllm",
+                           "llama.cpp": "stagereplay.serving.llamacpp"}
 """Engine name -> the module whose `load(config)` returns a `ServingEngine`."""
 EXTRA_ARMS: dict[str, tuple[str, ...]] = {"llama.cpp": ("state-restore", "oneshot-restore")}
 """Arms an engine runs beside oneshot and prefix-cache: llama.cpp saves and restores a sequence's K/V."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from stagereplay.engine.boundary import Watch
-from stagereplay.engine.serving import Generation, ServingEngine
+from stagereplay.serving.seam import Generation, ServingEngine
 
 RESTORE_ARMS = ("state-restore", "oneshot-restore")
 

@@ -21,12 +21,12 @@ from typing import Any
 
 from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
-from stagereplay.engine.serving import TOP_LOGPROBS, EngineConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.common import Job, ReplaySettings, comparison, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
-from stagereplay.experiments.serving import (
+from stagereplay.records.ledger import Run
+from stagereplay.serving.matched import (
     ServingArms,
     arm_of,
     cached_engine,
@@ -35,7 +35,7 @@ from stagereplay.experiments.serving import (
     served_arm,
     with_engine_environment,
 )
-from stagereplay.records.ledger import Run
+from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig
 
 EXPERIMENT = "precision_2x2"
 

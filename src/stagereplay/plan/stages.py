@@ -1,7 +1,7 @@
 """What a plan is made of: a model's shape (what sizes its caches and weights), the cost-relevant options of
 `paper` (`PlanConfig`), and one stage's work (`StagePlan`: its units, the token count of each forward they make,
-the most caches alive at once and the longest sequence they hold). `experiments.plan` fills them before a run,
-`experiments.plan_recorded` from a run's ledger.
+the most caches alive at once and the longest sequence they hold). `plan.paper` fills them before a run,
+`plan.recorded` from a run's ledger.
 """
 
 from __future__ import annotations
