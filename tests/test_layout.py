@@ -109,3 +109,17 @@ def test_the_golden_comparison_tells_another_run_apart(tmp_path):
     assert result.exit_code == 0, result.output
     golden = without_environment((HERE / "ledger.jsonl").read_bytes())
     assert without_environment((tmp_path / "bf16" / "ledger.jsonl").read_bytes()) != golden
+
+
+def test_the_development_page_draws_the_rooms_the_import_rule_checks():
+    """The rooms drawn in docs/reference/development.md, top to bottom, are ORDER from the top down."""
+    import re
+
+    page = (Path(__file__).parents[1] / "docs" / "reference" / "development.md").read_text()
+    block = page.split("**Where things live.**")[1].split("```")[1]
+    drawn = []
+    for line in block.splitlines():
+        m = re.match(r"^([a-z_]+)/?(?:, ([a-z_]+)/)?\s", line)
+        if m:
+            drawn += [g for g in m.groups() if g]
+    assert drawn == list(reversed(ORDER)), drawn
