@@ -25,7 +25,7 @@ dest="$root/llama.cpp-$version-$hash"
 if [ ! -x "$dest/llama-server" ] || [ ! -f "$dest/build.txt" ]; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
-  python3 -m pip download -q --no-deps --no-binary :all: --no-build-isolation -d "$work" \
+  python3 -m pip download -q --no-deps --no-binary :all: -d "$work" \
     "llama-cpp-python==$version" >&2
   tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
   # shellcheck disable=SC2086  # the flags are words

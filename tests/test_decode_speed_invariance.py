@@ -101,6 +101,7 @@ def test_logits_and_cache_equal_generate_bitwise(tiny_dir, arch, precision):
     """Every step's logits and the final cache of the live loop are generate()'s, bit for bit."""
     lm = load(str(tiny_dir(arch)), precision=precision, attn_impl=attn_for(arch))
     prompt, n = lm.tokenizer.encode(PROMPT), 24
+    lm.generate(prompt, n)  # the fast step's proof, made before the forwards below are logged
     ref = _reference(lm, prompt, n, return_dict_in_generate=True, output_logits=True)
     cache, logged = new_cache(lm.model), []
     stepper = lm.stepper
@@ -153,6 +154,7 @@ def test_captured_steps_are_the_eager_steps_bit_for_bit(tiny_dir, arch):
     lm = load(str(tiny_dir(arch)), precision="bf16", attn_impl=attn_for(arch))
     assert lm.stepper.capture  # on by default wherever dynamo runs
     prompt = lm.tokenizer.encode(PROMPT)
+    lm.generate(prompt, 30)  # the captured step's proof, to the positions below, before they are counted
 
     def run(capture):
         lm.stepper.capture = capture
@@ -163,6 +165,7 @@ def test_captured_steps_are_the_eager_steps_bit_for_bit(tiny_dir, arch):
             logits = lm.stepper.forward([int(torch.argmax(logits.float()))], cache, pos)
         return logged, cache
 
+    torch._dynamo.reset()  # the proof's compiled step goes: the steps below compile their own
     torch._dynamo.utils.counters.clear()
     captured, captured_cache = run(True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the steps really went through dynamo

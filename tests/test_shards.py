@@ -92,7 +92,12 @@ def test_merge_keeps_each_shards_environment_and_reports_the_difference(tmp_path
 
 
 def test_two_local_workers_write_the_same_ledger_as_one(tmp_path, tiny_dir, items_file):
+    from stagereplay.engine import proof
+
     model = tiny_dir("qwen2")
+    # This process proves the model afresh, as the two workers do: a proof an earlier test left here would be
+    # reused, and how far it reached is in the environment record.
+    proof._PROVEN.clear()
     one = _matched(model, items_file, tmp_path / "one")
     two = _matched(model, items_file, tmp_path / "two", "--workers", "2")
     assert (two / "ledger.jsonl").read_bytes() == (one / "ledger.jsonl").read_bytes()
