@@ -57,7 +57,6 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     out = tmp_path_factory.mktemp("plan") / "run"
     proof._PROVEN.clear()
     mp = pytest.MonkeyPatch()
-    mp.setenv("STAGEREPLAY_PROOFS", "off")  # every proof this run makes, none found in the session's store
     mp.setattr(decode.Stepper, "forward", counting)
     mp.setattr(lm_module, "prove_steps", counted_proof)
     try:

@@ -40,9 +40,7 @@ def _generate(lm, prompt, n):
 
 
 @pytest.fixture
-def fresh_proofs(monkeypatch):
-    """No proof made before: none in this process, none in the session's store."""
-    monkeypatch.setenv("STAGEREPLAY_PROOFS", "off")
+def fresh_proofs():
     proofs._PROVEN.clear()
     yield
     proofs._PROVEN.clear()
