@@ -36,6 +36,7 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     with 6 + 8 tokens none did on an AVX-512-BF16 EPYC), which the transplant and carry-over tests need."""
     from stagereplay.engine import lm as lm_module
     from stagereplay.engine import proof
+    from stagereplay.execution import models
     from stagereplay.runs import paper
 
     sizes: Counter[int] = Counter()
@@ -55,6 +56,9 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
             proving[-1]["open"] = 0
 
     out = tmp_path_factory.mktemp("plan") / "run"
+    # As a fresh process starts: no model loaded (an earlier test's, proven to its own reach, would be reused) and
+    # no proof made.
+    models._LMS.clear()
     proof._PROVEN.clear()
     mp = pytest.MonkeyPatch()
     mp.setattr(decode.Stepper, "forward", counting)
@@ -70,7 +74,7 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     # of the run as it ran counts its units' forwards.
     # bf16 proven once before the first item, to the reach after:16 fixes; fp32 (no prepare: its stage's first
     # step asks) first to 64 positions, then once more to 128 when a step passes 64 (engine.proof.next_reach).
-    assert len(proving) == 3 and all(sum(c.values()) > 60 for c in proving)
+    assert len(proving) == 3 and all(sum(c.values()) > 60 for c in proving), proving
     return out, sizes
 
 
