@@ -75,3 +75,9 @@ def attn_for(arch: str) -> str:
     """The attention a user gets by default: what transformers picks (SDPA, eager for Gemma 2's softcapping)."""
     return "auto"
 
+
+
+def generated_cache(out):
+    """The cache a generate() call returned: `cache` since transformers 5.2x, `past_key_values` before."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import attn_for
+from conftest import attn_for, generated_cache
 
 from stagereplay.engine.cache import compare_caches, layer_span, nudged
 from stagereplay.engine.decode import DecodeConfig, Sampler, decode
@@ -25,6 +25,13 @@ PROMPT = "Q: what is 12+7? Think.\n"
 def _cuda():
     if not torch.cuda.is_available():
         pytest.fail("the gpu tests need a CUDA device (they run only with -m gpu)")
+
+
+def _proven(lm, prompt, n):
+    """The graphed step's proof (engine.proof), made before the steps below are logged: a proof made inside `_run`
+    (the stepper's guard asks for one at the first graphed step) would log its own steps as the run's."""
+    proof = lm.prove(prompt, len(prompt) + n)
+    assert proof is None or proof.equal, proof
 
 
 def _run(lm, prompt, n, graphs):
@@ -57,6 +64,7 @@ def test_graphed_static_steps_are_the_eager_static_steps_bitwise(tiny_dir, arch,
     lm = load(str(tiny_dir(arch)), precision=precision, device="cuda", attn_impl=attn_for(arch), cache="static")
     assert lm.stepper.graphs is not None
     prompt, n = lm.tokenizer.encode(PROMPT), 32
+    _proven(lm, prompt, n)
     graphed_tokens, graphed, graphed_cache = _run(lm, prompt, n, graphs=True)
     assert lm.stepper.graphs.enabled and len(lm.stepper.graphs._graphs) >= 1  # really replayed, not refused
     eager_tokens, eager, eager_cache = _run(lm, prompt, n, graphs=False)
@@ -73,6 +81,7 @@ def test_graphed_live_equals_generate_static(tiny_dir, arch):
     """On CUDA the anchor is generate(static) with its compile off; a sliding-window model runs eagerly."""
     lm = load(str(tiny_dir(arch)), precision="bf16", device="cuda", attn_impl=attn_for(arch), cache="static")
     prompt, n = lm.tokenizer.encode(PROMPT), 24
+    _proven(lm, prompt, n)
     ids = torch.tensor([prompt], device="cuda")
     if hasattr(lm.model, "_previous_max_cache_length"):
         del lm.model._previous_max_cache_length
@@ -83,6 +92,7 @@ def test_graphed_live_equals_generate_static(tiny_dir, arch):
     assert tokens == ref.sequences[0, len(prompt):].tolist()
     assert all(torch.equal(a.view(torch.int32), b[0].float().view(torch.int32))
                for a, b in zip(logged, ref.logits, strict=True))
-    assert compare_caches(cache, ref.cache) == []
+    assert compare_caches(cache, generated_cache(ref)) == []
     # Negative control: the same comparison sees a nudged cache.
-    assert compare_caches(nudged(cache, 0, "v", (0, 0, layer_span(cache.layers[0])[1] - 1, 0)), ref.cache) != []
+    last = layer_span(cache.layers[0])[1] - 1
+    assert compare_caches(nudged(cache, 0, "v", (0, 0, last, 0)), generated_cache(ref)) != []

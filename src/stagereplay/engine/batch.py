@@ -164,8 +164,8 @@ class BatchedStep:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         embeds = torch.empty((1, 1, 1), dtype=self.model.dtype, device=self.device)  # read for dtype and device
-        kwargs = {"config": self.config, "inputs_embeds": embeds, "attention_mask": None, "cache": cache,
-                  "position_ids": positions}
+        kwargs = {"config": self.config, "inputs_embeds": embeds, "attention_mask": None,
+                  _cache_keyword(create_causal_mask): cache, "position_ids": positions}
         masks: dict[bool, Any] = {}
         if not all(self.sliding):
             masks[False] = create_causal_mask(**kwargs)
@@ -190,3 +190,13 @@ class BatchedStep:
             for c in configs:
                 c._attn_implementation = self.implementation
             _current.pop()
+
+
+def _cache_keyword(make_mask: Any) -> str:
+    """What transformers' mask functions call the cache: `past_key_values` until 5.2x, then `cache` (the old name
+    kept as a deprecated keyword for a while)."""
+    import inspect
+
+    parameters = inspect.signature(make_mask).parameters
+    cache = parameters.get("cache")
+    return "cache" if cache is not None and cache.kind is not inspect.Parameter.KEYWORD_ONLY else "past_key_values"
