@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.engine.lm import ids_fingerprint
-from stagereplay.experiments.common import comparison
+from stagereplay.experiments.arms import comparison
 from stagereplay.records.ledger import Record, canonical_json, items, read_manifest
 from stagereplay.records.manifest import bound_stage, chain_start
 from stagereplay.report.results import build_results

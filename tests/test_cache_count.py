@@ -79,7 +79,7 @@ def _jobs(lm: Any) -> dict[str, tuple[Any, Any]]:
     """One toy item's job for each experiment (the matched prefix computed first, uncounted)."""
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.experiments import bridge, matched, precision_2x2, resample, transplant
-    from stagereplay.experiments.common import Job, ReplaySettings
+    from stagereplay.experiments.jobs import Job, ReplaySettings
     from stagereplay.tasks import DataConfig, load_items
 
     item = load_items(DataConfig(n=1), lm.tokenizer)[0][0]

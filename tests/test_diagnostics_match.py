@@ -129,7 +129,7 @@ def test_matched_2x2_and_bridge_diagnostics_equal_the_full_logits_ones(toy, monk
     from stagereplay.engine import lm as lm_module
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.experiments import bridge, matched, precision_2x2
-    from stagereplay.experiments.common import Job, ReplaySettings
+    from stagereplay.experiments.jobs import Job, ReplaySettings
 
     lm, items = toy
     monkeypatch.setattr(lm_module, "StepRecord", KeepAll)

@@ -149,7 +149,7 @@ def test_a_problem_inside_an_actor_reads_as_it_would_locally(tiny_dir, local_ray
     from stagereplay.engine.model import ModelConfig
     from stagereplay.errors import StageReplayError
     from stagereplay.execution.ray_cluster import run_ray
-    from stagereplay.experiments.common import Job, ReplaySettings
+    from stagereplay.experiments.jobs import Job, ReplaySettings
     from stagereplay.experiments.matched import matched_item
     from stagereplay.tasks.base import Item
 

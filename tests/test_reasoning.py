@@ -271,7 +271,7 @@ def test_length_dependent_rope_is_warned_about_and_recorded(tiny_dir):
 
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.model import ModelConfig
-    from stagereplay.experiments.common import ReplaySettings
+    from stagereplay.experiments.jobs import ReplaySettings
     from stagereplay.runs.make import Source, fit_stage1
     from stagereplay.tasks import DataConfig, Item
 

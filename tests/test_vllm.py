@@ -137,7 +137,7 @@ def test_fp32_our_engine_continues_vllms_prefix_as_vllm_did(fp32_run):
     p = records[0]
     item = Item("x", tuple(p["prompt_ids"]), p["answer"])
     settings_ = json.loads((fp32_run / "manifest.json").read_text())["config"]["settings"]
-    from stagereplay.experiments.common import ReplaySettings
+    from stagereplay.experiments.jobs import ReplaySettings
 
     s = ReplaySettings(settings_["boundary"], DecodeConfig(**settings_["decode"]), settings_["scorer"])
     short = lm.continue_from(lm.construct(fixed_state(item, p["prefix_ids"][:-1], s, lm), "oneshot"), s.decode)

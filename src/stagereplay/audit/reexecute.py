@@ -20,7 +20,8 @@ from typing import Any
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, comparison_fp_schema_1
+from stagereplay.experiments.arms import comparison_fp_schema_1
+from stagereplay.experiments.jobs import Job, ReplaySettings
 from stagereplay.records.kernels import NOT_RECORDED, describe, kernel_differences
 from stagereplay.records.ledger import Record, diff_fields, items
 from stagereplay.records.manifest import binds

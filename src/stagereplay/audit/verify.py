@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.engine.lm import ids_fingerprint
-from stagereplay.experiments.common import comparison, comparison_fp_schema_1
+from stagereplay.experiments.arms import comparison, comparison_fp_schema_1
 from stagereplay.experiments.transplant import divergent_ids, outcome, select
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
 from stagereplay.records.manifest import (

@@ -15,8 +15,9 @@ from stagereplay.engine.forwards import (
 from stagereplay.engine.lm import LM, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, arm_record, comparison, execute
+from stagereplay.experiments.arms import arm_record, comparison
 from stagereplay.experiments.diagnose import diagnose
+from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes
 from stagereplay.records.ledger import Run
 

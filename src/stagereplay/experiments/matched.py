@@ -16,16 +16,9 @@ from stagereplay.engine.forwards import (
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import (
-    Job,
-    ReplaySettings,
-    arm_record,
-    comparison,
-    execute,
-    no_boundary_payload,
-    token_texts,
-)
+from stagereplay.experiments.arms import arm_record, comparison, no_boundary_payload, token_texts
 from stagereplay.experiments.diagnose import diagnose
+from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.records.ledger import Run
 from stagereplay.tasks import DataConfig
 

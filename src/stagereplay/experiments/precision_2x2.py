@@ -11,17 +11,9 @@ from stagereplay.engine.lm import LM, BoundaryState, Continuation, check_constru
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import (
-    Job,
-    ReplaySettings,
-    arm_record,
-    carried_arm,
-    comparison,
-    execute,
-    matched_arms,
-    token_texts,
-)
+from stagereplay.experiments.arms import arm_record, carried_arm, comparison, matched_arms, token_texts
 from stagereplay.experiments.diagnose import diagnose
+from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.records.ledger import Run
 from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item

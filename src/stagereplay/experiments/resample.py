@@ -30,7 +30,7 @@ from stagereplay.engine.lm import LM, BoundaryState, NoBoundary, check_construct
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, execute
+from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
 from stagereplay.records.ledger import Run
 from stagereplay.tasks.scoring import answer_extractor, scorer_by_name

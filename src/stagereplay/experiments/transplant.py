@@ -17,7 +17,8 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, arm_record, carried_arm, execute, matched_arms
+from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms
+from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.records.ledger import Record, Run
 from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item

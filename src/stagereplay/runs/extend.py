@@ -14,7 +14,7 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import follow_run
-from stagereplay.experiments.common import ReplaySettings
+from stagereplay.experiments.jobs import ReplaySettings
 from stagereplay.records.ledger import open_run, read_ledger, read_manifest
 from stagereplay.records.shards import merge_runs
 from stagereplay.runs.make import finish, serving_arms

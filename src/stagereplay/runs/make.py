@@ -20,7 +20,7 @@ from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import choose, pin
 from stagereplay.execution.local import cached_lm, check_worker_devices
-from stagereplay.experiments.common import ReplaySettings
+from stagereplay.experiments.jobs import ReplaySettings
 from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run
 from stagereplay.records.proofs import attach_store
 from stagereplay.records.provenance import environment, model_hashes, now, package_versions

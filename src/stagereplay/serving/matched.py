@@ -33,7 +33,8 @@ from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig, Work
-from stagereplay.experiments.common import Job, ReplaySettings, comparison, execute, no_boundary_payload
+from stagereplay.experiments.arms import comparison, no_boundary_payload
+from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.records.ledger import Run
 from stagereplay.records.provenance import environment
 from stagereplay.serving.seam import (

@@ -23,7 +23,8 @@ from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.common import Job, ReplaySettings, comparison, execute
+from stagereplay.experiments.arms import comparison
+from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
 from stagereplay.records.ledger import Run
 from stagereplay.serving.matched import (

@@ -1,0 +1,101 @@
+"""What one item's record is made of: its arms (suffix, fingerprints, label), the comparisons between them, the
+arms another stage may carry over, the token texts the report shows; an item that never reached its boundary.
+Built from the engine's results, below the experiments that walk an item."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from stagereplay.engine.lm import LM, BoundaryState, Continuation
+from stagereplay.records.ledger import sha256_json
+from stagereplay.report.stats import first_divergence
+from stagereplay.tasks.base import Item
+from stagereplay.tasks.scoring import scorer_by_name
+
+
+def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stage1: Sequence[int], item: Item,
+               scorer: str, cache_fp: str | None = None) -> dict[str, Any]:
+    """One arm: its suffix, fingerprints and correctness label. Text is scored as stage 1 + suffix.
+    `cache_fp`: the state's cache fingerprint when the caller has already hashed that cache."""
+    text = lm.text([*stage1, *cont.suffix])
+    arm = {
+        "name": name,
+        "construction": state.construction,
+        "precision": lm.config.precision,
+        "suffix_ids": list(cont.suffix),
+        "suffix_fp": cont.fingerprint,
+        "cache_fp": state.fingerprint() if cache_fp is None else cache_fp,
+        "stop": cont.stop,
+        "text": text,
+        "correct": bool(scorer_by_name(scorer)(text, item.answer)),
+    }
+    if state.roundtrip is not None:
+        arm["roundtrip"] = state.roundtrip
+    return arm
+
+
+def matched_arms(stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any] | None,
+                 precision: str | None = None) -> dict[str, dict[str, Any]]:
+    """By name, the arms of an item's matched record that `stage` may carry over instead of decoding them again:
+    those of a record that reached its boundary, when `stage` runs the matched stage's model (at `precision`, by
+    default the stage's own) with its settings. Empty otherwise. Which arms repeat which is the stage's to say;
+    that the cache an arm continues from is the recorded one, its item function checks (`cache_fp`)."""
+    if matched_stage is None or matched is None or matched.get("status") != "ok":
+        return {}
+    model = {**stage["model"], "precision": precision} if precision else dict(stage["model"])
+    if dict(matched_stage["model"]) != model or matched_stage["settings"] != stage["settings"]:
+        return {}
+    return {a.get("name"): a for a in matched.get("arms", [])}
+
+
+def carried_arm(recorded: dict[str, Any], name: str, construction: str, source: str) -> dict[str, Any]:
+    """Another stage's `recorded` arm as this stage's arm `name`, not decoded again: every field but its name and
+    construction is the recorded arm's, and `same_as` names it (`verify._same_as_claims` checks both)."""
+    return {**recorded, "name": name, "construction": construction, "same_as": source}
+
+
+def token_texts(lm: LM, payload: dict[str, Any]) -> dict[str, str]:
+    """Each token the record shows, decoded alone (special tokens kept), keyed by its id as text: the prompt,
+    stage 1, every arm's suffix and the top-5 candidates at each first divergence. The report's explorer and
+    `stagereplay show` render tokens from these, so they read the ledger, never the model's tokenizer."""
+    ids = {*payload.get("prefix_ids", []), *payload.get("prompt_ids", [])}
+    for arm in payload.get("arms", []):
+        ids.update(arm.get("suffix_ids", []))
+    for pair in ((payload.get("diagnostics") or {}).get("pairs") or {}).values():
+        for side in ("a", "b"):
+            ids.update(int(t) for t, _ in ((pair.get("divergence") or {}).get(side) or {}).get("top", []))
+    return {str(t): str(lm.tokenizer.decode([t], skip_special_tokens=False)) for t in sorted(ids)}
+
+
+ARM_CLAIMS = ("name", "suffix_fp", "cache_fp", "correct")
+"""The arm fields a comparison's fingerprint covers."""
+
+
+def comparison(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two arms side by side. Its fingerprint covers every field a result depends on: the item, both arms'
+    names, suffix and cache fingerprints and labels, and the comparison's own fields (so an audit that
+    reproduces the fingerprint has reproduced them all)."""
+    fields = {
+        "a": a["name"],
+        "b": b["name"],
+        "suffix_equal": a["suffix_fp"] == b["suffix_fp"],
+        # An engine that does not expose its cache records no fingerprint: equality is then unknown, not true; so
+        # is it between two engines' fingerprints (llama.cpp's and ours hash different layouts).
+        "cache_equal": None if a["cache_fp"] is None or b["cache_fp"] is None or a.get("engine") != b.get("engine")
+        else a["cache_fp"] == b["cache_fp"],
+        "label_equal": a["correct"] == b["correct"],
+        "first_divergence": first_divergence(a["suffix_ids"], b["suffix_ids"]),
+    }
+    covered = [item_id, [a[k] for k in ARM_CLAIMS], [b[k] for k in ARM_CLAIMS], fields]
+    return {**fields, "fp": sha256_json(covered)}
+
+
+def comparison_fp_schema_1(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+    """The comparison fingerprint as ledger schema 1 wrote it (item, names, suffix fingerprints, labels only)."""
+    return sha256_json([item_id, a["name"], b["name"], a["suffix_fp"], b["suffix_fp"], a["correct"], b["correct"]])
+
+
+def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
+    return {"status": "no_boundary", "prompt_ids": list(item.prompt_ids), "prefix_ids": None, "boundary": None,
+            "generated_ids": list(generated), "answer": item.answer, "arms": [], "comparisons": []}
