@@ -320,7 +320,16 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
                     again = claimed(as_schema_1(record.item_id, again), record.payload)
                 if "token_texts" not in record.payload:  # made before records kept their token texts
                     again = {k: v for k, v in again.items() if k != "token_texts"}
-                a, b, c, d, bad = compare_payloads(record.item_id, record.payload, again)
+                recorded = record.payload
+                if engine:  # what a serving engine re-executes one request at a time (serving.jobs.replayable)
+                    from stagereplay.serving.jobs import replayable
+
+                    recorded = replayable(recorded)
+                a, b, c, d, bad = compare_payloads(record.item_id, recorded, again)
+                if engine:
+                    from stagereplay.serving.jobs import with_unreplayed
+
+                    again = with_unreplayed(again, record.payload)
                 t_ok, t_n, c_ok, c_n = t_ok + a, t_n + b, c_ok + c, c_n + d
                 kind = "not_reproduced_here" if record.seq in other_seqs else "integrity"
                 if kind == "not_reproduced_here":

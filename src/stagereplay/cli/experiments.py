@@ -83,7 +83,7 @@ def matched(
     columns: Columns = None,
     engine: Annotated[str, typer.Option("--engine", help=(
         "hf (ours) | vllm: live, oneshot and prefix-cache arms in vLLM | llama.cpp: those and the state-restore "
-        "arms, on a --model .gguf (docs/engines.md)"))] = "hf",
+        "arms, on a --model .gguf | http: those arms on a running server (--url; docs/engines.md)"))] = "hf",
     cross: Annotated[str | None, typer.Option("--cross", help=(
         "hf: also continue the serving engine's prefixes in ours (the hf-oneshot arm)"))] = None,
     block_size: Annotated[int, typer.Option("--block-size", help=(
@@ -92,6 +92,15 @@ def matched(
     n_batch: Annotated[int, typer.Option("--n-batch", help="llama.cpp: prompt tokens per batch (-b)")] = 512,
     n_ubatch: Annotated[int, typer.Option("--n-ubatch", help="llama.cpp: micro-batch size (-ub)")] = 512,
     flash_attn: Annotated[bool, typer.Option("--flash-attn", help="llama.cpp: flash attention (-fa)")] = False,
+    url: Annotated[str, typer.Option("--url", help="http: the running server, http://HOST:PORT")] = "",
+    api: Annotated[str, typer.Option("--api", help=(
+        "http: auto | llama-server (/completion) | openai (/v1/completions: vllm serve)"))] = "auto",
+    api_key_env: Annotated[str, typer.Option("--api-key-env", help=(
+        "http: the environment variable holding the API key (never recorded)"))] = "OPENAI_API_KEY",
+    concurrency: Annotated[int, typer.Option("--concurrency", help=(
+        "http: other items' requests in flight around the under-load arms (0: none)"))] = 0,
+    timeout: Annotated[float, typer.Option("--timeout", help="http: seconds per request")] = 600.0,
+    retries: Annotated[int, typer.Option("--retries", help="http: retries of an unanswered request")] = 2,
     cache: Cache = "dynamic",
     kernels: Kernels = "auto",
     batch: Batch = 1,
@@ -106,9 +115,12 @@ def matched(
         check_construction(construction)
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = decode_config(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
+        server = {"url": url, "api": api, "concurrency": concurrency}
+        if engine == "http":
+            server.update(api_key_env=api_key_env, timeout=timeout, retries=retries)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
             workers, executor, shard, quiet, columns, engine, cross, block_size, cache=cache, kernels=kernels,
-            engine_options=engine_options(engine, n_ctx, n_batch, n_ubatch, flash_attn), batch=batch)
+            engine_options=engine_options(engine, n_ctx, n_batch, n_ubatch, flash_attn, server), batch=batch)
 
     guarded(go)
 

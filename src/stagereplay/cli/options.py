@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
+from stagereplay.errors import StageReplayError
+
 # Options shared by commands that load a model.
 Model = Annotated[str | None, typer.Option("--model", help=(
     "local model directory, or a .gguf file (default: the embedded toy)"))]
@@ -70,10 +72,19 @@ def decode_config(max_new: int, max_stage1: int | None, sample: bool, temperatur
 
 
 
-def engine_options(engine: str, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool) -> dict[str, Any]:
-    """llama.cpp's own settings (serving.seam.EngineConfig), given only for it."""
-    options = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "flash_attn": flash_attn}
-    return options if engine == "llama.cpp" else {}
+def engine_options(engine: str, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool,
+                   server: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An engine's own settings (serving.seam.EngineConfig), given only for it: llama.cpp's sizes, or a server's
+    address, dialect, key variable, timeouts and load (`server`, for --engine http)."""
+    if engine == "llama.cpp":
+        return {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "flash_attn": flash_attn}
+    if engine == "http":
+        return dict(server or {})
+    given = {k for k, v in (server or {}).items() if v not in (None, "", 0, "auto")}
+    if given:
+        raise StageReplayError(f"--{sorted(given)[0].replace('_', '-')} is for --engine http",
+                               "pass --engine http --url http://HOST:PORT, or drop it")
+    return {}
 
 
 RunDir = Annotated[Path, typer.Argument(help="a run directory made by `stagereplay matched` or `paper`")]

@@ -35,6 +35,7 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
     """The matched table: replica exactness, disagreements, accuracies, paired CI, McNemar, divergence indices."""
     ok = [r for r in records if r.payload["status"] == "ok"]
     rep_live = rep_other = 0
+    replicated = False  # whether the construction has replicas (a server's under-load arms are replicas themselves)
     suffix_k = label_k = live_only = other_only = 0
     live_acc, other_acc, divergence = [], [], []
     for r in ok:
@@ -44,6 +45,7 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
         rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] is not False
                          and r.payload["replica_prefix_equal"])
         rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"] is not False)
+        replicated = replicated or orr is not None
         main = _cmp(r, "live", construction)
         assert main is not None
         if not main["suffix_equal"]:
@@ -59,7 +61,8 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
     summary: dict[str, Any] = {
         "checkpoint": checkpoint, "construction": construction, "precision": precision,
         "n": len(records), "n_boundary": n, "n_no_boundary": len(records) - n,
-        "replica_exact": {"live": {"k": rep_live, "n": n}, construction: {"k": rep_other, "n": n}},
+        "replica_exact": {"live": {"k": rep_live, "n": n},
+                          construction: {"k": rep_other, "n": n} if replicated or not n else None},
         "suffix_disagreements": {"k": suffix_k, "n": n},
         "label_disagreements": {"k": label_k, "n": n},
         "accuracy": {"live": None, construction: None},
@@ -76,6 +79,10 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
             "num_cached_tokens": sum(a["num_cached_tokens"] for a in cached),
             "cached_from_decode": sum(a.get("cached_from_decode", 0) for a in cached),
             "hits_with_decode_blocks": sum(a.get("cached_from_decode", 0) > 0 for a in cached)}
+    findings = [r.payload["load_finding"] for r in records if "load_finding" in r.payload]
+    if findings and construction == "live@load":  # a server's replicas under load (serving.matched.load_finding)
+        summary["load"] = {f: findings.count(f) for f in ("invariant", "batch-variant", "not self-consistent",
+                                                          "unknown")}
     if any("marker_inside_token" in r.payload for r in ok):  # a marker matched on text (engine.boundary)
         summary["n_marker_inside_token"] = sum(bool(r.payload.get("marker_inside_token")) for r in ok)
     if n:

@@ -137,6 +137,12 @@ def matched_table(matched: list[dict[str, Any]]) -> Table:
             note += (f" {m['construction']} @ {m['precision']}: {pc['hits']}/{pc['n']} requests hit the prefix cache, "
                      f"{pc['hits_with_decode_blocks']} of them on blocks live's decoding wrote "
                      f"({pc['cached_from_decode']} of {pc['num_cached_tokens']} cached positions).")
+        load = m.get("load")
+        if load:
+            note += (f" Under load ({m['construction']} @ {m['precision']}, the server's replicas with other requests "
+                     f"in flight), per item: {load['invariant']} invariant, {load['batch-variant']} batch-variant "
+                     f"(exact alone, different under load), {load['not self-consistent']} not self-consistent "
+                     f"(different even alone), {load['unknown']} unknown.")
     d = next((m["accuracy_diff"] for m in matched if m.get("accuracy_diff")), None)
     if d:
         note += (

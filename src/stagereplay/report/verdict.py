@@ -50,6 +50,8 @@ def replicas(matched: list[dict[str, Any]]) -> str:
     for m in matched:
         arms = []
         for arm, kn in m["replica_exact"].items():
+            if kn is None:  # an arm without replicas (a server's under-load arms)
+                continue
             exact &= kn["k"] == kn["n"]
             arms.append(f"{arm} {kn['k']}/{kn['n']}")
         parts.append(f"{m['checkpoint']} " + ", ".join(arms))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from stagereplay.execution.config import Work
-from stagereplay.serving.matched import arms_of, serving_matched_item
+from stagereplay.serving.matched import LOADED, arms_of, serving_matched_item
 from stagereplay.serving.precision_2x2 import job_extra, serving_grid_item
 
 
@@ -30,4 +30,47 @@ def engine_build_here(stages: dict[str, Any]) -> dict[str, Any] | None:
 
             require()
             return build_info()
+        if stage.get("engine", {}).get("name") == "http":  # the server at the recorded address, as it is now
+            from stagereplay.serving import http
+            from stagereplay.serving.seam import EngineConfig
+
+            return http.build_info(EngineConfig(**stage["engine"]))
     return None
+
+
+def replayable(payload: dict[str, Any]) -> dict[str, Any]:
+    """A serving record without what one request at a time cannot re-execute: the under-load arms (other
+    requests in flight decide their bits), their comparisons, margins and the item's load finding."""
+    loaded = set(LOADED)
+    if not loaded & {a.get("name") for a in payload.get("arms", [])}:
+        return payload
+    diagnostics = dict(payload.get("diagnostics") or {})
+    if diagnostics:
+        diagnostics["margins"] = {k: v for k, v in (diagnostics.get("margins") or {}).items() if k not in loaded}
+        diagnostics["pairs"] = {k: v for k, v in (diagnostics.get("pairs") or {}).items()
+                                if not loaded & set(k.split(" vs "))}
+    return {**{k: v for k, v in payload.items() if k != "load_finding"},
+            "arms": [a for a in payload["arms"] if a.get("name") not in loaded],
+            "comparisons": [c for c in payload.get("comparisons", []) if not loaded & {c["a"], c["b"]}],
+            **({"diagnostics": diagnostics} if diagnostics else {})}
+
+
+def with_unreplayed(again: dict[str, Any], recorded: dict[str, Any]) -> dict[str, Any]:
+    """A re-executed serving record with the parts `replayable` left out taken as recorded, so the run's results
+    rebuild from it (the under-load rows are then the run's own, the rest re-executed)."""
+    loaded = set(LOADED)
+    if replayable(recorded) is recorded:
+        return again
+    out = {**again, "arms": [*again.get("arms", []), *(a for a in recorded["arms"] if a.get("name") in loaded)],
+           "comparisons": [*again.get("comparisons", []),
+                           *(c for c in recorded.get("comparisons", []) if loaded & {c["a"], c["b"]})]}
+    if "load_finding" in recorded:
+        out["load_finding"] = recorded["load_finding"]
+    diagnostics, kept = dict(again.get("diagnostics") or {}), recorded.get("diagnostics") or {}
+    if diagnostics and kept:
+        diagnostics["margins"] = {**diagnostics.get("margins", {}),
+                                  **{k: v for k, v in kept.get("margins", {}).items() if k in loaded}}
+        diagnostics["pairs"] = {**diagnostics.get("pairs", {}),
+                                **{k: v for k, v in kept.get("pairs", {}).items() if loaded & set(k.split(" vs "))}}
+        out["diagnostics"] = diagnostics
+    return out

@@ -51,6 +51,8 @@ from stagereplay.tasks.scoring import scorer_by_name
 
 CROSS = ("hf",)
 """Engines that may replay a serving engine's prefixes: ours."""
+LOADED = ("live@load", "oneshot@load")
+"""A server's arms under load: live's and oneshot's request again, with other items' requests in flight."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,13 @@ class ServingArms:
     @property
     def fresh(self) -> tuple[str, ...]:
         """The arms set against live, in the order of the report's columns."""
-        return ("oneshot", "prefix-cache", *EXTRA_ARMS.get(self.engine.name, ()),
+        return ("oneshot", "prefix-cache", *EXTRA_ARMS.get(self.engine.name, ()), *self.loaded,
                 *((f"{self.cross}-oneshot",) if self.cross else ()))
+
+    @property
+    def loaded(self) -> tuple[str, ...]:
+        """The under-load arms (a server's, with --concurrency): live's replica with other requests in flight."""
+        return LOADED if self.engine.name == "http" and self.engine.concurrency else ()
 
     def check_model(self, model: str | None) -> None:
         """Refuse, before anything loads, a model the engine cannot run (llama.cpp runs GGUF files only; None is
@@ -91,6 +98,13 @@ class ServingArms:
         return (("construction", "oneshot"), ("engine", tuple(self.engine.as_dict().items())),
                 ("cross", self.cross))
 
+    def traffic(self, items: Sequence[Item], index: int) -> tuple[tuple[str, Any], ...]:
+        """The prompts an item's under-load arms run beside: the next --concurrency items' (its own, alone)."""
+        if not self.loaded:
+            return ()
+        others = [items[(index + 1 + i) % len(items)] for i in range(self.engine.concurrency)]
+        return (("traffic", tuple(tuple(o.prompt_ids) for o in others)),)
+
 
 def arms_of(stage: dict[str, Any]) -> ServingArms:
     """The arms a manifest stage declares."""
@@ -107,8 +121,11 @@ def cached_engine(config: EngineConfig, lm: LM) -> ServingEngine:
         for old in list(_ENGINES):
             engine = _ENGINES.pop(old)
             getattr(engine, "close", lambda: None)()
-        _ENGINES[key] = load_engine(config, lm.config.path, lm.config.precision, lm.config.threads,
-                                    lm.config.device)
+        engine = load_engine(config, lm.config.path, lm.config.precision, lm.config.threads, lm.config.device)
+        check = getattr(engine, "check", None)
+        if check is not None:  # a server is checked against the run's tokenizer before any item (serving.http)
+            check(lm.tokenizer)
+        _ENGINES[key] = engine
     return _ENGINES[key]
 
 
@@ -228,6 +245,17 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
 
         arms += restore_arms(engine, prefix, states if replica_prefix_equal else states[:1], max_new, restored)
         fresh += restores
+    traffic = job.get("traffic")
+    if traffic:  # under load: the same requests with other items' in flight (serving.http.generate_loaded)
+        loaded, seen = engine.generate_loaded(prompt, budget + max_new, traffic)  # type: ignore[attr-defined]
+        loaded_end = stage1_end(loaded.tokens, rule.watch(), lm.eos, budget)
+        if loaded_end is not None:
+            served("live@load", "live", loaded, loaded_end + 1)
+            arms[-1]["load"] = {**seen, "prefix_equal": list(loaded.tokens[: loaded_end + 1]) == list(stage1)}
+        loaded, seen = engine.generate_loaded(prefix, max_new, traffic)  # type: ignore[attr-defined]
+        served("oneshot@load", "oneshot", loaded)
+        arms[-1]["load"] = seen
+        fresh += list(LOADED)
     if cross:
         state = fixed_state(item, prefix, s, lm)
         for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):
@@ -239,6 +267,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
         fresh.append(f"{cross}-oneshot")
     by = {a["name"]: a for a in arms}
     pairs = [("live", f) for f in fresh] + [(f, f"{f}#replica") for f in ("live", *fresh)]
+    pairs += [("oneshot", "oneshot@load")] if traffic else []
     comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by}
     return {
         "status": "ok",
@@ -251,12 +280,30 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
         "arms": arms,
         "comparisons": list(comparisons.values()),
         "diagnostics": diagnostics(by, [("live", f) for f in fresh], comparisons),
+        **({"load_finding": load_finding(comparisons)} if traffic else {}),
     }
 
 
+def load_finding(comparisons: dict[tuple[str, str], dict[str, Any]]) -> str:
+    """What the under-load replica says about the server, apart from construction effects: `batch-variant` when
+    live's quiet replica is exact and its replica under load is not (other requests in the batch changed the
+    bits), `not self-consistent` when even the quiet replica differs, `invariant` when both are exact, `unknown`
+    when a replica did not reach the boundary."""
+    quiet, loaded = comparisons.get(("live", "live#replica")), comparisons.get(("live", "live@load"))
+    if quiet is None or loaded is None:
+        return "unknown"
+    if not quiet["suffix_equal"]:
+        return "not self-consistent"
+    return "invariant" if loaded["suffix_equal"] else "batch-variant"
+
+
 def with_engine_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
-    """`work(lm, job)` and the environment that ran it, the engine's version and settings included."""
-    payload = work(lm, job)
+    """`work(lm, job)` and the environment that ran it, the engine's version and settings included. An engine's
+    error names the item it stopped (the records before it stay; a rerun resumes from it)."""
+    try:
+        payload = work(lm, job)
+    except StageReplayError as e:
+        raise StageReplayError(f"item {job.item.id}: {e.problem}", e.fix) from e
     engine = cached_engine(EngineConfig(**dict(job.get("engine"))), lm)
     return {"payload": payload, "environment": {**environment(lm.config.device, lm.determinism),
                                                 "engine": engine.settings()}}
@@ -269,6 +316,6 @@ def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, 
     run.begin_stage(f"matched/{checkpoint}", {
         "model": model.as_dict(), "settings": settings.as_dict(), "construction": "oneshot",
         "engine": arms.engine.as_dict(), "cross": arms.cross, "arms": list(arms.fresh)})
-    jobs = [Job(item, settings, extra=arms.extra()) for item in items]
+    jobs = [Job(item, settings, extra=arms.extra() + arms.traffic(items, i)) for i, item in enumerate(items)]
     execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(), lm, quiet,
             env_work=partial(with_engine_environment, serving_matched_item))

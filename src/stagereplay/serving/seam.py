@@ -10,7 +10,8 @@ which):
     version() / settings()                   what fixes its numbers, for the manifest and the environment
 
 Another engine is one module (`require()`, `load(...)` and a class of this shape) and one line in `ENGINES`:
-llama.cpp is `serving.llamacpp`, whose context state adds the `state-restore` arms (`EXTRA_ARMS`).
+llama.cpp is `serving.llamacpp`, whose context state adds the `state-restore` arms (`EXTRA_ARMS`); a running
+server is `serving.http`, whose `generate_loaded` adds the under-load arms.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ TOP_LOGPROBS = 5
 """Top-k logprobs recorded per step: enough for the margin (top-1 minus top-2) and a look at the near-ties."""
 
 ENGINES: dict[str, str] = {"vllm": "stagereplay.serving.vllm",
-                           "llama.cpp": "stagereplay.serving.llamacpp"}
+                           "llama.cpp": "stagereplay.serving.llamacpp",
+                           "http": "stagereplay.serving.http"}
 """Engine name -> the module whose `load(config)` returns a `ServingEngine`."""
 EXTRA_ARMS: dict[str, tuple[str, ...]] = {"llama.cpp": ("state-restore", "oneshot-restore")}
 """Arms an engine runs beside oneshot and prefix-cache: llama.cpp saves and restores a sequence's K/V."""
@@ -48,7 +50,7 @@ class EngineConfig:
     """Everything that decides which numbers a serving engine produces (the model's path and precision are the
     run's `ModelConfig`; these are the engine's own settings)."""
 
-    name: str = field(metadata={"help": "vllm | llama.cpp"})
+    name: str = field(metadata={"help": "vllm | llama.cpp | http"})
     block_size: int = field(default=32, metadata={"engines": ("vllm",),
         "help": "tokens per K/V block: the prefix cache reuses whole blocks, so it must be below the prefixes"})
     enforce_eager: bool = field(default=True, metadata={"engines": ("vllm",),
@@ -66,12 +68,27 @@ class EngineConfig:
                                                  "help": "micro-batch: tokens per graph compute (-ub)"})
     flash_attn: bool = field(default=False, metadata={"engines": ("llama.cpp",),
                                                       "help": "llama.cpp's flash attention (-fa)"})
+    url: str = field(default="", metadata={"engines": ("http",), "help": "the server: http://HOST:PORT"})
+    api: str = field(default="auto", metadata={"engines": ("http",),
+                                               "help": "auto | llama-server (/completion) | openai (/v1/completions)"})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={"engines": ("http",),
+        "help": "the environment variable holding the server's API key (the key itself is never recorded)"})
+    timeout: float = field(default=600.0, metadata={"engines": ("http",), "help": "seconds per request"})
+    retries: int = field(default=2, metadata={"engines": ("http",),
+                                              "help": "retries of a request the server did not answer"})
+    concurrency: int = field(default=0, metadata={"engines": ("http",),
+        "help": "other requests in flight around each under-load replica (0: no under-load arms)"})
 
     def __post_init__(self) -> None:
         if self.name not in ENGINES:
             raise StageReplayError(f"unknown engine {self.name!r}", f"use hf or one of {', '.join(ENGINES)}")
         if self.block_size < 1:
             raise StageReplayError(f"--block-size must be at least 1, got {self.block_size}", "pass e.g. 32")
+        if self.api not in ("auto", "llama-server", "openai"):
+            raise StageReplayError(f"unknown --api {self.api!r}", "use auto, llama-server or openai")
+        if self.timeout <= 0 or self.retries < 0 or self.concurrency < 0:
+            raise StageReplayError("--timeout must be positive, --retries and --concurrency at least 0",
+                                   "pass e.g. --timeout 600 --retries 2 --concurrency 4")
         for name in ("n_ctx", "n_batch", "n_ubatch"):
             if getattr(self, name) < 1:
                 raise StageReplayError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",

@@ -1,0 +1,327 @@
+"""A running server behind the serving seam (`matched --engine http --url URL`): the server people deploy, with its
+prefix cache, its slots and the other requests in its batch.
+
+Two dialects, token IDs in and out (no text round trip on the measured path), detected from the server or forced
+with `--api`:
+
+    llama-server   POST /completion  {prompt: [ids], n_predict, temperature: 0, n_probs, cache_prompt}; the
+                   reply's `tokens`, `completion_probabilities[].top_logprobs[].id`, `timings.cache_n` (prompt
+                   positions taken from the slot's cache) and `tokens_evaluated`; /props, /tokenize, /slots
+    openai         POST /v1/completions  {prompt: [ids], max_tokens, temperature: 0, logprobs,
+                   return_tokens_as_token_ids, cache_salt}: `vllm serve` (and llama-server's own endpoint); ids
+                   from `token_id:N` strings or `logprobs.content[].id`, `usage.prompt_tokens_details.cached_tokens`
+
+    generate(ids, reuse=False)   the prefix cache bypassed: `cache_prompt: false` (llama-server) or a fresh
+                                 `cache_salt` (vLLM), both sent in the openai dialect; `settings()["bypass"]` says
+                                 which, and the check before the first item measures whether it held
+    generate(ids, reuse=True)    the server may reuse whatever its cache holds (`cache_prompt: true`, no salt)
+    generate_loaded(ids, others) the same request as reuse=False, issued while `--concurrency` other requests (other
+                                 items' prompts) are in flight: the server batches them with it
+
+Before the first item `check` refuses, in one line with the fix, a server that does not answer, counts the prompt
+tokens differently from the IDs sent (it does not take IDs verbatim), tokenizes probe strings differently from the
+run's tokenizer, is not greedy at temperature 0 (two replicas of a probe differ), or returns no top-k logprobs.
+
+The API key is read from the environment variable `--api-key-env` names (OPENAI_API_KEY by default) at each
+request and sent as a bearer token; it is never kept in the engine's settings, the run directory or an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+from urllib import error, parse, request
+
+from stagereplay.errors import StageReplayError
+from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, Generation
+
+APIS = ("auto", "llama-server", "openai")
+PROBES = ("Hello world", " 12+7=19.", "The answer is 42\n", "naïve café", "</think>\n\nSo")
+"""Strings the server's tokenizer must split as the run's does (a merged `</think>\n`, spaces, non-ASCII)."""
+
+
+def require() -> None:
+    """Nothing to install: the server is reached over HTTP with the standard library."""
+
+
+def check_model(model: str | None) -> None:
+    """Any model our engine loads gives the tokenizer and scores the arms; the server serves its own copy."""
+
+
+def public_url(url: str) -> str:
+    """`url` without credentials (a `user:password@` part is never recorded)."""
+    parts = parse.urlsplit(url)
+    host = parts.hostname or ""
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
+class Client:
+    """JSON over HTTP to one server, with bounded timeouts and retries; errors name the URL, never the key."""
+
+    def __init__(self, url: str, key_env: str, timeout: float, retries: int):
+        if not url:
+            raise StageReplayError("--engine http needs the server's address", "pass --url http://HOST:PORT")
+        if parse.urlsplit(url).scheme not in ("http", "https"):
+            raise StageReplayError(f"--url {public_url(url)!r} is not an http(s) address",
+                                   "pass --url http://HOST:PORT")
+        self.url, self.key_env, self.timeout, self.retries = public_url(url), key_env, timeout, retries
+
+    def call(self, path: str, body: dict[str, Any] | None = None, quiet_status: tuple[int, ...] = ()
+             ) -> dict[str, Any] | None:
+        """GET (no body) or POST `body` to `path`; the JSON reply. None for a status in `quiet_status` (an
+        endpoint the server does not have). Connection errors and 5xx are retried `retries` times."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.key_env, "")
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        last = ""
+        for attempt in range(self.retries + 1):
+            req = request.Request(self.url + path, data=data, headers=headers, method="GET" if data is None else "POST")
+            try:
+                with request.urlopen(req, timeout=self.timeout) as reply:
+                    return dict(json.loads(reply.read().decode() or "{}"))
+            except error.HTTPError as e:
+                if e.code in quiet_status:
+                    return None
+                detail = e.read().decode(errors="replace")[:200]
+                if key:
+                    detail = detail.replace(key, "***")
+                last = f"HTTP {e.code} {detail.strip()}"
+                if e.code < 500:
+                    break
+            except (error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as e:
+                last = str(getattr(e, "reason", e))
+            if attempt < self.retries:
+                time.sleep(min(0.5 * 2**attempt, 5.0))
+        raise StageReplayError(f"the server at {self.url} did not answer {path}: {last}",
+                               "start the server (or fix --url); --timeout and --retries bound the wait")
+
+
+def _top_native(step: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    return tuple((int(t["id"]), float(t["logprob"])) for t in step.get("top_logprobs", []))
+
+
+def _token_id(text: str) -> int:
+    if not text.startswith("token_id:"):
+        raise StageReplayError(f"the server returned the token {text!r}, not its ID",
+                               "serve with vLLM's return_tokens_as_token_ids support, or --api llama-server")
+    return int(text.split(":", 1)[1])
+
+
+def _openai_steps(logprobs: dict[str, Any]) -> tuple[list[int], list[tuple[tuple[int, float], ...]]]:
+    """Token IDs and top-k per step from either shape of `choices[0].logprobs`."""
+    if "content" in logprobs:  # llama-server's endpoint: the chat shape, with ids
+        content = logprobs.get("content") or []
+        return [int(s["id"]) for s in content], [_top_native(s) for s in content]
+    tokens = [_token_id(t) for t in logprobs.get("tokens") or []]
+    top = []
+    for step in logprobs.get("top_logprobs") or []:
+        pairs = sorted(((_token_id(t), float(v)) for t, v in (step or {}).items()), key=lambda p: (-p[1], p[0]))
+        top.append(tuple(pairs))
+    return tokens, top
+
+
+class HttpEngine:
+    """One server; greedy requests of one item at a time (and `generate_loaded`'s traffic around one)."""
+
+    name = "http"
+
+    def __init__(self, config: EngineConfig, client: Client, api: str, identity: dict[str, Any]):
+        self.config, self.client, self.api, self.identity = config, client, api, identity
+        self.checked: dict[str, Any] = {}
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def complete(self, ids: Sequence[int], max_tokens: int, reuse: bool) -> tuple[Generation, int]:
+        """One greedy request; its generation and the prompt tokens the server says it took."""
+        ids = [int(t) for t in ids]
+        if self.api == "llama-server":
+            reply = self.client.call("/completion", {
+                "prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "n_probs": TOP_LOGPROBS,
+                "cache_prompt": reuse, "return_tokens": True, "seed": self.config.seed, "stream": False})
+            assert reply is not None
+            steps = reply.get("completion_probabilities") or []
+            ids_out = tuple(int(t) for t in reply.get("tokens") or [s["id"] for s in steps])
+            finish = "stop" if reply.get("stop_type") in ("eos", "word") else "length"
+            cached = int((reply.get("timings") or {}).get("cache_n", 0))
+            prompt = int(reply.get("tokens_evaluated", -1))
+            return Generation(ids_out, tuple(_top_native(s) for s in steps), cached, finish), prompt
+        body: dict[str, Any] = {
+            "model": self.identity.get("model"), "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "seed": self.config.seed,
+            "cache_prompt": reuse}
+        if not reuse:
+            body["cache_salt"] = uuid.uuid4().hex  # vLLM: a salt no earlier request used hashes every block anew
+        reply = self.client.call("/v1/completions", body)
+        assert reply is not None
+        choice = (reply.get("choices") or [{}])[0]
+        tokens, top = _openai_steps(choice.get("logprobs") or {})
+        usage = reply.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        finish = "stop" if choice.get("finish_reason") == "stop" else "length"
+        return Generation(tuple(tokens), tuple(top), cached, finish), int(usage.get("prompt_tokens", -1))
+
+    def generate(self, ids: Sequence[int], max_tokens: int, reuse: bool = False) -> Generation:
+        return self.complete(ids, max_tokens, reuse)[0]
+
+    def generate_loaded(self, ids: Sequence[int], max_tokens: int, others: Sequence[Sequence[int]]
+                        ) -> tuple[Generation, dict[str, Any]]:
+        """`generate(ids, reuse=False)` while `--concurrency` requests for `others` run without pause around it
+        (each sent again as soon as it returns), so the server has them in flight for the whole request. Also
+        what was seen: the concurrency and how many of the other requests were in flight when it was sent."""
+        k = self.config.concurrency
+        stop, started, failures = threading.Event(), threading.Semaphore(0), []
+        lock = threading.Lock()
+        in_flight = [0]
+
+        def traffic(prompt: Sequence[int]) -> None:
+            first = True
+            while not stop.is_set():
+                with lock:
+                    in_flight[0] += 1
+                if first:
+                    started.release()
+                    first = False
+                try:
+                    self.complete(prompt, max_tokens, reuse=False)
+                except StageReplayError as e:
+                    failures.append(e)
+                    return
+                finally:
+                    with lock:
+                        in_flight[0] -= 1
+
+        threads = [threading.Thread(target=traffic, args=(others[i % len(others)],), daemon=True) for i in range(k)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            started.acquire()
+        time.sleep(0.05)  # the others' requests reach the server first
+        with lock:
+            seen = in_flight[0]
+        try:
+            g = self.generate(ids, max_tokens, reuse=False)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        if failures:
+            raise failures[0]
+        return g, {"concurrency": k, "in_flight_at_send": seen}
+
+    # -- identity and the check before any item -----------------------------------------------------------
+
+    def version(self) -> str:
+        return str(self.identity.get("build", "unknown"))
+
+    def settings(self) -> dict[str, Any]:
+        return {"engine": self.name, **self.config.as_dict(), "url": self.client.url, "api": self.api,
+                "build": build_of(self.identity), "server": dict(self.identity), "top_logprobs": TOP_LOGPROBS,
+                "bypass": "cache_prompt: false" if self.api == "llama-server" else "cache_salt (+ cache_prompt: false)",
+                "checked": dict(self.checked)}
+
+    def check(self, tokenizer: Any) -> None:
+        """Refuse a server whose numbers this run could not compare with ours (module docstring); what was
+        measured goes into `settings()["checked"]`."""
+        url = self.client.url
+        canonical = list(tokenizer.encode(" The answer to 12+7 is", add_special_tokens=False))
+        split = [int(t) for c in "nineteen" for t in tokenizer.encode(c, add_special_tokens=False)]
+        probe = canonical + split  # a server that detokenizes and tokenizes again merges the split characters
+        g, counted = self.complete(probe, 8, reuse=False)
+        if counted != len(probe):
+            raise StageReplayError(
+                f"the server at {url} counted {counted} prompt tokens for the {len(probe)} token IDs sent: it does "
+                "not take token IDs verbatim",
+                "serve with an API that takes token-ID prompts (llama-server's /completion, vLLM's /v1/completions)")
+        if not g.tokens or len(g.top) != len(g.tokens) or any(len(step) < 2 for step in g.top):
+            raise StageReplayError(f"the server at {url} returned no top-{TOP_LOGPROBS} logprobs",
+                                   "serve with logprobs enabled (vLLM: --max-logprobs 5 or more)")
+        again, _ = self.complete(probe, 8, reuse=False)
+        if again.tokens != g.tokens:
+            raise StageReplayError(
+                f"the server at {url} is not greedy at temperature 0: two requests for one prompt gave "
+                f"{list(g.tokens)} and {list(again.tokens)}",
+                "serve without a sampler override (no --samplers forcing sampling) and audit again")
+        reused, _ = self.complete(probe, 8, reuse=True)
+        bypassed, _ = self.complete(probe, 8, reuse=False)
+        differs = self._tokenizer_differs(tokenizer)
+        if differs is not None:
+            text, theirs, ours = differs
+            raise StageReplayError(
+                f"the server at {url} tokenizes {text!r} as {theirs}, the run's tokenizer as {ours}",
+                "pass --model the model folder or GGUF file the server serves")
+        self.checked = {"verbatim_ids": True, "greedy": True, "top_logprobs": len(g.top[0]),
+                        "tokenizer": "compared" if self.api == "llama-server" or self._has_tokenize else "no endpoint",
+                        "cached_when_reused": reused.cached, "cached_when_bypassed": bypassed.cached}
+
+    _has_tokenize = False
+
+    def _tokenizer_differs(self, tokenizer: Any) -> tuple[str, list[int], list[int]] | None:
+        for text in PROBES:
+            ours = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+            if self.api == "llama-server":
+                reply = self.client.call("/tokenize", {"content": text, "add_special": False})
+            else:
+                # vLLM's body, with llama-server's `content` beside it (each server ignores the other's field)
+                reply = self.client.call("/tokenize", {"model": self.identity.get("model"), "prompt": text,
+                                                       "content": text, "add_special_tokens": False},
+                                         quiet_status=(404, 405))
+                if reply is None:
+                    return None
+                self._has_tokenize = True
+            assert reply is not None
+            theirs = [int(t["id"]) if isinstance(t, dict) else int(t) for t in reply.get("tokens", [])]
+            if theirs != ours:
+                return text, theirs, ours
+        return None
+
+
+def identify(client: Client, api: str) -> tuple[str, dict[str, Any]]:
+    """Which dialect the server speaks (`api` unless auto) and what it says it is: build, model, slots."""
+    props = client.call("/props", quiet_status=(404, 405, 501)) if api in ("auto", "llama-server") else None
+    if props is not None and "default_generation_settings" in props:
+        settings = props.get("default_generation_settings") or {}
+        identity = {"server": "llama-server", "build": props.get("build_info"), "model": props.get("model_alias"),
+                    "model_path": props.get("model_path"), "total_slots": props.get("total_slots"),
+                    "n_ctx": settings.get("n_ctx")}
+        return ("llama-server" if api == "auto" else api), identity
+    if api == "llama-server":
+        raise StageReplayError(f"the server at {client.url} has no llama-server /props", "pass --api openai")
+    models = client.call("/v1/models") or {}
+    data = models.get("data") or []
+    if not data:
+        raise StageReplayError(f"the server at {client.url} lists no model at /v1/models",
+                               "start it with a model, or check --url")
+    first = data[0]
+    version = client.call("/version", quiet_status=(404, 405)) or {}
+    identity = {"server": first.get("owned_by"), "build": version.get("version"), "model": first.get("id"),
+                "root": first.get("root"), "max_model_len": first.get("max_model_len")}
+    return "openai", identity
+
+
+def build_of(identity: dict[str, Any]) -> dict[str, Any]:
+    """What fixes a server's numbers, as far as it says: its software and build, and the model it serves. The
+    audit compares it as it compares our kernels: another build or model is "not reproduced here"."""
+    return {k: identity.get(k) for k in ("server", "build", "model", "model_path", "root")
+            if identity.get(k) is not None}
+
+
+def build_info(config: EngineConfig) -> dict[str, Any]:
+    """The build of the server at `config.url` now (`build_of`), for the audit."""
+    client = Client(config.url, config.api_key_env, config.timeout, config.retries)
+    return build_of(identify(client, config.api)[1])
+
+
+def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> HttpEngine:
+    """The server at `config.url`, identified; `precision`, `threads` and `device` are the server's to choose
+    (our engine runs at `precision` for the tokenizer and `--cross hf`)."""
+    client = Client(config.url, config.api_key_env, config.timeout, config.retries)
+    api, identity = identify(client, config.api)
+    return HttpEngine(config, client, api, identity)

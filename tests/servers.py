@@ -1,0 +1,175 @@
+"""Servers for the tests of `--engine http`: a real llama-server started on 127.0.0.1 (the build .ci/llamacpp.sh
+makes), and a small fake of llama-server's API that misbehaves on purpose (for the refusals and faults only: no
+test that claims to test a server runs on it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def llama_server_binary() -> Path:
+    """llama-server of the one llama.cpp build (.ci/llamacpp.sh): `STAGEREPLAY_LLAMA_SERVER`, else beside the
+    libraries `LLAMA_CPP_LIB_PATH` names."""
+    given = os.environ.get("STAGEREPLAY_LLAMA_SERVER") or (
+        str(Path(os.environ["LLAMA_CPP_LIB_PATH"]) / "llama-server") if os.environ.get("LLAMA_CPP_LIB_PATH") else "")
+    if not given or not Path(given).is_file():
+        pytest.fail("the server tests need llama-server: build it with .ci/llamacpp.sh and set LLAMA_CPP_LIB_PATH "
+                    "to the folder it prints (or STAGEREPLAY_LLAMA_SERVER to the binary)")
+    return Path(given)
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_llama_server(model: Path, log: Path, slots: int = 2, ctx_per_slot: int = 1024, port: int | None = None,
+                       extra: tuple[str, ...] = ()) -> Server:
+    port = port or free_port()
+    cmd = [str(llama_server_binary()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", "1", "--no-webui", *extra]
+    process = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    server = Server(f"http://127.0.0.1:{port}", port, process, log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return server
+        except OSError:
+            time.sleep(0.2)
+    server.stop()
+    pytest.fail(f"llama-server did not start: {log.read_text()[-2000:]}")
+
+
+@contextmanager
+def llama_server(model: Path, log: Path, **kwargs: Any) -> Iterator[Server]:
+    server = start_llama_server(model, log, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Fake:
+    """A fake llama-server (/props, /tokenize, /completion) over `tokenizer`, greedy and verbatim unless `mode` says:
+
+    as-text      the prompt's JSON list of IDs taken as text and tokenized (counts those tokens)
+    no-logprobs  no completion_probabilities
+    sampling     each request's tokens drawn at random
+    tokenizer    /tokenize answers one ID off
+    error        HTTP 500 on /completion
+    stall        /completion answers after `stall` seconds
+    """
+
+    def __init__(self, tokenizer: Any, mode: str = "", stall: float = 5.0):
+        self.tokenizer, self.mode, self.stall = tokenizer, mode, stall
+        self.vocab = len(tokenizer)
+        self.requests = 0
+        self.rng = random.Random(0)
+
+    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        ids = [int(t) for t in body["prompt"]]
+        counted = len(ids)
+        if self.mode == "as-text":
+            counted = len(self.tokenizer.encode(json.dumps(ids), add_special_tokens=False))
+        tokens, steps, last = [], [], ids[-1]
+        for _ in range(int(body["n_predict"])):
+            last = self.rng.randrange(self.vocab) if self.mode == "sampling" else (last * 7 + 3) % self.vocab
+            tokens.append(last)
+            top = [{"id": last, "logprob": -0.1}, {"id": (last + 1) % self.vocab, "logprob": -2.5}]
+            steps.append({"id": last, "logprob": -0.1, "top_logprobs": top})
+        reply = {"tokens": tokens, "tokens_evaluated": counted, "stop_type": "limit",
+                 "timings": {"cache_n": 0}, "completion_probabilities": steps}
+        if self.mode == "no-logprobs":
+            reply.pop("completion_probabilities")
+        return reply
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def reply(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/props":
+                    self.reply(200, {"default_generation_settings": {"n_ctx": 4096}, "build_info": "fake-1",
+                                     "model_alias": "toy", "model_path": "toy.gguf", "total_slots": 1})
+                else:
+                    self.reply(404, {"error": "not found"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize":
+                    ids = fake.tokenizer.encode(body["content"], add_special_tokens=False)
+                    self.reply(200, {"tokens": [t + (fake.mode == "tokenizer") for t in ids]})
+                elif self.path == "/completion":
+                    fake.requests += 1
+                    if fake.mode == "error":
+                        self.reply(500, {"error": "the model crashed"})
+                        return
+                    if fake.mode == "stall":
+                        time.sleep(fake.stall)
+                    self.reply(200, fake.completion(body))
+                else:
+                    self.reply(404, {"error": "not found"})
+
+        return Handler
+
+
+@contextmanager
+def fake_server(tokenizer: Any, mode: str = "", stall: float = 5.0) -> Iterator[tuple[str, Fake]]:
+    fake = Fake(tokenizer, mode, stall)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), fake.handler())
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", fake
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

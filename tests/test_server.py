@@ -1,0 +1,190 @@
+"""`matched --engine http` against a real llama-server (the one llama.cpp build of .ci/llamacpp.sh), started here on
+127.0.0.1 with two slots and the embedded toy written as a GGUF: both dialects, every arm with its replica, the
+under-load arms, the audit re-executing against the server (a forged record is an integrity finding, another build
+"not reproduced here"), the API key kept out of the run, and a server killed mid-run. Opt-in:
+`LLAMA_CPP_LIB_PATH=<build folder> python -m pytest -m server tests/test_server.py`.
+
+Whether the toy's arms differ on this server is reported by the runs, not asserted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from servers import llama_server, start_llama_server
+from typer.testing import CliRunner
+
+from stagereplay.cli import app
+
+pytestmark = pytest.mark.server
+runner = CliRunner()
+N = 4
+
+
+@pytest.fixture(scope="module")
+def toy_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gguf_files import write_toy_gguf
+
+    return write_toy_gguf(tmp_path_factory.mktemp("gguf") / "toy-f32.gguf")
+
+
+@pytest.fixture(scope="module")
+def server(toy_gguf, tmp_path_factory):
+    with llama_server(toy_gguf, tmp_path_factory.mktemp("server") / "log.txt") as s:
+        yield s
+
+
+def _matched(url: str, model: Path, out: Path, *extra: str):
+    return runner.invoke(app, ["matched", "--engine", "http", "--url", url, "--model", str(model), "--precision",
+                               "fp32", "--n", str(N), "--max-new-tokens", "16", "--out", str(out), "--quiet",
+                               *extra])
+
+
+@pytest.fixture(scope="module")
+def run(server, toy_gguf, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("http") / "run"
+    result = _matched(server.url, toy_gguf, out, "--concurrency", "2")
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _payloads(run: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    return [r["payload"] for r in lines if r["kind"] == "item"]
+
+
+def test_every_arm_has_an_exact_replica_and_the_server_is_identified(run):
+    payloads = _payloads(run)
+    assert len(payloads) == N and all(p["status"] == "ok" for p in payloads)
+    for p in payloads:
+        arms = {a["name"]: a for a in p["arms"]}
+        assert {"live", "live#replica", "oneshot", "oneshot#replica", "prefix-cache", "prefix-cache#replica",
+                "live@load", "oneshot@load"} <= set(arms)
+        pairs = {(c["a"], c["b"]): c for c in p["comparisons"]}
+        for arm in ("live", "oneshot", "prefix-cache"):
+            assert pairs[(arm, f"{arm}#replica")]["suffix_equal"], (p["prompt_ids"], arm)
+        # The prefix cache served part of the prefix, some of it written by live's decoding.
+        assert arms["prefix-cache"]["num_cached_tokens"] > len(p["prompt_ids"])
+        assert arms["oneshot"]["num_cached_tokens"] == 0  # bypassed: cache_prompt false
+        assert arms["live@load"]["load"]["concurrency"] == 2
+        assert p["load_finding"] in ("invariant", "batch-variant", "not self-consistent")
+    engine = json.loads((run / "manifest.json").read_text())["environment"]["engine"]
+    assert engine["api"] == "llama-server" and engine["server"]["total_slots"] == 2
+    assert engine["build"]["build"].startswith("b") and engine["checked"]["verbatim_ids"]
+    results = json.loads((run / "results.json").read_text())
+    load = next(m["load"] for m in results["matched"] if m["construction"] == "live@load")
+    assert sum(load.values()) == N
+
+
+def test_the_openai_dialect_gives_the_native_dialects_tokens(run, server, toy_gguf, tmp_path):
+    """llama-server's /v1/completions, parsed as vLLM's would be, returns the same tokens as /completion."""
+    out = tmp_path / "openai"
+    result = _matched(server.url, toy_gguf, out, "--api", "openai")
+    assert result.exit_code == 0, result.output
+    native = {tuple(p["prompt_ids"]): {a["name"]: a["suffix_ids"] for a in p["arms"]} for p in _payloads(run)}
+    for p in _payloads(out):
+        arms = {a["name"]: a["suffix_ids"] for a in p["arms"]}
+        mine = native[tuple(p["prompt_ids"])]
+        assert arms["live"] == mine["live"] and arms["oneshot"] == mine["oneshot"]
+    assert json.loads((out / "manifest.json").read_text())["environment"]["engine"]["api"] == "openai"
+
+
+def _forge(run: Path, to: Path) -> None:
+    import forge
+
+    shutil.copytree(run, to)
+    (to / "audit.json").unlink(missing_ok=True)
+    chain, manifest = forge.load(to)
+    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.payload["status"] == "ok")
+    payload = forge.edit(chain[i])
+    arm = next(a for a in payload["arms"] if a["name"] == "oneshot")
+    arm["suffix_ids"][-1] = (arm["suffix_ids"][-1] + 1) % 256
+    arm["top_logprobs"][-1][0][0] = arm["suffix_ids"][-1]
+    chain[i] = forge.with_payload(chain[i], payload)
+    forge.save(to, chain, manifest)
+
+
+def test_the_audit_reexecutes_against_the_server_and_catches_a_forged_record(run, tmp_path):
+    result = runner.invoke(app, ["audit", str(run), "--quiet"])
+    assert result.exit_code == 0, result.output
+    audit = json.loads((run / "audit.json").read_text())
+    assert audit["reproduced"] and audit["trajectories"]["k"] == audit["trajectories"]["n"] == 6 * N
+    forged = tmp_path / "forged"
+    _forge(run, forged)
+    assert runner.invoke(app, ["audit", str(forged), "--verify-only"]).exit_code == 0
+    result = runner.invoke(app, ["audit", str(forged), "--quiet"])
+    assert result.exit_code == 1, result.output
+    found = json.loads((forged / "audit.json").read_text())["mismatches"]
+    assert any("arm oneshot" in m["what"] and m["kind"] == "integrity" for m in found), found
+
+
+def test_against_another_server_build_a_difference_is_not_reproduced_here(run, tmp_path, monkeypatch):
+    from stagereplay.serving import http
+
+    forged = tmp_path / "forged"
+    _forge(run, forged)
+    real = http.build_info
+    monkeypatch.setattr(http, "build_info", lambda config: {**real(config), "build": "b9999-other"})
+    result = runner.invoke(app, ["audit", str(forged), "--quiet"])
+    assert result.exit_code == 3, result.output
+    audit = json.loads((forged / "audit.json").read_text())
+    assert [d["field"] for d in audit["environment"]["differences"]] == ["engine build"]
+
+
+def test_the_api_key_reaches_the_server_and_no_file_of_the_run(toy_gguf, tmp_path, monkeypatch):
+    key = "sk-stagereplay-test-5f2a9c"
+    out = tmp_path / "run"
+    with llama_server(toy_gguf, tmp_path / "log.txt", slots=1, extra=("--api-key", key)) as s:
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        refused = _matched(s.url, toy_gguf, tmp_path / "refused")
+        assert refused.exit_code != 0 and "HTTP 401" in refused.output and key not in refused.output
+        monkeypatch.setenv("OPENAI_API_KEY", key)
+        result = _matched(s.url, toy_gguf, out)
+    assert result.exit_code == 0, result.output
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert files and not [f for f in files if key.encode() in f.read_bytes()]
+    # Negative control: the grep finds the key where it is.
+    (tmp_path / "planted.txt").write_text(f"Authorization: Bearer {key}")
+    assert key.encode() in (tmp_path / "planted.txt").read_bytes()
+
+
+def test_a_server_killed_mid_run_loses_nothing_and_resume_completes(toy_gguf, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "log.txt"
+    server = start_llama_server(toy_gguf, log, slots=1)
+
+    def kill_after_two_items() -> None:
+        ledger = out / "ledger.jsonl"
+        while server.process.poll() is None:
+            if ledger.exists() and ledger.read_text().count('"kind":"item"') >= 2:
+                server.process.kill()
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_after_two_items, daemon=True)
+    killer.start()
+    try:
+        died = _matched(server.url, toy_gguf, out, "--retries", "0", "--timeout", "5")
+    finally:
+        killer.join(timeout=60)
+        server.stop()
+    assert died.exit_code != 0 and "did not answer" in died.output and "item toy-" in died.output, died.output
+    assert 2 <= len(_payloads(out)) < N
+    # What is there is intact; what verify finds missing is only the items the run did not reach.
+    verified = runner.invoke(app, ["audit", str(out), "--verify-only"])
+    assert "ledger intact" in verified.output, verified.output
+    findings = [line for line in verified.output.splitlines() if line.startswith("  ")]
+    assert findings and all("no record, but the manifest declares one" in line for line in findings), findings
+    again = start_llama_server(toy_gguf, log, slots=1, port=server.port)
+    try:
+        resumed = _matched(again.url, toy_gguf, out, "--retries", "0", "--timeout", "5")
+    finally:
+        again.stop()
+    assert resumed.exit_code == 0, resumed.output
+    ids = [json.loads(line)["item_id"] for line in (out / "ledger.jsonl").read_text().splitlines()
+           if json.loads(line)["kind"] == "item"]
+    assert len(ids) == len(set(ids)) == N
+    assert runner.invoke(app, ["audit", str(out), "--verify-only"]).exit_code == 0
