@@ -34,7 +34,9 @@ def toy_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(toy_gguf, tmp_path_factory):
-    with llama_server(toy_gguf, tmp_path_factory.mktemp("server") / "log.txt") as s:
+    where = tmp_path_factory.mktemp("server")
+    (where / "slots").mkdir()
+    with llama_server(toy_gguf, where / "log.txt", extra=("--slot-save-path", str(where / "slots"))) as s:
         yield s
 
 
@@ -47,7 +49,7 @@ def _matched(url: str, model: Path, out: Path, *extra: str):
 @pytest.fixture(scope="module")
 def run(server, toy_gguf, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("http") / "run"
-    result = _matched(server.url, toy_gguf, out, "--concurrency", "2")
+    result = _matched(server.url, toy_gguf, out, "--concurrency", "2", "--slot-restore")
     assert result.exit_code == 0, result.output
     return out
 
@@ -63,13 +65,18 @@ def test_every_arm_has_an_exact_replica_and_the_server_is_identified(run):
     for p in payloads:
         arms = {a["name"]: a for a in p["arms"]}
         assert {"live", "live#replica", "oneshot", "oneshot#replica", "prefix-cache", "prefix-cache#replica",
-                "live@load", "oneshot@load"} <= set(arms)
+                "slot-restore", "slot-restore#replica", "live@load", "oneshot@load"} <= set(arms)
         pairs = {(c["a"], c["b"]): c for c in p["comparisons"]}
-        for arm in ("live", "oneshot", "prefix-cache"):
+        for arm in ("live", "oneshot", "prefix-cache", "slot-restore"):
             assert pairs[(arm, f"{arm}#replica")]["suffix_equal"], (p["prompt_ids"], arm)
         # The prefix cache served part of the prefix, some of it written by live's decoding.
         assert arms["prefix-cache"]["num_cached_tokens"] > len(p["prompt_ids"])
         assert arms["oneshot"]["num_cached_tokens"] == 0  # bypassed: cache_prompt false
+        # live's slot, saved and restored into the other slot, holds live's whole request; the prefix but its last
+        # token is reused from it (the server always computes the last prompt token).
+        slot = arms["slot-restore"]["slot"]
+        assert slot["live_equal"] and slot["slots"] == [0, 1] and slot["restored"] == slot["saved"]
+        assert arms["slot-restore"]["num_cached_tokens"] == len(p["prefix_ids"]) - 1
         assert arms["live@load"]["load"]["concurrency"] == 2
         assert p["load_finding"] in ("invariant", "batch-variant", "not self-consistent")
     engine = json.loads((run / "manifest.json").read_text())["environment"]["engine"]
@@ -112,7 +119,7 @@ def test_the_audit_reexecutes_against_the_server_and_catches_a_forged_record(run
     result = runner.invoke(app, ["audit", str(run), "--quiet"])
     assert result.exit_code == 0, result.output
     audit = json.loads((run / "audit.json").read_text())
-    assert audit["reproduced"] and audit["trajectories"]["k"] == audit["trajectories"]["n"] == 6 * N
+    assert audit["reproduced"] and audit["trajectories"]["k"] == audit["trajectories"]["n"] == 8 * N
     forged = tmp_path / "forged"
     _forge(run, forged)
     assert runner.invoke(app, ["audit", str(forged), "--verify-only"]).exit_code == 0
@@ -133,6 +140,16 @@ def test_against_another_server_build_a_difference_is_not_reproduced_here(run, t
     assert result.exit_code == 3, result.output
     audit = json.loads((forged / "audit.json").read_text())
     assert [d["field"] for d in audit["environment"]["differences"]] == ["engine build"]
+
+
+def test_slot_restore_on_a_server_that_cannot_save_slots_is_refused(toy_gguf, tmp_path):
+    with llama_server(toy_gguf, tmp_path / "log.txt", slots=1) as s:
+        refused = _matched(s.url, toy_gguf, tmp_path / "run", "--slot-restore")
+        # Negative control: the same server runs the other arms.
+        allowed = _matched(s.url, toy_gguf, tmp_path / "plain")
+    assert refused.exit_code != 0 and "cannot save a slot" in refused.output and "--slot-save-path" in refused.output
+    assert not (tmp_path / "run" / "ledger.jsonl").exists()
+    assert allowed.exit_code == 0, allowed.output
 
 
 def test_the_api_key_reaches_the_server_and_no_file_of_the_run(toy_gguf, tmp_path, monkeypatch):

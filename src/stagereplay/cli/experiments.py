@@ -97,6 +97,9 @@ def matched(
         "http: auto | llama-server (/completion) | openai (/v1/completions: vllm serve)"))] = "auto",
     api_key_env: Annotated[str, typer.Option("--api-key-env", help=(
         "http: the environment variable holding the API key (never recorded)"))] = "OPENAI_API_KEY",
+    slot_restore: Annotated[bool, typer.Option("--slot-restore", help=(
+        "http: live's slot saved and restored into another, continued there (llama-server --slot-save-path)"))
+    ] = False,
     concurrency: Annotated[int, typer.Option("--concurrency", help=(
         "http: other items' requests in flight around the under-load arms (0: none)"))] = 0,
     timeout: Annotated[float, typer.Option("--timeout", help="http: seconds per request")] = 600.0,
@@ -115,7 +118,7 @@ def matched(
         check_construction(construction)
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = decode_config(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
-        server = {"url": url, "api": api, "concurrency": concurrency}
+        server = {"url": url, "api": api, "concurrency": concurrency, "slot_restore": slot_restore}
         if engine == "http":
             server.update(api_key_env=api_key_env, timeout=timeout, retries=retries)
         run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,

@@ -17,6 +17,8 @@ with `--api`:
     generate(ids, reuse=True)    the server may reuse whatever its cache holds (`cache_prompt: true`, no salt)
     generate_loaded(ids, others) the same request as reuse=False, issued while `--concurrency` other requests (other
                                  items' prompts) are in flight: the server batches them with it
+    slot_restore(...)            llama-server with --slot-save-path (`--slot-restore`): live's slot saved, restored
+                                 into another slot and continued there
 
 Before the first item `check` refuses, in one line with the fix, a server that does not answer, counts the prompt
 tokens differently from the IDs sent (it does not take IDs verbatim), tokenizes probe strings differently from the
@@ -41,6 +43,9 @@ from stagereplay.errors import StageReplayError
 from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, Generation
 
 APIS = ("auto", "llama-server", "openai")
+SLOT_FILE = "stagereplay-slot.bin"
+"""The file a slot is saved to, in the server's --slot-save-path: one, overwritten by each item (a long trace's K/V
+can take hundreds of MB)."""
 PROBES = ("Hello world", " 12+7=19.", "The answer is 42\n", "naïve café", "</think>\n\nSo")
 """Strings the server's tokenizer must split as the run's does (a merged `</think>\n`, spaces, non-ASCII)."""
 
@@ -139,13 +144,15 @@ class HttpEngine:
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    def complete(self, ids: Sequence[int], max_tokens: int, reuse: bool) -> tuple[Generation, int]:
-        """One greedy request; its generation and the prompt tokens the server says it took."""
+    def complete(self, ids: Sequence[int], max_tokens: int, reuse: bool, slot: int = -1) -> tuple[Generation, int]:
+        """One greedy request (llama-server: in `slot`, -1 for any); its generation and the prompt tokens the
+        server says it took."""
         ids = [int(t) for t in ids]
         if self.api == "llama-server":
             reply = self.client.call("/completion", {
                 "prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "n_probs": TOP_LOGPROBS,
-                "cache_prompt": reuse, "return_tokens": True, "seed": self.config.seed, "stream": False})
+                "cache_prompt": reuse, "return_tokens": True, "seed": self.config.seed, "stream": False,
+                "id_slot": slot})
             assert reply is not None
             steps = reply.get("completion_probabilities") or []
             ids_out = tuple(int(t) for t in reply.get("tokens") or [s["id"] for s in steps])
@@ -170,6 +177,21 @@ class HttpEngine:
 
     def generate(self, ids: Sequence[int], max_tokens: int, reuse: bool = False) -> Generation:
         return self.complete(ids, max_tokens, reuse)[0]
+
+    def slot_restore(self, prompt: Sequence[int], live_tokens: int, prefix: Sequence[int], max_new: int
+                     ) -> tuple[Generation, Generation, dict[str, Any]]:
+        """llama-server's slot save/restore (`--slot-save-path`): live's request again in slot A, that slot's K/V
+        saved and restored into slot B (A itself, erased first, on a one-slot server), and the prefix continued
+        in B reusing what was restored. The live request (to check it is live's) and the continuation."""
+        slots = int(self.identity.get("total_slots") or 1)
+        a, b = 0, 1 % slots
+        self.client.call(f"/slots/{a}?action=erase", {})
+        live, _ = self.complete(prompt, live_tokens, reuse=False, slot=a)
+        saved = self.client.call(f"/slots/{a}?action=save", {"filename": SLOT_FILE}) or {}
+        self.client.call(f"/slots/{b}?action=erase", {})
+        restored = self.client.call(f"/slots/{b}?action=restore", {"filename": SLOT_FILE}) or {}
+        g, _ = self.complete(prefix, max_new, reuse=True, slot=b)
+        return live, g, {"slots": [a, b], "saved": saved.get("n_saved"), "restored": restored.get("n_restored")}
 
     def generate_loaded(self, ids: Sequence[int], max_tokens: int, others: Sequence[Sequence[int]]
                         ) -> tuple[Generation, dict[str, Any]]:
@@ -251,6 +273,8 @@ class HttpEngine:
                 "serve without a sampler override (no --samplers forcing sampling) and audit again")
         reused, _ = self.complete(probe, 8, reuse=True)
         bypassed, _ = self.complete(probe, 8, reuse=False)
+        if self.config.slot_restore:
+            self._check_slot_restore()
         differs = self._tokenizer_differs(tokenizer)
         if differs is not None:
             text, theirs, ours = differs
@@ -262,6 +286,16 @@ class HttpEngine:
                         "cached_when_reused": reused.cached, "cached_when_bypassed": bypassed.cached}
 
     _has_tokenize = False
+
+    def _check_slot_restore(self) -> None:
+        if self.api != "llama-server":
+            raise StageReplayError("--slot-restore needs llama-server's slot save and restore",
+                                   "drop --slot-restore, or audit a llama-server")
+        try:
+            self.client.call("/slots/0?action=save", {"filename": SLOT_FILE})
+        except StageReplayError as e:
+            raise StageReplayError(f"the server at {self.client.url} cannot save a slot ({e.problem})",
+                                   "start llama-server with --slot-save-path DIR, or drop --slot-restore") from e
 
     def _tokenizer_differs(self, tokenizer: Any) -> tuple[str, list[int], list[int]] | None:
         for text in PROBES:

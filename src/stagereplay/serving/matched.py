@@ -69,7 +69,8 @@ class ServingArms:
     @property
     def fresh(self) -> tuple[str, ...]:
         """The arms set against live, in the order of the report's columns."""
-        return ("oneshot", "prefix-cache", *EXTRA_ARMS.get(self.engine.name, ()), *self.loaded,
+        restore = ("slot-restore",) if self.engine.name == "http" and self.engine.slot_restore else ()
+        return ("oneshot", "prefix-cache", *EXTRA_ARMS.get(self.engine.name, ()), *restore, *self.loaded,
                 *((f"{self.cross}-oneshot",) if self.cross else ()))
 
     @property
@@ -245,6 +246,13 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
 
         arms += restore_arms(engine, prefix, states if replica_prefix_equal else states[:1], max_new, restored)
         fresh += restores
+    if engine_config.name == "http" and engine_config.slot_restore:  # llama-server's slot save and restore
+        for name in ("slot-restore", "slot-restore#replica"):
+            again_live, g, how = engine.slot_restore(  # type: ignore[attr-defined]
+                prompt, budget + max_new, prefix, max_new)
+            served(name, "slot-restore", g)
+            arms[-1]["slot"] = {**how, "live_equal": list(again_live.tokens) == list(first.tokens)}
+        fresh += ["slot-restore"]
     traffic = job.get("traffic")
     if traffic:  # under load: the same requests with other items' in flight (serving.http.generate_loaded)
         loaded, seen = engine.generate_loaded(prompt, budget + max_new, traffic)  # type: ignore[attr-defined]

@@ -76,6 +76,8 @@ class EngineConfig:
     timeout: float = field(default=600.0, metadata={"engines": ("http",), "help": "seconds per request"})
     retries: int = field(default=2, metadata={"engines": ("http",),
                                               "help": "retries of a request the server did not answer"})
+    slot_restore: bool = field(default=False, metadata={"engines": ("http",),
+        "help": "the slot-restore arms: live's slot saved and restored into another (llama-server --slot-save-path)"})
     concurrency: int = field(default=0, metadata={"engines": ("http",),
         "help": "other requests in flight around each under-load replica (0: no under-load arms)"})
 

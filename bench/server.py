@@ -1,0 +1,108 @@
+"""A running llama-server audited over HTTP (`matched --engine http`), per server slot count and client load.
+
+    python bench/server.py MODEL.gguf ITEMS.jsonl OUT --server BUILD/llama-server [--slots 1,4] [--loads 0,4,8]
+
+For each slot count a llama-server is started on 127.0.0.1 (one thread per slot, `-c` = slots x 2048) and
+`stagereplay matched --engine http` runs the items once per load (`--concurrency`: other items' requests in
+flight around each under-load replica; 0 runs the quiet arms only), each into OUT/s<slots>-c<load>. Then one
+line per run: replicas exact, live vs each arm, the prefix cache's hits, and the load findings per item.
+ITEMS: `python bench/llamacpp.py data ITEMS.jsonl --n 30` (SmolLM2 is no reasoning model, so stage 1 is a
+token count, as in bench/llamacpp.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+STAGE = ["--boundary-after", "48", "--max-stage1-tokens", "48", "--max-new-tokens", "64", "--scorer", "last-number"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(binary: str, model: str, slots: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(slots * 2048), "-t", "1", "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    proc.kill()
+    sys.exit(f"error: llama-server did not start; its log: {log}")
+
+
+def row(run: Path) -> str:
+    results = json.loads((run / "results.json").read_text())
+    parts = []
+    for m in results["matched"]:
+        arm = m["construction"]
+        d = m["suffix_disagreements"]
+        rep = m["replica_exact"].get(arm)
+        text = f"{arm} {d['k']}/{d['n']} differ"
+        if rep is not None:
+            text += f" (replica exact {rep['k']}/{rep['n']})"
+        if arm == "prefix-cache" and m.get("prefix_cache"):
+            pc = m["prefix_cache"]
+            text += f" [hits {pc['hits']}/{pc['n']}, {pc['cached_from_decode']} of {pc['num_cached_tokens']} cached from decode]"
+        if m.get("load"):
+            text += " [per item: " + ", ".join(f"{k} {v}" for k, v in m["load"].items()) + "]"
+        parts.append(text)
+    live = results["matched"][0]["replica_exact"]["live"]
+    return f"live replica exact {live['k']}/{live['n']}; " + "; ".join(parts)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("items")
+    p.add_argument("out", type=Path)
+    p.add_argument("--server", required=True, help="the llama-server binary")
+    p.add_argument("--slots", default="1,4")
+    p.add_argument("--loads", default="0,4,8")
+    p.add_argument("--n", type=int, default=30)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    lines = []
+    for slots in (int(s) for s in a.slots.split(",")):
+        proc, url = start(a.server, a.model, slots, a.out / f"server-s{slots}.log")
+        try:
+            for load in (int(c) for c in a.loads.split(",")):
+                run = a.out / f"s{slots}-c{load}"
+                t0 = time.perf_counter()
+                cmd = [sys.executable, "-m", "stagereplay.cli", "matched", "--engine", "http", "--url", url,
+                       "--model", a.model, "--data", a.items, "--n", str(a.n), "--precision", "fp32", *STAGE,
+                       "--concurrency", str(load), "--out", str(run), "--quiet"]
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                if done.returncode != 0:
+                    sys.exit(f"error: {' '.join(cmd)} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+                line = f"slots {slots}, load {load} ({time.perf_counter() - t0:.0f} s): {row(run)}"
+                print(line, flush=True)
+                lines.append(line)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    (a.out / "table.txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
