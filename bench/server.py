@@ -22,8 +22,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-STAGE = ["--boundary-after", "48", "--max-stage1-tokens", "48", "--max-new-tokens", "64", "--scorer", "last-number"]
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -78,7 +76,11 @@ def main() -> int:
     p.add_argument("--slots", default="1,4")
     p.add_argument("--loads", default="0,4,8")
     p.add_argument("--n", type=int, default=30)
+    p.add_argument("--boundary-after", type=int, default=48, help="stage-1 tokens (SmolLM2 is no reasoning model)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="suffix tokens per arm")
     a = p.parse_args()
+    stage = ["--boundary-after", str(a.boundary_after), "--max-stage1-tokens", str(a.boundary_after),
+             "--max-new-tokens", str(a.max_new_tokens), "--scorer", "last-number"]
     a.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     lines = []
@@ -89,7 +91,7 @@ def main() -> int:
                 run = a.out / f"s{slots}-c{load}"
                 t0 = time.perf_counter()
                 cmd = [sys.executable, "-m", "stagereplay.cli", "matched", "--engine", "http", "--url", url,
-                       "--model", a.model, "--data", a.items, "--n", str(a.n), "--precision", "fp32", *STAGE,
+                       "--model", a.model, "--data", a.items, "--n", str(a.n), "--precision", "fp32", *stage,
                        "--concurrency", str(load), "--out", str(run), "--quiet"]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if done.returncode != 0:

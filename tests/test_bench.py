@@ -52,6 +52,10 @@ TINY: dict[str, tuple[list[str], str]] = {
                  rf"^peak RSS \d+ MiB, floor \d+ MiB, caches {NUMBER} MiB, logits kept \d+ MiB$"),
     "resample.py": (["--items", "1", "--k", "1", "--new-tokens", "8", "--repeats", "1"],
                     rf"^draw / decode {NUMBER}\s+reprefill / draw {NUMBER}$"),
+    # The toy as a GGUF served by llama-server (the server tier: LLAMA_CPP_LIB_PATH names the build).
+    "server.py": (["{tmp}/toy.gguf", "{tmp}/items.jsonl", "{tmp}/out", "--server", "{llama_server}", "--slots", "1",
+                   "--loads", "0,2", "--n", "2", "--boundary-after", "4", "--max-new-tokens", "4"],
+                  r"^slots 1, load 2 \(\d+ s\): live replica exact \d+/\d+; oneshot \d+/\d+ differ .*per item: .*$"),
 }
 
 
@@ -78,11 +82,31 @@ def test_last_line_rejects_a_crash() -> None:
 
 SLOW = ("paper.py", "gpu_check.sh", "plan.py", "matched_floor.py")
 """Scripts whose smoke run is a whole protocol run (or several): the slow tier, which CI also runs."""
+SERVER = ("server.py",)
+"""Scripts whose smoke run starts llama-server: the server tier (tests/test_server.py says how to run it)."""
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in sorted(TINY)])
+def _marks(script: str) -> tuple[pytest.MarkDecorator, ...]:
+    return (pytest.mark.slow,) if script in SLOW else (pytest.mark.server,) if script in SERVER else ()
+
+
+def _serve_the_toy(tmp_path: Path) -> str:
+    """The toy as a GGUF and arithmetic items for bench/server.py; the llama-server binary to start."""
+    from gguf_files import write_toy_gguf
+    from servers import llama_server_binary
+
+    write_toy_gguf(tmp_path / "toy.gguf")
+    subprocess.run([sys.executable, str(BENCH / "llamacpp.py"), "data", str(tmp_path / "items.jsonl"), "--n", "2"],
+                   check=True, capture_output=True)
+    return str(llama_server_binary())
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=_marks(s)) for s in sorted(TINY)])
 def test_bench_script_runs_tiny(script: str, tmp_path: Path) -> None:
     args, pattern = TINY[script]
+    if script in SERVER:
+        binary = _serve_the_toy(tmp_path)
+        args = [a.replace("{llama_server}", binary) for a in args]
     runner = ["bash"] if script.split()[0].endswith(".sh") else [sys.executable]
     cmd = [*runner, str(BENCH / script.split()[0]), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
     # A shell script's python3 is this interpreter; its scratch files (OUT, the temporary directory) in tmp_path.
