@@ -21,6 +21,9 @@ class ExecConfig:
 
     workers: int = 1
     executor: str = "local"
+    isolated: bool = False
+    """Jobs in a worker process even at one worker: native code that crashes (a serving engine's library) takes
+    the worker down, not the run, which then says so in one line and resumes from the item."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -32,4 +32,4 @@ def run_jobs(config: ModelConfig, work: Work, jobs: Sequence[Any], ex: ExecConfi
     elif ex.executor == "ray":
         yield from run_ray(config, work, jobs, ex.workers)
     else:
-        yield from run_local(config, work, jobs, ex.workers, lm)
+        yield from run_local(config, work, jobs, ex.workers, lm, ex.isolated)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Iterator, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -62,10 +63,15 @@ def _call(config: ModelConfig, work: Work, job: Any) -> dict[str, Any]:
 _POOL: dict[int, Any] = {}
 
 
-def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int, lm: LM | None = None
-              ) -> Iterator[dict[str, Any]]:
-    """`work(lm, job)` for every job, in this process (`workers == 1`) or a pool, yielded in job order."""
-    if workers == 1:
+class WorkerDied(StageReplayError):
+    """A worker process ended without a result: killed by a signal or exited in native code."""
+
+
+def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int, lm: LM | None = None,
+              isolated: bool = False) -> Iterator[dict[str, Any]]:
+    """`work(lm, job)` for every job, in this process (`workers == 1`, unless `isolated`) or a pool, yielded in
+    job order. A worker that dies raises `WorkerDied` naming the job's item and how the process ended."""
+    if workers == 1 and not isolated:
         lm = lm or cached_lm(config)
         if config.batch > 1:
             yield from run_batched(lm, work, jobs, config.batch)
@@ -79,15 +85,46 @@ def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int
         futures = [pool.submit(_call_batched, config, work, chunk) for chunk in chunks(jobs, config.batch, workers)]
     else:
         futures = [pool.submit(_call, config, work, job) for job in jobs]
+    processes = list(getattr(pool, "_processes", {}).values())  # started by the first submit
     try:
-        for f in futures:
+        for i, f in enumerate(futures):
+            try:
+                result = f.result()
+            except BrokenProcessPool:
+                _POOL.pop(workers, None)  # a broken pool takes no more jobs: the next call starts another
+                raise WorkerDied(f"the worker process running item {_item_id(jobs, i, config.batch)} died "
+                                 f"({_how_ended(processes)}) without a result",
+                                 "the records before it are kept; fix the cause and run the same command "
+                                 "again to resume") from None
             if config.batch > 1:
-                yield from f.result()
+                yield from result
             else:
-                yield f.result()
+                yield result
     finally:
         for f in futures:
             f.cancel()
+
+
+def _item_id(jobs: Sequence[Any], index: int, batch: int) -> str:
+    job = jobs[index * batch] if batch > 1 else jobs[index]
+    return str(getattr(getattr(job, "item", None), "id", f"#{index}"))
+
+
+def _how_ended(processes: Sequence[Any]) -> str:
+    """How the pool's processes ended: a signal's name (SIGSEGV: a crash in native code) or an exit code."""
+    import signal
+
+    for p in processes:
+        p.join(timeout=5)
+        code = p.exitcode
+        if code is not None and code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        if code:
+            return f"exit code {code}"
+    return "it ended without saying why"
 
 
 def _call_batched(config: ModelConfig, work: Work, jobs: Sequence[Any]) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig, Work
+from stagereplay.execution.local import WorkerDied
 from stagereplay.experiments.arms import comparison, no_boundary_payload
 from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.records.ledger import Run
@@ -325,5 +326,14 @@ def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, 
         "model": model.as_dict(), "settings": settings.as_dict(), "construction": "oneshot",
         "engine": arms.engine.as_dict(), "cross": arms.cross, "arms": list(arms.fresh)})
     jobs = [Job(item, settings, extra=arms.extra() + arms.traffic(items, i)) for i, item in enumerate(items)]
-    execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(), lm, quiet,
-            env_work=partial(with_engine_environment, serving_matched_item))
+    # llama.cpp's native code runs in a worker process: a crash there ends in one line, and the run resumes.
+    native = arms.engine.name == "llama.cpp"
+    try:
+        execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(isolated=native),
+                None if native else lm, quiet, env_work=partial(with_engine_environment, serving_matched_item))
+    except WorkerDied as e:
+        raise StageReplayError(
+            f"{e.problem}: llama.cpp's native code crashed; a build for this CPU (-DGGML_NATIVE=ON) on AMX tiles "
+            "is the known cause (its AMX matmul puts the weights in AMX buffers, llama.cpp issue 20824)",
+            "install the portable build (docs/how-to/llamacpp.md) and run the same command again: the run resumes "
+            "from this item") from e
