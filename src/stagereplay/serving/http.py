@@ -14,7 +14,8 @@ with `--api`:
     generate(ids, reuse=False)   the prefix cache bypassed: `cache_prompt: false` (llama-server) or a fresh
                                  `cache_salt` (vLLM), both sent in the openai dialect; `settings()["bypass"]` says
                                  which, and the check before the first item measures whether it held
-    generate(ids, reuse=True)    the server may reuse whatever its cache holds (`cache_prompt: true`, no salt)
+    generate(ids, reuse=True)    the server may reuse what its cache holds (`cache_prompt: true`); on vLLM only what
+                                 the last bypassed request cached (its salt again)
     generate_loaded(ids, others) the same request as reuse=False, issued while `--concurrency` other requests (other
                                  items' prompts) are in flight: the server batches them with it
     slot_restore(...)            llama-server with --slot-save-path (`--slot-restore`): live's slot saved, restored
@@ -141,12 +142,14 @@ class HttpEngine:
     def __init__(self, config: EngineConfig, client: Client, api: str, identity: dict[str, Any]):
         self.config, self.client, self.api, self.identity = config, client, api, identity
         self.checked: dict[str, Any] = {}
+        self._salt = ""  # the cache salt of the last request that bypassed the cache (openai dialect)
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    def complete(self, ids: Sequence[int], max_tokens: int, reuse: bool, slot: int = -1) -> tuple[Generation, int]:
-        """One greedy request (llama-server: in `slot`, -1 for any); its generation and the prompt tokens the
-        server says it took."""
+    def complete(self, ids: Sequence[int], max_tokens: int, reuse: bool, slot: int = -1, salt: str = ""
+                 ) -> tuple[Generation, int]:
+        """One greedy request (llama-server: in `slot`, -1 for any; openai: under the cache `salt`, if any); its
+        generation and the prompt tokens the server says it took."""
         ids = [int(t) for t in ids]
         if self.api == "llama-server":
             reply = self.client.call("/completion", {
@@ -164,8 +167,8 @@ class HttpEngine:
             "model": self.identity.get("model"), "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
             "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "seed": self.config.seed,
             "cache_prompt": reuse}
-        if not reuse:
-            body["cache_salt"] = uuid.uuid4().hex  # vLLM: a salt no earlier request used hashes every block anew
+        if salt:
+            body["cache_salt"] = salt
         reply = self.client.call("/v1/completions", body)
         assert reply is not None
         choice = (reply.get("choices") or [{}])[0]
@@ -176,7 +179,16 @@ class HttpEngine:
         return Generation(tuple(tokens), tuple(top), cached, finish), int(usage.get("prompt_tokens", -1))
 
     def generate(self, ids: Sequence[int], max_tokens: int, reuse: bool = False) -> Generation:
-        return self.complete(ids, max_tokens, reuse)[0]
+        return self.counted(ids, max_tokens, reuse)[0]
+
+    def counted(self, ids: Sequence[int], max_tokens: int, reuse: bool) -> tuple[Generation, int]:
+        """`generate`, and the prompt tokens the server counted. On vLLM a request that bypasses the cache gets a
+        salt no request used before (its blocks hash anew), and a request that reuses gets the last such salt:
+        it can reuse what the last bypassed request cached (live's blocks, decode-written ones included) and
+        nothing that other requests or earlier runs left in the server's cache."""
+        if not reuse:
+            self._salt = uuid.uuid4().hex
+        return self.complete(ids, max_tokens, reuse, salt=self._salt)
 
     def slot_restore(self, prompt: Sequence[int], live_tokens: int, prefix: Sequence[int], max_new: int
                      ) -> tuple[Generation, Generation, dict[str, Any]]:
@@ -212,7 +224,7 @@ class HttpEngine:
                     started.release()
                     first = False
                 try:
-                    self.complete(prompt, max_tokens, reuse=False)
+                    self.complete(prompt, max_tokens, reuse=False, salt=uuid.uuid4().hex)
                 except StageReplayError as e:
                     failures.append(e)
                     return
@@ -256,7 +268,7 @@ class HttpEngine:
         canonical = list(tokenizer.encode(" The answer to 12+7 is", add_special_tokens=False))
         split = [int(t) for c in "nineteen" for t in tokenizer.encode(c, add_special_tokens=False)]
         probe = canonical + split  # a server that detokenizes and tokenizes again merges the split characters
-        g, counted = self.complete(probe, 8, reuse=False)
+        g, counted = self.counted(probe, 8, reuse=False)
         if counted != len(probe):
             raise StageReplayError(
                 f"the server at {url} counted {counted} prompt tokens for the {len(probe)} token IDs sent: it does "
@@ -265,14 +277,14 @@ class HttpEngine:
         if not g.tokens or len(g.top) != len(g.tokens) or any(len(step) < 2 for step in g.top):
             raise StageReplayError(f"the server at {url} returned no top-{TOP_LOGPROBS} logprobs",
                                    "serve with logprobs enabled (vLLM: --max-logprobs 5 or more)")
-        again, _ = self.complete(probe, 8, reuse=False)
+        again, _ = self.counted(probe, 8, reuse=False)
         if again.tokens != g.tokens:
             raise StageReplayError(
                 f"the server at {url} is not greedy at temperature 0: two requests for one prompt gave "
                 f"{list(g.tokens)} and {list(again.tokens)}",
                 "serve without a sampler override (no --samplers forcing sampling) and audit again")
-        reused, _ = self.complete(probe, 8, reuse=True)
-        bypassed, _ = self.complete(probe, 8, reuse=False)
+        reused, _ = self.counted(probe, 8, reuse=True)
+        bypassed, _ = self.counted(probe, 8, reuse=False)
         if self.config.slot_restore:
             self._check_slot_restore()
         differs = self._tokenizer_differs(tokenizer)
