@@ -107,3 +107,24 @@ def test_credentials_in_the_url_are_not_recorded():
     assert http.public_url("http://user:secret@host:8080/v1/") == "http://host:8080/v1"
     with pytest.raises(StageReplayError, match="not an http"):
         http.Client("ftp://host", "K", 1, 0)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_a_server_run_proves_our_step_only_when_our_engine_steps(tokenizer, tmp_path, monkeypatch, cross):
+    """Without --cross our engine only tokenizes and scores, so nothing is proven before the items (on a 14B model
+    the proof would be minutes of nothing); with --cross hf it continues the server's prefixes, and is proven."""
+    from stagereplay.engine import lm as lm_module
+    from stagereplay.engine import proof
+    from stagereplay.execution import models
+
+    models._LMS.clear()
+    proof._PROVEN.clear()
+    proofs = []
+    real = lm_module.prove_steps
+    monkeypatch.setattr(lm_module, "prove_steps", lambda *a, **k: proofs.append(1) or real(*a, **k))
+    with fake_server(tokenizer) as (url, _):
+        result = runner.invoke(app, ["matched", "--engine", "http", "--url", url, "--n", "2", "--boundary-after",
+                                     "4", "--max-stage1-tokens", "4", "--max-new-tokens", "4", "--out",
+                                     str(tmp_path / "run"), "--quiet", *(["--cross", "hf"] if cross else [])])
+    assert result.exit_code == 0, result.output
+    assert bool(proofs) == cross, proofs
