@@ -83,3 +83,20 @@ def carry_over(chain: list[Record], k: int) -> None:
                     donor, _, recipient = direction.partition("->")
                     p[key][direction] = outcome(suffix[f"{prefix}{direction}"], suffix[donor], suffix[recipient])
         chain[i] = with_payload(r, p)
+
+
+def forge_arm(run: Path, to: Path, arm_name: str) -> None:
+    """A copy of `run` at `to` whose first reached item has its arm `arm_name`'s last suffix token changed (and its
+    top-1 logprob's token with it), every checksum recomputed: `--verify-only` passes it, re-execution does not."""
+    import shutil
+
+    shutil.copytree(run, to)
+    (to / "audit.json").unlink(missing_ok=True)
+    chain, manifest = load(to)
+    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.payload["status"] == "ok")
+    payload = edit(chain[i])
+    arm = next(a for a in payload["arms"] if a["name"] == arm_name)
+    arm["suffix_ids"][-1] = (arm["suffix_ids"][-1] + 1) % 256
+    arm["top_logprobs"][-1][0][0] = arm["suffix_ids"][-1]
+    chain[i] = with_payload(chain[i], payload)
+    save(to, chain, manifest)

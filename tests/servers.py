@@ -62,19 +62,21 @@ def start_llama_server(model: Path, log: Path, slots: int = 2, ctx_per_slot: int
     cmd = [str(llama_server_binary()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", "1", "--no-webui", *extra]
     process = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
-    server = Server(f"http://127.0.0.1:{port}", port, process, log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            break
+    return _up(Server(f"http://127.0.0.1:{port}", port, process, log), "/health", 60, "llama-server")
+
+
+def _up(server: Server, path: str, seconds: float, what: str) -> Server:
+    """`server` once `path` answers 200, within `seconds`; else stopped, and the test fails with its log's end."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and server.process.poll() is None:
         try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2) as reply:
+            with urllib.request.urlopen(server.url + path, timeout=2) as reply:
                 if reply.status == 200:
                     return server
         except OSError:
             time.sleep(0.2)
     server.stop()
-    pytest.fail(f"llama-server did not start: {log.read_text()[-2000:]}")
+    pytest.fail(f"{what} did not start: {server.log.read_text()[-3000:]}")
 
 
 @contextmanager
@@ -100,17 +102,7 @@ def start_vllm_server(model: Path, log: Path, port: int | None = None) -> Server
            "--enforce-eager", "--enable-prefix-caching", "--max-logprobs", "5", "--enable-prompt-tokens-details",
            "--seed", "0"]
     process = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
-    server = Server(f"http://127.0.0.1:{port}", port, process, log)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            with urllib.request.urlopen(server.url + "/v1/models", timeout=2) as reply:
-                if reply.status == 200:
-                    return server
-        except OSError:
-            time.sleep(0.5)
-    server.stop()
-    pytest.fail(f"vLLM's server did not start: {log.read_text()[-3000:]}")
+    return _up(Server(f"http://127.0.0.1:{port}", port, process, log), "/v1/models", 300, "vLLM's server")
 
 
 class Fake:

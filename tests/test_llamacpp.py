@@ -118,16 +118,7 @@ def test_every_arm_runs_with_an_exact_replica_and_state_restore_is_live(run):
 def _forge_state_restore(run: Path, to: Path) -> None:
     import forge
 
-    shutil.copytree(run, to)
-    (to / "audit.json").unlink(missing_ok=True)
-    chain, manifest = forge.load(to)
-    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.payload["status"] == "ok")
-    payload = forge.edit(chain[i])
-    arm = _arms(payload)["state-restore"]
-    arm["suffix_ids"][-1] = (arm["suffix_ids"][-1] + 1) % 256
-    arm["top_logprobs"][-1][0][0] = arm["suffix_ids"][-1]
-    chain[i] = forge.with_payload(chain[i], payload)
-    forge.save(to, chain, manifest)
+    forge.forge_arm(run, to, "state-restore")
 
 
 def test_audit_reexecutes_in_llamacpp_and_catches_a_forged_record(run, tmp_path):

@@ -9,7 +9,6 @@ Whether the toy's arms differ on this server is reported by the runs, not assert
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -103,16 +102,7 @@ def test_the_openai_dialect_gives_the_native_dialects_tokens(run, server, toy_gg
 def _forge(run: Path, to: Path) -> None:
     import forge
 
-    shutil.copytree(run, to)
-    (to / "audit.json").unlink(missing_ok=True)
-    chain, manifest = forge.load(to)
-    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.payload["status"] == "ok")
-    payload = forge.edit(chain[i])
-    arm = next(a for a in payload["arms"] if a["name"] == "oneshot")
-    arm["suffix_ids"][-1] = (arm["suffix_ids"][-1] + 1) % 256
-    arm["top_logprobs"][-1][0][0] = arm["suffix_ids"][-1]
-    chain[i] = forge.with_payload(chain[i], payload)
-    forge.save(to, chain, manifest)
+    forge.forge_arm(run, to, "oneshot")
 
 
 def test_the_audit_reexecutes_against_the_server_and_catches_a_forged_record(run, tmp_path):
