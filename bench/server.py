@@ -60,8 +60,8 @@ def row(run: Path) -> str:
         if arm == "prefix-cache" and m.get("prefix_cache"):
             pc = m["prefix_cache"]
             text += f" [hits {pc['hits']}/{pc['n']}, {pc['cached_from_decode']} of {pc['num_cached_tokens']} cached from decode]"
-        if m.get("load"):
-            text += " [per item: " + ", ".join(f"{k} {v}" for k, v in m["load"].items()) + "]"
+        for request, counts in (m.get("load") or {}).items():
+            text += f" [{request} per item: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + "]"
         parts.append(text)
     live = results["matched"][0]["replica_exact"]["live"]
     return f"live replica exact {live['k']}/{live['n']}; " + "; ".join(parts)

@@ -55,7 +55,7 @@ TINY: dict[str, tuple[list[str], str]] = {
     # The toy as a GGUF served by llama-server (the server tier: LLAMA_CPP_LIB_PATH names the build).
     "server.py": (["{tmp}/toy.gguf", "{tmp}/items.jsonl", "{tmp}/out", "--server", "{llama_server}", "--slots", "1",
                    "--loads", "0,2", "--n", "2", "--boundary-after", "4", "--max-new-tokens", "4"],
-                  r"^slots 1, load 2 \(\d+ s\): live replica exact \d+/\d+; oneshot \d+/\d+ differ .*per item: .*$"),
+                  r"^slots 1, load 2 \(\d+ s\): live replica exact \d+/\d+; oneshot \d+/\d+ differ .*oneshot per item: .*$"),
 }
 
 

@@ -81,8 +81,9 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
             "hits_with_decode_blocks": sum(a.get("cached_from_decode", 0) > 0 for a in cached)}
     findings = [r.payload["load_finding"] for r in records if "load_finding" in r.payload]
     if findings and construction == "live@load":  # a server's replicas under load (serving.matched.load_finding)
-        summary["load"] = {f: findings.count(f) for f in ("invariant", "batch-variant", "not self-consistent",
-                                                          "unknown")}
+        summary["load"] = {arm: {f: [x.get(arm) for x in findings].count(f)
+                                 for f in ("invariant", "batch-variant", "not self-consistent", "unknown")}
+                           for arm in ("live", "oneshot")}
     if any("marker_inside_token" in r.payload for r in ok):  # a marker matched on text (engine.boundary)
         summary["n_marker_inside_token"] = sum(bool(r.payload.get("marker_inside_token")) for r in ok)
     if n:

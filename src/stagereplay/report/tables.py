@@ -139,10 +139,11 @@ def matched_table(matched: list[dict[str, Any]]) -> Table:
                      f"({pc['cached_from_decode']} of {pc['num_cached_tokens']} cached positions).")
         load = m.get("load")
         if load:
-            note += (f" Under load ({m['construction']} @ {m['precision']}, the server's replicas with other requests "
-                     f"in flight), per item: {load['invariant']} invariant, {load['batch-variant']} batch-variant "
-                     f"(exact alone, different under load), {load['not self-consistent']} not self-consistent "
-                     f"(different even alone), {load['unknown']} unknown.")
+            note += f" Under load (@ {m['precision']}, the server's replicas with other requests in flight), per item:"
+            for arm, n in load.items():
+                note += (f" {arm}: {n['invariant']} invariant, {n['batch-variant']} batch-variant (exact alone, "
+                         f"different under load), {n['not self-consistent']} not self-consistent (different even "
+                         f"alone), {n['unknown']} unknown;")
     d = next((m["accuracy_diff"] for m in matched if m.get("accuracy_diff")), None)
     if d:
         note += (

@@ -293,17 +293,21 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     }
 
 
-def load_finding(comparisons: dict[tuple[str, str], dict[str, Any]]) -> str:
-    """What the under-load replica says about the server, apart from construction effects: `batch-variant` when
-    live's quiet replica is exact and its replica under load is not (other requests in the batch changed the
-    bits), `not self-consistent` when even the quiet replica differs, `invariant` when both are exact, `unknown`
-    when a replica did not reach the boundary."""
-    quiet, loaded = comparisons.get(("live", "live#replica")), comparisons.get(("live", "live@load"))
-    if quiet is None or loaded is None:
-        return "unknown"
-    if not quiet["suffix_equal"]:
-        return "not self-consistent"
-    return "invariant" if loaded["suffix_equal"] else "batch-variant"
+def load_finding(comparisons: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
+    """What the replicas under load say about the server, apart from construction effects, for live's request and
+    oneshot's: `batch-variant` when the quiet replica is exact and the one under load is not (other requests in
+    the batch changed the bits), `not self-consistent` when even the quiet replica differs, `invariant` when both
+    are exact, `unknown` when a replica did not reach the boundary."""
+    out = {}
+    for arm in ("live", "oneshot"):
+        quiet, loaded = comparisons.get((arm, f"{arm}#replica")), comparisons.get((arm, f"{arm}@load"))
+        if quiet is None or loaded is None:
+            out[arm] = "unknown"
+        elif not quiet["suffix_equal"]:
+            out[arm] = "not self-consistent"
+        else:
+            out[arm] = "invariant" if loaded["suffix_equal"] else "batch-variant"
+    return out
 
 
 def with_engine_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
