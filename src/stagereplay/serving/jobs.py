@@ -38,39 +38,46 @@ def engine_build_here(stages: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def _under_load(*names: str) -> bool:
+    """Whether any of the arm names is an under-load arm (`serving.matched.LOADED`)."""
+    return not set(LOADED).isdisjoint(names)
+
+
+def _has_load(payload: dict[str, Any]) -> bool:
+    return _under_load(*(str(a.get("name")) for a in payload.get("arms", [])))
+
+
 def replayable(payload: dict[str, Any]) -> dict[str, Any]:
     """A serving record without what one request at a time cannot re-execute: the under-load arms (other
     requests in flight decide their bits), their comparisons, margins and the item's load finding."""
-    loaded = set(LOADED)
-    if not loaded & {a.get("name") for a in payload.get("arms", [])}:
+    if not _has_load(payload):
         return payload
     diagnostics = dict(payload.get("diagnostics") or {})
     if diagnostics:
-        diagnostics["margins"] = {k: v for k, v in (diagnostics.get("margins") or {}).items() if k not in loaded}
+        diagnostics["margins"] = {k: v for k, v in (diagnostics.get("margins") or {}).items() if not _under_load(k)}
         diagnostics["pairs"] = {k: v for k, v in (diagnostics.get("pairs") or {}).items()
-                                if not loaded & set(k.split(" vs "))}
+                                if not _under_load(*k.split(" vs "))}
     return {**{k: v for k, v in payload.items() if k != "load_finding"},
-            "arms": [a for a in payload["arms"] if a.get("name") not in loaded],
-            "comparisons": [c for c in payload.get("comparisons", []) if not loaded & {c["a"], c["b"]}],
+            "arms": [a for a in payload["arms"] if not _under_load(a.get("name"))],
+            "comparisons": [c for c in payload.get("comparisons", []) if not _under_load(c["a"], c["b"])],
             **({"diagnostics": diagnostics} if diagnostics else {})}
 
 
 def with_unreplayed(again: dict[str, Any], recorded: dict[str, Any]) -> dict[str, Any]:
     """A re-executed serving record with the parts `replayable` left out taken as recorded, so the run's results
     rebuild from it (the under-load rows are then the run's own, the rest re-executed)."""
-    loaded = set(LOADED)
-    if replayable(recorded) is recorded:
+    if not _has_load(recorded):
         return again
-    out = {**again, "arms": [*again.get("arms", []), *(a for a in recorded["arms"] if a.get("name") in loaded)],
+    out = {**again, "arms": [*again.get("arms", []), *(a for a in recorded["arms"] if _under_load(a.get("name")))],
            "comparisons": [*again.get("comparisons", []),
-                           *(c for c in recorded.get("comparisons", []) if loaded & {c["a"], c["b"]})]}
+                           *(c for c in recorded.get("comparisons", []) if _under_load(c["a"], c["b"]))]}
     if "load_finding" in recorded:
         out["load_finding"] = recorded["load_finding"]
     diagnostics, kept = dict(again.get("diagnostics") or {}), recorded.get("diagnostics") or {}
     if diagnostics and kept:
         diagnostics["margins"] = {**diagnostics.get("margins", {}),
-                                  **{k: v for k, v in kept.get("margins", {}).items() if k in loaded}}
+                                  **{k: v for k, v in kept.get("margins", {}).items() if _under_load(k)}}
         diagnostics["pairs"] = {**diagnostics.get("pairs", {}),
-                                **{k: v for k, v in kept.get("pairs", {}).items() if loaded & set(k.split(" vs "))}}
+                                **{k: v for k, v in kept.get("pairs", {}).items() if _under_load(*k.split(" vs "))}}
         out["diagnostics"] = diagnostics
     return out

@@ -52,6 +52,8 @@ from stagereplay.tasks.scoring import scorer_by_name
 
 CROSS = ("hf",)
 """Engines that may replay a serving engine's prefixes: ours."""
+GRID_ARMS = ("oneshot", "prefix-cache", "oneshot-restore")
+"""The serving arms the precision 2x2 builds on a fixed prefix (`serving.precision_2x2.serving_grid_item`)."""
 LOADED = ("live@load", "oneshot@load")
 """A server's arms under load: live's and oneshot's request again, with other items' requests in flight."""
 
@@ -92,9 +94,10 @@ class ServingArms:
 
     @property
     def grid(self) -> tuple[str, ...]:
-        """The arms `precision-2x2` crosses with precision by default: all but state-restore, which needs live's
-        state at each precision (llama.cpp's `chunked:<n>`, its prompt batch size, may be added)."""
-        return tuple(a for a in self.fresh if a != "state-restore")
+        """The arms `precision-2x2` crosses with precision by default: those of `fresh` it builds on a fixed
+        prefix (`GRID_ARMS` and the cross arm). Not state-restore or slot-restore, which need live's state at each
+        precision, nor the under-load arms (llama.cpp's `chunked:<n>`, its prompt batch size, may be added)."""
+        return tuple(a for a in self.fresh if a in GRID_ARMS or a == f"{self.cross}-oneshot")
 
     def extra(self) -> tuple[tuple[str, Any], ...]:
         return (("construction", "oneshot"), ("engine", tuple(self.engine.as_dict().items())),
