@@ -2,10 +2,12 @@
 
     python bench/server.py MODEL.gguf ITEMS.jsonl OUT --server BUILD/llama-server [--slots 1,4] [--loads 0,4,8]
 
-For each slot count a llama-server is started on 127.0.0.1 (one thread per slot, `-c` = slots x 2048) and
-`stagereplay matched --engine http` runs the items once per load (`--concurrency`: other items' requests in
-flight around each under-load replica; 0 runs the quiet arms only), each into OUT/s<slots>-c<load>. Then one
-line per run: replicas exact, live vs each arm, the prefix cache's hits, and the load findings per item.
+For each slot count a llama-server is started on 127.0.0.1 (`--threads`, 1 by default; `-c` = slots x 2048, a --slot-save-path)
+and `stagereplay matched --engine http` runs the items once per load (`--concurrency`: other items' requests in
+flight around each under-load replica; 0 runs the quiet arms only, with the slot-restore arm where the server has
+two slots or more), each into OUT/s<slots>-c<load>. Then one line per run: replicas exact, live vs each arm with
+the median logit margin at the first divergence, the prefix cache's hits and cached tokens, and the load findings
+per item.
 ITEMS: `python bench/llamacpp.py data ITEMS.jsonl --n 30` (SmolLM2 is no reasoning model, so stage 1 is a
 token count, as in bench/llamacpp.py).
 """
@@ -29,10 +31,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(binary: str, model: str, slots: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start(binary: str, model: str, slots: int, log: Path, saves: Path, threads: int
+          ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
+    saves.mkdir(parents=True, exist_ok=True)
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * 2048), "-t", "1", "--no-webui"]
+           "-c", str(slots * 2048), "-t", str(threads), "--no-webui", "--slot-save-path", str(saves)]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -55,6 +59,9 @@ def row(run: Path) -> str:
         d = m["suffix_disagreements"]
         rep = m["replica_exact"].get(arm)
         text = f"{arm} {d['k']}/{d['n']} differ"
+        at = (m.get("margins") or {}).get("at_divergence") or {}
+        if at.get("n"):
+            text += f" (margin at divergence, median {at['median']:.3f})"
         if rep is not None:
             text += f" (replica exact {rep['k']}/{rep['n']})"
         if arm == "prefix-cache" and m.get("prefix_cache"):
@@ -78,6 +85,7 @@ def main() -> int:
     p.add_argument("--n", type=int, default=30)
     p.add_argument("--boundary-after", type=int, default=48, help="stage-1 tokens (SmolLM2 is no reasoning model)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="suffix tokens per arm")
+    p.add_argument("--threads", type=int, default=1, help="llama-server's threads")
     a = p.parse_args()
     stage = ["--boundary-after", str(a.boundary_after), "--max-stage1-tokens", str(a.boundary_after),
              "--max-new-tokens", str(a.max_new_tokens), "--scorer", "last-number"]
@@ -85,14 +93,15 @@ def main() -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     lines = []
     for slots in (int(s) for s in a.slots.split(",")):
-        proc, url = start(a.server, a.model, slots, a.out / f"server-s{slots}.log")
+        proc, url = start(a.server, a.model, slots, a.out / f"server-s{slots}.log", a.out / "slots", a.threads)
         try:
             for load in (int(c) for c in a.loads.split(",")):
                 run = a.out / f"s{slots}-c{load}"
                 t0 = time.perf_counter()
                 cmd = [sys.executable, "-m", "stagereplay.cli", "matched", "--engine", "http", "--url", url,
                        "--model", a.model, "--data", a.items, "--n", str(a.n), "--precision", "fp32", *stage,
-                       "--concurrency", str(load), "--out", str(run), "--quiet"]
+                       "--concurrency", str(load), "--out", str(run), "--quiet",
+                       *(["--slot-restore"] if load == 0 and slots > 1 else [])]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if done.returncode != 0:
                     sys.exit(f"error: {' '.join(cmd)} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")

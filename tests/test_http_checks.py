@@ -4,7 +4,9 @@ the well-behaved fake passing as its negative control. The real servers are test
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import pytest
 from servers import fake_server
@@ -86,20 +88,12 @@ def test_a_stalled_server_is_given_up_on_at_the_timeout(tokenizer):
 
 def test_the_api_key_is_sent_and_never_kept(tokenizer, monkeypatch):
     monkeypatch.setenv("STAGEREPLAY_TEST_KEY", "sk-test-0123456789")
-    seen = []
-    with fake_server(tokenizer) as (url, _):
+    with fake_server(tokenizer) as (url, fake):
         client = http.Client(url, "STAGEREPLAY_TEST_KEY", 5, 0)
-        real = http.request.urlopen
-
-        def spy(req, timeout):
-            seen.append(req.get_header("Authorization"))
-            return real(req, timeout=timeout)
-
-        monkeypatch.setattr(http.request, "urlopen", spy)
         engine = http.HttpEngine(EngineConfig("http", url=url, api_key_env="STAGEREPLAY_TEST_KEY"), client,
                                  *http.identify(client, "auto"))
         engine.check(tokenizer)
-    assert seen and all(h == "Bearer sk-test-0123456789" for h in seen)
+    assert fake.authorization and all(h == "Bearer sk-test-0123456789" for h in fake.authorization)
     assert "sk-test-0123456789" not in repr(engine.settings())
 
 
@@ -122,9 +116,98 @@ def test_a_server_run_proves_our_step_only_when_our_engine_steps(tokenizer, tmp_
     proofs = []
     real = lm_module.prove_steps
     monkeypatch.setattr(lm_module, "prove_steps", lambda *a, **k: proofs.append(1) or real(*a, **k))
+    loaded = []
+    full, bare = lm_module.load, lm_module.load_without_weights
+    monkeypatch.setattr(lm_module, "load", lambda *a, **k: loaded.append("weights") or full(*a, **k))
+    monkeypatch.setattr(lm_module, "load_without_weights", lambda *a: loaded.append("tokenizer") or bare(*a))
     with fake_server(tokenizer) as (url, _):
         result = runner.invoke(app, ["matched", "--engine", "http", "--url", url, "--n", "2", "--boundary-after",
                                      "4", "--max-stage1-tokens", "4", "--max-new-tokens", "4", "--out",
                                      str(tmp_path / "run"), "--quiet", *(["--cross", "hf"] if cross else [])])
-    assert result.exit_code == 0, result.output
-    assert bool(proofs) == cross, proofs
+        assert result.exit_code == 0, result.output
+        assert bool(proofs) == cross, proofs
+        # Our engine's model is loaded without its weights unless it steps, by the run and by its audit.
+        assert loaded == ["weights" if cross else "tokenizer"], loaded
+        models._LMS.clear()
+        audited = runner.invoke(app, ["audit", str(tmp_path / "run"), "--quiet"])
+        assert audited.exit_code == 0, audited.output
+        assert loaded[1:] == ["weights" if cross else "tokenizer"], loaded
+
+
+def test_a_model_without_its_weights_keeps_its_eos_and_context(tmp_path):
+    """What a serving run reads from our engine is the same with and without the weights: EOS ids from the
+    generation config (here two, where the tokenizer names one), the context, the tokenizer."""
+    import shutil
+
+    from stagereplay.engine.lm import load, load_without_weights
+    from stagereplay.toy import toy_checkpoint
+
+    folder = tmp_path / "toy"
+    shutil.copytree(toy_checkpoint("primary"), folder)
+    full = load(str(folder), "fp32")
+    eos = sorted({*full.eos, 5})
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    full = load(str(folder), "fp32")
+    bare = load_without_weights(full.config)
+    assert bare.model is None and sorted(full.eos) == sorted(bare.eos) == eos
+    assert bare.context == full.context and bare.n_layers == full.n_layers
+    assert bare.tokenizer.encode("12+7") == full.tokenizer.encode("12+7")
+    # Negative control: the tokenizer's own EOS is not the generation config's.
+    assert {full.tokenizer.eos_token_id} != set(eos)
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_resumed_run_says_whether_the_server_restarted(tokenizer, tmp_path, restart):
+    """A server that fails mid-run keeps the items before it; the same command resumes, and the records it adds
+    say whether the server restarted since the last record (its caches then cold): surely, where its task counter
+    is below where the first process left it; the negative control resumes on the same server, whose counter
+    went on, and cannot be called restarted."""
+    out = tmp_path / "run"
+
+    def matched(url: str) -> Any:
+        return runner.invoke(app, ["matched", "--engine", "http", "--url", url, "--n", "4", "--boundary-after", "4",
+                                   "--max-stage1-tokens", "4", "--max-new-tokens", "4", "--retries", "0", "--out",
+                                   str(out)])
+
+    with fake_server(tokenizer) as (url, fake):
+        fake.fail_after = 4 + 2 * 6  # the check's probes and two items
+        died = matched(url)
+        assert died.exit_code != 0 and "item toy-" in died.output, died.output
+        fake.fail_after = None
+        if not restart:
+            resumed = matched(url)
+    if restart:
+        with fake_server(tokenizer, port=int(url.rsplit(":", 1)[1])) as (again, _):
+            resumed = matched(again)
+    assert resumed.exit_code == 0, resumed.output
+    assert ("restarted since item" in resumed.output) == restart, resumed.output
+    lines = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in lines].count("item") == 4
+    notes = [r["payload"]["engine"].get("resumed") for r in lines if r["kind"] == "environment"]
+    assert notes[0] is None and notes[-1]["after"] == lines[[r["kind"] for r in lines].index("item") + 1]["item_id"]
+    assert notes[-1]["restarted"] is (True if restart else None), notes[-1]
+
+
+def test_the_audit_follows_a_moved_server_with_url(tokenizer, tmp_path):
+    """A run audited where its server moved: `--url` names where it is now, the records are re-executed there and
+    the move is noted; the negative control, without --url, finds no server at the recorded address."""
+    out = tmp_path / "run"
+    with fake_server(tokenizer) as (url, _):
+        made = runner.invoke(app, ["matched", "--engine", "http", "--url", url, "--n", "2", "--boundary-after", "4",
+                                   "--max-stage1-tokens", "4", "--max-new-tokens", "4", "--out", str(out), "--quiet"])
+        assert made.exit_code == 0, made.output
+    with fake_server(tokenizer) as (moved, _):
+        lost = runner.invoke(app, ["audit", str(out), "--quiet"])
+        assert lost.exit_code != 0 and f"the server at {url} did not answer" in lost.output, lost.output
+        found = runner.invoke(app, ["audit", str(out), "--quiet", "--url", moved])
+    assert found.exit_code == 0, found.output
+    assert f"matched/primary server found at {moved}" in found.output, found.output
+    assert "trajectories reproduced" in found.output
+
+
+def test_url_is_refused_for_a_run_of_another_engine(tmp_path):
+    out = tmp_path / "run"
+    made = runner.invoke(app, ["matched", "--n", "1", "--max-new-tokens", "4", "--out", str(out), "--quiet"])
+    assert made.exit_code == 0, made.output
+    refused = runner.invoke(app, ["audit", str(out), "--url", "http://127.0.0.1:1"])
+    assert refused.exit_code != 0 and "no stage of --engine http" in refused.output, refused.output

@@ -154,6 +154,8 @@ def _unit_work(lm: Any, job: Job) -> dict[str, Any]:
 def _unit_model(record: Record, stage: dict[str, Any]) -> ModelConfig:
     """The model settings a unit re-executes under: its stage's, at the unit's precision where it has one."""
     model = ModelConfig(**stage["model"])
+    if "engine" in stage and not stage.get("cross"):  # the serving engine takes every step: our tokenizer alone
+        model = replace(model, weights=False)
     return model.with_precision(record.part) if record.experiment in PER_PRECISION else model
 
 
@@ -233,7 +235,7 @@ TOKEN_FIELDS = ("suffix_ids", "suffix_fp", "prefix_ids", "prompt_ids", "text", "
 
 def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex: ExecConfig,
               quiet: bool = False, stored_results: bool = True, config: AuditConfig | None = None,
-              relocated: list[dict[str, str]] | None = None) -> dict[str, Any]:
+              relocated: list[dict[str, str]] | None = None, server: str | None = None) -> dict[str, Any]:
     """Check what needs no model (`verify.verify_run`), then compare the environment each record was computed
     in with this one, re-execute every item record (or a sample, `config`) and compare every field; rebuild
     the results from the re-executed records. Returns the audit summary (results.json's `audit`).
@@ -257,6 +259,11 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     records = items(records)
     run_config = manifest["config"]
     stages = manifest.get("stages", {})
+    if server is not None:  # the run's server, moved (--url): its build and model are still compared
+        from stagereplay.serving.jobs import at_server
+
+        stages, moved_server = at_server(stages, server)
+        relocated = [*(relocated or []), *moved_server]
     model = run_config["model"]
     here = environment(model["device"], set_determinism(model["threads"], model["device"]))
     from stagereplay.serving.jobs import engine_build_here

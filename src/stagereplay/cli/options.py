@@ -98,8 +98,14 @@ MovedData = Annotated[str | None, typer.Option("--data", help=(
     "where the run's data file is now, if it moved (checked against the run's dataset hash)"))]
 
 
-def relocation(model: str | None, later_model: str | None, data: str | None = None) -> Any:
+MovedServer = Annotated[str | None, typer.Option("--url", help=(
+    "where the run's server is now, if it moved (--engine http runs; its build and model are compared with the "
+    "recorded ones)"))]
+
+
+def relocation(model: str | None, later_model: str | None, data: str | None = None, server: str | None = None
+               ) -> Any:
     from stagereplay.audit.relocate import Relocation
 
-    return Relocation(model, later_model, data)
+    return Relocation(model, later_model, data, server)
 

@@ -13,6 +13,7 @@ from stagereplay.cli.options import (
     MovedData,
     MovedLater,
     MovedModel,
+    MovedServer,
     Quiet,
     RunDir,
     Workers,
@@ -31,6 +32,7 @@ def audit(
     model: MovedModel = None,
     later_model: MovedLater = None,
     data: MovedData = None,
+    url: MovedServer = None,
     workers: Workers = 1,
     executor: Executor = "local",
     quiet: Quiet = False,
@@ -45,7 +47,7 @@ def audit(
         from stagereplay.runs import audit as run
 
         res = run(run_dir, verify_only, workers, executor, quiet, AuditConfig(sample, seed),
-                  relocation(model, later_model, data))
+                  relocation(model, later_model, data, url))
         for moved in res.get("relocated", []):
             typer.echo(f"note: {moved['input']} found at {moved['here']} ({moved['how']}), recorded at "
                        f"{moved['recorded']}", err=True)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 from stagereplay.engine.boundary import BoundaryRule
@@ -33,7 +34,14 @@ from stagereplay.engine.decode import (
 )
 from stagereplay.engine.forwards import construction_spans
 from stagereplay.engine.limits import model_context, stage1_budget, static_cache_len
-from stagereplay.engine.model import ModelConfig, load_model_and_tokenizer, resolve_attn_impl, set_determinism
+from stagereplay.engine.model import (
+    ModelConfig,
+    generation_config,
+    load_config_and_tokenizer,
+    load_model_and_tokenizer,
+    resolve_attn_impl,
+    set_determinism,
+)
 from stagereplay.engine.proof import (
     MIN_REACH,
     BatchProof,
@@ -119,7 +127,11 @@ class NoBoundary(Exception):
 class LM:
     """A model, its tokenizer and the settings that fix its numbers."""
 
-    def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, determinism: dict[str, Any] | None = None):
+    def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, determinism: dict[str, Any] | None = None,
+                 generation: Any = None):
+        """`model` None (with its config's `generation` config): the tokenizer, EOS ids and context of the model
+        and none of its weights (`ModelConfig.weights` False), all a run reads from our engine when a serving
+        engine takes every step; any step asked of it fails on the missing model."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -128,9 +140,10 @@ class LM:
             self.determinism["batch"] = config.batch
         self.stepper = Stepper(model, config.device, capture=captures_steps(config.precision, config.cache),
                                graphs=graphs_steps(config.precision, config.cache, config.device))
-        self.eos = eos_ids(model, tokenizer)
-        self.n_layers = int(model.config.get_text_config().num_hidden_layers)
-        self.context = model_context(model.config)
+        self.eos = eos_ids(model if generation is None else generation, tokenizer)
+        model_config = generation.model_config if generation is not None else model.config
+        self.n_layers = int(model_config.get_text_config().num_hidden_layers)
+        self.context = model_context(model_config)
         self.proof: Proof | None = None  # the fast step's proof (engine.proof), once a run has needed it
         self.batch_proof: BatchProof | None = None  # the batched step's (engine.proof.prove_batched)
         self.proof_store: ProofStore | None = None  # proofs kept per machine and setting (records.proofs)
@@ -411,3 +424,11 @@ def load(
     determinism = set_determinism(config.threads, config.device)
     model, tokenizer = load_model_and_tokenizer(config)
     return LM(model, tokenizer, config, determinism)
+
+
+def load_without_weights(config: ModelConfig) -> LM:
+    """`config`'s tokenizer, EOS ids and context, and none of its weights (`ModelConfig.weights` False)."""
+    determinism = set_determinism(config.threads, config.device)
+    model_config, tokenizer = load_config_and_tokenizer(config.path)
+    held = SimpleNamespace(generation_config=generation_config(config.path, model_config), model_config=model_config)
+    return LM(None, tokenizer, config, determinism, held)

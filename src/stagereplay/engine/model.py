@@ -57,6 +57,10 @@ class ModelConfig:
         if self.batch < 1:
             raise StageReplayError(f"--batch must be at least 1, got {self.batch}", "pass --batch 1 or more")
 
+    weights: bool = field(default=True, metadata={
+        "help": "False: the config and tokenizer only, for a run whose every step a serving engine takes (the "
+                "server's model is its own; ours only tokenizes and scores). Not part of the numbers: never recorded"})
+
     def with_precision(self, precision: str) -> ModelConfig:
         return ModelConfig(**{**asdict(self), "precision": precision})
 
@@ -64,6 +68,7 @@ class ModelConfig:
         """The fields as records keep them: `batch` only when above 1, so a batch-1 run records what it always
         recorded (and a record without it reads back as batch 1)."""
         out = asdict(self)
+        del out["weights"]
         if self.batch == 1:
             del out["batch"]
         return out
@@ -292,6 +297,19 @@ def load_config_and_tokenizer(path: str) -> tuple[Any, Any]:
     config = load_checked_config(p)
     with _quiet_transformers():
         return config, _load_tokenizer(p)
+
+
+def generation_config(path: str, model_config: Any) -> Any:
+    """The generation config a loaded model carries (its EOS ids), without loading it: a folder's
+    generation_config.json where it has one, else the one made from the model's config (what `from_pretrained`
+    does; a GGUF file's always comes from its config)."""
+    from transformers import GenerationConfig
+
+    from stagereplay.engine.gguf import is_gguf
+
+    if not is_gguf(path) and (Path(path) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(path)
+    return GenerationConfig.from_model_config(model_config)
 
 
 def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:

@@ -27,12 +27,16 @@ def cached_lm(config: ModelConfig, keep: int = MAX_MODELS) -> LM:
     if lm is None:
         import gc
 
-        from stagereplay.engine.lm import load
+        from stagereplay.engine.lm import load, load_without_weights
 
         if len(_LMS) >= keep:
             while len(_LMS) >= keep:
                 _LMS.pop(next(iter(_LMS)))  # the least recently used, dropped before the next one loads
             gc.collect()
+        if not config.weights:  # a serving engine takes every step: the tokenizer is all this run reads
+            lm = load_without_weights(config)
+            _LMS[config] = lm
+            return lm
         lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl, config.cache,
                   config.batch)
     _LMS[config] = lm

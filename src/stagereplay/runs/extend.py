@@ -158,7 +158,7 @@ def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, exec
         return {**checked, "integrity_ok": checked["reproduced"], **({"relocated": moved} if moved else {})}
     with open_run(path, manifest, extend=False) as run:
         summary = audit_run(path, here, run.records, ExecConfig(workers, executor), quiet, config=config,
-                            relocated=moved)
+                            relocated=moved, server=(where or Relocation()).server)
         atomic_write(path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
         finish(run, quiet)
         return summary

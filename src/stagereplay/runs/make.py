@@ -66,11 +66,12 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
                   ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
 
 
-def prepare(source: Source, ex: ExecConfig, quiet: bool = True, prove: bool = True
+def prepare(source: Source, ex: ExecConfig, quiet: bool = True
             ) -> tuple[Source, LM | None, list[Item], str, dict[str, Any]]:
     """Load the model (when running in this process) and the items, before any run directory exists, and prove
-    the fast step as far as the run is sure to go (`prove_reach`), with a progress bar unless `quiet`. `prove`:
-    False where our engine steps nothing (a serving engine's run without --cross), so nothing is proven.
+    the fast step as far as the run is sure to go (`prove_reach`), with a progress bar unless `quiet`. A model
+    loaded without its weights (`ModelConfig.weights` False: a serving engine's run without --cross, where our
+    engine steps nothing) proves nothing.
 
     Returns the source with its boundary rule and stage-1 budget resolved (`fit_stage1`), the model (None when
     workers load their own), the items, the data hash and the determinism settings.
@@ -94,11 +95,12 @@ def prepare(source: Source, ex: ExecConfig, quiet: bool = True, prove: bool = Tr
     if ex.workers == 1 and ex.executor == "local":  # else workers load their own replicas
         lm = cached_lm(m)
         determinism = lm.determinism
-    captured = captures_steps(m.precision, m.cache) and m.batch == 1
-    if lm is not None and items and m.batch > 1:  # the batched step shown batch-invariant before items share it
+    captured = captures_steps(m.precision, m.cache) and m.batch == 1 and m.weights
+    steps = lm is not None and bool(items) and m.weights  # our engine steps this run's items here
+    if lm is not None and steps and m.batch > 1:  # the batched step shown batch-invariant before items share it
         lm.prove_batch([i.prompt_ids for i in items[:3]])
         determinism = {**determinism, "batch_check": lm.determinism["batch_check"]}
-    elif lm is not None and items and prove:  # the fast step proven before any item uses it (engine.proof)
+    elif lm is not None and steps:  # the fast step proven before any item uses it (engine.proof)
         attach_store(lm)
         lm.show_proofs = not quiet
         lm.prove(*prove_reach(source, items))
@@ -280,8 +282,9 @@ def matched(
         arms.check_model(model)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
                             threads, attn_impl, columns=columns, cache=cache, batch=batch)
-    # A serving engine's run steps our engine only for --cross: otherwise its model gives the tokenizer alone.
-    source, lm, items, data_hash, determinism = prepare(source, ex, quiet, prove=arms is None or bool(arms.cross))
+    if arms is not None and not arms.cross:  # our engine steps nothing: its model gives the tokenizer alone
+        source = replace(source, model=replace(source.model, weights=False))
+    source, lm, items, data_hash, determinism = prepare(source, ex, quiet)
     print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)
     items = shard_items(items, part)

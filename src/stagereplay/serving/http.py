@@ -17,7 +17,8 @@ with `--api`:
     generate(ids, reuse=True)    the server may reuse what its cache holds (`cache_prompt: true`); on vLLM only what
                                  the last bypassed request cached (its salt again)
     generate_loaded(ids, others) the same request as reuse=False, issued while `--concurrency` other requests (other
-                                 items' prompts) are in flight: the server batches them with it
+                                 items' prompts, 16 tokens each, sent again as each returns, the prefix cache
+                                 theirs to use) are in flight: the server batches them with it
     slot_restore(...)            llama-server with --slot-save-path (`--slot-restore`): live's slot saved, restored
                                  into another slot and continued there
 
@@ -37,8 +38,9 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from http import client
 from typing import Any
-from urllib import error, parse, request
+from urllib import parse
 
 from stagereplay.errors import StageReplayError
 from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, Generation
@@ -47,6 +49,9 @@ APIS = ("auto", "llama-server", "openai")
 SLOT_FILE = "stagereplay-slot.bin"
 """The file a slot is saved to, in the server's --slot-save-path: one, overwritten by each item (a long trace's K/V
 can take hundreds of MB)."""
+TRAFFIC_TOKENS = 16
+"""Tokens each request of the traffic around an under-load arm asks for (`HttpEngine.generate_loaded`): short, so
+the batch changes many times within one measured request, and what is in flight when it returns soon finishes."""
 PROBES = ("Hello world", " 12+7=19.", "The answer is 42\n", "naïve café", "</think>\n\nSo")
 """Strings the server's tokenizer must split as the run's does (a merged `</think>\n`, spaces, non-ASCII)."""
 
@@ -78,32 +83,47 @@ class Client:
                                    "pass --url http://HOST:PORT")
         self.url, self.key_env, self.timeout, self.retries = public_url(url), key_env, timeout, retries
 
-    def call(self, path: str, body: dict[str, Any] | None = None, quiet_status: tuple[int, ...] = ()
-             ) -> dict[str, Any] | None:
+    def call(self, path: str, body: dict[str, Any] | None = None, quiet_status: tuple[int, ...] = ()) -> Any:
         """GET (no body) or POST `body` to `path`; the JSON reply. None for a status in `quiet_status` (an
-        endpoint the server does not have). Connection errors and 5xx are retried `retries` times."""
+        endpoint the server does not have)."""
+        text = self.text(path, body, quiet_status)
+        if text is None:
+            return None
+        try:
+            return json.loads(text or "{}")
+        except json.JSONDecodeError as e:
+            raise StageReplayError(f"the server at {self.url} answered {path} with no JSON: {text[:120]!r}",
+                                   "check --url: it must name the server itself, not a page in front of it") from e
+
+    def text(self, path: str, body: dict[str, Any] | None = None, quiet_status: tuple[int, ...] = (404, 405, 501)
+             ) -> str | None:
+        """The reply's text; None for a status in `quiet_status`. Connection errors and 5xx are retried `retries`
+        times."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         key = os.environ.get(self.key_env, "")
         if key:
             headers["Authorization"] = f"Bearer {key}"
+        parts = parse.urlsplit(self.url)
+        connection = client.HTTPSConnection if parts.scheme == "https" else client.HTTPConnection
         last = ""
         for attempt in range(self.retries + 1):
-            req = request.Request(self.url + path, data=data, headers=headers, method="GET" if data is None else "POST")
+            conn = connection(parts.hostname or "", parts.port, timeout=self.timeout)
             try:
-                with request.urlopen(req, timeout=self.timeout) as reply:
-                    return dict(json.loads(reply.read().decode() or "{}"))
-            except error.HTTPError as e:
-                if e.code in quiet_status:
+                conn.request("GET" if data is None else "POST", parts.path + path, body=data, headers=headers)
+                reply = conn.getresponse()
+                text = reply.read().decode(errors="replace")
+                if reply.status < 400:
+                    return text
+                if reply.status in quiet_status:
                     return None
-                detail = e.read().decode(errors="replace")[:200]
-                if key:
-                    detail = detail.replace(key, "***")
-                last = f"HTTP {e.code} {detail.strip()}"
-                if e.code < 500:
+                last = f"HTTP {reply.status} {(text.replace(key, '***') if key else text)[:200].strip()}"
+                if reply.status < 500:
                     break
-            except (error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as e:
-                last = str(getattr(e, "reason", e))
+            except (OSError, client.HTTPException) as e:
+                last = str(e) or type(e).__name__
+            finally:
+                conn.close()
             if attempt < self.retries:
                 time.sleep(min(0.5 * 2**attempt, 5.0))
         raise StageReplayError(f"the server at {self.url} did not answer {path}: {last}",
@@ -142,6 +162,7 @@ class HttpEngine:
     def __init__(self, config: EngineConfig, client: Client, api: str, identity: dict[str, Any]):
         self.config, self.client, self.api, self.identity = config, client, api, identity
         self.checked: dict[str, Any] = {}
+        self.resumed: dict[str, Any] | None = None  # set by `note_resume` when a run resumes on this server
         self._salt = ""  # the cache salt of the last request that bypassed the cache (openai dialect)
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -207,13 +228,17 @@ class HttpEngine:
 
     def generate_loaded(self, ids: Sequence[int], max_tokens: int, others: Sequence[Sequence[int]]
                         ) -> tuple[Generation, dict[str, Any]]:
-        """`generate(ids, reuse=False)` while `--concurrency` requests for `others` run without pause around it
-        (each sent again as soon as it returns), so the server has them in flight for the whole request. Also
-        what was seen: the concurrency and how many of the other requests were in flight when it was sent."""
+        """`generate(ids, reuse=False)` while `--concurrency` requests for `others` run without pause around it:
+        each asks for `TRAFFIC_TOKENS` tokens, may reuse the server's prefix cache as any client's request would
+        (the measured one may not), and is sent again as soon as it returns, so the batch the request meets keeps
+        changing (others' prefills and decode steps alike) for as long as it runs. The others are
+        then let finish (short, so soon), never cancelled: a server notices a cancelled request only at its next
+        poll, and one still queued for an HTTP thread would run after it, beside the next quiet arm. Also what was
+        seen: the concurrency, how many others were in flight when it was sent, how many returned meanwhile."""
         k = self.config.concurrency
         stop, started, failures = threading.Event(), threading.Semaphore(0), []
         lock = threading.Lock()
-        in_flight = [0]
+        in_flight, finished = [0], [0]
 
         def traffic(prompt: Sequence[int]) -> None:
             first = True
@@ -224,13 +249,14 @@ class HttpEngine:
                     started.release()
                     first = False
                 try:
-                    self.complete(prompt, max_tokens, reuse=False, salt=uuid.uuid4().hex)
+                    self.complete(prompt, min(TRAFFIC_TOKENS, max_tokens), reuse=True)
                 except StageReplayError as e:
                     failures.append(e)
                     return
                 finally:
                     with lock:
                         in_flight[0] -= 1
+                        finished[0] += 1
 
         threads = [threading.Thread(target=traffic, args=(others[i % len(others)],), daemon=True) for i in range(k)]
         for t in threads:
@@ -243,12 +269,14 @@ class HttpEngine:
         try:
             g = self.generate(ids, max_tokens, reuse=False)
         finally:
+            with lock:
+                done = finished[0]
             stop.set()
             for t in threads:
                 t.join()
         if failures:
             raise failures[0]
-        return g, {"concurrency": k, "in_flight_at_send": seen}
+        return g, {"concurrency": k, "in_flight_at_send": seen, "returned_meanwhile": done}
 
     # -- identity and the check before any item -----------------------------------------------------------
 
@@ -259,12 +287,13 @@ class HttpEngine:
         return {"engine": self.name, **self.config.as_dict(), "url": self.client.url, "api": self.api,
                 "build": build_of(self.identity), "server": dict(self.identity), "top_logprobs": TOP_LOGPROBS,
                 "bypass": "cache_prompt: false" if self.api == "llama-server" else "cache_salt (+ cache_prompt: false)",
-                "checked": dict(self.checked)}
+                "checked": dict(self.checked), **({"resumed": self.resumed} if self.resumed else {})}
 
     def check(self, tokenizer: Any) -> None:
         """Refuse a server whose numbers this run could not compare with ours (module docstring); what was
         measured goes into `settings()["checked"]`."""
         url = self.client.url
+        instance = self.instance()  # before the probes, which the server counts as tasks
         canonical = list(tokenizer.encode(" The answer to 12+7 is", add_special_tokens=False))
         split = [int(t) for c in "nineteen" for t in tokenizer.encode(c, add_special_tokens=False)]
         probe = canonical + split  # a server that detokenizes and tokenizes again merges the split characters
@@ -295,7 +324,36 @@ class HttpEngine:
                 "pass --model the model folder or GGUF file the server serves")
         self.checked = {"verbatim_ids": True, "greedy": True, "top_logprobs": len(g.top[0]),
                         "tokenizer": "compared" if self.api == "llama-server" or self._has_tokenize else "no endpoint",
-                        "cached_when_reused": reused.cached, "cached_when_bypassed": bypassed.cached}
+                        "cached_when_reused": reused.cached, "cached_when_bypassed": bypassed.cached,
+                        "instance": instance}
+
+    def instance(self) -> dict[str, Any]:
+        """What tells this server's life from another's: vLLM's process start time (its /metrics'
+        `process_start_time_seconds`); llama-server's task counter (the highest task id its /slots show: it only
+        grows while the server runs, and starts again from 0). Empty where the server says neither."""
+        if self.api == "llama-server":
+            slots = self.client.call("/slots", quiet_status=(404, 405, 501))
+            return {} if slots is None else {"tasks": max((int(s.get("id_task", -1)) for s in slots), default=-1)}
+        for line in (self.client.text("/metrics") or "").splitlines():
+            if line.startswith("process_start_time_seconds "):
+                return {"started": float(line.split()[1])}
+        return {}
+
+    def note_resume(self, before: dict[str, Any], requests: int, after: str) -> bool | None:
+        """Whether the server restarted (its caches then cold) since a run's last record, `after` (the item),
+        was made by a process that saw the server as `before` (its `instance`) and sent it at least `requests`
+        completions since: True where it surely did (another start time; a task counter below where those
+        requests left it), False where it surely did not (the same start time), None where it cannot tell (a
+        counter above: a restarted server may since have counted past it). Recorded in the settings of the
+        records from here on (`resumed`)."""
+        now = self.instance()
+        restarted: bool | None = None
+        if "started" in now and "started" in before:
+            restarted = now["started"] != before["started"]
+        elif "tasks" in now and "tasks" in before and now["tasks"] < before["tasks"] + requests:
+            restarted = True
+        self.resumed = {"after": after, "restarted": restarted, "before": before, "now": now}
+        return restarted
 
     _has_tokenize = False
 

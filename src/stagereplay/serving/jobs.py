@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import Work
 from stagereplay.serving.matched import LOADED, arms_of, serving_matched_item
 from stagereplay.serving.precision_2x2 import job_extra, serving_grid_item
@@ -36,6 +37,24 @@ def engine_build_here(stages: dict[str, Any]) -> dict[str, Any] | None:
 
             return http.build_info(EngineConfig(**stage["engine"]))
     return None
+
+
+def at_server(stages: dict[str, Any], url: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The stages with the server of each `--engine http` stage at `url` instead of its recorded address (in memory:
+    the chain binds the recorded one), and what moved, for the audit's notes."""
+    from stagereplay.serving.http import public_url
+
+    out, moved = dict(stages), []
+    for name, stage in stages.items():
+        engine = stage.get("engine") or {}
+        if engine.get("name") == "http":
+            out[name] = {**stage, "engine": {**engine, "url": url}}
+            moved.append({"input": f"{name} server", "recorded": engine.get("url", ""), "here": public_url(url),
+                          "how": "--url; its build and model are compared with the recorded ones"})
+    if not moved:
+        raise StageReplayError("--url names a server, and this run has no stage of --engine http",
+                               "drop --url (a run of another engine is audited in that engine)")
+    return out, moved
 
 
 def _under_load(*names: str) -> bool:

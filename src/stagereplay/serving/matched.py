@@ -325,6 +325,28 @@ def with_engine_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
                                                 "engine": engine.settings()}}
 
 
+REQUESTS_PER_ITEM = 6
+"""Completions a server's matched item sends at least (live, prefix-cache and oneshot, each with its replica)."""
+
+
+def _note_resume(run: Run, done: Sequence[Any], engine: Any, quiet: bool) -> None:
+    """Tell the server's `note_resume` how the process that made the last record saw it, and how many items that
+    process recorded since; say so when the server restarted (its prefix cache is then cold, which the records from
+    here on also say, in their environment's `engine.resumed`)."""
+    import sys
+
+    last = done[-1]
+    env = next((r.payload for r in run.chain if r.kind == "environment" and r.env == last.env), {})
+    before = ((env.get("engine") or {}).get("checked") or {}).get("instance")
+    if before is None:
+        return
+    made = sum(r.env == last.env for r in done)
+    restarted = engine.note_resume(before, REQUESTS_PER_ITEM * made, last.item_id)
+    if restarted and not quiet:
+        print(f"note: the server at {engine.client.url} restarted since item {last.item_id} was recorded: its "
+              "caches are cold (the records from here on say so)", file=sys.stderr)
+
+
 def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, data: DataConfig, arms: ServingArms,
                         items: list[Item], lm: LM | None, checkpoint: str = "primary", quiet: bool = False) -> None:
     """Append a serving matched record for every item not yet in the ledger (in this process: one engine)."""
@@ -332,6 +354,9 @@ def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, 
     run.begin_stage(f"matched/{checkpoint}", {
         "model": model.as_dict(), "settings": settings.as_dict(), "construction": "oneshot",
         "engine": arms.engine.as_dict(), "cross": arms.cross, "arms": list(arms.fresh)})
+    done = run.find("matched", checkpoint)
+    if done and arms.engine.name == "http" and lm is not None:  # a resumed server run: has the server restarted?
+        _note_resume(run, done, cached_engine(arms.engine, lm), quiet)
     jobs = [Job(item, settings, extra=arms.extra() + arms.traffic(items, i)) for i, item in enumerate(items)]
     # llama.cpp's native code runs in a worker process: a crash there ends in one line, and the run resumes.
     native = arms.engine.name == "llama.cpp"
