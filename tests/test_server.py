@@ -197,7 +197,6 @@ def test_a_server_killed_mid_run_loses_nothing_and_resume_completes(toy_gguf, tm
     assert len(ids) == len(set(ids)) == N
     assert runner.invoke(app, ["audit", str(out), "--verify-only"]).exit_code == 0
     # The restarted server was noticed (its task counter began again) and the records it made say so.
-    assert "restarted since item" in resumed.output, resumed.output
     notes = [r["payload"]["engine"].get("resumed") for r in map(json.loads, (out / "ledger.jsonl").read_text().splitlines())
              if r["kind"] == "environment"]
     assert notes[0] is None and notes[-1]["restarted"] is True, notes
