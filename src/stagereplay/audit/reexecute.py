@@ -154,8 +154,10 @@ def _unit_work(lm: Any, job: Job) -> dict[str, Any]:
 def _unit_model(record: Record, stage: dict[str, Any]) -> ModelConfig:
     """The model settings a unit re-executes under: its stage's, at the unit's precision where it has one."""
     model = ModelConfig(**stage["model"])
-    if "engine" in stage and not stage.get("cross"):  # the serving engine takes every step: our tokenizer alone
-        model = replace(model, weights=False)
+    if "engine" in stage:  # a serving engine's stage: our model as its run loaded it
+        from stagereplay.serving.matched import arms_of
+
+        model = arms_of(stage).our_model(model)
     return model.with_precision(record.part) if record.experiment in PER_PRECISION else model
 
 

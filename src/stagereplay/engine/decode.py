@@ -335,9 +335,9 @@ def _own_code(method: Any) -> Any:
     )
 
 
-def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+def eos_ids(generation_config: Any, tokenizer: Any) -> frozenset[int]:
     """EOS from the generation config (an int or a list), else from the tokenizer."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
     if eos is None:

@@ -17,7 +17,6 @@ import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 from typing import Any
 
 from stagereplay.engine.boundary import BoundaryRule
@@ -128,10 +127,10 @@ class LM:
     """A model, its tokenizer and the settings that fix its numbers."""
 
     def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, determinism: dict[str, Any] | None = None,
-                 generation: Any = None):
-        """`model` None (with its config's `generation` config): the tokenizer, EOS ids and context of the model
-        and none of its weights (`ModelConfig.weights` False), all a run reads from our engine when a serving
-        engine takes every step; any step asked of it fails on the missing model."""
+                 model_config: Any = None, generation_config: Any = None):
+        """`model` None (with its `model_config` and `generation_config`): the tokenizer, EOS ids and context of
+        the model and none of its weights (`ModelConfig.weights` False), all a run reads from our engine when a
+        serving engine takes every step; any step asked of it fails on the missing model."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -140,8 +139,9 @@ class LM:
             self.determinism["batch"] = config.batch
         self.stepper = Stepper(model, config.device, capture=captures_steps(config.precision, config.cache),
                                graphs=graphs_steps(config.precision, config.cache, config.device))
-        self.eos = eos_ids(model if generation is None else generation, tokenizer)
-        model_config = generation.model_config if generation is not None else model.config
+        if model is not None:
+            model_config, generation_config = model.config, getattr(model, "generation_config", None)
+        self.eos = eos_ids(generation_config, tokenizer)
         self.n_layers = int(model_config.get_text_config().num_hidden_layers)
         self.context = model_context(model_config)
         self.proof: Proof | None = None  # the fast step's proof (engine.proof), once a run has needed it
@@ -430,5 +430,4 @@ def load_without_weights(config: ModelConfig) -> LM:
     """`config`'s tokenizer, EOS ids and context, and none of its weights (`ModelConfig.weights` False)."""
     determinism = set_determinism(config.threads, config.device)
     model_config, tokenizer = load_config_and_tokenizer(config.path)
-    held = SimpleNamespace(generation_config=generation_config(config.path, model_config), model_config=model_config)
-    return LM(None, tokenizer, config, determinism, held)
+    return LM(None, tokenizer, config, determinism, model_config, generation_config(config.path, model_config))

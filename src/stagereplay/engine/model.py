@@ -39,6 +39,9 @@ class ModelConfig:
     batch: int = field(default=1, metadata={
         "help": "rows of a batched decode step: up to this many items step together (engine.batch); a row's bits "
                 "may depend on the row count, never on its batch-mates, so it is part of the numbers"})
+    weights: bool = field(default=True, metadata={
+        "help": "False: the config and tokenizer only, for a run whose every step a serving engine takes (the "
+                "server's model is its own; ours only tokenizes and scores). Not part of the numbers: never recorded"})
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -56,10 +59,6 @@ class ModelConfig:
             raise StageReplayError(f"--threads must be at least 1, got {self.threads}", "pass --threads 1 or more")
         if self.batch < 1:
             raise StageReplayError(f"--batch must be at least 1, got {self.batch}", "pass --batch 1 or more")
-
-    weights: bool = field(default=True, metadata={
-        "help": "False: the config and tokenizer only, for a run whose every step a serving engine takes (the "
-                "server's model is its own; ours only tokenizes and scores). Not part of the numbers: never recorded"})
 
     def with_precision(self, precision: str) -> ModelConfig:
         return ModelConfig(**{**asdict(self), "precision": precision})

@@ -35,10 +35,9 @@ def cached_lm(config: ModelConfig, keep: int = MAX_MODELS) -> LM:
             gc.collect()
         if not config.weights:  # a serving engine takes every step: the tokenizer is all this run reads
             lm = load_without_weights(config)
-            _LMS[config] = lm
-            return lm
-        lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl, config.cache,
-                  config.batch)
+        else:
+            lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl, config.cache,
+                      config.batch)
     _LMS[config] = lm
     return lm
 

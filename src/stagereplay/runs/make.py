@@ -282,8 +282,8 @@ def matched(
         arms.check_model(model)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
                             threads, attn_impl, columns=columns, cache=cache, batch=batch)
-    if arms is not None and not arms.cross:  # our engine steps nothing: its model gives the tokenizer alone
-        source = replace(source, model=replace(source.model, weights=False))
+    if arms is not None:  # without --cross our engine steps nothing: its model gives the tokenizer alone
+        source = replace(source, model=arms.our_model(source.model))
     source, lm, items, data_hash, determinism = prepare(source, ex, quiet)
     print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)

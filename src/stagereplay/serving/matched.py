@@ -24,7 +24,7 @@ convention (feed P[T-1] as the first decode step over the cache of P[0:T-1]) yie
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -68,6 +68,11 @@ class ServingArms:
     def __post_init__(self) -> None:
         if self.cross and self.cross not in CROSS:
             raise StageReplayError(f"unknown --cross {self.cross!r}", f"use one of {', '.join(CROSS)}")
+
+    def our_model(self, model: ModelConfig) -> ModelConfig:
+        """Our engine's model for these arms: without its weights unless --cross steps it (otherwise it only
+        tokenizes and scores), for the run and its audit alike."""
+        return model if self.cross else replace(model, weights=False)
 
     @property
     def fresh(self) -> tuple[str, ...]:
