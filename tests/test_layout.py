@@ -4,6 +4,9 @@ around cannot change."""
 from __future__ import annotations
 
 import ast
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +14,69 @@ from pathlib import Path
 import pytest
 from fixtures.make_toy_golden import HERE, PINNED_KERNELS, environments, run_golden, without_environment
 
-SRC = Path(__file__).parents[1] / "src"
-CYCLES_TOOL = Path(__file__).parents[2] / "shared" / "tools" / "import_cycles.py"
+ROOT = Path(__file__).parents[1]
+SRC = ROOT / "src"
+CONTRACTS = ROOT / "pyproject.toml"  # [tool.importlinter]: the rooms' import rules
 
-# Folders (rooms) from the bottom up: a module may import only from its own room or rooms below it.
-ORDER = ("errors", "tasks", "toy", "engine", "execution", "records", "report", "experiments", "serving", "audit", "plan",
-         "runs", "cli")
+
+def _lint_imports(src: Path, cwd: Path) -> tuple[dict[str, str], str]:
+    """Runs import-linter's contracts from pyproject.toml on the package under `src` (first on the path, ahead of
+    any installed copy): each contract's name -> KEPT or BROKEN, and the report. A fresh process, since grimp finds the package
+    through the import system and this one has imported the installed package already."""
+    run = ("import sys; from importlinter.cli import lint_imports_command; "
+           "sys.exit(lint_imports_command())")
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    out = subprocess.run([sys.executable, "-c", run, "--no-cache", "--no-logo", str(CONTRACTS)], cwd=cwd, env=env,
+                         capture_output=True, text=True)
+    verdicts = dict(m.groups() for m in re.finditer(r"^(.+) (KEPT|BROKEN)$", out.stdout, re.MULTILINE))
+    assert verdicts, out.stdout + out.stderr
+    assert (out.returncode == 0) == all(v == "KEPT" for v in verdicts.values()), out.stdout
+    return verdicts, out.stdout
+
+
+def _contract_names() -> dict[str, str]:
+    from importlinter.api import read_configuration
+
+    return {c["id"]: c["name"] for c in read_configuration(str(CONTRACTS))["contracts_options"]}
+
+
+def test_the_import_contracts_are_kept():
+    """Every import of the package, static, TYPE_CHECKING and function-local alike, keeps the contracts."""
+    verdicts, report = _lint_imports(SRC, ROOT)
+    assert verdicts == dict.fromkeys(_contract_names().values(), "KEPT"), report
+
+
+def _not_source(folder: str, names: list[str]) -> list[str]:
+    """What the copy leaves out: all but the modules and their folders (the toy's weights, caches)."""
+    return [n for n in names if n == "__pycache__" or not (n.endswith(".py") or (Path(folder) / n).is_dir())]
+
+
+UP_FROM_ENGINE = "\n\ndef _planted():\n    from stagereplay.cli import app\n    return app\n"
+TYPE_CHECKING_UP = "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stagereplay.report import stats\n"
+CIRCLE_IN_ENGINE = "\n\ndef _planted():\n    from stagereplay.engine.lm import LM\n    return LM\n"
+ENGINE_IN_REPORT = "\n\ndef _planted():\n    from stagereplay.engine.model import load_config_and_tokenizer\n"
+TOY_IN_ENGINE = "\n\ndef _planted():\n    from stagereplay.toy import toy_checkpoint\n    return toy_checkpoint\n"
+
+
+@pytest.mark.parametrize(("module", "planted", "broken"), [
+    ("engine/cache.py", UP_FROM_ENGINE, {"rooms", "circles"}),  # the engine reaching the CLI, inside a function
+    ("engine/cache.py", TYPE_CHECKING_UP, {"rooms", "circles"}),  # and under TYPE_CHECKING
+    ("newroom/__init__.py", "", {"rooms"}),  # a room not given its place
+    ("engine/cache.py", CIRCLE_IN_ENGINE, {"circles"}),  # engine.lm imports engine.cache already
+    ("report/stats.py", ENGINE_IN_REPORT, {"report"}),
+    ("engine/cache.py", TOY_IN_ENGINE, {"toy"}),
+], ids=["upward", "upward-type-checking", "unplaced-room", "circle", "report-engine", "engine-toy"])
+def test_the_import_contracts_see_a_planted_import(tmp_path, module, planted, broken):
+    """Negative control: a copy of the package with one import planted breaks exactly the contracts it should."""
+    copy = tmp_path / "src" / "stagereplay"
+    shutil.copytree(SRC / "stagereplay", copy, ignore=_not_source)
+    target = copy / module
+    target.parent.mkdir(exist_ok=True)
+    with target.open("a") as f:
+        f.write(planted)
+    names = _contract_names()
+    verdicts, report = _lint_imports(tmp_path / "src", tmp_path)
+    assert verdicts == {names[c]: "BROKEN" if c in broken else "KEPT" for c in names}, report
 
 
 def _room(module: str) -> str:
@@ -33,29 +93,6 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_every_import_points_down_the_rooms():
-    """Static, TYPE_CHECKING and function-local imports alike."""
-    upward = []
-    for path in (SRC / "stagereplay").rglob("*.py"):
-        if path.name == "__init__.py" and path.parent.name == "stagereplay":
-            continue  # the package's public face re-exports from every room
-        rel = path.relative_to(SRC).with_suffix("")
-        mine = _room(".".join(rel.parts))
-        for target in _imports(path):
-            theirs = _room(target)
-            assert mine in ORDER and theirs in ORDER, (path, target)
-            if ORDER.index(theirs) > ORDER.index(mine):
-                upward.append(f"{rel}: {target}")
-    assert upward == []
-
-
-def test_the_rooms_check_sees_an_upward_import(tmp_path):
-    """Negative control: a module of the engine importing the report is caught."""
-    bad = tmp_path / "bad.py"
-    bad.write_text("from stagereplay.report.stats import wilson_interval\n")
-    assert ORDER.index(_room(next(iter(_imports(bad))))) > ORDER.index("engine")
-
-
 def _report_engine_imports(paths) -> list[str]:
     return [f"{p.name}: {t}" for p in paths for t in _imports(p) if _room(t) == "engine"]
 
@@ -70,14 +107,6 @@ def test_the_report_rule_sees_an_engine_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from stagereplay.engine.model import load_config_and_tokenizer\n")
     assert _report_engine_imports([bad]) == ["bad.py: stagereplay.engine.model"]
-
-
-def test_no_import_circles():
-    if not CYCLES_TOOL.exists():  # the shared tool lives beside the checkout; the rooms test above still runs
-        return
-    out = subprocess.run([sys.executable, str(CYCLES_TOOL), str(SRC), "stagereplay"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout
-    assert "0 import circles" in out.stdout
 
 
 def test_ledger_is_byte_identical_to_the_golden_run(tmp_path):
@@ -112,14 +141,16 @@ def test_the_golden_comparison_tells_another_run_apart(tmp_path):
 
 
 def test_the_development_page_draws_the_rooms_the_import_rule_checks():
-    """The rooms drawn in docs/reference/development.md, top to bottom, are ORDER from the top down."""
-    import re
+    """The rooms drawn in docs/reference/development.md, top to bottom, are the `rooms` contract's layers."""
+    from importlinter.api import read_configuration
 
-    page = (Path(__file__).parents[1] / "docs" / "reference" / "development.md").read_text()
+    contracts = read_configuration(str(CONTRACTS))["contracts_options"]
+    layers = next(c["layers"] for c in contracts if c["id"] == "rooms")
+    page = (ROOT / "docs" / "reference" / "development.md").read_text()
     block = page.split("**Where things live.**")[1].split("```")[1]
     drawn = []
     for line in block.splitlines():
         m = re.match(r"^([a-z_]+)/?(?:, ([a-z_]+)/)?\s", line)
         if m:
             drawn += [g for g in m.groups() if g]
-    assert drawn == list(reversed(ORDER)), drawn
+    assert drawn == layers, drawn
