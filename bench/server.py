@@ -76,6 +76,9 @@ def row(run: Path) -> str:
         d = m["suffix_disagreements"]
         rep = m["replica_exact"].get(arm)
         text = f"{arm} {d['k']}/{d['n']} differ"
+        built = m.get("built")
+        if built and built["not_built"]:  # the engine's counts: these items were not this arm (left out above)
+            text += f" [not built as named on {built['not_built']}/{built['n']}: counted apart]"
         at = (m.get("margins") or {}).get("at_divergence") or {}
         if at.get("n"):
             text += f" (margin at divergence, median {at['median']:.3f})"

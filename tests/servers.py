@@ -113,33 +113,74 @@ class Fake:
     sampling     each request's tokens drawn at random
     tokenizer    /tokenize answers one ID off
     error        HTTP 500 on /completion
+    refuse-ids   HTTP 422 on /completion (as `transformers serve` answers a token-ID prompt)
     stall        /completion answers after `stall` seconds
-    """
+    no-reuse     reports no cached position on any request (a server that cannot reuse a sliding-window model's
+                 cache: its slot restores are fresh prefills)
 
-    def __init__(self, tokenizer: Any, mode: str = "", stall: float = 5.0):
+Otherwise each slot holds the tokens of its last request, as llama-server's do: a request with `cache_prompt`
+reports as cached the common prefix of its prompt and its slot's tokens, less the last prompt token; `/slots/N`
+saves, restores and erases them. `marker` = (step, id) puts token `id` at that step of a generation from a prompt
+that lacks it (stage 1's end), and never elsewhere; tokens in `avoid` (an EOS) are never generated.
+"""
+
+    def __init__(self, tokenizer: Any, mode: str = "", stall: float = 5.0, slots: int = 1, n_ctx: int = 4096,
+                 marker: tuple[int, int] | None = None, avoid: tuple[int, ...] = ()):
         self.tokenizer, self.mode, self.stall = tokenizer, mode, stall
         self.vocab = len(tokenizer)
         self.requests = 0  # completions answered: the task counter /slots shows
         self.fail_after: int | None = None  # completions past this many answer HTTP 500 (a server gone bad mid-run)
         self.authorization: list[str | None] = []  # each request's Authorization header
         self.rng = random.Random(0)
+        self.slots, self.n_ctx, self.marker, self.avoid = slots, n_ctx, marker, set(avoid)
+        self.held: dict[int, list[int]] = {}  # slot -> the tokens its cache holds
+        self.saved: list[int] = []
+        self.asked: list[tuple[int, int]] = []  # per completion: (prompt length, n_predict)
+        self.lock = threading.Lock()
 
     def completion(self, body: dict[str, Any]) -> dict[str, Any]:
         ids = [int(t) for t in body["prompt"]]
         counted = len(ids)
         if self.mode == "as-text":
             counted = len(self.tokenizer.encode(json.dumps(ids), add_special_tokens=False))
+        slot = max(0, int(body.get("id_slot", -1)))
+        with self.lock:
+            self.asked.append((len(ids), int(body["n_predict"])))
+            held = self.held.get(slot, [])
+        cached = 0
+        if body.get("cache_prompt") and self.mode != "no-reuse":
+            while cached < min(len(held), len(ids) - 1) and held[cached] == ids[cached]:
+                cached += 1
         tokens, steps, last = [], [], ids[-1]
-        for _ in range(int(body["n_predict"])):
+        marks = self.marker is not None and self.marker[1] not in ids
+        for i in range(int(body["n_predict"])):
             last = self.rng.randrange(self.vocab) if self.mode == "sampling" else (last * 7 + 3) % self.vocab
+            while last in self.avoid or (self.marker is not None and last == self.marker[1]):
+                last = (last + 1) % self.vocab
+            if marks and self.marker is not None and i == self.marker[0]:
+                last = self.marker[1]
             tokens.append(last)
             top = [{"id": last, "logprob": -0.1}, {"id": (last + 1) % self.vocab, "logprob": -2.5}]
             steps.append({"id": last, "logprob": -0.1, "top_logprobs": top})
+        with self.lock:
+            self.held[slot] = ids + tokens[:-1]  # the last token emitted is never fed back
         reply = {"tokens": tokens, "tokens_evaluated": counted, "stop_type": "limit",
-                 "timings": {"cache_n": 0}, "completion_probabilities": steps}
+                 "timings": {"cache_n": cached}, "completion_probabilities": steps}
         if self.mode == "no-logprobs":
             reply.pop("completion_probabilities")
         return reply
+
+    def slot_action(self, path: str) -> dict[str, Any]:
+        slot, action = int(path.split("?")[0].rsplit("/", 1)[1]), path.split("action=")[1]
+        with self.lock:
+            if action == "save":
+                self.saved = list(self.held.get(slot, []))
+                return {"id_slot": slot, "n_saved": len(self.saved)}
+            if action == "restore":
+                self.held[slot] = list(self.saved)
+                return {"id_slot": slot, "n_restored": len(self.saved)}
+            self.held.pop(slot, None)
+            return {"id_slot": slot, "n_erased": 0}
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
@@ -159,8 +200,8 @@ class Fake:
             def do_GET(self) -> None:
                 fake.authorization.append(self.headers.get("Authorization"))
                 if self.path == "/props":
-                    self.reply(200, {"default_generation_settings": {"n_ctx": 4096}, "build_info": "fake-1",
-                                     "model_alias": "toy", "model_path": "toy.gguf", "total_slots": 1})
+                    self.reply(200, {"default_generation_settings": {"n_ctx": fake.n_ctx}, "build_info": "fake-1",
+                                     "model_alias": "toy", "model_path": "toy.gguf", "total_slots": fake.slots})
                 elif self.path == "/slots":
                     self.reply(200, [{"id": 0, "is_processing": False, "id_task": fake.requests}])
                 else:
@@ -172,10 +213,16 @@ class Fake:
                 if self.path == "/tokenize":
                     ids = fake.tokenizer.encode(body["content"], add_special_tokens=False)
                     self.reply(200, {"tokens": [t + (fake.mode == "tokenizer") for t in ids]})
+                elif self.path.startswith("/slots/"):
+                    self.reply(200, fake.slot_action(self.path))
                 elif self.path == "/completion":
                     fake.requests += 1
                     if fake.mode == "error" or (fake.fail_after is not None and fake.requests > fake.fail_after):
                         self.reply(500, {"error": "the model crashed"})
+                        return
+                    if fake.mode == "refuse-ids":
+                        self.reply(422, {"detail": [{"loc": ["body", "prompt"], "msg": "Input should be a valid "
+                                                     "string", "type": "string_type"}]})
                         return
                     if fake.mode == "stall":
                         time.sleep(fake.stall)
@@ -195,8 +242,9 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 @contextmanager
-def fake_server(tokenizer: Any, mode: str = "", stall: float = 5.0, port: int = 0) -> Iterator[tuple[str, Fake]]:
-    fake = Fake(tokenizer, mode, stall)
+def fake_server(tokenizer: Any, mode: str = "", stall: float = 5.0, port: int = 0, **kwargs: Any
+                ) -> Iterator[tuple[str, Fake]]:
+    fake = Fake(tokenizer, mode, stall, **kwargs)
     httpd = _QuietServer(("127.0.0.1", port), fake.handler())
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)

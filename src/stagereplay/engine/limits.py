@@ -40,9 +40,10 @@ def static_cache_len(prompt_len: int, max_stage1_tokens: int | None, max_new_tok
 
 
 def check_budgets(longest_prompt: int, stage1: int | None, max_new_tokens: int, context: int,
-                  cap: int = STAGE1_BUDGET) -> int:
+                  cap: int = STAGE1_BUDGET, where: str = "the model's context") -> int:
     """The stage-1 budget to use: the one given if prompt + stage 1 + suffix fit the context, else the default
-    (`cap`, or less where the context leaves less).
+    (`cap`, or less where the context leaves less). `where` names the context in errors (a serving engine's
+    context can be smaller than the model's).
 
     Raises a one-line error when the given budget does not fit, or when the default leaves no room.
     """
@@ -51,15 +52,15 @@ def check_budgets(longest_prompt: int, stage1: int | None, max_new_tokens: int, 
         if total > context:
             raise StageReplayError(
                 f"longest prompt {longest_prompt} + stage-1 budget {stage1} + suffix budget {max_new_tokens} = "
-                f"{total} tokens exceed the model's context of {context}",
+                f"{total} tokens exceed {where} of {context}",
                 "lower --max-stage1-tokens or --max-new-tokens",
             )
         return stage1
     budget = stage1_budget(context, longest_prompt, max_new_tokens, cap)
     if budget < 1:
         raise StageReplayError(
-            f"longest prompt {longest_prompt} + suffix budget {max_new_tokens} leave no stage-1 tokens in the "
-            f"model's context of {context}",
+            f"longest prompt {longest_prompt} + suffix budget {max_new_tokens} leave no stage-1 tokens in "
+            f"{where} of {context}",
             "lower --max-new-tokens or shorten the prompts",
         )
     return budget

@@ -32,8 +32,14 @@ def _cmp(record: Record, a: str, b: str) -> dict[str, Any] | None:
 
 def summarize_matched(records: list[Record], construction: str, checkpoint: str, precision: str,
                       seed: int = 0, n_resamples: int = 10_000) -> dict[str, Any]:
-    """The matched table: replica exactness, disagreements, accuracies, paired CI, McNemar, divergence indices."""
-    ok = [r for r in records if r.payload["status"] == "ok"]
+    """The matched table: replica exactness, disagreements, accuracies, paired CI, McNemar, divergence indices.
+
+    A serving engine's arm whose construction did not take place (`took_place` false: its engine reported a fresh
+    prefill where a restore was asked for, say; `serving.evidence`) is not that construction: such items are
+    counted apart (`not_built`) and left out of this column's statistics."""
+    reached = [r for r in records if r.payload["status"] == "ok"]
+    built = [_built(r, construction) for r in reached]
+    ok = [r for r, b in zip(reached, built, strict=True) if b is not False]
     rep_live = rep_other = 0
     replicated = False  # whether the construction has replicas (a server's under-load arms are replicas themselves)
     suffix_k = label_k = live_only = other_only = 0
@@ -60,7 +66,7 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
     n = len(ok)
     summary: dict[str, Any] = {
         "checkpoint": checkpoint, "construction": construction, "precision": precision,
-        "n": len(records), "n_boundary": n, "n_no_boundary": len(records) - n,
+        "n": len(records), "n_boundary": len(reached), "n_no_boundary": len(records) - len(reached),
         "replica_exact": {"live": {"k": rep_live, "n": n},
                           construction: {"k": rep_other, "n": n} if replicated or not n else None},
         "suffix_disagreements": {"k": suffix_k, "n": n},
@@ -72,7 +78,13 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
         "first_divergence": divergence,
         **summarize_pair(ok, "live", construction),
     }
-    cached = [a for r in ok for a in r.payload["arms"] if a["name"] == construction and "num_cached_tokens" in a]
+    if any(b is not None for b in built):  # a serving engine's counts say whether each arm was built as named
+        summary["built"] = {"k": built.count(True), "n": len(reached), "not_built": built.count(False),
+                            "unknown": built.count(None),
+                            "not_built_cached": [_arm(r, construction).get("num_cached_tokens")
+                                                 for r, b in zip(reached, built, strict=True) if b is False]}
+    cached = [a for r in reached for a in r.payload["arms"] if a["name"] == construction
+              and a.get("num_cached_tokens") is not None]
     if cached:  # a serving engine's arm: how much of the prefix its cache supplied, and how much decoding wrote
         summary["prefix_cache"] = {
             "n": len(cached), "hits": sum(a["num_cached_tokens"] > 0 for a in cached),
@@ -94,6 +106,16 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
                                     "n_resamples": n_resamples, "seed": seed}
         summary["mcnemar_p"] = mcnemar_exact(live_only, other_only)
     return summary
+
+
+def _arm(record: Record, name: str) -> dict[str, Any]:
+    return next((a for a in record.payload["arms"] if a["name"] == name), {})
+
+
+def _built(record: Record, construction: str) -> bool | None:
+    """Whether the record's arm of `construction` was built as named (None: nothing says; `serving.evidence`)."""
+    took = _arm(record, construction).get("took_place")
+    return None if took is None else bool(took)
 
 
 def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:

@@ -127,10 +127,23 @@ def matched_table(matched: list[dict[str, Any]]) -> Table:
         for m, col in zip(matched, columns, strict=True):
             inside = m.get("n_marker_inside_token")
             col.insert(1, NA if inside is None else k_of_n(inside, m["n_boundary"]))
+    if any(m.get("built") for m in matched):  # a serving engine's counts: was each arm built as its name says?
+        labels.insert(1, "built as named, by the engine's counts (the rest left out below)")
+        for m, col in zip(matched, columns, strict=True):
+            b = m.get("built")
+            col.insert(1, NA if not b or b["k"] + b["not_built"] == 0 else k_of_n(b["k"], b["k"] + b["not_built"]))
     rows = [[label, *(col[i] for col in columns)] for i, label in enumerate(labels)]
     headers = ("", *(f"{m['engine'] + ' ' if m.get('engine') else ''}{m['checkpoint']}: live vs {m['construction']} "
                      f"@ {m['precision']}" for m in matched))
     note = "Disagreements and accuracies are over items that reached the stage boundary."
+    for m in matched:
+        b = m.get("built")
+        if b and b["not_built"]:
+            why = NOT_BUILT.get(m["construction"].split("@")[0], "by the engine's counts")
+            note += (f" {m['construction']} @ {m['precision']} was not built as named on {b['not_built']} of "
+                     f"{b['n']} items ({why}; "
+                     f"cached positions reported: {_spread(b['not_built_cached'])}): those items are counted apart "
+                     "and left out of its column.")
     for m in matched:
         pc = m.get("prefix_cache")
         if pc and pc["hits"]:
@@ -151,6 +164,23 @@ def matched_table(matched: list[dict[str, Any]]) -> Table:
             f"seed {d.get('seed')}, confidence {d.get('confidence')}."
         )
     return Table("table-matched", "Matched: live cache vs fresh prefill", headers, as_rows(rows), note)
+
+
+NOT_BUILT = {
+    "live": "the engine took positions from a cache",
+    "oneshot": "the engine took positions from a cache: not a fresh prefill",
+    "prefix-cache": "no position written by live's decoding came from the cache",
+    "slot-restore": "the server did not continue from the restored slot but prefilled afresh",
+}
+"""Per arm, what it means that the engine did not build it as named (`serving.evidence.took_place`)."""
+
+
+def _spread(values: list[Any]) -> str:
+    """A list of counts as `a` or `a-b`."""
+    known = sorted(int(v) for v in values if v is not None)
+    if not known:
+        return NA
+    return str(known[0]) if known[0] == known[-1] else f"{known[0]}-{known[-1]}"
 
 
 def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:

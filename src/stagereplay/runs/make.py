@@ -66,15 +66,16 @@ def resolve_source(model: str | None, data: str | None, n: int | None, boundary:
                   ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
 
 
-def prepare(source: Source, ex: ExecConfig, quiet: bool = True
+def prepare(source: Source, ex: ExecConfig, quiet: bool = True, engine_context: tuple[int, str] | None = None
             ) -> tuple[Source, LM | None, list[Item], str, dict[str, Any]]:
     """Load the model (when running in this process) and the items, before any run directory exists, and prove
     the fast step as far as the run is sure to go (`prove_reach`), with a progress bar unless `quiet`. A model
     loaded without its weights (`ModelConfig.weights` False: a serving engine's run without --cross, where our
     engine steps nothing) proves nothing.
 
-    Returns the source with its boundary rule and stage-1 budget resolved (`fit_stage1`), the model (None when
-    workers load their own), the items, the data hash and the determinism settings.
+    Returns the source with its boundary rule and stage-1 budget resolved (`fit_stage1`, within a serving engine's
+    `engine_context` too: positions per request and its name), the model (None when workers load their own), the
+    items, the data hash and the determinism settings.
     """
     from stagereplay.engine.decode import captures_steps, graphs_steps
     from stagereplay.engine.lm import check_prompt
@@ -91,7 +92,7 @@ def prepare(source: Source, ex: ExecConfig, quiet: bool = True
     items, data_hash = load_items(source.data, tokenizer)
     for item in items:
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
-    source = fit_stage1(source, config, tokenizer, items)
+    source = fit_stage1(source, config, tokenizer, items, engine_context)
     if ex.workers == 1 and ex.executor == "local":  # else workers load their own replicas
         lm = cached_lm(m)
         determinism = lm.determinism
@@ -130,13 +131,15 @@ def prove_reach(source: Source, items: list[Item]) -> tuple[tuple[int, ...], int
     return shortest, len(shortest) + 1
 
 
-def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -> Source:
+def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item],
+               engine_context: tuple[int, str] | None = None) -> Source:
     """Resolve the boundary rule and the stage-1 budget for this model and these items; refuse what cannot fit.
 
     The rule defaults to `</think>` for a reasoning model (engine.boundary.default_rule). The budget defaults
     to 8192 or what the context leaves after the longest prompt and the suffix budget; a budget given that
-    does not fit is refused (engine.limits). A length-dependent RoPE that a sequence may push past its
-    original context is warned about once and recorded.
+    does not fit is refused (engine.limits). The context is the model's, or a serving engine's where that is
+    smaller (`engine_context`: a llama.cpp context, a server's per-slot context). A length-dependent RoPE that a
+    sequence may push past its original context is warned about once and recorded.
     """
     import warnings
 
@@ -153,11 +156,13 @@ def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -
                                    'pass --boundary-marker "</think>", --boundary-regex or --boundary-after')
         settings = replace(settings, boundary=rule.describe())
     match = parse_boundary(settings.boundary).bind(tokenizer).match_kind()
-    context = model_context(config)
+    context, where = model_context(config), "the model's context"
+    if engine_context is not None and engine_context[0] < context:
+        context, where = engine_context
     longest = max(len(i.prompt_ids) for i in items)
     dc = settings.decode
     given = dc.max_stage1_tokens is not None
-    budget = check_budgets(longest, dc.max_stage1_tokens, dc.max_new_tokens, context, STAGE1_BUDGET)
+    budget = check_budgets(longest, dc.max_stage1_tokens, dc.max_new_tokens, context, STAGE1_BUDGET, where)
     settings = replace(settings, decode=replace(dc, max_stage1_tokens=budget))
     rope = rope_scaling(config)
     sequence = longest + budget + dc.max_new_tokens
@@ -168,7 +173,8 @@ def fit_stage1(source: Source, config: Any, tokenizer: Any, items: list[Item]) -
     budget_source = "given" if given else "default"
     stage1 = {**source.stage1, "rule": settings.boundary, "rule_source": "default" if defaulted else "given",
               "match": match, "budget": budget, "budget_source": budget_source, "suffix_budget": dc.max_new_tokens,
-              "longest_prompt": longest, "context": context, "rope": rope.as_dict(sequence)}
+              "longest_prompt": longest, "context": context, "rope": rope.as_dict(sequence),
+              **({"context_of": where} if engine_context is not None else {})}
     return replace(source, settings=settings, stage1=stage1)
 
 
@@ -282,9 +288,13 @@ def matched(
         arms.check_model(model)
     source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
                             threads, attn_impl, columns=columns, cache=cache, batch=batch)
+    context = None
     if arms is not None:  # without --cross our engine steps nothing: its model gives the tokenizer alone
         source = replace(source, model=arms.our_model(source.model))
-    source, lm, items, data_hash, determinism = prepare(source, ex, quiet)
+        from stagereplay.serving.seam import engine_context
+
+        context = engine_context(arms.engine)  # a request must fit the engine's context, not only the model's
+    source, lm, items, data_hash, determinism = prepare(source, ex, quiet, context)
     print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)
     items = shard_items(items, part)

@@ -45,7 +45,6 @@ from urllib import parse
 from stagereplay.errors import StageReplayError
 from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, Generation
 
-APIS = ("auto", "llama-server", "openai")
 SLOT_FILE = "stagereplay-slot.bin"
 """The file a slot is saved to, in the server's --slot-save-path: one, overwritten by each item (a long trace's K/V
 can take hundreds of MB)."""
@@ -95,6 +94,19 @@ class Client:
             raise StageReplayError(f"the server at {self.url} answered {path} with no JSON: {text[:120]!r}",
                                    "check --url: it must name the server itself, not a page in front of it") from e
 
+    def refused(self, path: str, status: int, reply: str) -> StageReplayError:
+        """The one line for a request the server answered with a 4xx: what it refused, and whether that is the key
+        or a request it cannot serve (and then which servers can)."""
+        if status in (401, 403):
+            return StageReplayError(f"the server at {self.url} refused {path} ({reply}): its API key is missing or "
+                                    "wrong", f"set ${self.key_env} to the server's key (--api-key-env names another "
+                                    "variable)")
+        return StageReplayError(
+            f"the server at {self.url} refused our request to {path} ({reply}): it cannot be audited, since an audit "
+            "sends token-ID prompts and reads the top-k logprobs of every step",
+            "audit a server that takes both: llama-server (/completion) or vllm serve (/v1/completions); "
+            "transformers serve and llama-cpp-python's server take no token-ID prompts (docs/how-to/server.md)")
+
     def text(self, path: str, body: dict[str, Any] | None = None, quiet_status: tuple[int, ...] = (404, 405, 501)
              ) -> str | None:
         """The reply's text; None for a status in `quiet_status`. Connection errors and 5xx are retried `retries`
@@ -118,8 +130,8 @@ class Client:
                 if reply.status in quiet_status:
                     return None
                 last = f"HTTP {reply.status} {(text.replace(key, '***') if key else text)[:200].strip()}"
-                if reply.status < 500:
-                    break
+                if reply.status < 500:  # the server answered, and refused: asking again changes nothing
+                    raise self.refused(path, reply.status, last)
             except (OSError, client.HTTPException) as e:
                 last = str(e) or type(e).__name__
             finally:
@@ -181,7 +193,8 @@ class HttpEngine:
             steps = reply.get("completion_probabilities") or []
             ids_out = tuple(int(t) for t in reply.get("tokens") or [s["id"] for s in steps])
             finish = "stop" if reply.get("stop_type") in ("eos", "word") else "length"
-            cached = int((reply.get("timings") or {}).get("cache_n", 0))
+            cache_n = (reply.get("timings") or {}).get("cache_n")
+            cached = None if cache_n is None else int(cache_n)
             prompt = int(reply.get("tokens_evaluated", -1))
             return Generation(ids_out, tuple(_top_native(s) for s in steps), cached, finish), prompt
         body: dict[str, Any] = {
@@ -195,7 +208,8 @@ class HttpEngine:
         choice = (reply.get("choices") or [{}])[0]
         tokens, top = _openai_steps(choice.get("logprobs") or {})
         usage = reply.get("usage") or {}
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        details = usage.get("prompt_tokens_details")  # null where the server does not count cached tokens
+        cached = None if not isinstance(details, dict) else int(details.get("cached_tokens") or 0)
         finish = "stop" if choice.get("finish_reason") == "stop" else "length"
         return Generation(tuple(tokens), tuple(top), cached, finish), int(usage.get("prompt_tokens", -1))
 
@@ -421,6 +435,18 @@ def build_info(config: EngineConfig) -> dict[str, Any]:
     """The build of the server at `config.url` now (`build_of`), for the audit."""
     client = Client(config.url, config.api_key_env, config.timeout, config.retries)
     return build_of(identify(client, config.api)[1])
+
+
+def context(config: EngineConfig) -> tuple[int, str] | None:
+    """The positions one request may hold on the server: llama-server's per-slot context (its total context over
+    its slots), vLLM's max_model_len; None where the server does not say."""
+    client = Client(config.url, config.api_key_env, config.timeout, config.retries)
+    api, identity = identify(client, config.api)
+    n = identity.get("n_ctx") if api == "llama-server" else identity.get("max_model_len")
+    if not n:
+        return None
+    per = "per-slot context" if api == "llama-server" else "context (max_model_len)"
+    return int(n), f"the server's {per}"
 
 
 def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> HttpEngine:

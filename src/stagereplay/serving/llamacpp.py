@@ -17,6 +17,9 @@ The pick is the argmax of the step's logits, lowest token id among ties (llama.c
 same); the top-k logprobs come from the same logits (log-softmax in float64). A request stops at llama.cpp's own
 end-of-generation tokens (`llama_vocab_is_eog`) or at `max_tokens`.
 
+Weights are loaded without llama.cpp's extra buffer types (no repacking into the CPU's wider layouts) unless
+`--repack` asks for them (`extra_buffers`): they run other kernels, so they are a construction of their own.
+
 `--precision` picks the K/V cache type (fp16: llama.cpp's default f16, bf16, fp32: f32): the weights' types are
 the GGUF file's own. The build's compiled CPU features choose its kernels, so `build_info()` (version, the
 features `llama_print_system_info` reports) goes into the environment of every record with the CPU's flags, and
@@ -26,7 +29,8 @@ the audit compares the build (records.kernels): re-executed under another build,
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,6 +249,11 @@ def check_model(model_path: str | None) -> None:
                                "folder)")
 
 
+def context(config: EngineConfig) -> tuple[int, str]:
+    """The context every request must fit (`--n-ctx`)."""
+    return config.n_ctx, f"llama.cpp's context (--n-ctx {config.n_ctx})"
+
+
 def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> LlamaCppEngine:
     if precision not in CACHE_TYPES:
         raise StageReplayError(f"--engine llama.cpp does not run precision {precision} (it sets the K/V cache type)",
@@ -257,7 +266,32 @@ def load(config: EngineConfig, model_path: str, precision: str, threads: int, de
     from llama_cpp import Llama
 
     cache_type = CACHE_TYPES[precision][1]
-    llm = Llama(model_path=str(model_path), n_ctx=config.n_ctx, n_batch=config.n_batch, n_ubatch=config.n_ubatch,
-                n_threads=threads, n_threads_batch=threads, flash_attn=config.flash_attn, seed=config.seed,
-                n_gpu_layers=0, type_k=cache_type, type_v=cache_type, logits_all=False, verbose=False)
+    with extra_buffers(config.repack):
+        llm = Llama(model_path=str(model_path), n_ctx=config.n_ctx, n_batch=config.n_batch,
+                    n_ubatch=config.n_ubatch, n_threads=threads, n_threads_batch=threads, flash_attn=config.flash_attn,
+                    seed=config.seed, n_gpu_layers=0, type_k=cache_type, type_v=cache_type, logits_all=False,
+                    verbose=False)
     return LlamaCppEngine(llm, config, precision, threads)
+
+
+@contextmanager
+def extra_buffers(on: bool) -> Iterator[None]:
+    """Models loaded inside get llama.cpp's extra buffer types (`use_extra_bufts`: weights repacked for the CPU's
+    wider kernels, AMX tiles included) only if `on`. Repacked weights run other kernels, so other bits, and a
+    native build on an AMX CPU dies in its first decode with them (llama.cpp issue 20824), so they are off unless
+    asked for (`--repack`). `Llama()` takes no such argument: the default model parameters it starts from are
+    changed while it loads, and put back after."""
+    from llama_cpp import llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = on
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default

@@ -3,9 +3,11 @@ on the same token IDs, each with an exact replica, and (`--cross hf`) our engine
 
 Per item, in one engine and this order (the prefix cache is emptied where an arm says "reset"):
 
-    live            reset; prompt -> stage-1 budget + suffix budget tokens, one uninterrupted request. Stage 1
+    live            reset; prompt -> stage 1 + suffix budget tokens, one uninterrupted request, sized by the
+                    boundary rule (`serving.live`: a count's N, else grown until the boundary is reached). Stage 1
                     ends where the boundary rule says (`engine.boundary.stage1_end`, the rule `LM.live` runs);
-                    the suffix is what follows the boundary token, cut to --max-new-tokens
+                    the suffix is what follows the boundary token, cut to --max-new-tokens. The arm's `request`
+                    says what was asked for
     prefix-cache    no reset: a request for P = prompt + stage 1 right after live, so the full blocks live filled
                     (while decoding, too) are reused; `num_cached_tokens` and how many of them lie past the
                     prompt (`cached_from_decode`, written by live's decode steps) are recorded
@@ -17,13 +19,16 @@ Per item, in one engine and this order (the prefix cache is emptied where an arm
     hf-oneshot      (--cross hf) our engine prefills P[0:T-1] in one forward and continues from P[T-1]
     hf-oneshot#replica
 
+Each served arm records `took_place`: whether the engine's own counts say its state was built as its name says
+(`serving.evidence`); the report counts the items where it was not apart.
+
 The suffixes are comparable across engines: a request whose prompt is P yields the tokens after P, and our
 convention (feed P[T-1] as the first decode step over the cache of P[0:T-1]) yields the tokens after P too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -38,6 +43,8 @@ from stagereplay.experiments.arms import comparison, no_boundary_payload
 from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.records.ledger import Run
 from stagereplay.records.provenance import environment
+from stagereplay.serving.evidence import took_place
+from stagereplay.serving.live import Live, request_live
 from stagereplay.serving.seam import (
     EXTRA_ARMS,
     TOP_LOGPROBS,
@@ -190,8 +197,8 @@ def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation,
     """A serving engine's arm: the suffix from `start` in its output, and what its prefix cache supplied."""
     arm = arm_of(lm, name, construction, engine, g.tokens[start : start + max_new], g.top[start : start + max_new],
                  stage1, item, scorer)
-    arm["num_cached_tokens"] = g.cached
-    if construction == "prefix-cache":
+    arm["num_cached_tokens"] = g.cached  # None: the engine does not say
+    if construction == "prefix-cache" and g.cached is not None:
         arm["cached_from_decode"] = max(0, g.cached - prompt_len)  # cached positions past the prompt: decode's
     return arm
 
@@ -200,7 +207,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     """One item's arms on the serving engine (and ours with --cross hf); `lm` is our engine at the same
     precision: its tokenizer scores and finds the boundary, and it runs the cross arm."""
     from stagereplay.experiments.precision_2x2 import fixed_state
-    from stagereplay.serving.restore import boundary_saver, live_run, restore_arms
+    from stagereplay.serving.restore import restore_arms
 
     item, s = job.item, job.settings
     engine_config = EngineConfig(**dict(job.get("engine")))
@@ -212,39 +219,40 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
                                "run through `stagereplay matched`, which resolves it")
     rule = s.rule().bind(lm.tokenizer)
     prompt = list(item.prompt_ids)
-
     restores = EXTRA_ARMS.get(engine.name, ())
-    states: list[Any] = []  # live's boundary states, where the engine saves them (serving_restore)
 
-    def live() -> tuple[Generation, int | None, dict[str, Any] | None]:
-        g, state = live_run(engine, prompt, budget + max_new,
-                            boundary_saver(rule.watch(), lm.eos, budget) if restores else None)
-        states.append(state)
-        watch = rule.watch()
-        end = stage1_end(g.tokens, watch, lm.eos, budget)
-        return g, end, watch.detail()
+    def send(max_tokens: int, saver: Callable[[int], bool] | None) -> tuple[Generation, Any]:
+        if saver is None:
+            return engine.generate(prompt, max_tokens, reuse=False), None
+        run: Any = engine.run  # type: ignore[attr-defined]  # llama.cpp's: saves the boundary state as it goes
+        generation, state = run(prompt, max_tokens, save=saver)
+        return generation, state
 
-    first, end, match = live()
-    if end is None:
-        return no_boundary_payload(item, first.tokens[:budget])
-    stage1 = first.tokens[: end + 1]
+    first = request_live(send, rule, lm.eos, budget, max_new, saves=bool(restores))
+    if first.end is None:
+        return no_boundary_payload(item, first.generation.tokens[:budget])
+    end = first.end
+    stage1 = first.generation.tokens[: end + 1]
     prefix = [*prompt, *stage1]
+    size = [first.max_tokens - max_new]  # live's replicas ask for what live asked
     arms: list[dict[str, Any]] = []
 
-    def served(name: str, construction: str, g: Generation, start: int = 0) -> None:
+    def served(name: str, construction: str, g: Generation, start: int = 0, live: Live | None = None) -> None:
         arms.append(served_arm(lm, engine.name, name, construction, g, start, max_new, stage1, item, s.scorer,
                                len(prompt)))
-        if construction == "live" and states[-1] is not None:  # the boundary state's cache, as saved
-            arms[-1]["cache_fp"] = states[-1].fingerprint
+        if live is not None:
+            arms[-1]["request"] = live.request
+            if live.state is not None:  # the boundary state's cache, as saved
+                arms[-1]["cache_fp"] = live.state.fingerprint
 
-    served("live", "live", first, end + 1)
+    served("live", "live", first.generation, end + 1, first)
     served("prefix-cache", "prefix-cache", engine.generate(prefix, max_new, reuse=True))
-    again, again_end, _ = live()
-    replica_prefix_equal = again_end is not None and list(again.tokens[: again_end + 1]) == list(stage1)
-    if again_end is not None:
-        served("live#replica", "live", again, again_end + 1)
+    again = request_live(send, rule, lm.eos, budget, max_new, saves=bool(restores), sizes=size)
+    replica_prefix_equal = again.end is not None and list(again.generation.tokens[: again.end + 1]) == list(stage1)
+    if again.end is not None:
+        served("live#replica", "live", again.generation, again.end + 1, again)
         served("prefix-cache#replica", "prefix-cache",
-               engine.generate([*prompt, *again.tokens[: again_end + 1]], max_new, reuse=True))
+               engine.generate([*prompt, *again.generation.tokens[: again.end + 1]], max_new, reuse=True))
     for name in ("oneshot", "oneshot#replica"):
         served(name, "oneshot", engine.generate(prefix, max_new, reuse=False))
     fresh = ["oneshot", "prefix-cache"]
@@ -253,22 +261,25 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
             return arm_of(lm, name, name.split("#")[0], engine.name, g.tokens[:max_new], g.top[:max_new], stage1,
                           item, s.scorer, cache_fp)
 
-        arms += restore_arms(engine, prefix, states if replica_prefix_equal else states[:1], max_new, restored)
+        states = [first.state, again.state] if replica_prefix_equal else [first.state]
+        arms += restore_arms(engine, prefix, states, max_new, restored)
         fresh += restores
     if engine_config.name == "http" and engine_config.slot_restore:  # llama-server's slot save and restore
         for name in ("slot-restore", "slot-restore#replica"):
             again_live, g, how = engine.slot_restore(  # type: ignore[attr-defined]
-                prompt, budget + max_new, prefix, max_new)
+                prompt, first.max_tokens, prefix, max_new)
             served(name, "slot-restore", g)
-            arms[-1]["slot"] = {**how, "live_equal": list(again_live.tokens) == list(first.tokens)}
+            arms[-1]["slot"] = {**how, "live_equal": list(again_live.tokens) == list(first.generation.tokens),
+                                "live_max_tokens": first.max_tokens}
         fresh += ["slot-restore"]
     traffic = job.get("traffic")
     if traffic:  # under load: the same requests with other items' in flight (serving.http.generate_loaded)
-        loaded, seen = engine.generate_loaded(prompt, budget + max_new, traffic)  # type: ignore[attr-defined]
-        loaded_end = stage1_end(loaded.tokens, rule.watch(), lm.eos, budget)
+        loaded, seen = engine.generate_loaded(prompt, first.max_tokens, traffic)  # type: ignore[attr-defined]
+        loaded_end = stage1_end(loaded.tokens, rule.watch(), lm.eos, size[0])
         if loaded_end is not None:
             served("live@load", "live", loaded, loaded_end + 1)
             arms[-1]["load"] = {**seen, "prefix_equal": list(loaded.tokens[: loaded_end + 1]) == list(stage1)}
+            arms[-1]["request"] = first.request
         loaded, seen = engine.generate_loaded(prefix, max_new, traffic)  # type: ignore[attr-defined]
         served("oneshot@load", "oneshot", loaded)
         arms[-1]["load"] = seen
@@ -278,10 +289,13 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
         for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):
             built = lm.construct(state, "oneshot")
             cont = lm.continue_from(built, s.decode)
-            arms.append(arm_of(lm, name, "oneshot", cross, cont.suffix, hf_top_logprobs(cont.record, TOP_LOGPROBS), stage1, item,
-                             s.scorer, built.fingerprint()))
+            arms.append(arm_of(lm, name, "oneshot", cross, cont.suffix, hf_top_logprobs(cont.record, TOP_LOGPROBS),
+                               stage1, item, s.scorer, built.fingerprint()))
             del built, cont
         fresh.append(f"{cross}-oneshot")
+    for arm in arms:  # whether the engine built each arm's state as its construction says (serving.evidence)
+        if "num_cached_tokens" in arm:
+            arm["took_place"] = took_place(arm, len(prompt), len(prefix))
     by = {a["name"]: a for a in arms}
     pairs = [("live", f) for f in fresh] + [(f, f"{f}#replica") for f in ("live", *fresh)]
     pairs += [("oneshot", "oneshot@load")] if traffic else []
@@ -291,7 +305,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
         "prompt_ids": prompt,
         "prefix_ids": prefix,
         "boundary": len(prefix),
-        **(match or {}),  # a marker matched on text: whether it ended inside the boundary token
+        **(first.match or {}),  # a marker matched on text: whether it ended inside the boundary token
         "answer": item.answer,
         "replica_prefix_equal": replica_prefix_equal,
         "arms": arms,
@@ -369,8 +383,14 @@ def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, 
         execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(isolated=native),
                 None if native else lm, quiet, env_work=partial(with_engine_environment, serving_matched_item))
     except WorkerDied as e:
+        if arms.engine.repack:
+            raise StageReplayError(
+                f"{e.problem}: llama.cpp's native code crashed with --repack; a build for this CPU on AMX tiles is the "
+                "known cause (its AMX matmul puts repacked weights in AMX buffers, llama.cpp issue 20824)",
+                "run without --repack in a new run directory, or install the portable build "
+                "(docs/how-to/llamacpp.md) and run the same command again: the run resumes from this item") from e
         raise StageReplayError(
-            f"{e.problem}: llama.cpp's native code crashed; a build for this CPU (-DGGML_NATIVE=ON) on AMX tiles "
-            "is the known cause (its AMX matmul puts the weights in AMX buffers, llama.cpp issue 20824)",
+            f"{e.problem}: llama.cpp's native code crashed (weights not repacked); a build for other CPU "
+            "features than this one's is a likely cause",
             "install the portable build (docs/how-to/llamacpp.md) and run the same command again: the run resumes "
             "from this item") from e

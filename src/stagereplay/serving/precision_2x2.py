@@ -27,6 +27,7 @@ from stagereplay.experiments.arms import comparison
 from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
 from stagereplay.records.ledger import Run
+from stagereplay.serving.evidence import took_place
 from stagereplay.serving.matched import (
     ServingArms,
     arm_of,
@@ -88,6 +89,9 @@ def serving_grid_item(lm: LM, job: Job) -> dict[str, Any]:
             cont = lm.continue_from(built, s.decode)
             arms.append(arm_of(lm, name, "oneshot", c.removesuffix("-oneshot"), cont.suffix,
                                hf_top_logprobs(cont.record, TOP_LOGPROBS), stage1, item, s.scorer, built.fingerprint()))
+    for arm in arms:  # whether the engine built each arm's state as its construction says (serving.evidence)
+        if "num_cached_tokens" in arm:
+            arm["took_place"] = took_place(arm, len(prompt), len(prefix))
     by = {a["name"]: a for a in arms}
     pairs = [(a["name"], b["name"]) for i, a in enumerate(arms) for b in arms[i + 1 :]]
     comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs}

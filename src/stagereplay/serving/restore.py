@@ -18,47 +18,10 @@ A restore arm's `cache_fp` is the cache re-read after the load (so a restore tha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from stagereplay.engine.boundary import Watch
-from stagereplay.serving.seam import Generation, ServingEngine
-
-RESTORE_ARMS = ("state-restore", "oneshot-restore")
-
-
-def boundary_saver(watch: Watch, eos: Collection[int], budget: int) -> Callable[[int], bool]:
-    """Called on each emitted token in order: True on the boundary token, the decision `boundary.stage1_end`
-    makes afterwards (the first token the watch accepts, unless an EOS or the stage-1 budget comes first)."""
-    seen = 0
-    done = False
-
-    def save(token: int) -> bool:
-        nonlocal seen, done
-        if done:
-            return False
-        seen += 1
-        if seen > budget:
-            done = True
-            return False
-        if watch.step(token):
-            done = True
-            return True
-        if token in eos:
-            done = True
-        return False
-
-    return save
-
-
-def live_run(engine: ServingEngine, prompt: Sequence[int], max_tokens: int, saver: Callable[[int], bool] | None
-             ) -> tuple[Generation, Any]:
-    """Live's request, with the boundary state saved where the engine can (None: it cannot)."""
-    run = getattr(engine, "run", None)
-    if run is None or saver is None:
-        return engine.generate(prompt, max_tokens, reuse=False), None
-    generation, snapshot = run(prompt, max_tokens, save=saver)
-    return generation, snapshot
+from stagereplay.serving.seam import Generation
 
 
 def restore_arms(engine: Any, prefix: Sequence[int], states: Sequence[Any], max_new: int,

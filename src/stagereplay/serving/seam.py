@@ -40,8 +40,9 @@ class Generation:
     tokens: tuple[int, ...]
     top: tuple[tuple[tuple[int, float], ...], ...] = field(repr=False)
     """Per generated token, the top-k (token id, logprob) of that step, best first: [S][k]."""
-    cached: int
-    """Prompt tokens whose K/V the engine took from its prefix cache instead of computing them."""
+    cached: int | None
+    """Prompt tokens whose K/V the engine took from its prefix cache instead of computing them (None: the engine
+    does not say)."""
     finish: str  # the engine's own reason: "stop" (an EOS or stop token) | "length"
 
 
@@ -68,6 +69,9 @@ class EngineConfig:
                                                  "help": "micro-batch: tokens per graph compute (-ub)"})
     flash_attn: bool = field(default=False, metadata={"engines": ("llama.cpp",),
                                                       "help": "llama.cpp's flash attention (-fa)"})
+    repack: bool = field(default=False, metadata={"engines": ("llama.cpp",), "help": (
+        "llama.cpp's extra buffer types: weights repacked for the CPU's wider kernels (other kernels, other bits; "
+        "llama-server repacks unless --no-repack)")})
     url: str = field(default="", metadata={"engines": ("http",), "help": "the server: http://HOST:PORT"})
     api: str = field(default="auto", metadata={"engines": ("http",),
                                                "help": "auto | llama-server (/completion) | openai (/v1/completions)"})
@@ -126,6 +130,16 @@ def require_engine(config: EngineConfig) -> None:
     import importlib
 
     importlib.import_module(ENGINES[config.name]).require()
+
+
+def engine_context(config: EngineConfig) -> tuple[int, str] | None:
+    """The positions one request may hold in the engine, and their name for an error, where the engine's own
+    settings bound them below the model's context (llama.cpp's --n-ctx, a server's per-slot context); None
+    where only the model's context bounds them."""
+    import importlib
+
+    context: tuple[int, str] | None = importlib.import_module(ENGINES[config.name]).context(config)
+    return context
 
 
 def load_engine(config: EngineConfig, model_path: str, precision: str, threads: int, device: str

@@ -84,6 +84,11 @@ class VLLMEngine:
         gc.collect()
 
 
+def context(config: EngineConfig) -> None:
+    """vLLM runs the model's own context here (its max_model_len defaults to it)."""
+    return None
+
+
 def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> VLLMEngine:
     if precision not in DTYPES:
         raise StageReplayError(f"--engine vllm does not run precision {precision}",

@@ -1,0 +1,196 @@
+"""What a serving engine's run claims, held to what the engine did (on a fake of llama-server's API, tests/servers.py;
+the real server in tests/test_server.py): live's request asks for what the run uses, an arm the server did not build
+as named is counted apart, and a server that refuses our request is told apart from one that does not answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from servers import fake_server, free_port
+from typer.testing import CliRunner
+
+from stagereplay.cli import app
+from stagereplay.engine.boundary import After, Marker
+from stagereplay.engine.model import load_config_and_tokenizer
+from stagereplay.errors import StageReplayError
+from stagereplay.serving import live as live_module
+from stagereplay.serving.evidence import took_place
+from stagereplay.serving.live import FIRST_STAGE1, request_live, stage1_sizes
+from stagereplay.serving.seam import Generation
+from stagereplay.toy import toy_checkpoint
+
+runner = CliRunner()
+MARKER = 262  # the toy tokenizer's `</think>`
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_config_and_tokenizer(str(toy_checkpoint("primary")))[1]
+
+
+def _records(run):
+    return [json.loads(line)["payload"] for line in (run / "ledger.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "item"]
+
+
+def _matched(url, out, *extra):
+    return runner.invoke(app, ["matched", "--engine", "http", "--url", url, "--n", "2", "--precision", "fp32",
+                               "--max-new-tokens", "8", "--out", str(out), "--quiet", *extra])
+
+
+# -- live's request is sized by the boundary rule ------------------------------------------------------------------
+
+
+def test_a_count_boundary_asks_for_its_count_a_marker_grows_from_a_first_allowance():
+    assert stage1_sizes(After(32), 8192) == [32]
+    assert stage1_sizes(After(32), 20) == [20]  # never past the budget
+    assert stage1_sizes(Marker("</think>"), 8192) == [256, 512, 1024, 2048, 4096, 8192]
+    assert stage1_sizes(Marker("</think>"), 700) == [256, 512, 700]
+    assert stage1_sizes(Marker("</think>"), 100) == [100]
+
+
+class _Rule:
+    """A bound rule whose watch accepts token 9."""
+
+    def watch(self):
+        class W:
+            def step(self, token):
+                return token == 9
+
+            def detail(self):
+                return None
+        return W()
+
+
+def _send(tokens, asked):
+    def send(max_tokens, saver):
+        asked.append(max_tokens)
+        out = tuple(tokens[:max_tokens])
+        return Generation(out, tuple(() for _ in out), 0, "length"), None
+    return send
+
+
+def test_live_grows_only_while_the_output_runs_on_past_its_allowance():
+    asked: list[int] = []
+    past_first = [1] * 300 + [9] + [1] * 50  # the boundary at step 300: past the first allowance
+    live = request_live(_send(past_first, asked), _Rule(), {2}, 8192, 8, saves=False)
+    assert live.end == 300 and asked == [FIRST_STAGE1 + 8, 2 * FIRST_STAGE1 + 8] and live.tries == 2
+    assert live.request == {"max_tokens": 2 * FIRST_STAGE1 + 8, "tries": 2}
+    asked.clear()  # control: an EOS before the boundary ends the search at once (no boundary, no growth)
+    stops = [1] * 10 + [2] + [1] * 500
+    assert request_live(_send(stops, asked), _Rule(), {2}, 8192, 8, saves=False).end is None and len(asked) == 1
+    asked.clear()  # a replica asks for the size live found
+    again = request_live(_send(past_first, asked), _Rule(), {2}, 8192, 8, saves=False, sizes=[512])
+    assert again.end == 300 and asked == [520]
+
+
+def test_a_servers_live_request_asks_for_stage_one_and_the_suffix_not_the_budget(tokenizer, tmp_path, monkeypatch):
+    """The stage-1 budget defaults to what the context leaves after the prompt and the suffix (hundreds of tokens
+    for the toy, thousands for a real model): sized to it, live's request would ask for all of it where 4 + 8
+    are all the run uses."""
+    with fake_server(tokenizer) as (url, fake):
+        assert _matched(url, tmp_path / "count", "--boundary-after", "4").exit_code == 0
+    lives = [n for prompt, n in fake.asked if prompt < 100 and n > 8]  # the requests from the prompt alone
+    assert lives and set(lives) == {4 + 8}, fake.asked
+    record = _records(tmp_path / "count")[0]
+    assert {a["name"]: a["request"]["max_tokens"] for a in record["arms"] if "request" in a} == {
+        "live": 12, "live#replica": 12}
+    # Control: with live sized to the stage-1 budget (as before), the same measurement sees the budget.
+    monkeypatch.setattr(live_module, "stage1_sizes", lambda rule, budget: [budget])
+    with fake_server(tokenizer) as (url, fake):
+        assert _matched(url, tmp_path / "budget", "--boundary-after", "4").exit_code == 0
+    budget = json.loads((tmp_path / "budget" / "manifest.json").read_text())["config"]["stage1"]["budget"]
+    assert budget > 400 and max(n for _, n in fake.asked) == budget + 8
+
+
+def test_a_marker_boundary_grows_live_until_the_marker_is_reached(tokenizer, tmp_path):
+    from transformers import GenerationConfig
+
+    from stagereplay.engine.decode import eos_ids
+
+    eos = tuple(eos_ids(GenerationConfig.from_pretrained(toy_checkpoint("primary")), tokenizer))
+    with fake_server(tokenizer, marker=(300, MARKER), avoid=eos) as (url, fake):
+        result = _matched(url, tmp_path / "run", "--boundary-marker", "</think>")
+        assert result.exit_code == 0, result.output
+    record = _records(tmp_path / "run")[0]
+    assert record["status"] == "ok" and record["boundary"] - len(record["prompt_ids"]) == 301
+    budget = json.loads((tmp_path / "run" / "manifest.json").read_text())["config"]["stage1"]["budget"]
+    assert FIRST_STAGE1 < 300 < budget < 2 * FIRST_STAGE1  # the toy's context caps the second allowance
+    live = next(a for a in record["arms"] if a["name"] == "live")
+    assert live["request"] == {"max_tokens": budget + 8, "tries": 2}
+    assert max(n for _, n in fake.asked) == budget + 8
+
+
+def test_the_stage_one_budget_fits_the_servers_context_and_a_given_one_that_does_not_is_refused(tokenizer, tmp_path):
+    with fake_server(tokenizer, n_ctx=128) as (url, _):
+        refused = _matched(url, tmp_path / "big", "--boundary-after", "4", "--max-stage1-tokens", "200")
+        assert refused.exit_code != 0 and "exceed the server's per-slot context of 128" in refused.output
+        assert not (tmp_path / "big").exists()
+        assert _matched(url, tmp_path / "fits", "--boundary-after", "4").exit_code == 0
+    manifest = json.loads((tmp_path / "fits" / "manifest.json").read_text())
+    stage1 = manifest["config"]["stage1"]
+    assert stage1["context"] == 128 and stage1["budget"] == 128 - stage1["longest_prompt"] - 8
+
+
+# -- an arm the server did not build as named ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["", "no-reuse"])
+def test_a_restore_the_server_did_not_use_is_reported_as_not_restored(tokenizer, tmp_path, mode):
+    """A server that reports no cached position after a slot restore prefilled afresh: the arm says so, the matched
+    table counts it apart, and the column's statistics leave it out. The control: a server that continued from the
+    restored slot (every position but the pending token cached) restored."""
+    run = tmp_path / "run"
+    with fake_server(tokenizer, mode, slots=2) as (url, _):
+        result = _matched(url, run, "--boundary-after", "4", "--slot-restore")
+        assert result.exit_code == 0, result.output
+    arms = {a["name"]: a for a in _records(run)[0]["arms"]}
+    restored = mode == ""
+    assert arms["slot-restore"]["took_place"] is restored
+    assert arms["prefix-cache"]["took_place"] is restored and arms["oneshot"]["took_place"] is True
+    results = json.loads((run / "results.json").read_text())
+    column = next(m for m in results["matched"] if m["construction"] == "slot-restore")
+    assert column["built"]["k"] == (2 if restored else 0) and column["built"]["not_built"] == (0 if restored else 2)
+    assert column["suffix_disagreements"]["n"] == (2 if restored else 0)
+    report = (run / "report.md").read_text()
+    assert ("slot-restore @ fp32 was not built as named on 2 of 2 items" in report) is not restored
+
+
+def test_took_place_reads_the_engines_counts():
+    def arm(construction, cached, **more):
+        return {"construction": construction, "num_cached_tokens": cached, **more}
+
+    assert took_place(arm("slot-restore", 20), prompt_len=10, boundary=21) is True
+    assert took_place(arm("slot-restore", 0), 10, 21) is False
+    assert took_place(arm("slot-restore", 10), 10, 21) is False  # the prompt alone: not the restored state
+    assert took_place(arm("prefix-cache", 12), 10, 21) is True
+    assert took_place(arm("prefix-cache", 10), 10, 21) is False
+    assert took_place(arm("oneshot", 0), 10, 21) is True and took_place(arm("oneshot", 5), 10, 21) is False
+    assert took_place(arm("oneshot", None), 10, 21) is None  # an engine that does not say
+    assert took_place(arm("oneshot", 0, load={"in_flight_at_send": 0}), 10, 21) is False
+    assert took_place(arm("oneshot", 0, load={"in_flight_at_send": 3}), 10, 21) is True
+
+
+# -- a server that refuses our request ------------------------------------------------------------------------------
+
+
+def test_a_server_refusing_token_id_prompts_is_named_as_refusing_not_as_silent(tokenizer, tmp_path):
+    with fake_server(tokenizer, "refuse-ids") as (url, _):
+        refused = _matched(url, tmp_path / "run", "--boundary-after", "4")
+    assert refused.exit_code != 0 and "refused our request to /completion (HTTP 422" in refused.output
+    assert "cannot be audited" in refused.output and "llama-server" in refused.output
+    assert "did not answer" not in refused.output
+    # Control: nothing listening at the address still "did not answer".
+    gone = _matched(f"http://127.0.0.1:{free_port()}", tmp_path / "gone", "--boundary-after", "4", "--retries", "0")
+    assert gone.exit_code != 0 and "did not answer" in gone.output and "refused our request" not in gone.output
+
+
+def test_a_refusal_names_what_was_refused_in_one_line(tokenizer):
+    from stagereplay.serving import http
+    from stagereplay.serving.seam import EngineConfig
+
+    with fake_server(tokenizer, "refuse-ids") as (url, _), pytest.raises(StageReplayError) as refused:
+        http.load(EngineConfig("http", url=url), "", "fp32", 1, "cpu").check(tokenizer)
+    assert "\n" not in str(refused.value) and "HTTP 422" in refused.value.problem
+    assert "transformers serve" in refused.value.fix
