@@ -52,7 +52,7 @@ def _not_source(folder: str, names: list[str]) -> list[str]:
 
 
 UP_FROM_ENGINE = "\n\ndef _planted():\n    from stagereplay.cli import app\n    return app\n"
-TYPE_CHECKING_UP = "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stagereplay.report import stats\n"
+TYPE_CHECKING_UP = "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import stagereplay.report\n"
 CIRCLE_IN_ENGINE = "\n\ndef _planted():\n    from stagereplay.engine.lm import LM\n    return LM\n"
 ENGINE_IN_REPORT = "\n\ndef _planted():\n    from stagereplay.engine.model import load_config_and_tokenizer\n"
 TOY_IN_ENGINE = "\n\ndef _planted():\n    from stagereplay.toy import toy_checkpoint\n    return toy_checkpoint\n"
@@ -63,7 +63,7 @@ TOY_IN_ENGINE = "\n\ndef _planted():\n    from stagereplay.toy import toy_checkp
     ("engine/cache.py", TYPE_CHECKING_UP, {"rooms", "circles"}),  # and under TYPE_CHECKING
     ("newroom/__init__.py", "", {"rooms"}),  # a room not given its place
     ("engine/cache.py", CIRCLE_IN_ENGINE, {"circles"}),  # engine.lm imports engine.cache already
-    ("report/stats.py", ENGINE_IN_REPORT, {"report"}),
+    ("report/__init__.py", ENGINE_IN_REPORT, {"report"}),
     ("engine/cache.py", TOY_IN_ENGINE, {"toy"}),
 ], ids=["upward", "upward-type-checking", "unplaced-room", "circle", "report-engine", "engine-toy"])
 def test_the_import_contracts_see_a_planted_import(tmp_path, module, planted, broken):
