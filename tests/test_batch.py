@@ -175,10 +175,12 @@ def test_matched_records_are_the_same_bits_in_any_order_subset_or_alone(tiny_dir
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, items_file, tmp_path, precision,
-                                                                      cache, capsys):
-    """The answer printed and recorded before a batched run predicts it: records equal to --batch 1's exactly
-    when the check found the batched step equal to the batch-1 step on this model (fp32 on MKL: they differ;
-    bf16 on portable kernels: they do not; native bf16: either, by CPU)."""
+                                                                      cache, caplog):
+    """The answer said (logged) and recorded before a batched run predicts it: records equal to --batch 1's
+    exactly when the check found the batched step equal to the batch-1 step on this model (fp32 on MKL: they
+    differ; bf16 on portable kernels: they do not; native bf16: either, by CPU)."""
+    import logging
+
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.execution.models import release_models
@@ -194,11 +196,12 @@ def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, 
         manifest = json.loads((out / "manifest.json").read_text())
         return _payloads(out), manifest
 
+    caplog.set_level(logging.INFO, logger="stagereplay")
     one, _ = run(1)
     four, manifest = run(4)
     check = manifest["environment"]["determinism"]["batch_check"]
     assert check["invariant"] and check["rows"] == 4
-    assert "--batch 4: each row's bits are independent of its batch-mates" in capsys.readouterr().err
+    assert "--batch 4: each row's bits are independent of its batch-mates" in caplog.text
     assert (one == four) == check["equals_batch_1"]
     if precision == "fp32":
         assert one != four  # MKL's fp32 linears follow the row count: the outcome where batching moves bits

@@ -1,7 +1,10 @@
-"""The typer app every command registers on, and the one-line handling of bad input that every command shares."""
+"""The typer app every command registers on, the one-line handling of bad input that every command shares, and
+where the library's log lines go in a command."""
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,10 +35,84 @@ class OneLineErrors(TyperGroup):
             raise typer.Exit(2) from None
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler writing to whatever `sys.stderr` is when a line is said: a progress bar that redirects it, or a
+    test's runner that swaps it, gets the line as it would a print."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
+class _OneLine(logging.Formatter):
+    """The message as the line; a warning or worse as `warning: <message>`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = record.getMessage()
+        return line if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {line}"
+
+
+class _Once(logging.Filter):
+    """Passes a record whose `once` key it has passed before no more: a line that repeats nothing new (the batched
+    check of a model setting, `LM.prove_batch`, made again by each stage and worker that loads the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = getattr(record, "once", None)
+        if key is None:
+            return True
+        if key in self.said:
+            return False
+        self.said.add(key)
+        return True
+
+
+def say_on_stderr(quiet: bool = False) -> None:
+    """The library's log lines (`stagereplay.*`, its workers' included: execution.local) in this command: one line
+    each on stderr, INFO and up, each `once` line once; under --quiet, errors only."""
+    logger = logging.getLogger("stagereplay")
+    _unsay(logger)
+    level = logging.ERROR if quiet else logging.INFO
+    handler = _Stderr()
+    handler.setFormatter(_OneLine())
+    handler.addFilter(_Once())
+    handler.setLevel(level)
+    logger.setLevel(level)
+    logger.addHandler(handler)
+
+
+def _unsay(logger: logging.Logger) -> None:
+    for old in [h for h in logger.handlers if isinstance(h, _Stderr)]:
+        logger.removeHandler(old)
+
+
 app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Audit stage replay: live cache vs fresh prefill of identical token IDs.")
 toy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The embedded toy reasoning model.")
 app.add_typer(toy_app, name="toy")
+
+
+@app.callback()
+def _every_command(ctx: typer.Context) -> None:
+    """Each command says the library's lines (a --quiet among its options, cli.options.Quiet, turns them down as
+    it is read), until it ends: a process that runs several commands (a test) starts each afresh."""
+    logger = logging.getLogger("stagereplay")
+    level = logger.level
+    say_on_stderr()
+
+    def done() -> None:
+        _unsay(logger)
+        logger.setLevel(level)
+
+    ctx.call_on_close(done)
+
 
 T = TypeVar("T")
 

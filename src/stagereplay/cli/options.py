@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from stagereplay.cli.app import say_on_stderr
 from stagereplay.errors import StageReplayError
 
 # Options shared by commands that load a model.
@@ -45,7 +46,15 @@ TopP = Annotated[float, typer.Option("--top-p", help="sample from the smallest s
 Seed = Annotated[int, typer.Option("--seed", help="base seed for sampling")]
 Workers = Annotated[int, typer.Option("--workers", help="local worker processes")]
 Executor = Annotated[str, typer.Option("--executor", help="local | ray")]
-Quiet = Annotated[bool, typer.Option("--quiet", help="no progress bar or tables")]
+
+
+def _quiet(value: bool) -> bool:
+    if value:
+        say_on_stderr(quiet=True)
+    return value
+
+
+Quiet = Annotated[bool, typer.Option("--quiet", callback=_quiet, help="no progress bar or tables; on stderr, errors only")]
 Batch = Annotated[int, typer.Option("--batch", help=(
     "items stepping together: up to C items' decode steps share one forward of C rows, each row batch-invariant "
     "(its attention per item; recorded, and later stages and the audit follow it); 1 = one item at a time"))]

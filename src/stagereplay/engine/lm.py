@@ -12,8 +12,8 @@ decode step, so the cache is the whole state and swapping it is a clean causal t
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
-import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -57,6 +57,8 @@ from stagereplay.engine.proof import (
 from stagereplay.engine.steps import StepRecord
 from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Item
+
+log = logging.getLogger(__name__)
 
 CONSTRUCTIONS = ("live", "incremental", "oneshot", "chunked:<n>", "retokenized")
 
@@ -226,19 +228,23 @@ class LM:
         self._adopt(proof)
 
     def say(self, line: str) -> None:
+        """A proof's progress line, at INFO, for the command's own model (`show_proofs`)."""
         if self.show_proofs:
-            print(line, file=sys.stderr)
+            log.info(line)
 
     def prove_batch(self, prompts: Sequence[Sequence[int]]) -> BatchProof:
         """Show, before items step together at `config.batch` rows, that a row's bits do not depend on its
         batch-mates or slot here, and whether they equal batch 1's (engine.proof.prove_batched); say the answer
-        in one line and record it. A row that depends on its mates is refused."""
+        in one line (INFO) and record it. A row that depends on its mates is refused.
+
+        The line carries `once`, its model setting and answer: the same answer for the same setting says nothing
+        new, so a command says it once however often its stages and workers load the model (cli.app)."""
         if self.batch_proof is None:
             proof = prove_batched(self.model, self.config.batch, self.config.device, prompts or [[0]],
                                   cache=self.config.cache)
-            print(proof.line(), file=sys.stderr)
             if not proof.invariant:
                 raise StageReplayError(proof.line(), "run with --batch 1")
+            log.info(proof.line(), extra={"once": f"{self.config}: {proof.line()}"})
             self.batch_proof = proof
             self.determinism["batch_check"] = proof.as_dict()
         return self.batch_proof

@@ -28,7 +28,7 @@ position up to `reach` per proof (`schedule`, which `stagereplay plan` prices).
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     import torch
 
     from stagereplay.engine.decode import Stepper
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -166,9 +168,9 @@ def proof_progress(label: str, total: int, show: bool) -> Iterator[Callable[[int
 
 
 def report(proof: Proof) -> None:
-    """Say a failed proof in one line (a passed one is only recorded)."""
+    """Say a failed proof in one line, a WARNING (a passed one is only recorded)."""
     if not proof.equal:
-        print(f"warning: {proof.line()}", file=sys.stderr)
+        log.warning(proof.line())
 
 
 MIN_REACH = 64

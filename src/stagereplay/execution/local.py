@@ -1,12 +1,14 @@
 """Item jobs in this process or in N local worker processes, results in job order.
 
 The parent (the only writer of the ledger) appends records in job order whatever runs them, so a run's ledger
-is identical for any --workers.
+is identical for any --workers. The workers' log lines are the parent's to say (`_Relay`).
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
+import logging.handlers
 from collections.abc import Iterator, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
@@ -26,11 +28,47 @@ if TYPE_CHECKING:
 _WORKER_INDEX: int | None = None
 
 
-def _start_worker(counter: Any) -> None:
+def _start_worker(counter: Any, logs: Any) -> None:
     global _WORKER_INDEX
     with counter.get_lock():
         _WORKER_INDEX = int(counter.value)
         counter.value += 1
+    # This worker's log lines (`stagereplay.*`, INFO and up) go to the parent, whose handlers say them or not.
+    logger = logging.getLogger("stagereplay")
+    logger.addHandler(logging.handlers.QueueHandler(logs))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+class _Relay:
+    """The parent's side of its workers' log lines: each handed to the parent's logger of the same name, so that
+    the command's own handlers decide it as they do the parent's lines (its level, --quiet, a line said once:
+    cli.app)."""
+
+    def __init__(self, queue: Any) -> None:
+        import threading
+
+        self.queue = queue
+        queue.cancel_join_thread()  # the parent puts only the stop: a worker killed mid-line must not hold up exit
+        self.thread = threading.Thread(target=self._say, name="worker-logs", daemon=True)
+        self.thread.start()
+
+    def _say(self) -> None:
+        while True:
+            try:
+                record = self.queue.get()
+            except (EOFError, OSError):
+                return
+            if record is None:
+                return
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):
+                logger.handle(record)
+
+    def stop(self) -> None:
+        """After the workers have ended: say what they logged, then stop."""
+        self.queue.put(None)
+        self.thread.join(timeout=10)
 
 
 def worker_config(config: ModelConfig, index: int | None) -> ModelConfig:
@@ -59,8 +97,9 @@ def _call(config: ModelConfig, work: Work, job: Any) -> dict[str, Any]:
 
 # Worker processes, kept until the command ends (`shutdown_workers`): starting one (importing torch, loading
 # a model) costs seconds, and a paper run comes back to the same model settings several times (its audit
-# re-runs them all).
+# re-runs them all). Each pool's log lines come back through its relay.
 _POOL: dict[int, Any] = {}
+_RELAYS: dict[int, _Relay] = {}
 
 
 class WorkerDied(StageReplayError):
@@ -92,6 +131,7 @@ def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int
                 result = f.result()
             except BrokenProcessPool:
                 _POOL.pop(workers, None)  # a broken pool takes no more jobs: the next call starts another
+                _stop_relay(workers)
                 raise WorkerDied(f"the worker process running item {_item_id(jobs, i, config.batch)} died "
                                  f"({_how_ended(processes)}) without a result",
                                  "the records before it are kept; fix the cause and run the same command "
@@ -139,17 +179,26 @@ def _pool(workers: int) -> Any:
         # spawn, not fork: a forked child would inherit torch's thread pools and any CUDA context half-made.
         # Each worker takes the next index as it starts: worker i runs on cuda:i under --device cuda.
         context = mp.get_context("spawn")
+        logs = context.Queue()
+        _RELAYS[workers] = _Relay(logs)
         _POOL[workers] = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker,
-                                             initargs=(context.Value("i", 0),))
+                                             initargs=(context.Value("i", 0), logs))
     return _POOL[workers]
+
+
+def _stop_relay(workers: int) -> None:
+    relay = _RELAYS.pop(workers, None)
+    if relay is not None:
+        relay.stop()
 
 
 def shutdown_workers() -> None:
     """Stop the worker processes and Ray actors, and free the models loaded here. Called at exit and by each
     command's end."""
     shutdown_actors()
-    for pool in _POOL.values():
+    for workers, pool in _POOL.items():
         pool.shutdown(wait=True, cancel_futures=True)
+        _stop_relay(workers)
     _POOL.clear()
     release_models()
 
