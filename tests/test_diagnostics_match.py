@@ -97,7 +97,8 @@ class KeepAll(StepRecord):
 
 
 def _json(x: Any) -> str:
-    return json.dumps(x, sort_keys=True)
+    """A diagnostics block (`diagnose`'s model, or the reference's dict) as sorted JSON."""
+    return json.dumps(x.as_payload() if hasattr(x, "as_payload") else x, sort_keys=True)
 
 
 @pytest.fixture(scope="module")

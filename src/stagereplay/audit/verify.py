@@ -20,6 +20,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments.arms import comparison, comparison_fp_schema_1
 from stagereplay.experiments.transplant import divergent_ids, outcome, select
@@ -32,6 +34,7 @@ from stagereplay.records.manifest import (
     chain_start,
     stage_name,
 )
+from stagereplay.records.payloads import Arm, first_error, read_arm
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
 from stagereplay.tasks.scoring import scorer_by_name
@@ -241,14 +244,18 @@ def _arm_claims(record: Record, stage: dict[str, Any]) -> list[str]:
     scorer = scorer_by_name(stage["settings"]["scorer"])
     precision = record.part or stage["model"]["precision"]
     bad = []
-    for a in p.get("arms", []):
-        name = a.get("name")
-        if a.get("suffix_fp") != ids_fingerprint(a.get("suffix_ids") or []):
-            bad.append(f"arm {name}: suffix_fp is not the fingerprint of its suffix_ids")
-        if "text" in a and a.get("correct") != bool(scorer(a["text"], p.get("answer", ""))):  # resample keeps none
-            bad.append(f"arm {name}: correct is not what scorer {stage['settings']['scorer']} gives its text")
-        if a.get("precision") != precision:
-            bad.append(f"arm {name}: precision {a.get('precision')} is not the stage's {precision}")
+    for raw in p.get("arms", []):
+        try:
+            a = read_arm(raw)
+        except ValidationError as e:  # a field missing, of another type, or one no arm has
+            bad.append(f"arm {raw.get('name')}: not an arm ({first_error(e)})")
+            continue
+        if a.suffix_fp != ids_fingerprint(a.suffix_ids):
+            bad.append(f"arm {a.name}: suffix_fp is not the fingerprint of its suffix_ids")
+        if isinstance(a, Arm) and a.correct != bool(scorer(a.text, p.get("answer", ""))):  # a draw keeps no text
+            bad.append(f"arm {a.name}: correct is not what scorer {stage['settings']['scorer']} gives its text")
+        if a.precision != precision:
+            bad.append(f"arm {a.name}: precision {a.precision} is not the stage's {precision}")
     return bad
 
 

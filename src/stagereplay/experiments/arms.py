@@ -1,38 +1,31 @@
 """What one item's record is made of: its arms (suffix, fingerprints, label), the comparisons between them, the
 arms another stage may carry over, the token texts the report shows; an item that never reached its boundary.
-Built from the engine's results, below the experiments that walk an item."""
+Built from the engine's results as the models of `records.payloads`, below the experiments that walk an item."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 from stagereplay.engine.lm import LM, BoundaryState, Continuation
 from stagereplay.records.ledger import sha256_json
+from stagereplay.records.payloads import Arm, Comparison, GridPayload, MatchedPayload, NoBoundaryPayload
 from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
 
 
 def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stage1: Sequence[int], item: Item,
-               scorer: str, cache_fp: str | None = None) -> dict[str, Any]:
+               scorer: str, cache_fp: str | None = None) -> Arm:
     """One arm: its suffix, fingerprints and correctness label. Text is scored as stage 1 + suffix.
     `cache_fp`: the state's cache fingerprint when the caller has already hashed that cache."""
     text = lm.text([*stage1, *cont.suffix])
-    arm = {
-        "name": name,
-        "construction": state.construction,
-        "precision": lm.config.precision,
-        "suffix_ids": list(cont.suffix),
-        "suffix_fp": cont.fingerprint,
-        "cache_fp": state.fingerprint() if cache_fp is None else cache_fp,
-        "stop": cont.stop,
-        "text": text,
-        "correct": bool(scorer_by_name(scorer)(text, item.answer)),
-    }
-    if state.roundtrip is not None:
-        arm["roundtrip"] = state.roundtrip
-    return arm
+    arm = Arm(name=name, construction=state.construction, precision=lm.config.precision,
+              suffix_ids=list(cont.suffix), suffix_fp=cont.fingerprint,
+              cache_fp=state.fingerprint() if cache_fp is None else cache_fp, stop=cont.stop, text=text,
+              correct=bool(scorer_by_name(scorer)(text, item.answer)))
+    # A field left unset is absent from the record: only a retokenized state has a round trip to report.
+    return arm if state.roundtrip is None else arm.model_copy(update={"roundtrip": state.roundtrip})
 
 
 def matched_arms(stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any] | None,
@@ -49,33 +42,44 @@ def matched_arms(stage: dict[str, Any], matched_stage: dict[str, Any] | None, ma
     return {a.get("name"): a for a in matched.get("arms", [])}
 
 
-def carried_arm(recorded: dict[str, Any], name: str, construction: str, source: str) -> dict[str, Any]:
+def carried_arm(recorded: dict[str, Any], name: str, construction: str, source: str) -> Arm:
     """Another stage's `recorded` arm as this stage's arm `name`, not decoded again: every field but its name and
     construction is the recorded arm's, and `same_as` names it (`verify._same_as_claims` checks both)."""
-    return {**recorded, "name": name, "construction": construction, "same_as": source}
+    return Arm.model_validate(recorded).model_copy(update={"name": name, "construction": construction,
+                                                           "same_as": source})
 
 
-def token_texts(lm: LM, payload: dict[str, Any]) -> dict[str, str]:
-    """Each token the record shows, decoded alone (special tokens kept), keyed by its id as text: the prompt,
-    stage 1, every arm's suffix and the top-5 candidates at each first divergence. The report's explorer and
-    `stagereplay show` render tokens from these, so they read the ledger, never the model's tokenizer."""
-    ids = {*payload.get("prefix_ids", []), *payload.get("prompt_ids", [])}
-    for arm in payload.get("arms", []):
-        ids.update(arm.get("suffix_ids", []))
-    for pair in ((payload.get("diagnostics") or {}).get("pairs") or {}).values():
-        for side in ("a", "b"):
-            ids.update(int(t) for t, _ in ((pair.get("divergence") or {}).get(side) or {}).get("top", []))
-    return {str(t): str(lm.tokenizer.decode([t], skip_special_tokens=False)) for t in sorted(ids)}
+Shown = TypeVar("Shown", MatchedPayload, GridPayload)
+
+
+def with_token_texts(lm: LM, payload: Shown) -> Shown:
+    """`payload` with `token_texts`: each token the record shows, decoded alone (special tokens kept), keyed by its
+    id as text: the prompt, stage 1, every arm's suffix and the top-5 candidates at each first divergence. The
+    report's explorer and `stagereplay show` render tokens from these, so they read the ledger, never the model's
+    tokenizer."""
+    ids = {*payload.prefix_ids, *payload.prompt_ids}
+    for arm in payload.arms:
+        ids.update(arm.suffix_ids)
+    for pair in (payload.diagnostics.pairs if payload.diagnostics is not None else {}).values():
+        if pair.divergence is not None:
+            ids.update(t for side in (pair.divergence.a, pair.divergence.b) for t, _ in side.top)
+    texts = {str(t): str(lm.tokenizer.decode([t], skip_special_tokens=False)) for t in sorted(ids)}
+    return payload.model_copy(update={"token_texts": texts})
 
 
 ARM_CLAIMS = ("name", "suffix_fp", "cache_fp", "correct")
 """The arm fields a comparison's fingerprint covers."""
 
 
-def comparison(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def _fields(arm: Arm | Mapping[str, Any]) -> Mapping[str, Any]:
+    return arm.as_payload() if isinstance(arm, Arm) else arm
+
+
+def compare(item_id: str, arm_a: Arm | Mapping[str, Any], arm_b: Arm | Mapping[str, Any]) -> Comparison:
     """Two arms side by side. Its fingerprint covers every field a result depends on: the item, both arms'
     names, suffix and cache fingerprints and labels, and the comparison's own fields (so an audit that
     reproduces the fingerprint has reproduced them all)."""
+    a, b = _fields(arm_a), _fields(arm_b)
     fields = {
         "a": a["name"],
         "b": b["name"],
@@ -88,7 +92,12 @@ def comparison(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> dict[str, 
         "first_divergence": first_divergence(a["suffix_ids"], b["suffix_ids"]),
     }
     covered = [item_id, [a[k] for k in ARM_CLAIMS], [b[k] for k in ARM_CLAIMS], fields]
-    return {**fields, "fp": sha256_json(covered)}
+    return Comparison(**fields, fp=sha256_json(covered))
+
+
+def comparison(item_id: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """`compare` of two arms held as dicts (a serving engine's item, the audit), as the record holds it."""
+    return compare(item_id, a, b).as_payload()
 
 
 def comparison_fp_schema_1(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -96,6 +105,14 @@ def comparison_fp_schema_1(item_id: str, a: dict[str, Any], b: dict[str, Any]) -
     return sha256_json([item_id, a["name"], b["name"], a["suffix_fp"], b["suffix_fp"], a["correct"], b["correct"]])
 
 
+def no_boundary(item: Item, generated: Sequence[int], nulls: bool = True) -> NoBoundaryPayload:
+    """The record of an item whose output never reached its boundary: what it generated instead. `nulls`: with
+    `prefix_ids` and `boundary` null (matched's record; the bridge's has neither field)."""
+    return NoBoundaryPayload(status="no_boundary", prompt_ids=list(item.prompt_ids), generated_ids=list(generated),
+                             answer=item.answer, arms=[], comparisons=[],
+                             **({"prefix_ids": None, "boundary": None} if nulls else {}))
+
+
 def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
-    return {"status": "no_boundary", "prompt_ids": list(item.prompt_ids), "prefix_ids": None, "boundary": None,
-            "generated_ids": list(generated), "answer": item.answer, "arms": [], "comparisons": []}
+    """`no_boundary`, as the record holds it."""
+    return no_boundary(item, generated).as_payload()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter
 
 from stagereplay.engine.cache import cache_fingerprints, compare_caches
 from stagereplay.engine.forwards import (
@@ -15,13 +17,17 @@ from stagereplay.engine.forwards import (
 from stagereplay.engine.lm import LM, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.arms import arm_record, comparison
+from stagereplay.experiments.arms import arm_record, compare, no_boundary
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes
 from stagereplay.records.ledger import Run
+from stagereplay.records.payloads import BitDifference, BridgePayload, LayerFingerprints, NoBoundaryPayload
 
 EXPERIMENT = "bridge"
+PAYLOAD: TypeAdapter[BridgePayload | NoBoundaryPayload] = TypeAdapter(
+    Annotated[BridgePayload | NoBoundaryPayload, Field(discriminator="status")])
+"""A bridge record's payload (`records.payloads`): live reached its boundary again, or not."""
 
 
 def bridge_item(lm: LM, job: Job) -> dict[str, Any]:
@@ -29,8 +35,7 @@ def bridge_item(lm: LM, job: Job) -> dict[str, Any]:
     try:
         live = lm.live(item, s.rule(), s.decode)
     except NoBoundary as nb:
-        return {"status": "no_boundary", "prompt_ids": list(item.prompt_ids), "generated_ids": list(nb.generated),
-                "answer": item.answer, "arms": [], "comparisons": []}
+        return no_boundary(item, nb.generated, nulls=False).as_payload()
     assert live.live_suffix is not None
     inc = lm.construct(live, "incremental")
     diffs = compare_caches(live.cache, inc.cache)
@@ -39,17 +44,16 @@ def bridge_item(lm: LM, job: Job) -> dict[str, Any]:
     hashed = {name: cache_fingerprints(state.cache) for name, (state, _) in runs.items()}
     arms = [arm_record(lm, name, state, cont, live.stage1, item, s.scorer, cache_fp=hashed[name][0])
             for name, (state, cont) in runs.items()]
-    return {
-        "status": "ok", "prompt_ids": list(item.prompt_ids), "prefix_ids": list(live.prefix),
-        "boundary": len(live.prefix), "answer": item.answer,
-        "prefix_matches_matched_run": list(live.prefix) == list(job.get("prefix")),
-        "cache_equal": not diffs,
-        "differences": [d.as_dict() for d in diffs],
-        "layers": {name: layers for name, (_, layers) in hashed.items()},
-        "arms": arms,
-        "comparisons": [comparison(item.id, arms[0], arms[1])],
-        "diagnostics": diagnose(runs, [("live", "incremental")], cache_pairs=[("live", "incremental")]),
-    }
+    return BridgePayload(
+        status="ok", prompt_ids=list(item.prompt_ids), prefix_ids=list(live.prefix), boundary=len(live.prefix),
+        answer=item.answer, prefix_matches_matched_run=list(live.prefix) == list(job.get("prefix")),
+        cache_equal=not diffs,
+        differences=[BitDifference(**d.as_dict()) for d in diffs],
+        layers={name: [LayerFingerprints(**layer) for layer in layers] for name, (_, layers) in hashed.items()},
+        arms=arms,
+        comparisons=[compare(item.id, arms[0], arms[1])],
+        diagnostics=diagnose(runs, [("live", "incremental")], cache_pairs=[("live", "incremental")]),
+    ).as_payload()
 
 
 def forwards(n: Lengths) -> list[int]:

@@ -1,4 +1,5 @@
-"""The diagnostics block of a record: why the arms of an item diverged (margins, logits, cache differences).
+"""The diagnostics block of a record (`records.payloads.Diagnostics`): why the arms of an item diverged (margins,
+logits, cache differences).
 
 A record's `diagnostics` is top-level in its payload, so the audit's field-by-field comparison re-derives every
 number in it: a margin or a cache difference that the model does not reproduce is a mismatch like a token.
@@ -12,11 +13,12 @@ of every pair.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stagereplay.engine.diagnostics import cache_difference, logit_comparison
 from stagereplay.engine.lm import BoundaryState, Continuation
 from stagereplay.engine.steps import replay_logits
+from stagereplay.records.payloads import Diagnostics, PairDiagnostics
 from stagereplay.report.stats import first_divergence
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ def _logits_at(arm: tuple[BoundaryState, Continuation], step: int) -> torch.Tens
 
 
 def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterable[tuple[str, str]],
-             cache_pairs: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
+             cache_pairs: Iterable[tuple[str, str]] = ()) -> Diagnostics:
     """Margins of every arm's steps; per pair, the logit comparison, and the cache difference for `cache_pairs`.
 
     Cache differences are for a retained or incremental cache against a fresh one (not replicas, whose caches
@@ -49,8 +51,9 @@ def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterabl
 
     with torch.inference_mode():
         kept = {name: arm for name, arm in arms.items() if arm[1].record is not None and arm[1].record.n}
-        out: dict[str, Any] = {"margins": {name: cont.record.margins() for name, (_, cont) in kept.items()
-                                           if cont.record is not None}, "pairs": {}}
+        margins: dict[str, list[float | None]] = {name: list(cont.record.margins()) for name, (_, cont) in kept.items()
+                                                  if cont.record is not None}
+        out: dict[str, PairDiagnostics] = {}
         with_cache = set(cache_pairs)
         for a, b in pairs:
             if a not in kept or b not in kept:
@@ -65,5 +68,5 @@ def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterabl
             entry["cache"] = None
             if (a, b) in with_cache and sa.prefix == sb.prefix:
                 entry["cache"] = cache_difference(sa.cache, sb.cache, sa.prompt_len, len(sa.prefix) - 1)
-            out["pairs"][pair_key(a, b)] = entry
-    return out
+            out[pair_key(a, b)] = PairDiagnostics.model_validate(entry)
+    return Diagnostics(margins=margins, pairs=out)

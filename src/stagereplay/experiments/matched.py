@@ -4,7 +4,9 @@ with an exact replica from scratch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter
 
 from stagereplay.engine.forwards import (
     Lengths,
@@ -16,13 +18,17 @@ from stagereplay.engine.forwards import (
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.arms import arm_record, comparison, no_boundary_payload, token_texts
+from stagereplay.experiments.arms import arm_record, compare, no_boundary_payload, with_token_texts
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.records.ledger import Run
+from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload
 from stagereplay.tasks import DataConfig
 
 EXPERIMENT = "matched"
+PAYLOAD: TypeAdapter[MatchedPayload | NoBoundaryPayload] = TypeAdapter(
+    Annotated[MatchedPayload | NoBoundaryPayload, Field(discriminator="status")])
+"""A matched record's payload (`records.payloads`): the item reached its boundary, or not (a serving run's too)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
         return no_boundary_payload(item, nb.generated)
     stage1 = live.stage1
     assert live.live_suffix is not None
-    arms: list[dict[str, Any]] = []
+    arms: list[Arm] = []
     runs: dict[str, tuple[BoundaryState, Continuation]] = {}
 
     def record(name: str, state: BoundaryState, cont: Continuation, keep_cache: bool) -> None:
@@ -83,21 +89,21 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
         fresh = lm.construct(live, construction)
         record(name, fresh, lm.continue_from(fresh, s.decode, watch=[runs[first][1].suffix]), keep_cache=keep)
         del fresh
-    by = {a["name"]: a for a in arms}
+    by = {a.name: a for a in arms}
     pairs = [("live", construction), ("live", "live#replica"), (construction, f"{construction}#replica")]
-    payload = {
-        "status": "ok",
-        "prompt_ids": list(item.prompt_ids),
-        "prefix_ids": list(live.prefix),
-        "boundary": len(live.prefix),
+    payload = MatchedPayload(
+        status="ok",
+        prompt_ids=list(item.prompt_ids),
+        prefix_ids=list(live.prefix),
+        boundary=len(live.prefix),
         **(live.match or {}),  # a marker matched on text: whether it ended inside the boundary token
-        "answer": item.answer,
-        "replica_prefix_equal": replica_prefix_equal,
-        "arms": arms,
-        "comparisons": [comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by],
-        "diagnostics": diagnose(runs, pairs, cache_pairs=pairs[:1]),
-    }
-    return {**payload, "token_texts": token_texts(lm, payload)}
+        answer=item.answer,
+        replica_prefix_equal=replica_prefix_equal,
+        arms=arms,
+        comparisons=[compare(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by],
+        diagnostics=diagnose(runs, pairs, cache_pairs=pairs[:1]),
+    )
+    return with_token_texts(lm, payload).as_payload()
 
 
 def forwards(n: Lengths, construction: str = "oneshot") -> list[int]:

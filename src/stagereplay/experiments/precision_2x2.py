@@ -5,20 +5,25 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from stagereplay.engine.decode import derive_seed
 from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.arms import arm_record, carried_arm, comparison, matched_arms, token_texts
+from stagereplay.experiments.arms import arm_record, carried_arm, compare, matched_arms, with_token_texts
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.records.ledger import Run
+from stagereplay.records.payloads import Arm, Diagnostics, GridPayload
 from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
 
 EXPERIMENT = "precision_2x2"
+PAYLOAD: TypeAdapter[GridPayload] = TypeAdapter(GridPayload)
+"""A 2x2 record's payload (`records.payloads`), a serving run's too."""
 
 
 def fixed_state(item: Item, prefix: list[int], settings: ReplaySettings, lm: LM) -> BoundaryState:
@@ -53,7 +58,7 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
             conts[name] = lm.continue_from(b, s.decode, watch=[cont.suffix for cont in conts.values()])
     suffixes = {name: conts[name].suffix if c not in reuse else tuple(reuse[c][1]["suffix_ids"])
                 for name, (c, _) in built.items()}
-    carried: dict[str, tuple[dict[str, Any], list[Any]]] = {}  # arm name -> (its arm, its step margins)
+    carried: dict[str, tuple[Arm, list[Any]]] = {}  # arm name -> (its arm, its step margins)
     for name, (c, b) in built.items():
         if c not in reuse:
             continue
@@ -72,15 +77,16 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
     runs: dict[str, tuple[BoundaryState, Continuation]] = {name: (b, conts[name]) for name, (_, b) in built.items()}
     arms = [carried[name][0] if name in carried else arm_record(lm, name, b, cont, state.stage1, item, s.scorer)
             for name, (b, cont) in runs.items()]
-    comparisons = [comparison(item.id, a, b) for i, a in enumerate(arms) for b in arms[i + 1 :]]
-    pairs = [(c["a"], c["b"]) for c in comparisons]
-    diagnostics = diagnose(runs, pairs, cache_pairs=pairs)
-    for name, (_, margins) in carried.items():  # every step's margin, as the matched run computed them
-        diagnostics["margins"][name] = margins
-    payload = {"status": "ok", "precision": lm.config.precision, "prompt_ids": list(item.prompt_ids),
-               "prefix_ids": list(state.prefix), "boundary": len(state.prefix), "answer": item.answer,
-               "arms": arms, "comparisons": comparisons, "diagnostics": diagnostics}
-    return {**payload, "token_texts": token_texts(lm, payload)}
+    comparisons = [compare(item.id, a, b) for i, a in enumerate(arms) for b in arms[i + 1 :]]
+    pairs = [(c.a, c.b) for c in comparisons]
+    diagnosed = diagnose(runs, pairs, cache_pairs=pairs)
+    # A carried arm's margins are every step's, as the matched run computed them.
+    diagnostics = Diagnostics(margins={**diagnosed.margins, **{name: m for name, (_, m) in carried.items()}},
+                              pairs=diagnosed.pairs)
+    payload = GridPayload(status="ok", precision=lm.config.precision, prompt_ids=list(item.prompt_ids),
+                          prefix_ids=list(state.prefix), boundary=len(state.prefix), answer=item.answer, arms=arms,
+                          comparisons=comparisons, diagnostics=diagnostics)
+    return with_token_texts(lm, payload).as_payload()
 
 
 def forwards(n: Lengths, constructions: tuple[str, ...], precision: str) -> list[int]:

@@ -22,7 +22,9 @@ record, so the audit re-executes and checks every one, and the export gives one 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import TypeAdapter
 
 from stagereplay.engine.decode import DecodeConfig, derive_seed
 from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards, live_forwards
@@ -33,9 +35,12 @@ from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
 from stagereplay.records.ledger import Run
+from stagereplay.records.payloads import Draw, ResamplePayload
 from stagereplay.tasks.scoring import answer_extractor, scorer_by_name
 
 EXPERIMENT = "resample"
+PAYLOAD: TypeAdapter[ResamplePayload] = TypeAdapter(ResamplePayload)
+"""A resample record's payload (`records.payloads`)."""
 STREAMS = {
     "A": "coupled: live, fresh and live replica draw j share this seed",
     "B": "independent: fresh draws, set against live(A)",
@@ -113,16 +118,20 @@ def resample_item(lm: LM, job: Job) -> dict[str, Any]:
     """5K draws for one item: live(A), fresh(A), live replica(A), fresh(B), live(C). Pure in (model, job)."""
     item, s = job.item, job.settings
     cfg = ResampleConfig(**dict(job.get("config")))
-    base = {"prompt_ids": list(item.prompt_ids), "prefix_ids": list(job.get("prefix")), "answer": item.answer,
-            "live_source": job.get("live_source"), "comparisons": []}
     states = _states(lm, job)
+
+    def payload(status: Literal["ok", "not_reproduced"], boundary: int | None, draws: list[Draw]) -> ResamplePayload:
+        return ResamplePayload(status=status, prompt_ids=list(item.prompt_ids), prefix_ids=list(job.get("prefix")),
+                               boundary=boundary, answer=item.answer, live_source=job.get("live_source"),
+                               arms=draws, comparisons=[])
+
     if states is None:
-        return {**base, "status": "not_reproduced", "boundary": None, "arms": []}
+        return payload("not_reproduced", None, []).as_payload()
     live, replica = states
     fresh = lm.construct(live, cfg.construction)
     dc = cfg.sampling(s.decode.max_new_tokens)
     answer_of, score = answer_extractor(s.scorer), scorer_by_name(s.scorer)
-    arms = []
+    draws = []
     for name, state, stream in (("live", live, "A"), (cfg.construction, fresh, "A"), ("live#replica", replica, "A"),
                                 (cfg.construction, fresh, "B"), ("live", live, "C")):  # the order of draw_names
         cache_fp = state.fingerprint()
@@ -130,13 +139,13 @@ def resample_item(lm: LM, job: Job) -> dict[str, Any]:
             seed = draw_seed(cfg.seed, item.id, stream, j)
             cont = lm.continue_from(state, dc, seed, keep_steps=False)
             text = lm.text([*live.stage1, *cont.suffix])
-            arms.append({
-                "name": f"{name}:{stream}{j}", "state": name, "stream": stream, "draw": j, "seed": seed,
-                "construction": state.construction, "precision": lm.config.precision,
-                "suffix_ids": list(cont.suffix), "suffix_fp": cont.fingerprint, "cache_fp": cache_fp,
-                "stop": cont.stop, "answer": answer_of(text), "correct": bool(score(text, item.answer)),
-            })
-    return {**base, "status": "ok", "boundary": len(live.prefix), "arms": arms}
+            draws.append(Draw(
+                name=f"{name}:{stream}{j}", state=name, stream=stream, draw=j, seed=seed,
+                construction=state.construction, precision=lm.config.precision,
+                suffix_ids=list(cont.suffix), suffix_fp=cont.fingerprint, cache_fp=cache_fp,
+                stop=cont.stop, answer=answer_of(text), correct=bool(score(text, item.answer)),
+            ))
+    return payload("ok", len(live.prefix), draws).as_payload()
 
 
 def job_extra(stage: dict[str, Any], part: str, prefix: list[int] | None) -> tuple[tuple[str, Any], ...]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter
 
 from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards, live_forwards
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary
@@ -20,10 +22,22 @@ from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms
 from stagereplay.experiments.jobs import Job, ReplaySettings, execute
 from stagereplay.records.ledger import Record, Run
+from stagereplay.records.payloads import (
+    Arm,
+    BandKind,
+    Followed,
+    Outcome,
+    PrefixNotReproducedPayload,
+    SweepRow,
+    TransplantPayload,
+)
 from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
 
 EXPERIMENT = "transplant"
+PAYLOAD: TypeAdapter[TransplantPayload | PrefixNotReproducedPayload] = TypeAdapter(
+    Annotated[TransplantPayload | PrefixNotReproducedPayload, Field(discriminator="status")])
+"""A transplant record's payload (`records.payloads`): live reached the matched prefix again, or not."""
 
 
 @dataclass(frozen=True)
@@ -79,23 +93,24 @@ def select(divergent: list[str], rule: str) -> list[str]:
     return [i for i in divergent if i in chosen]
 
 
-def sweep_bands(n_layers: int) -> list[tuple[str, tuple[int, ...]]]:
+def sweep_bands(n_layers: int) -> list[tuple[BandKind, tuple[int, ...]]]:
     """Every single layer, every band from the bottom (0..k) and every band from the top (k..L-1)."""
-    bands: list[tuple[str, tuple[int, ...]]] = [("single", (i,)) for i in range(n_layers)]
+    bands: list[tuple[BandKind, tuple[int, ...]]] = [("single", (i,)) for i in range(n_layers)]
     bands += [("bottom", tuple(range(k + 1))) for k in range(n_layers)]
     bands += [("top", tuple(range(k, n_layers))) for k in range(n_layers)]
     return bands
 
 
+def followed(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[int, ...]) -> Outcome:
+    """Whose own suffix a transplanted continuation `suffix` equals, and where it leaves each."""
+    which: Followed = "donor" if suffix == donor else "recipient" if suffix == recipient else "neither"
+    return Outcome(outcome=which, divergence_from_donor=first_divergence(suffix, donor),
+                   divergence_from_recipient=first_divergence(suffix, recipient))
+
+
 def outcome(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[int, ...]) -> dict[str, Any]:
-    if suffix == donor:
-        outcome = "donor"
-    elif suffix == recipient:
-        outcome = "recipient"
-    else:
-        outcome = "neither"
-    return {"outcome": outcome, "divergence_from_donor": first_divergence(suffix, donor),
-            "divergence_from_recipient": first_divergence(suffix, recipient)}
+    """`followed`, as the record holds it."""
+    return followed(suffix, donor, recipient).as_payload()
 
 
 def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: TransplantSpec, job: Job
@@ -121,12 +136,12 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
         # The live run no longer reaches the recorded prefix: transplant between the recorded token states instead.
         live = None
     if live is None:
-        return {"status": "prefix_not_reproduced", "prompt_ids": list(item.prompt_ids), "answer": item.answer,
-                "arms": [], "comparisons": []}
+        return PrefixNotReproducedPayload(status="prefix_not_reproduced", prompt_ids=list(item.prompt_ids),
+                                          answer=item.answer, arms=[], comparisons=[]).as_payload()
     fresh = lm.construct(live, cfg.construction)
     states = {"live": live, cfg.construction: fresh}
     own: dict[str, Continuation] = {}
-    arms = []
+    arms: list[Arm] = []
     for name, state in states.items():
         fp = state.fingerprint()
         if name in reuse and reuse[name][1]["cache_fp"] == fp:
@@ -144,31 +159,26 @@ def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
     positions = parse_positions(cfg.positions, len(live.prefix) - 1) if cfg.positions else None
     pairs = [("live", cfg.construction), (cfg.construction, "live")]  # (donor, recipient)
 
-    def run_spec(layers: tuple[int, ...], arm_prefix: str | None) -> dict[str, Any]:
+    def run_spec(layers: tuple[int, ...], arm_prefix: str | None) -> dict[str, Outcome]:
         """Outcome per direction; the continuations become arms when `arm_prefix` is given (not for sweeps)."""
         out = {}
         for d, r in pairs:
             state, cont = _swap(lm, states[r], states[d], TransplantSpec(layers, cfg.kv, positions), job)
-            out[f"{d}->{r}"] = outcome(cont.suffix, own[d].suffix, own[r].suffix)
+            out[f"{d}->{r}"] = followed(cont.suffix, own[d].suffix, own[r].suffix)
             if arm_prefix is not None:
                 arms.append(arm_record(lm, f"{arm_prefix}{d}->{r}", state, cont, live.stage1, item, s.scorer))
             del state  # before the next direction's transplant: at most four caches alive (README)
         return out
 
-    payload: dict[str, Any] = {
-        "status": "ok", "prompt_ids": list(item.prompt_ids), "prefix_ids": list(live.prefix),
-        "boundary": len(live.prefix), "answer": item.answer,
-        "baseline_diverges": own["live"].suffix != own[cfg.construction].suffix,
-        "directions": run_spec(parse_layers(cfg.layers, lm.n_layers), ""),
-        "control": run_spec((), "control:"),
-        "arms": arms,
-        "comparisons": [],
-    }
-    if cfg.sweep:
-        payload["sweep"] = [{"kind": kind, "layers": list(layers),
-                             **{k: v["outcome"] for k, v in run_spec(layers, None).items()}}
-                            for kind, layers in sweep_bands(lm.n_layers)]
-    return payload
+    directions, control = run_spec(parse_layers(cfg.layers, lm.n_layers), ""), run_spec((), "control:")
+    sweep = [SweepRow(kind=kind, layers=list(layers), **{k: v.outcome for k, v in run_spec(layers, None).items()})
+             for kind, layers in sweep_bands(lm.n_layers)] if cfg.sweep else None
+    return TransplantPayload(
+        status="ok", prompt_ids=list(item.prompt_ids), prefix_ids=list(live.prefix), boundary=len(live.prefix),
+        answer=item.answer, baseline_diverges=own["live"].suffix != own[cfg.construction].suffix,
+        directions=directions, control=control, arms=arms, comparisons=[],
+        **({"sweep": sweep} if sweep is not None else {}),  # absent without --sweep
+    ).as_payload()
 
 
 def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:

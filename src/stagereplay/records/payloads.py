@@ -1,0 +1,374 @@
+"""What an item record's payload holds: the arm, the comparison, the diagnostics block and each experiment's
+payload, as frozen models with a description on every field (`records.record.Record` is the envelope).
+
+A record's payload is read back as a dict (`Record.payload`); the experiments build these models and turn each into
+that dict in one place, `PayloadModel.as_payload`. A field left unset is absent from the record (an arm that is not
+`retokenized` has no `roundtrip`); a field set to None is written as null (a serving arm's `cache_fp`). So a model
+writes the bytes the dict it replaced wrote, and reads every older record back: the fields records of an earlier
+version lack are optional.
+
+docs/ledger-schema.md's tables of these models are generated from them (`records.payload_doc`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+
+TopEntry = Annotated[tuple[int, float | None], Strict(False)]
+"""One candidate of a step: [token id, logit or logprob], as a JSON pair (the pair is read from a list)."""
+
+
+def optional(description: str) -> Any:
+    """A field only some records have: absent from the record unless set (`PayloadModel.as_payload`)."""
+    return Field(default=None, description=description)
+
+
+class PayloadModel(BaseModel):
+    """A part of an item record's payload: frozen, no field it does not declare, no type coerced."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    def as_payload(self) -> dict[str, Any]:
+        """The dict the record holds: JSON types, the fields that were set (None included), nothing else."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+# -- an arm and a comparison ---------------------------------------------------------------------------------
+
+
+class LiveRequest(PayloadModel):
+    """What a serving engine's live request asked for (`serving.live`)."""
+
+    max_tokens: int = Field(description="tokens the request that reached the boundary asked for")
+    tries: int = Field(description="requests it took, each asking for more stage-1 tokens")
+
+
+class SlotRestore(PayloadModel):
+    """A server's slot saved after live and restored into another slot (llama-server's `/slots`)."""
+
+    slots: list[int] = Field(description="the slot saved from, then the slot restored into")
+    saved: int | None = Field(description="positions the server says it saved (null: it did not say)")
+    restored: int | None = Field(description="positions the server says it restored (null: it did not say)")
+    live_equal: bool = Field(description="whether live, run again to fill the saved slot, gave live's tokens")
+    live_max_tokens: int = Field(description="tokens that live request asked for")
+
+
+class Load(PayloadModel):
+    """What an under-load arm's request met: the server's other traffic while it ran (`serving.http`)."""
+
+    concurrency: int = Field(description="other requests kept in flight around it")
+    in_flight_at_send: int = Field(description="other requests in flight when it was sent")
+    returned_meanwhile: int = Field(description="other requests that returned while it ran")
+    prefix_equal: bool | None = optional("live@load only: whether its stage 1 is live's")
+
+
+class _Continued(PayloadModel):
+    """What every continuation from a boundary state records."""
+
+    name: str = Field(description="the arm's name in its record: its construction, `#replica` for a replica, "
+                                  "`@<precision>` in a 2x2, `<donor>-><recipient>` for a transplant")
+    construction: str = Field(description="how its boundary state was built: live | incremental | oneshot | "
+                                          "chunked:<n> | retokenized | transplant | a serving engine's arm")
+    precision: str = Field(description="the precision it ran at")
+    suffix_ids: list[int] = Field(description="the token IDs decoded after the boundary (the suffix)")
+    suffix_fp: str = Field(description="sha256 of the suffix IDs as little-endian int64")
+    cache_fp: str | None = Field(description="sha256 of the boundary state's K/V cache (null: the engine exposes "
+                                             "no cache)")
+    stop: str = Field(description="why decoding stopped: eos (an EOS token) or length (max_new_tokens)")
+    correct: bool = Field(description="the scorer's label of stage 1 + suffix against the gold answer")
+
+
+class Arm(_Continued):
+    """One arm of an item: a boundary state and its continuation, on our engine or a serving engine."""
+
+    text: str = Field(description="stage 1 + suffix decoded: what the scorer read")
+    roundtrip: bool | None = optional("retokenized only: whether decode then encode gave the prefix's IDs back")
+    same_as: str | None = optional("`<stage>:<arm>` of the recorded arm this one carries over, not decoded again: "
+                                   "every field but name and construction is that arm's")
+    engine: str | None = optional("serving run: the engine that built it (vllm, llama.cpp, http; hf for ours)")
+    top_logprobs: list[list[TopEntry]] | None = optional(
+        "serving run: per suffix step, the top-k [token id, logprob], best first, ties by id")
+    num_cached_tokens: int | None = optional("serving run: prompt positions the engine's prefix cache supplied "
+                                             "(null: the engine does not say)")
+    cached_from_decode: int | None = optional("prefix-cache arm: cached positions past the prompt, written by "
+                                              "live's decode steps")
+    took_place: bool | None = optional("serving run: whether the engine's counts say the state was built as the "
+                                       "construction says (null: nothing says)")
+    request: LiveRequest | None = optional("live arms of a serving run: what the request asked for")
+    slot: SlotRestore | None = optional("slot-restore arms: the slot saved and restored")
+    load: Load | None = optional("under-load arms: the traffic the request met")
+    restored_positions: int | None = optional("restore arms (llama.cpp): positions the restored state holds")
+    live_prefix_equal: bool | None = optional("a serving 2x2's prefix-cache arm: whether live at this precision "
+                                              "generated the fixed prefix's stage 1")
+
+
+class Draw(_Continued):
+    """One seeded draw of resample: an arm sampled from one boundary state with one seed."""
+
+    state: str = Field(description="the boundary state drawn from: live, live#replica or the fresh construction")
+    stream: str = Field(description="seed stream: A (seeds shared across states: coupled), B or C (independent)")
+    draw: int = Field(description="index j of the draw within its state and stream")
+    seed: int = Field(description="the draw's sampling seed (`resample.draw_seed`)")
+    answer: str | None = Field(description="the answer the scorer reads in stage 1 + suffix (null: none found)")
+
+
+class Comparison(PayloadModel):
+    """Two arms of an item side by side (`experiments.arms.comparison`)."""
+
+    a: str = Field(description="the first arm's name")
+    b: str = Field(description="the second arm's name")
+    suffix_equal: bool = Field(description="whether the two suffixes are the same tokens")
+    cache_equal: bool | None = Field(description="whether the two boundary caches are the same bytes (null: an arm "
+                                                 "has no cache fingerprint, or the arms are two engines')")
+    label_equal: bool = Field(description="whether the two correctness labels agree")
+    first_divergence: int | None = Field(description="the first suffix step where the tokens differ (null: none)")
+    fp: str = Field(description="sha256 over the item, both arms' names, suffix and cache fingerprints and labels, "
+                                "and the fields above")
+
+
+# -- the diagnostics block -------------------------------------------------------------------------------------
+
+
+class DiffStats(PayloadModel):
+    """How far one tensor is from its reference (`engine.diagnostics.cache_difference`)."""
+
+    maxabs: float | None = Field(description="max |a - b| (null: not finite)")
+    rel_l2: float | None = Field(description="||a - b|| / ||a|| (null: not finite)")
+    n_diff: int = Field(description="elements whose bits differ")
+
+
+class LayerDiff(PayloadModel):
+    """One layer's cache difference."""
+
+    layer: int = Field(description="layer index")
+    k: DiffStats = Field(description="its keys")
+    v: DiffStats = Field(description="its values")
+
+
+class BandDiff(PayloadModel):
+    """One position band's cache difference, over every layer."""
+
+    band: str = Field(description="prompt, s1.q1 .. s1.q4 (stage 1 in quartiles) or last16")
+    start: int = Field(description="first absolute position of the band")
+    end: int = Field(description="absolute position after its last")
+    k: DiffStats = Field(description="the keys of its positions")
+    v: DiffStats = Field(description="the values of its positions")
+
+
+class CacheDiff(PayloadModel):
+    """How far the second arm's boundary cache is from the first's."""
+
+    layers: list[LayerDiff] = Field(description="per layer")
+    bands: list[BandDiff] = Field(description="per position band (empty bands left out)")
+
+
+class DivergenceSide(PayloadModel):
+    """One arm's logits at the first divergent step."""
+
+    margin: float | None = Field(description="top-1 minus top-2 logit (null: one candidate, or not finite)")
+    top: list[TopEntry] = Field(description="the top-5 [token id, logit], best first, ties by id")
+
+
+class Divergence(PayloadModel):
+    """Both arms at the first step where their tokens differ."""
+
+    step: int = Field(description="the first divergent suffix step")
+    logit_maxabs: float | None = Field(description="max |logit a - logit b| there (null: a serving engine's arms)")
+    a: DivergenceSide = Field(description="the first arm there")
+    b: DivergenceSide = Field(description="the second arm there")
+
+
+class PairDiagnostics(PayloadModel):
+    """Why two compared arms diverged, or how close they stayed."""
+
+    first_step_logit_maxabs: float | None = Field(
+        description="max |logit a - logit b| at the first suffix step (null: no logits, or a serving engine's)")
+    divergence: Divergence | None = Field(description="the first divergent step (null: none, or an arm stopped "
+                                                      "before it)")
+    cache: CacheDiff | None = Field(description="the boundary caches' difference (null: not computed for this pair, "
+                                                "or the caches differ in shape)")
+
+
+class Diagnostics(PayloadModel):
+    """The diagnostics block (`experiments.diagnose`): re-derived field by field by the audit."""
+
+    margins: dict[str, list[float | None]] = Field(description="per arm, top-1 minus top-2 logit at each step")
+    pairs: dict[str, PairDiagnostics] = Field(description="per compared pair, keyed `<a> vs <b>`")
+
+
+# -- each experiment's payload -------------------------------------------------------------------------------
+
+
+Followed = Literal["donor", "recipient", "neither"]
+"""Whose own suffix a transplanted continuation equals: the donor's, the recipient's, neither."""
+BandKind = Literal["single", "bottom", "top"]
+"""A sweep band: one layer, the layers from the bottom up to one, or from one up to the top."""
+
+
+class Outcome(PayloadModel):
+    """What a transplanted continuation followed."""
+
+    outcome: Followed = Field(description="whose own suffix it equals")
+    divergence_from_donor: int | None = Field(description="first step it differs from the donor's suffix")
+    divergence_from_recipient: int | None = Field(description="first step it differs from the recipient's suffix")
+
+
+class SweepRow(PayloadModel):
+    """One band of a transplant sweep: its layers, and per direction `<donor>-><recipient>`, the outcome."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, Followed] = Field(init=False)
+
+    kind: BandKind = Field(description="one layer, a band from the bottom or from the top")
+    layers: list[int] = Field(description="the layers swapped")
+
+
+class LayerFingerprints(PayloadModel):
+    """One layer's K and V fingerprints."""
+
+    k: str = Field(description="sha256 of its keys (with a dtype and shape header)")
+    v: str = Field(description="sha256 of its values")
+
+
+class BitDifference(PayloadModel):
+    """The first place two caches differ bitwise (`engine.cache.CacheDifference`)."""
+
+    layer: int = Field(description="layer index")
+    tensor: Literal["k", "v"] = Field(description="keys or values")
+    position: int | None = Field(description="absolute position (null: the shapes or dtypes differ)")
+    reason: str = Field(description="value, or what else differs")
+
+
+LoadFinding = Literal["invariant", "batch-variant", "not self-consistent", "unknown"]
+"""What a request's replicas say of a server under load (`serving.matched.load_finding`)."""
+
+
+class MatchedPayload(PayloadModel):
+    """Matched, an item that reached its boundary: live and the fresh construction, each with a replica."""
+
+    status: Literal["ok"] = Field(description="the item reached its stage boundary")
+    prompt_ids: list[int] = Field(description="the prompt's token IDs")
+    prefix_ids: list[int] = Field(description="prompt + stage 1 through the boundary token: P")
+    boundary: int = Field(description="len(P): T")
+    boundary_match: Literal["text"] | None = optional("a marker matched on decoded text only")
+    marker_inside_token: bool | None = optional("a marker matched on text: whether it ended inside the "
+                                                "boundary token")
+    answer: str = Field(description="the gold answer")
+    replica_prefix_equal: bool = Field(description="whether live's replica reached the same P")
+    arms: list[Arm] = Field(description="live, the construction and the replicas (a serving run: its arms)")
+    comparisons: list[Comparison] = Field(description="live vs the construction, then each replica pair")
+    diagnostics: Diagnostics | None = optional("why the arms diverged (records before it have none)")
+    token_texts: dict[str, str] | None = optional("each token id the record shows, decoded alone (records "
+                                                  "before it and a serving run's have none)")
+    load_finding: dict[str, LoadFinding] | None = optional("a server under load: per request (live, oneshot), "
+                                                           "what its replicas say")
+
+
+class NoBoundaryPayload(PayloadModel):
+    """An item whose output never reached the boundary: recorded, never dropped."""
+
+    status: Literal["no_boundary"] = Field(description="stage 1 did not end within its budget")
+    prompt_ids: list[int] = Field(description="the prompt's token IDs")
+    prefix_ids: None = optional("no prefix (null; a bridge record has no such field)")
+    boundary: None = optional("no boundary (null; a bridge record has no such field)")
+    generated_ids: list[int] = Field(description="what the model generated instead")
+    answer: str = Field(description="the gold answer")
+    arms: list[Arm] = Field(description="none")
+    comparisons: list[Comparison] = Field(description="none")
+
+
+class GridPayload(PayloadModel):
+    """Fixed-prefix 2x2, one precision: every construction on the matched run's prefix, compared pairwise."""
+
+    status: Literal["ok"] = Field(description="always ok: the prefix is given")
+    precision: str = Field(description="the precision of this record (its part)")
+    prompt_ids: list[int] = Field(description="the prompt's token IDs")
+    prefix_ids: list[int] = Field(description="the matched run's P")
+    boundary: int = Field(description="len(P)")
+    answer: str = Field(description="the gold answer")
+    arms: list[Arm] = Field(description="one per construction, `<construction>@<precision>`")
+    comparisons: list[Comparison] = Field(description="every pair of arms, in arm order")
+    diagnostics: Diagnostics | None = optional("why the arms diverged (records before it have none)")
+    token_texts: dict[str, str] | None = optional("each token id the record shows, decoded alone (records "
+                                                  "before it and a serving run's have none)")
+
+
+class BridgePayload(PayloadModel):
+    """Bridge: the incremental construction's cache against live's, bitwise, layer by layer."""
+
+    status: Literal["ok"] = Field(description="live reached its boundary")
+    prompt_ids: list[int] = Field(description="the prompt's token IDs")
+    prefix_ids: list[int] = Field(description="live's P")
+    boundary: int = Field(description="len(P)")
+    answer: str = Field(description="the gold answer")
+    prefix_matches_matched_run: bool = Field(description="whether live reached the matched run's P again")
+    cache_equal: bool = Field(description="whether the two caches are the same bytes")
+    differences: list[BitDifference] = Field(description="the first bitwise difference (empty: none)")
+    layers: dict[str, list[LayerFingerprints]] = Field(description="per arm (live, incremental), per layer")
+    arms: list[Arm] = Field(description="live and incremental")
+    comparisons: list[Comparison] = Field(description="live vs incremental")
+    diagnostics: Diagnostics | None = optional("why the arms diverged (records before it have none)")
+
+
+class TransplantPayload(PayloadModel):
+    """Transplant: K/V swapped between live's and the fresh construction's boundary states, both ways."""
+
+    status: Literal["ok"] = Field(description="live reached the matched run's prefix again")
+    prompt_ids: list[int] = Field(description="the prompt's token IDs")
+    prefix_ids: list[int] = Field(description="P")
+    boundary: int = Field(description="len(P)")
+    answer: str = Field(description="the gold answer")
+    baseline_diverges: bool = Field(description="whether live's and the fresh construction's own suffixes differ")
+    directions: dict[str, Outcome] = Field(description="per direction `<donor>-><recipient>`, the transplant's "
+                                                       "outcome")
+    control: dict[str, Outcome] = Field(description="the same with no layer swapped (the control)")
+    arms: list[Arm] = Field(description="live, the fresh construction, then each direction's and control's arm")
+    comparisons: list[Comparison] = Field(description="none: outcomes say it")
+    sweep: list[SweepRow] | None = optional("--sweep: every single layer, bottom and top band")
+
+
+class PrefixNotReproducedPayload(PayloadModel):
+    """Transplant, an item whose live run no longer reaches the matched run's prefix: nothing to swap."""
+
+    status: Literal["prefix_not_reproduced"] = Field(description="live generation did not reach the recorded P")
+    prompt_ids: list[int] = Field(description="the prompt's token IDs")
+    answer: str = Field(description="the gold answer")
+    arms: list[Arm] = Field(description="none")
+    comparisons: list[Comparison] = Field(description="none")
+
+
+class ResamplePayload(PayloadModel):
+    """Resample, one precision: K seeded draws per boundary state and seed stream."""
+
+    status: Literal["ok", "not_reproduced"] = Field(description="ok, or live no longer reaches the prefix")
+    prompt_ids: list[int] = Field(description="the prompt's token IDs")
+    prefix_ids: list[int] = Field(description="the matched run's P")
+    boundary: int | None = Field(description="len(P) (null: not reproduced)")
+    answer: str = Field(description="the gold answer")
+    live_source: str = Field(description="what stands for live: live (live generation) or incremental (at another "
+                                         "precision than the matched run's)")
+    arms: list[Draw] = Field(description="the draws, in `resample.draw_names` order (none: not reproduced)")
+    comparisons: list[Comparison] = Field(description="none: the summary compares draws")
+
+
+MODELS: tuple[type[PayloadModel], ...] = (
+    MatchedPayload, NoBoundaryPayload, GridPayload, BridgePayload, TransplantPayload, PrefixNotReproducedPayload,
+    ResamplePayload, Arm, Draw, Comparison, Diagnostics, PairDiagnostics, Divergence, DivergenceSide, CacheDiff,
+    LayerDiff, BandDiff, DiffStats, Outcome, SweepRow, BitDifference, LayerFingerprints, LiveRequest, SlotRestore,
+    Load)
+"""Every model of a payload, in the order docs/ledger-schema.md shows them."""
+
+
+def read_arm(raw: Mapping[str, Any]) -> Arm | Draw:
+    """A recorded arm as its model: a draw when it names the state it was drawn from, else an arm. Raises
+    pydantic's ValidationError when it is neither (`first_error` says where)."""
+    return Draw.model_validate(raw) if "state" in raw else Arm.model_validate(raw)
+
+
+def first_error(exc: ValidationError) -> str:
+    """`field.path: message` of a validation error's first problem."""
+    first = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
