@@ -140,8 +140,8 @@ def sweep(model: Path, items: Path, n: int, precision: str, knobs: list[str]) ->
     every knob), per setting: items whose 64-token suffix after a 48-token stage 1 differs."""
     from transformers import AutoTokenizer
 
+    from stagereplay.serving.engines import engine_config
     from stagereplay.serving.llamacpp import load
-    from stagereplay.serving.seam import EngineConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
     rows = [json.loads(x) for x in items.read_text().splitlines()][:n]
@@ -150,7 +150,7 @@ def sweep(model: Path, items: Path, n: int, precision: str, knobs: list[str]) ->
     for name in knobs:
         options = {"n_batch": 512, "n_ubatch": 512, "flash_attn": False, "threads": 1, **KNOBS[name]}
         threads = int(options.pop("threads"))
-        engine = load(EngineConfig("llama.cpp", **options), str(model), precision, threads, "cpu")
+        engine = load(engine_config("llama.cpp", options), str(model), precision, threads, "cpu")
         differ, reached, first = 0, 0, []
         for prompt in prompts:
             live = engine.generate(prompt, 48 + 64)

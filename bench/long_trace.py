@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.records.ledger import items, read_ledger
-    from stagereplay.runs import matched
+    from stagereplay.runs import Inputs, matched
 
     clock, streamed = Clock(), [0]
     instrument(clock, streamed)
@@ -159,10 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
         warm_up(model, args, clock)
         start = time.perf_counter()
-        results = matched(Path(tmp) / "run", model=str(model), data=str(data), boundary=After(args.stage1),
-                          decode=DecodeConfig(max_new_tokens=args.suffix, max_stage1_tokens=args.stage1),
-                          precision=args.precision, device=args.device, threads=args.threads, quiet=True,
-                          cache=args.cache)
+        results = matched(Path(tmp) / "run", Inputs(
+            model=str(model), data=str(data), boundary=After(args.stage1),
+            decode=DecodeConfig(max_new_tokens=args.suffix, max_stage1_tokens=args.stage1), precision=args.precision,
+            device=args.device, threads=args.threads, cache=args.cache), quiet=True)
         total = time.perf_counter() - start
         # The library's own reader: the chain also holds stage and environment records, which are not items.
         ledger = [r.payload for r in items(read_ledger(Path(tmp) / "run"))]

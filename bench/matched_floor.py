@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import load
     from stagereplay.records.ledger import items, read_ledger
-    from stagereplay.runs import matched
+    from stagereplay.runs import Inputs, matched
 
     model = args.model
     if model is None:
@@ -107,18 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.repeats):  # alternated, so drift hits both sides alike
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            matched(
-                Path(tmp) / "run",
-                model=model,
-                data=args.data,
-                n=args.n,
-                boundary=boundary,
-                decode=DecodeConfig(max_new_tokens=args.max_new_tokens),
-                precision=args.precision,
-                device=args.device,
-                threads=args.threads,
-                quiet=True,
-            )
+            matched(Path(tmp) / "run", Inputs(
+                model=model, data=args.data, n=args.n, boundary=boundary,
+                decode=DecodeConfig(max_new_tokens=args.max_new_tokens), precision=args.precision, device=args.device,
+                threads=args.threads), quiet=True)
             matched_times.append(time.perf_counter() - t0)
             records = items(read_ledger(Path(tmp) / "run"))  # the item records, not the stage and environment ones
             ledgers.add(records[-1].hash)

@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stagereplay.plan.rates import calibrate
     from stagereplay.plan.recorded import plan_run
     from stagereplay.plan.stages import model_shape
-    from stagereplay.runs import paper
+    from stagereplay.runs import Inputs, paper
     from stagereplay.toy import toy_checkpoint
 
     args.n = args.n or (2 if args.scale else 4)
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options, before = {"decode": DecodeConfig(max_new_tokens=args.max_new_tokens)}, None
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         start = clock()
-        results = paper(out, n=args.n, workers=1, threads=args.threads, quiet=True, batch=1, **options)
+        results = paper(out, Inputs(n=args.n, threads=args.threads, batch=1, **options), workers=1, quiet=True)
         wall = clock() - start
         decode.Stepper.forward = forward  # type: ignore[method-assign]
         lm_module.prove_steps = prove

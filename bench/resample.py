@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     from stagereplay.engine.cache import clone_cache
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import load
-    from stagereplay.runs.make import resolve_source
+    from stagereplay.runs.make import Inputs, resolve_source
     from stagereplay.tasks import load_items
 
     tmp = tempfile.TemporaryDirectory()
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         rule: Any = After(args.prefix)
         stage1 = DecodeConfig(max_stage1_tokens=args.prefix)
     else:
-        source = resolve_source(args.model, None, args.items, None, None, DecodeConfig(), args.precision,
-                                args.device, args.threads, "sdpa")
+        source = resolve_source(Inputs(args.model, n=args.items, precision=args.precision, device=args.device,
+                                       threads=args.threads, attn_impl="sdpa"))
         lm = load(source.model.path, args.precision, args.device, args.threads)
         prompts = load_items(source.data, lm.tokenizer)[0]
         # The rule a run resolves for this model (`</think>` for the toy's reasoning tokenizer) when none is given.

@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stagereplay.engine.model import ModelConfig
     from stagereplay.execution.local import cached_lm
     from stagereplay.experiments import matched as matched_module
-    from stagereplay.runs import matched
+    from stagereplay.runs import Inputs, matched
 
     caches, logits = CacheCount(), LogitsKept()
     caches.wrap(lm_module, "new_cache")  # lm.py binds both names at import: wrap them where they are called
@@ -205,9 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         floor = rss_mib()
         resettable = reset_peak()
         start = time.perf_counter()
-        results = matched(Path(tmp) / "run", model=str(model), data=str(data), boundary=After(shape["stage1"]),
-                          decode=DecodeConfig(max_new_tokens=shape["suffix"], max_stage1_tokens=shape["stage1"]),
-                          precision="bf16", device="cpu", threads=1, quiet=True, batch=args.batch)
+        results = matched(Path(tmp) / "run", Inputs(
+            model=str(model), data=str(data), boundary=After(shape["stage1"]),
+            decode=DecodeConfig(max_new_tokens=shape["suffix"], max_stage1_tokens=shape["stage1"]), precision="bf16",
+            device="cpu", threads=1, batch=args.batch), quiet=True)
         seconds = time.perf_counter() - start
         ledger = [json.loads(line) for line in (Path(tmp) / "run" / "ledger.jsonl").read_text().splitlines()]
     peak = peak_mib()

@@ -158,13 +158,13 @@ def test_matched_records_are_the_same_bits_in_any_order_subset_or_alone(tiny_dir
                                                                          precision, cache):
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.runs import matched
+    from stagereplay.runs import Inputs, matched
 
     def run(ids: list[int], name: str) -> dict[str, str]:
         out = tmp_path / name
-        matched(out, model=str(tiny_dir(arch)), data=str(_data(tmp_path, items_file, ids, name)),
-                boundary=After(6), decode=DecodeConfig(max_new_tokens=12), precision=precision, quiet=True,
-                batch=ROWS, cache=cache)
+        matched(out, Inputs(model=str(tiny_dir(arch)), data=str(_data(tmp_path, items_file, ids, name)),
+                            boundary=After(6), decode=DecodeConfig(max_new_tokens=12), precision=precision,
+                            batch=ROWS, cache=cache), quiet=True)
         return _payloads(out)
 
     forward, backward, alone = run([0, 1, 2, 3, 4], "forward"), run([4, 3, 2, 1, 0], "backward"), run([3], "alone")
@@ -184,15 +184,16 @@ def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, 
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.execution.models import release_models
-    from stagereplay.runs import matched
+    from stagereplay.runs import Inputs, matched
 
     data = _data(tmp_path, items_file, [0, 1, 2, 3], "items")
 
     def run(rows: int) -> tuple[dict[str, str], dict]:
         release_models()
         out = tmp_path / f"b{rows}"
-        matched(out, model=str(tiny_dir("qwen2")), data=str(data), boundary=After(6),
-                decode=DecodeConfig(max_new_tokens=12), precision=precision, quiet=True, batch=rows, cache=cache)
+        matched(out, Inputs(model=str(tiny_dir("qwen2")), data=str(data), boundary=After(6),
+                            decode=DecodeConfig(max_new_tokens=12), precision=precision, batch=rows, cache=cache),
+                quiet=True)
         manifest = json.loads((out / "manifest.json").read_text())
         return _payloads(out), manifest
 
@@ -216,7 +217,7 @@ def test_a_step_that_depends_on_its_batch_mates_is_refused_before_the_run(tiny_d
     from stagereplay.engine.proof import prove_batched
     from stagereplay.errors import StageReplayError
     from stagereplay.execution.models import release_models
-    from stagereplay.runs import matched
+    from stagereplay.runs import Inputs, matched
 
     monkeypatch.setattr(batch, "_rows_attention", _padded_attention)
     lm = load(str(tiny_dir("qwen2")), precision="fp32")
@@ -224,8 +225,9 @@ def test_a_step_that_depends_on_its_batch_mates_is_refused_before_the_run(tiny_d
     assert not prove_batched(lm.model, ROWS, "cpu", prompts).invariant
     release_models()
     with pytest.raises(StageReplayError, match="depend on its batch-mates"):
-        matched(tmp_path / "out", model=str(tiny_dir("qwen2")), data=str(items_file), n=3, boundary=After(6),
-                decode=DecodeConfig(max_new_tokens=8), precision="fp32", quiet=True, batch=ROWS)
+        matched(tmp_path / "out", Inputs(model=str(tiny_dir("qwen2")), data=str(items_file), n=3, boundary=After(6),
+                                         decode=DecodeConfig(max_new_tokens=8), precision="fp32", batch=ROWS),
+                quiet=True)
     assert not (tmp_path / "out").exists()
     release_models()
 
@@ -237,10 +239,10 @@ def _every_stage(out: Path, model: Path, data: Path, precision: str) -> dict[str
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.experiments.resample import ResampleConfig
     from stagereplay.experiments.transplant import TransplantConfig
-    from stagereplay.runs import bridge, matched, precision_2x2, resample, transplant
+    from stagereplay.runs import Inputs, bridge, matched, precision_2x2, resample, transplant
 
-    matched(out, model=str(model), data=str(data), boundary=After(6), decode=DecodeConfig(max_new_tokens=10),
-            precision=precision, quiet=True, batch=ROWS)
+    matched(out, Inputs(model=str(model), data=str(data), boundary=After(6), decode=DecodeConfig(max_new_tokens=10),
+                        precision=precision, batch=ROWS), quiet=True)
     bridge(out, rows=5, quiet=True)
     transplant(out, TransplantConfig(select="all-divergent"), quiet=True)
     precision_2x2(out, quiet=True)

@@ -92,14 +92,14 @@ def _jobs(lm: Any) -> dict[str, tuple[Any, Any]]:
     cfg = transplant.TransplantConfig()
     rcfg = resample.ResampleConfig(k=2)
     return {
-        "matched": (matched.matched_item, Job(item, settings, extra=(("construction", "oneshot"),))),
-        "precision_2x2": (precision_2x2.grid_item, Job(item, settings, extra=(
-            ("prefix", prefix), ("constructions", ("incremental", "oneshot"))))),
-        "bridge": (bridge.bridge_item, Job(item, settings, extra=(("prefix", prefix),))),
-        "transplant": (transplant.transplant_item, Job(item, settings, extra=(
-            ("prefix", prefix), ("config", tuple(vars(cfg).items()))))),
-        "resample": (resample.resample_item, Job(item, settings, extra=(
-            ("prefix", prefix), ("config", tuple(vars(rcfg).items())), ("live_source", "live")))),
+        "matched": (matched.matched_item, Job(item, settings, matched.MatchedParams("oneshot"))),
+        "precision_2x2": (precision_2x2.grid_item, Job(item, settings, precision_2x2.GridParams(
+            tuple(prefix), ("incremental", "oneshot"), lm.config.precision))),
+        "bridge": (bridge.bridge_item, Job(item, settings, bridge.BridgeParams(tuple(prefix)))),
+        "transplant": (transplant.transplant_item, Job(item, settings, transplant.TransplantParams(
+            tuple(prefix), cfg))),
+        "resample": (resample.resample_item, Job(item, settings, resample.ResampleParams(
+            tuple(prefix), rcfg, lm.config.precision, "live"))),
     }
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from stagereplay.engine.steps import StepRecord
-from stagereplay.report.stats import first_divergence
+from stagereplay.experiments.stats import first_divergence
 
 # --- the reference: the code that kept every step's logits (verbatim but for names) ----------------------
 
@@ -140,12 +140,12 @@ def test_matched_2x2_and_bridge_diagnostics_equal_the_full_logits_ones(toy, monk
     settings = ReplaySettings(boundary="marker:</think>", decode=DecodeConfig(max_new_tokens=80))
     divergent = 0
     for item in items:
-        out = matched.matched_item(lm, Job(item, settings, extra=(("construction", "oneshot"),)))
-        prefix = out["prefix_ids"]
+        out = matched.matched_item(lm, Job(item, settings, matched.MatchedParams("oneshot")))
+        prefix = tuple(out["prefix_ids"])
         divergent += sum(e["divergence"] is not None for e in out["diagnostics"]["pairs"].values())
-        precision_2x2.grid_item(lm, Job(item, settings, extra=(("prefix", prefix),
-                                                             ("constructions", ("incremental", "oneshot")))))
-        bridge.bridge_item(lm, Job(item, settings, extra=(("prefix", prefix),)))
+        precision_2x2.grid_item(lm, Job(item, settings, precision_2x2.GridParams(
+            prefix, ("incremental", "oneshot"), lm.config.precision)))
+        bridge.bridge_item(lm, Job(item, settings, bridge.BridgeParams(prefix)))
     assert len(seen) == 3 * len(items)
     for old, new in seen:
         assert new == old

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from servers import free_port
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -41,16 +42,38 @@ def test_cross_without_a_serving_engine_is_refused(tmp_path):
     out = tmp_path / "run"
     result = runner.invoke(app, ["matched", "--cross", "hf", "--n", "1", "--out", str(out)])
     assert result.exit_code == 2
-    assert result.stderr.strip() == ("error: --cross replays a serving engine's prefixes; pass it with --engine vllm "
-                                     "or --engine llama.cpp")
+    assert result.stderr.strip() == ("error: --cross replays a serving engine's prefixes in ours; pass it with "
+                                     "--engine vllm or --engine llama.cpp or --engine http")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--engine", "http", "--url", "http://127.0.0.1:9", "--n-ctx", "64"],
+     "error: --n-ctx is not an option of --engine http; --engine http takes --api, --api-key-env, --concurrency, "
+     "--retries, --slot-restore, --timeout, --url"),
+    (["--engine", "llama.cpp", "--url", "http://127.0.0.1:9"], "error: --url is not an option of --engine llama.cpp"),
+    (["--engine", "vllm", "--repack"], "error: --repack is not an option of --engine vllm"),
+    (["--concurrency", "4"], "error: --concurrency is an option of a serving engine, and --engine hf is ours"),
+])
+def test_an_option_the_engine_does_not_take_is_refused_not_dropped(tmp_path, args, says):
+    """Each engine takes its own options (serving.seam.options_of): one given under another engine is refused in
+    one line before anything loads. The control: the same option under its own engine is taken (the run then stops
+    at what that engine needs: a GGUF file, a server)."""
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["matched", *args, "--n", "1", "--out", str(out)])
+    assert result.exit_code == 2 and result.stderr.strip().startswith(says), result.stderr
+    assert not out.exists()
+    taken = runner.invoke(app, ["matched", "--engine", "http", "--url", f"http://127.0.0.1:{free_port()}",
+                                "--concurrency", "2", "--retries", "0", "--n", "1", "--out", str(out)])
+    assert taken.exit_code == 2 and "not an option" not in taken.stderr and "did not answer" in taken.stderr, (
+        taken.stderr)
 
 
 def test_an_unknown_engine_is_refused(tmp_path):
     out = tmp_path / "run"
     result = runner.invoke(app, ["matched", "--engine", "sglang-x", "--n", "1", "--out", str(out)])
     assert result.exit_code == 2
-    assert result.stderr.strip().startswith("error: unknown engine 'sglang-x'; use hf or one of vllm")
+    assert result.stderr.strip().startswith("error: unknown engine 'sglang-x'; use hf (ours) or one of vllm")
     assert not out.exists()
 
 

@@ -13,9 +13,9 @@ from test_report import _run_chromium
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
+from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.ledger import Record, canonical_json, read_ledger
 from stagereplay.report.render import render_tables_text, write_report
-from stagereplay.report.stats import first_divergence
 
 runner = CliRunner()
 

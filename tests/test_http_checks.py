@@ -16,7 +16,7 @@ from stagereplay.cli import app
 from stagereplay.engine.model import load_config_and_tokenizer
 from stagereplay.errors import StageReplayError
 from stagereplay.serving import http
-from stagereplay.serving.seam import EngineConfig
+from stagereplay.serving.engines import engine_config
 from stagereplay.toy import toy_checkpoint
 
 runner = CliRunner()
@@ -28,7 +28,7 @@ def tokenizer():
 
 
 def _check(url: str, tokenizer, **config) -> http.HttpEngine:
-    engine = http.load(EngineConfig("http", url=url, **config), "", "fp32", 1, "cpu")
+    engine = http.load(engine_config("http", dict(url=url, **config)), "", "fp32", 1, "cpu")
     engine.check(tokenizer)
     return engine
 
@@ -68,7 +68,7 @@ def test_an_unreachable_server_and_a_failing_one_are_named_with_the_fix(tokenize
     with fake_server(tokenizer) as (url, _):
         pass  # stopped: nothing listens there now
     with pytest.raises(StageReplayError, match=r"the server at http://127\.0\.0\.1:\d+ did not answer /props"):
-        http.load(EngineConfig("http", url=url, retries=0), "", "fp32", 1, "cpu")
+        http.load(engine_config("http", dict(url=url, retries=0)), "", "fp32", 1, "cpu")
     with fake_server(tokenizer, "error") as (url, fake), pytest.raises(StageReplayError) as failed:
         _check(url, tokenizer, retries=1)
     assert "HTTP 500" in str(failed.value) and fake.requests == 2  # the request and its one retry
@@ -76,13 +76,13 @@ def test_an_unreachable_server_and_a_failing_one_are_named_with_the_fix(tokenize
 
 def test_a_stalled_server_is_given_up_on_at_the_timeout(tokenizer):
     with fake_server(tokenizer, "stall", stall=3.0) as (url, _):
-        engine = http.load(EngineConfig("http", url=url, timeout=0.5, retries=0), "", "fp32", 1, "cpu")
+        engine = http.load(engine_config("http", dict(url=url, timeout=0.5, retries=0)), "", "fp32", 1, "cpu")
         start = time.monotonic()
         with pytest.raises(StageReplayError, match="did not answer /completion"):
             engine.generate([1, 2, 3], 4)
         assert time.monotonic() - start < 2.5  # the timeout, not the stall
         # Negative control: with time enough, the same request is answered.
-        slow = http.load(EngineConfig("http", url=url, timeout=10, retries=0), "", "fp32", 1, "cpu")
+        slow = http.load(engine_config("http", dict(url=url, timeout=10, retries=0)), "", "fp32", 1, "cpu")
         assert len(slow.generate([1, 2, 3], 4).tokens) == 4
 
 
@@ -90,7 +90,7 @@ def test_the_api_key_is_sent_and_never_kept(tokenizer, monkeypatch):
     monkeypatch.setenv("STAGEREPLAY_TEST_KEY", "sk-test-0123456789")
     with fake_server(tokenizer) as (url, fake):
         client = http.Client(url, "STAGEREPLAY_TEST_KEY", 5, 0)
-        engine = http.HttpEngine(EngineConfig("http", url=url, api_key_env="STAGEREPLAY_TEST_KEY"), client,
+        engine = http.HttpEngine(engine_config("http", dict(url=url, api_key_env="STAGEREPLAY_TEST_KEY")), client,
                                  *http.identify(client, "auto"))
         engine.check(tokenizer)
     assert fake.authorization and all(h == "Bearer sk-test-0123456789" for h in fake.authorization)
@@ -210,4 +210,4 @@ def test_url_is_refused_for_a_run_of_another_engine(tmp_path):
     made = runner.invoke(app, ["matched", "--n", "1", "--max-new-tokens", "4", "--out", str(out), "--quiet"])
     assert made.exit_code == 0, made.output
     refused = runner.invoke(app, ["audit", str(out), "--url", "http://127.0.0.1:1"])
-    assert refused.exit_code != 0 and "no stage of --engine http" in refused.output, refused.output
+    assert refused.exit_code != 0 and "no stage of this run ran on one" in refused.output, refused.output

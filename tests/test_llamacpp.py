@@ -52,13 +52,13 @@ def _arms(payload: dict) -> dict[str, dict]:
 
 def _engine(toy_gguf: Path):
     from stagereplay.engine.lm import load as load_lm
+    from stagereplay.serving.engines import engine_config
     from stagereplay.serving.llamacpp import load
-    from stagereplay.serving.seam import EngineConfig
     from stagereplay.tasks import DataConfig, load_items
 
     lm = load_lm(str(toy_gguf), "fp32")
     items, _ = load_items(DataConfig(n=2), lm.tokenizer)
-    return load(EngineConfig("llama.cpp"), str(toy_gguf), "fp32", 1, "cpu"), items
+    return load(engine_config("llama.cpp"), str(toy_gguf), "fp32", 1, "cpu"), items
 
 
 def test_the_prompt_cache_reuses_decode_written_positions_and_a_restored_state_continues(toy_gguf):
@@ -212,3 +212,40 @@ def test_the_benchmark_script_runs_on_a_tiny_gguf(toy_gguf, tmp_path):
     table = subprocess.run([sys.executable, str(bench), "table", str(tmp_path / "run")], check=True,
                            capture_output=True, text=True).stdout
     assert "live vs hf-oneshot" in table
+
+
+def test_a_count_boundarys_request_fits_a_context_the_budget_would_not(toy_gguf, tmp_path):
+    """`--boundary-after 8 --max-new-tokens 16` under `--n-ctx 256`: live asks for 8 + 16 tokens, and the stage-1
+    budget defaults to what llama.cpp's context leaves (not the model's 512). The control: a budget given that the
+    context cannot hold is refused in one line, naming llama.cpp's context."""
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["matched", "--engine", "llama.cpp", "--model", str(toy_gguf), "--precision", "fp32",
+                                 "--n", "2", "--n-ctx", "256", "--boundary-after", "8", "--max-new-tokens", "16",
+                                 "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    stage1 = json.loads((out / "manifest.json").read_text())["config"]["stage1"]
+    assert stage1["context"] == 256 and stage1["budget"] == 256 - stage1["longest_prompt"] - 16
+    for payload in _payloads(out):
+        assert {a["name"]: a["request"] for a in payload["arms"] if "request" in a} == {
+            "live": {"max_tokens": 24, "tries": 1}, "live#replica": {"max_tokens": 24, "tries": 1}}
+    refused = runner.invoke(app, ["matched", "--engine", "llama.cpp", "--model", str(toy_gguf), "--n", "1",
+                                  "--n-ctx", "256", "--boundary-after", "8", "--max-stage1-tokens", "300",
+                                  "--out", str(tmp_path / "big")])
+    assert refused.exit_code == 2 and "exceed llama.cpp's context (--n-ctx 256) of 256" in refused.stderr
+    assert not (tmp_path / "big").exists()
+
+
+def test_weights_load_without_repacking_unless_asked_and_the_setting_is_recorded(run, toy_gguf):
+    """Repacked weights run other kernels: off by default, recorded in the run's engine settings. The control:
+    asked for, the model loads with llama.cpp's extra buffer types on (read back from its model parameters)."""
+    from llama_cpp import llama_cpp as lib
+
+    from stagereplay.serving.llamacpp import extra_buffers
+
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stages"]["matched/primary"]["engine"]["repack"] is False
+    assert manifest["environment"]["engine"]["repack"] is False
+    for on in (False, True):
+        with extra_buffers(on):
+            assert lib.llama_model_default_params().use_extra_bufts is on
+    assert lib.llama_model_default_params().use_extra_bufts is True  # llama.cpp's own default, put back

@@ -17,7 +17,9 @@ from stagereplay.engine.boundary import After
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.forwards import construct_forwards
 from stagereplay.experiments import precision_2x2
-from stagereplay.plan.recorded import grid_lengths, lengths_of, plan_run
+from stagereplay.experiments.arms import record_lengths
+from stagereplay.experiments.precision_2x2 import grid_lengths
+from stagereplay.plan.recorded import plan_run
 from stagereplay.records.ledger import items, read_ledger
 
 # DeepSeek-R1-Distill-Qwen-14B's shape, as its config.json states it (no weights, no tokenizer).
@@ -37,7 +39,7 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     from stagereplay.engine import lm as lm_module
     from stagereplay.engine import proof
     from stagereplay.execution import models
-    from stagereplay.runs import paper
+    from stagereplay.runs import Inputs, PaperConfig, paper
 
     sizes: Counter[int] = Counter()
     proving: list[Counter[int]] = []  # the forwards of each proof of the captured step, counted apart
@@ -64,9 +66,10 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     mp.setattr(decode.Stepper, "forward", counting)
     mp.setattr(lm_module, "prove_steps", counted_proof)
     try:
-        results = paper(out, model=str(tiny_dir("qwen2")), later_model=str(tiny_dir("qwen2")), data=str(items_file),
-                        n=4, boundary=After(16), decode=DecodeConfig(max_new_tokens=48), workers=1, quiet=True,
-                        audit_sample=2, resample=2, resample_items=2)
+        results = paper(out, Inputs(model=str(tiny_dir("qwen2")), data=str(items_file), n=4, boundary=After(16),
+                                    decode=DecodeConfig(max_new_tokens=48)),
+                        PaperConfig(later_model=str(tiny_dir("qwen2")), audit_sample=2, resample=2, resample_items=2),
+                        workers=1, quiet=True)
     finally:
         mp.undo()
     assert results["audit"]["reproduced"]
@@ -201,9 +204,10 @@ def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(
     """The gate on carrying an arm over is the rebuilt cache's fingerprint. Given a recorded arm whose cache_fp is
     not the cache's (negative control), the 2x2 and the transplant decode that arm in full and record it as their
     own, and what they decode is the recorded computation: the same suffix, the true fingerprint."""
-    from stagereplay.audit.reexecute import _job, _reuse
     from stagereplay.engine.lm import load
+    from stagereplay.experiments.experiment import Replay
     from stagereplay.experiments.precision_2x2 import grid_item
+    from stagereplay.experiments.registry import experiment as experiment_of
     from stagereplay.experiments.transplant import transplant_item
     from stagereplay.records.ledger import read_manifest
     from stagereplay.tasks.base import Item
@@ -212,20 +216,20 @@ def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(
     records = items(read_ledger(out))
     stages = read_manifest(out)["stages"]
     matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}
-    prefixes = {k: p.get("prefix_ids") for k, p in matched.items()}
     lm = load(str(tiny_dir("qwen2")))
     for experiment, work in (("precision_2x2", grid_item), ("transplant", transplant_item)):
         r = next(r for r in records if r.experiment == experiment and r.checkpoint == "primary"
                  and r.part in ("", "bf16") and r.payload["status"] == "ok")
         stage = stages[f"{experiment}/primary"]
         item = Item(r.item_id, tuple(r.payload["prompt_ids"]), r.payload["answer"])
-        reuse = _reuse(r, stage, stages, matched)
+        job = experiment_of(experiment).replay_job(Replay(r, stage, item, stages["matched/primary"],
+                                                          matched[("primary", r.item_id)]))
+        reuse = job.params.reuse
         assert reuse
-        job = _job(r, stage, item, prefixes, reuse)
         assert work(lm, job)["arms"] == r.payload["arms"]  # as recorded: carried over
         wrong = tuple((*x[:-2], {**x[-2], "cache_fp": "0" * 64}, x[-1]) if experiment == "precision_2x2"
                       else (*x[:-1], {**x[-1], "cache_fp": "0" * 64}) for x in reuse)
-        again = work(lm, _job(r, stage, item, prefixes, wrong))
+        again = work(lm, replace(job, params=replace(job.params, reuse=wrong)))
         assert not any(a.get("same_as") for a in again["arms"])
         for a, b in zip(again["arms"], r.payload["arms"], strict=True):
             assert (a["name"], a["suffix_ids"], a["cache_fp"]) == (b["name"], b["suffix_ids"], b["cache_fp"])
@@ -386,7 +390,7 @@ def test_plan_of_a_directory_without_a_run_is_refused(tmp_path):
 def test_lengths_of_a_record(counted_run):
     out, _ = counted_run
     r = next(r for r in items(read_ledger(out)) if r.experiment == "matched" and r.payload["status"] == "ok")
-    n = lengths_of(r.payload)
+    n = record_lengths(r.payload)
     assert n.prefix == r.payload["boundary"] and n.stage1 == r.payload["boundary"] - len(r.payload["prompt_ids"])
     assert Path(out).is_dir()
 
@@ -399,7 +403,7 @@ def test_paper_command_and_plan_share_the_audit_sample_default():
     from stagereplay.runs import protocol as paper
 
     assert inspect.signature(experiments.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
-    assert inspect.signature(paper.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
+    assert paper.PaperConfig().audit_sample == paper.AUDIT_SAMPLE
 
 
 def test_paper_on_a_gpu_batches_as_many_items_as_their_caches_fit_beside_the_weights(monkeypatch):

@@ -11,8 +11,8 @@ from forge import carry_over, load, save, with_payload
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
+from stagereplay.experiments.stats import wilson_interval
 from stagereplay.records.ledger import Record
-from stagereplay.report.stats import wilson_interval
 
 runner = CliRunner()
 

@@ -9,7 +9,7 @@ import pytest
 from stagereplay.engine.boundary import After
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.records.ledger import items, read_ledger
-from stagereplay.runs import matched
+from stagereplay.runs import ExecConfig, Inputs, matched
 
 try:
     import ray
@@ -34,17 +34,10 @@ def local_ray():
     ray.shutdown()
 
 
-def _matched(out, model, data, **kw):
-    return matched(
-        out,
-        model=str(model),
-        data=str(data),
-        n=6,
-        boundary=After(8),
-        decode=DecodeConfig(max_new_tokens=16),
-        quiet=True,
-        **kw,
-    )
+def _matched(out, model, data, workers=1, executor="local", **inputs_given):
+    inputs = Inputs(model=str(model), data=str(data), n=6, boundary=After(8), decode=DecodeConfig(max_new_tokens=16),
+                    **inputs_given)
+    return matched(out, inputs, ex=ExecConfig(workers, executor), quiet=True)
 
 
 @pytest.mark.slow  # a local Ray cluster's actors: the slow tier
@@ -150,11 +143,11 @@ def test_a_problem_inside_an_actor_reads_as_it_would_locally(tiny_dir, local_ray
     from stagereplay.errors import StageReplayError
     from stagereplay.execution.ray_cluster import run_ray
     from stagereplay.experiments.jobs import Job, ReplaySettings
-    from stagereplay.experiments.matched import matched_item
+    from stagereplay.experiments.matched import MatchedParams, matched_item
     from stagereplay.tasks.base import Item
 
     item = Item(id="x", prompt_ids=(5, 6, 7), answer="1")
-    jobs = [Job(item, ReplaySettings(boundary="nonsense:1"))]
+    jobs = [Job(item, ReplaySettings(boundary="nonsense:1"), MatchedParams())]
     with pytest.raises(StageReplayError, match="unknown boundary rule"):
         list(run_ray(ModelConfig(path=str(tiny_dir("qwen2"))), matched_item, jobs, 1))
 

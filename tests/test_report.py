@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from stagereplay.experiments.format import bound, points
+from stagereplay.experiments.stats import wilson_interval
 from stagereplay.report.render import print_tables, render_tables_text, write_report
-from stagereplay.report.stats import wilson_interval
-from stagereplay.report.tables import bound, build_tables, load_results, points
+from stagereplay.report.tables import build_tables, load_results
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUN_SMALL = FIXTURES / "run_paper"  # made by fixtures/make_fixtures.py

@@ -188,9 +188,9 @@ def test_a_server_refusing_token_id_prompts_is_named_as_refusing_not_as_silent(t
 
 def test_a_refusal_names_what_was_refused_in_one_line(tokenizer):
     from stagereplay.serving import http
-    from stagereplay.serving.seam import EngineConfig
+    from stagereplay.serving.engines import engine_config
 
     with fake_server(tokenizer, "refuse-ids") as (url, _), pytest.raises(StageReplayError) as refused:
-        http.load(EngineConfig("http", url=url), "", "fp32", 1, "cpu").check(tokenizer)
+        http.load(engine_config("http", dict(url=url)), "", "fp32", 1, "cpu").check(tokenizer)
     assert "\n" not in str(refused.value) and "HTTP 422" in refused.value.problem
     assert "transformers serve" in refused.value.fix

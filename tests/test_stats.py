@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from stagereplay.report.stats import (
+from stagereplay.experiments.stats import (
     clopper_pearson_interval,
     first_divergence,
     mcnemar_exact,

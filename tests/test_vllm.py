@@ -46,12 +46,12 @@ def _arms(payload: dict) -> dict[str, dict]:
 
 def _engine(precision: str = "bf16"):
     from stagereplay.engine.lm import load
+    from stagereplay.serving.engines import engine_config
     from stagereplay.serving.matched import cached_engine
-    from stagereplay.serving.seam import EngineConfig
     from stagereplay.toy import toy_checkpoint
 
     lm = load(str(toy_checkpoint("primary")), precision)
-    return lm, cached_engine(EngineConfig("vllm"), lm)
+    return lm, cached_engine(engine_config("vllm"), lm)
 
 
 def test_prefix_cache_reuses_blocks_written_while_decoding_and_none_after_a_reset():
@@ -99,8 +99,8 @@ def test_the_arms_record_the_cache_hits_and_the_engine(fp32_run):
 
 def test_replicas_are_exact_and_the_table_counts_a_broken_one(fp32_run):
     """Every arm's replica gives the same tokens; the matched table counts them (and counts a forged miss)."""
+    from stagereplay.experiments.matched import summarize_matched
     from stagereplay.records.ledger import read_ledger
-    from stagereplay.report.summaries import summarize_matched
 
     results = json.loads((fp32_run / "results.json").read_text())
     columns = {m["construction"]: m for m in results["matched"]}

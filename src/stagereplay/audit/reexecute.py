@@ -17,24 +17,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from stagereplay.audit.versions import as_recorded
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.arms import comparison_fp_schema_1
-from stagereplay.experiments.jobs import Job, ReplaySettings
+from stagereplay.experiments.experiment import Replay
+from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.registry import experiment
 from stagereplay.records.kernels import NOT_RECORDED, describe, kernel_differences
 from stagereplay.records.ledger import Record, diff_fields, items
-from stagereplay.records.manifest import binds
+from stagereplay.records.manifest import binds, stage_name
 from stagereplay.records.provenance import environment, model_hashes
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
 from stagereplay.tasks import DataConfig, Item, load_items
 
 __all__ = ["AuditConfig", "audit_run", "compare_payloads", "exit_code", "verify_ledger"]
-
-PER_PRECISION = ("precision_2x2", "resample")
-"""Experiments whose records' `part` is the precision they ran at."""
-
 
 def verify_ledger(run_dir: Path) -> list[dict[str, Any]]:
     """Integrity only, no model: every line parses, every hash and link of the chain holds (from the
@@ -81,74 +79,34 @@ def compare_payloads(item_id: str, recorded: dict[str, Any], again: dict[str, An
     return t_ok, len(rec_arms), c_ok, len(rec_c), mismatches
 
 
-def _work(experiment: str, stage: dict[str, Any]) -> Callable[..., dict[str, Any]]:
-    from stagereplay.experiments.bridge import bridge_item
-    from stagereplay.experiments.matched import matched_item
-    from stagereplay.experiments.precision_2x2 import grid_item
-    from stagereplay.experiments.resample import resample_item
-    from stagereplay.experiments.transplant import transplant_item
-
-    if "engine" in stage:  # a serving engine's records: re-executed in that engine
-        from stagereplay.serving.jobs import serving_work
-
-        return serving_work(experiment)
-    return {"matched": matched_item, "precision_2x2": grid_item, "bridge": bridge_item,
-            "transplant": transplant_item, "resample": resample_item}[experiment]
-
-
-def _job(record: Record, stage: dict[str, Any], item: Item, prefixes: dict[tuple[str, str], Any],
-         reuse: Any = None) -> Job:
-    s = stage["settings"]
-    from stagereplay.engine.decode import DecodeConfig
-
-    settings = ReplaySettings(s["boundary"], DecodeConfig(**s["decode"]), s["scorer"])
-    prefix = prefixes.get((record.checkpoint, record.item_id))
-    extra: tuple[tuple[str, Any], ...]
-    if "engine" in stage:
-        from stagereplay.serving.jobs import serving_job_extra
-
-        extra = serving_job_extra(record.experiment, stage, prefix)
-    elif record.experiment == "matched":
-        extra = (("construction", stage["construction"]),)
-    elif record.experiment == "precision_2x2":
-        extra = (("prefix", prefix), ("constructions", tuple(stage["constructions"])), ("reuse", reuse))
-    elif record.experiment == "bridge":
-        extra = (("prefix", prefix),)
-    elif record.experiment == "resample":
-        from stagereplay.experiments.resample import job_extra
-
-        extra = job_extra(stage, record.part, prefix)
-    else:
-        extra = (("prefix", prefix), ("config", tuple(stage["config"].items())), ("reuse", reuse))
-    return Job(item, settings, record.part, extra)
-
-
-def _reuse(record: Record, stage: dict[str, Any], stages: dict[str, Any],
-           matched: dict[tuple[str, str], dict[str, Any]]) -> Any:
-    """The matched arms a 2x2 or transplant record carries over (`precision_2x2.reused_arms`,
-    `transplant.reused_arms`), as the run found them."""
-    from stagereplay.experiments import precision_2x2, transplant
-
+def _replay(record: Record, stages: dict[str, Any], item: Item,
+            matched: dict[tuple[str, str], dict[str, Any]]) -> Replay:
+    """What re-executing `record` needs: its stage and the item's matched record at its checkpoint."""
     key = (record.checkpoint, record.item_id)
-    matched_stage = stages.get(f"matched/{record.checkpoint}")
-    if record.experiment == "transplant":
-        return transplant.reused_arms(stage, matched_stage, matched.get(key), record.checkpoint)
-    if record.experiment != "precision_2x2" or key not in matched:
-        return None
-    return precision_2x2.reused_arms(stage, matched_stage, matched[key], record.checkpoint, record.part)
-
-
-UNIT = "audit_unit"
-"""A re-executed job's extra naming its experiment: units of several stages run as one batch of jobs."""
+    return Replay(record, stages[stage_name(record)], item, stages.get(f"matched/{record.checkpoint}"),
+                  matched.get(key))
 
 
 def _unit_work(lm: Any, job: Job) -> dict[str, Any]:
-    """A unit of any of our engine's experiments, by the experiment its job names (`UNIT`), its fast step proven
-    once per machine (records.proofs)."""
+    """A unit of any of our engine's experiments, by the experiment its parameters name (`Unit`), its fast step
+    proven once per machine (records.proofs)."""
     from stagereplay.records.proofs import attach_store
 
     attach_store(lm)
-    return _work(job.get(UNIT), {})(lm, job)
+    return experiment(job.params.experiment).work(lm, replace(job, params=job.params.params))
+
+
+@dataclass(frozen=True)
+class Unit(Params):
+    """A re-executed unit's parameters with its experiment's name: units of several stages run as one batch of
+    jobs, each by its own experiment's item function."""
+
+    experiment: str
+    params: Params
+
+    @property
+    def part(self) -> str:
+        return self.params.part
 
 
 def _unit_model(record: Record, stage: dict[str, Any]) -> ModelConfig:
@@ -158,15 +116,7 @@ def _unit_model(record: Record, stage: dict[str, Any]) -> ModelConfig:
         from stagereplay.serving.matched import arms_of
 
         model = arms_of(stage).our_model(model)
-    return model.with_precision(record.part) if record.experiment in PER_PRECISION else model
-
-
-def as_schema_1(item_id: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """A re-executed payload with its comparison fingerprints as ledger schema 1 wrote them."""
-    arms = {a["name"]: a for a in payload.get("arms", [])}
-    comparisons = [{**c, "fp": comparison_fp_schema_1(item_id, arms[c["a"]], arms[c["b"]])}
-                   for c in payload.get("comparisons", [])]
-    return {**payload, "comparisons": comparisons}
+    return model.with_precision(record.part) if experiment(record.experiment).per_precision else model
 
 
 def input_findings(manifest: dict[str, Any], data_hash: str, item_ids: list[str],
@@ -223,16 +173,22 @@ def sample_units(groups: dict[str, list[Record]], config: AuditConfig) -> dict[s
     return out
 
 
-def _where(record: Record) -> str:
-    """A unit's stage as findings name it, with the precision of a per-precision unit."""
-    part = record.part if record.experiment in PER_PRECISION else ""
-    return f"{record.experiment}/{record.checkpoint}{'@' + part if part else ''}"
-
-
 TOKEN_FIELDS = ("suffix_ids", "suffix_fp", "prefix_ids", "prompt_ids", "text", "correct", "status", "boundary",
                 "first_divergence", "suffix_equal", "label_equal", "stop", "directions", "control",
                 "baseline_diverges", "(the arm)")
 """Fields whose difference is a difference of tokens or labels, not only of bits (caches, logits)."""
+
+
+@dataclass
+class _Tally:
+    """What the re-execution found so far: counts, findings, the re-executed records and the units not
+    reproduced under this machine's other kernels (unit, precision, whether tokens differ)."""
+
+    mismatches: list[dict[str, str]] = field(default_factory=list)
+    trajectories: list[int] = field(default_factory=lambda: [0, 0])
+    comparisons: list[int] = field(default_factory=lambda: [0, 0])
+    again: dict[int, Record] = field(default_factory=dict)
+    elsewhere: list[tuple[Record, str, bool]] = field(default_factory=list)
 
 
 def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex: ExecConfig,
@@ -246,123 +202,155 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     hashes, and a unit re-executed under the kernels it was recorded with that differs: tampering or a
     broken run, whatever the machine) and `not_reproduced_here` (a unit that differs when re-executed under
     other kernels, which other kernels alone can cause). `stored_results=False` skips the comparison with a
-    results.json not yet rewritten (a paper run)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    from stagereplay.audit.verify import claimed, expected_units, read_chain, verify_run
-    from stagereplay.engine.model import load_config_and_tokenizer, set_determinism
-    from stagereplay.execution.jobs import run_jobs
+    results.json not yet rewritten (a paper run). `relocated`: inputs found elsewhere than recorded; `server`: where
+    the run's server is now, if it moved (its build and model are still compared)."""
+    from stagereplay.audit.verify import verify_run
 
     config = config or AuditConfig()
     checked = verify_run(run_dir, manifest, stored_results)
-    mismatches: list[dict[str, str]] = [{**m, "kind": "integrity"} for m in checked["mismatches"]]
-    chain, _ = read_chain(run_dir)
-    environments = {r.env: r.payload for r in chain if r.kind == "environment"}
-    records = items(records)
-    run_config = manifest["config"]
+    tally = _Tally([{**m, "kind": "integrity"} for m in checked["mismatches"]])
     stages = manifest.get("stages", {})
-    if server is not None:  # the run's server, moved (--url): its build and model are still compared
-        from stagereplay.serving.jobs import at_server
+    if server is not None:  # the run's server, moved (--url)
+        from stagereplay.serving.replay import at_server
 
         stages, moved_server = at_server(stages, server)
         relocated = [*(relocated or []), *moved_server]
-    model = run_config["model"]
-    here = environment(model["device"], set_determinism(model["threads"], model["device"]))
-    from stagereplay.serving.jobs import engine_build_here
+    records = items(records)
+    other, env_summary = _other_kernels(run_dir, manifest, stages, records)
+    by_id = _items(manifest, relocated, tally)
+    chosen = sample_units(_declared(stages, manifest["config"], records), config)
+    _reexecute(chosen, stages, records, by_id, ex, quiet, binds(manifest), other, tally)
+    again_records = [tally.again.get(r.seq, r) for r in records]  # a sample: the rest as recorded
+    recorded, rebuilt = (comparable_results(build_results(run_dir, manifest, rs)) for rs in (records, again_records))
+    kind = "not_reproduced_here" if tally.elsewhere else "integrity"
+    tally.mismatches += [{"item_id": "", "what": f"results {f} is not what the re-executed records give",
+                          "kind": kind} for f in diff_fields(recorded, rebuilt, lists=True)]
+    return _summary(records, checked, tally, env_summary, chosen, config, relocated)
 
+
+def _other_kernels(run_dir: Path, manifest: dict[str, Any], stages: dict[str, Any], records: list[Record]
+                   ) -> tuple[set[int], dict[str, Any]]:
+    """The records computed under other kernels than this machine's (their seqs), and the summary of the
+    differences (said on stderr): a difference there is "not reproduced here", not an integrity finding."""
+    from stagereplay.audit.verify import read_chain
+    from stagereplay.engine.model import set_determinism
+    from stagereplay.serving.replay import engine_build_here
+
+    chain, _ = read_chain(run_dir)
+    environments = {r.env: r.payload for r in chain if r.kind == "environment"}
+    model = manifest["config"]["model"]
+    here = environment(model["device"], set_determinism(model["threads"], model["device"]))
     build = engine_build_here(stages)  # a serving engine that records its build: this machine's, to compare
     if build is not None:
         here = {**here, "engine": {"build": build}}
     differences = {env: kernel_differences(recorded, here) for env, recorded in environments.items()}
     other = [r for r in records if differences.get(r.env, [("environment", NOT_RECORDED, "this machine's")])]
-    other_seqs = {r.seq for r in other}
     env_summary = _environment_summary(records, other, differences)
     if env_summary["differences"]:
         print(f"environment: this machine's kernels differ from the run's for {len(other)} of {len(records)} "
               f"records: {describe(env_summary['first'])}", file=sys.stderr)
-    _, tokenizer = load_config_and_tokenizer(model["path"])  # the weights load where jobs run
+    return {r.seq for r in other}, {k: v for k, v in env_summary.items() if k != "first"}
+
+
+def _items(manifest: dict[str, Any], relocated: list[dict[str, str]] | None, tally: _Tally) -> dict[str, Item]:
+    """The run's items from its data as it is here, by id; what differs from what the run bound is a finding."""
+    from stagereplay.engine.model import load_config_and_tokenizer
+
+    run_config = manifest["config"]
+    _, tokenizer = load_config_and_tokenizer(run_config["model"]["path"])  # the weights load where jobs run
     loaded, data_hash = load_items(DataConfig(**run_config["data"]), tokenizer)
-    by_id = {i.id: i for i in loaded}
     moved = frozenset(m["input"].split()[0] for m in relocated or [] if m["input"].endswith("model"))
-    mismatches += [{**m, "kind": "integrity"} for m in input_findings(manifest, data_hash, [i.id for i in loaded],
-                                                                      moved)]
-    # Prefixes of the matched records: the fixed token states the other experiments start from.
-    prefixes = {(r.checkpoint, r.item_id): r.payload.get("prefix_ids") for r in records if r.experiment == "matched"}
-    matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}
-    # Only the units the manifest declares, once each: a missing, extra or duplicated record is verify's finding.
+    tally.mismatches += [{**m, "kind": "integrity"}
+                         for m in input_findings(manifest, data_hash, [i.id for i in loaded], moved)]
+    return {i.id: i for i in loaded}
+
+
+def _declared(stages: dict[str, Any], config: dict[str, Any], records: list[Record]) -> dict[str, list[Record]]:
+    """Per stage, its records of the units the manifest declares, once each (a missing, extra or duplicated record
+    is verify's finding)."""
+    from stagereplay.audit.verify import expected_units
+
     declared = {(name, item, part) for name, stage in stages.items()
-                for item, part in expected_units(name, stage, run_config, records)}
+                for item, part in expected_units(name, stage, config, records)}
     by_stage: dict[str, list[Record]] = {}
     for r in records:
-        unit = (f"{r.experiment}/{r.checkpoint}", r.item_id, r.part)
+        unit = (stage_name(r), r.item_id, r.part)
         if unit in declared:
             declared.discard(unit)
             by_stage.setdefault(unit[0], []).append(r)
-    chosen = sample_units(by_stage, config)
-    # Units grouped by the model settings that re-execute them, whatever their stage: one batch of jobs per model,
-    # so that worker processes load each model once and its units step together (a row's bits do not depend on
-    # its batch-mates, engine.batch). A serving engine's stage runs alone, in its engine.
-    def stage_of(r: Record) -> dict[str, Any]:
-        return stages[f"{r.experiment}/{r.checkpoint}"]
+    return by_stage
 
+
+def _reexecute(chosen: dict[str, list[Record]], stages: dict[str, Any], records: list[Record],
+               by_id: dict[str, Item], ex: ExecConfig, quiet: bool, bound: bool, other: set[int],
+               tally: _Tally) -> None:
+    """Re-execute the chosen units, grouped by the model settings that run them, whatever their stage: one batch of
+    jobs per model, so that worker processes load each model once and its units step together (a row's bits do
+    not depend on its batch-mates, engine.batch). A serving engine's stage runs alone, in its engine."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from stagereplay.execution.jobs import run_jobs
+    from stagereplay.serving.experiments import experiment_for
+
+    matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}
     groups: dict[tuple[ModelConfig, str], list[Record]] = {}
     for r in (r for rs in chosen.values() for r in rs):
-        engine = f"{r.experiment}/{r.checkpoint}" if "engine" in stage_of(r) else ""
-        groups.setdefault((_unit_model(r, stage_of(r)), engine), []).append(r)
-    t_ok = t_n = c_ok = c_n = 0
-    again_by_seq: dict[int, Record] = {}
-    elsewhere: list[tuple[Record, str, bool]] = []  # (unit, precision, tokens differ) not reproduced here
+        stage = stages[stage_name(r)]
+        groups.setdefault((_unit_model(r, stage), stage_name(r) if "engine" in stage else ""), []).append(r)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), disable=quiet) as bar:
         task = bar.add_task("audit", total=sum(len(g) for g in groups.values()))
-        for (model_config, engine), group in sorted(groups.items(),
-                                                    key=lambda g: (g[0][0].path, g[0][0].precision, g[0][1])):
-            mismatches += [{"item_id": r.item_id, "what": f"{_where(r)}: item is not in the manifest's dataset",
-                            "kind": "integrity"} for r in group if r.item_id not in by_id]
+        for (model, engine), group in sorted(groups.items(), key=lambda g: (g[0][0].path, g[0][0].precision, g[0][1])):
+            tally.mismatches += [{"item_id": r.item_id, "what": f"{experiment(r.experiment).where(r)}: item is not "
+                                  "in the manifest's dataset", "kind": "integrity"} for r in group if r.item_id not in by_id]
             todo = [r for r in group if r.item_id in by_id]
-            jobs = [_job(r, stage_of(r), by_id[r.item_id], prefixes, _reuse(r, stage_of(r), stages, matched))
-                    for r in todo]
-            work = _work(group[0].experiment, stages[engine]) if engine else _unit_work
-            if not engine:
-                jobs = [replace(job, extra=(*job.extra, (UNIT, r.experiment))) for job, r in zip(jobs, todo, strict=True)]
-            for record, again in zip(todo, run_jobs(model_config, work, jobs, ex), strict=True):
-                if not binds(manifest):  # what a schema 1 record claims, as it fingerprinted it
-                    again = claimed(as_schema_1(record.item_id, again), record.payload)
-                if "token_texts" not in record.payload:  # made before records kept their token texts
-                    again = {k: v for k, v in again.items() if k != "token_texts"}
-                recorded = record.payload
-                if engine:  # what a serving engine re-executes one request at a time (serving.jobs.replayable)
-                    from stagereplay.serving.jobs import replayable
-
-                    recorded = replayable(recorded)
-                a, b, c, d, bad = compare_payloads(record.item_id, recorded, again)
-                if engine:
-                    from stagereplay.serving.jobs import with_unreplayed
-
-                    again = with_unreplayed(again, record.payload)
-                t_ok, t_n, c_ok, c_n = t_ok + a, t_n + b, c_ok + c, c_n + d
-                kind = "not_reproduced_here" if record.seq in other_seqs else "integrity"
-                if kind == "not_reproduced_here":
-                    bad = _collapse_diagnostics(record.item_id, bad)
-                mismatches += [{"item_id": record.item_id, "what": f"{_where(record)} {m}", "kind": kind}
-                               for m in bad]
-                if bad and kind == "not_reproduced_here":
-                    tokens = any(f in m for m in bad for f in TOKEN_FIELDS)
-                    elsewhere.append((record, model_config.precision, tokens))
-                again_by_seq[record.seq] = record.model_copy(update={"payload": again})
+            jobs = [experiment_for(stage_name(r), stages[stage_name(r)]).replay_job(
+                _replay(r, stages, by_id[r.item_id], matched)) for r in todo]
+            if engine:
+                work = experiment_for(engine, stages[engine]).work
+            else:
+                work = _unit_work
+                jobs = [replace(job, params=Unit(r.experiment, job.params)) for job, r in zip(jobs, todo, strict=True)]
+            for record, again in zip(todo, run_jobs(model, work, jobs, ex), strict=True):
+                _compare(record, again, bool(engine), bound, record.seq in other, model.precision, tally)
                 bar.advance(task)
-    again_records = [again_by_seq.get(r.seq, r) for r in records]  # a sample: the rest as recorded
-    recorded, rebuilt = (comparable_results(build_results(run_dir, manifest, rs)) for rs in (records, again_records))
-    results_kind = "not_reproduced_here" if elsewhere else "integrity"
-    mismatches += [{"item_id": "", "what": f"results {f} is not what the re-executed records give",
-                    "kind": results_kind} for f in diff_fields(recorded, rebuilt, lists=True)]
+
+
+def _compare(record: Record, again: dict[str, Any], served: bool, bound: bool, elsewhere: bool, precision: str,
+             tally: _Tally) -> None:
+    """One re-executed unit against its record: every field, as the record's version claims them."""
+    again = as_recorded(record.item_id, again, record.payload, bound)
+    recorded = record.payload
+    if served:  # what a serving engine re-executes one request at a time (serving.replay.replayable)
+        from stagereplay.serving.replay import replayable, with_unreplayed
+
+        recorded = replayable(recorded)
+    a, b, c, d, bad = compare_payloads(record.item_id, recorded, again)
+    if served:
+        again = with_unreplayed(again, record.payload)
+    tally.trajectories = [tally.trajectories[0] + a, tally.trajectories[1] + b]
+    tally.comparisons = [tally.comparisons[0] + c, tally.comparisons[1] + d]
+    kind = "not_reproduced_here" if elsewhere else "integrity"
+    if elsewhere:
+        bad = _collapse_diagnostics(record.item_id, bad)
+    where = experiment(record.experiment).where(record)
+    tally.mismatches += [{"item_id": record.item_id, "what": f"{where} {m}", "kind": kind} for m in bad]
+    if bad and elsewhere:
+        tally.elsewhere.append((record, precision, any(f in m for m in bad for f in TOKEN_FIELDS)))
+    tally.again[record.seq] = record.model_copy(update={"payload": again})
+
+
+def _summary(records: list[Record], checked: dict[str, Any], tally: _Tally, env_summary: dict[str, Any],
+             chosen: dict[str, list[Record]], config: AuditConfig, relocated: list[dict[str, str]] | None
+             ) -> dict[str, Any]:
     broken = checked["broken_records"]
-    integrity_ok = not broken and not any(m["kind"] == "integrity" for m in mismatches)
+    mismatches = tally.mismatches
     summary = {"items": len({r.item_id for r in records}), "records": len(records),
-               "trajectories": {"k": t_ok, "n": t_n}, "comparisons": {"k": c_ok, "n": c_n},
+               "trajectories": {"k": tally.trajectories[0], "n": tally.trajectories[1]},
+               "comparisons": {"k": tally.comparisons[0], "n": tally.comparisons[1]},
                "chain_ok": not broken, "broken_records": broken, "mismatches": mismatches,
-               "notes": checked["notes"], "integrity_ok": integrity_ok,
-               "environment": {k: v for k, v in env_summary.items() if k != "first"},
-               "not_reproduced_here": _elsewhere_summary(elsewhere),
+               "notes": checked["notes"],
+               "integrity_ok": not broken and not any(m["kind"] == "integrity" for m in mismatches),
+               "environment": env_summary, "not_reproduced_here": _elsewhere_summary(tally.elsewhere),
                "reproduced": not mismatches and not broken}
     if relocated:
         summary["relocated"] = relocated

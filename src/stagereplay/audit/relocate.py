@@ -35,8 +35,8 @@ class Relocation:
     later_model: str | None = None
     data: str | None = None
     server: str | None = None
-    """A running server's address now (`--url`), for a run of `--engine http`: the chain binds the recorded one,
-    so it replaces it only where the audit re-executes (`serving.jobs.at_server`)."""
+    """A running server's address now (`--url`), for a run on a server: the chain binds the recorded one,
+    so it replaces it only where the audit re-executes (`serving.replay.at_server`)."""
 
     def given(self, checkpoint: str) -> str | None:
         return {"primary": self.model, "later": self.later_model}.get(checkpoint)

@@ -22,9 +22,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from stagereplay.audit.versions import claimed, derived_comparison
 from stagereplay.engine.lm import ids_fingerprint
-from stagereplay.experiments.arms import comparison, comparison_fp_schema_1
-from stagereplay.experiments.transplant import divergent_ids, outcome, select
+from stagereplay.experiments import registry
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
 from stagereplay.records.manifest import (
     binding_problems,
@@ -143,23 +143,9 @@ def stage_model_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
 
 def expected_units(name: str, stage: dict[str, Any], config: dict[str, Any], records: list[Record]
                    ) -> list[tuple[str, str]]:
-    """The (item id, part) units a declared stage names, from the manifest and the matched records it starts
-    from: matched, every item id; 2x2, every prefix of its matched run times each precision; bridge, its
-    first `rows` prefixes; transplant, its frozen selection; resample, its frozen items times each precision."""
+    """The (item id, part) units a declared stage names, as its experiment says (`Experiment.units`)."""
     experiment, _, checkpoint = name.partition("/")
-    if experiment == "matched":
-        return [(i, "") for i in config.get("item_ids", [])]
-    ok = [r.item_id for r in records if r.experiment == "matched" and r.checkpoint == checkpoint
-          and r.payload.get("status") == "ok"]
-    if experiment == "precision_2x2":
-        return [(i, p) for p in stage.get("precisions", []) for i in ok]
-    if experiment == "bridge":
-        return [(i, "") for i in ok[: stage.get("rows", 0)]]
-    if experiment == "transplant":
-        return [(i, "") for i in stage.get("selected", [])]
-    if experiment == "resample":
-        return [(i, p) for p in stage.get("precisions", []) for i in stage.get("items", [])]
-    return []
+    return registry.experiment(experiment).units(checkpoint, stage, config, records)
 
 
 def completeness(manifest: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
@@ -185,22 +171,8 @@ def completeness(manifest: dict[str, Any], records: list[Record]) -> list[dict[s
             if n == name and (item, part) not in wanted:
                 at = f"{where}{'@' + part if part else ''}"
                 findings.append({"item_id": item, "what": f"{at}: a record the manifest does not declare"})
-        if name.startswith("transplant/"):
-            findings += _selection_findings(name, stage, records)
+        findings += registry.of_stage(name).stage_findings(name, stage, records)
     return findings
-
-
-def _selection_findings(name: str, stage: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
-    """The frozen selection must be what its rule picks from the matched run's divergent items."""
-    checkpoint = name.partition("/")[2]
-    rule, construction = stage["config"]["select"], stage["config"]["construction"]
-    matched = [r for r in records if r.experiment == "matched" and r.checkpoint == checkpoint]
-    picked = sorted(select(divergent_ids(matched, construction), rule))
-    if picked == sorted(stage.get("selected", [])):
-        return []
-    changed = sorted(set(picked) ^ set(stage.get("selected", [])))
-    return [{"item_id": i, "what": f"{name}: selected is not what rule {rule} picks from the matched records"}
-            for i in changed]
 
 
 def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None, schema_2: bool = True
@@ -216,8 +188,8 @@ def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None
     if status == "ok":
         if p.get("boundary") != len(p.get("prefix_ids") or []):
             bad.append("boundary is not the prefix's length")
-        if matched is not None and record.experiment != "matched" and p.get("prefix_ids") != matched.payload.get(
-                "prefix_ids") and record.experiment != "bridge":
+        fixed = registry.experiment(record.experiment).fixed_prefix
+        if fixed and matched is not None and p.get("prefix_ids") != matched.payload.get("prefix_ids"):
             bad.append("prefix_ids are not the matched run's")
     bad += _arm_claims(record, stage)
     arms = {a.get("name"): a for a in p.get("arms", [])}
@@ -226,16 +198,11 @@ def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None
         if a is None or b is None:
             bad.append(f"comparison {c.get('a')} vs {c.get('b')}: an arm is missing")
             continue
-        derived = comparison(item, a, b)
-        if not schema_2:
-            derived["fp"] = comparison_fp_schema_1(item, a, b)
+        derived = derived_comparison(item, a, b, schema_2)
         for f in diff_fields(c, derived):
             bad.append(f"comparison {c['a']} vs {c['b']}: {f} does not follow from its arms")
     bad += _same_as_claims(p, matched)
-    if record.experiment == "bridge" and status == "ok":
-        bad += _bridge_claims(p, matched)
-    if record.experiment == "transplant" and status == "ok":
-        bad += _transplant_claims(p, stage["config"]["construction"])
+    bad += registry.experiment(record.experiment).claims(record, stage, matched)
     return [{"item_id": item, "what": f"{where} {b}"} for b in bad]
 
 
@@ -278,50 +245,6 @@ def _same_as_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
         for f in diff_fields({k: v for k, v in arm.items() if k not in ("name", "construction")}, own):
             bad.append(f"arm {a.get('name')}: {f} is not the one of {ref}, which it says it is")
     return bad
-
-
-def _bridge_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
-    bad = []
-    layers = p.get("layers", {})
-    bitwise = layers.get("live") == layers.get("incremental")
-    if p.get("cache_equal") != bitwise:
-        bad.append("cache_equal does not follow from the layer fingerprints")
-    if (not p.get("differences")) != bitwise:
-        bad.append("first_difference does not follow from the layer fingerprints")
-    first = (p.get("comparisons") or [{}])[0]
-    if first.get("cache_equal") != p.get("cache_equal"):
-        bad.append("cache_equal differs from its comparison's")
-    if matched is not None and p.get("prefix_matches_matched_run") != (
-            p.get("prefix_ids") == matched.payload.get("prefix_ids")):
-        bad.append("prefix_matches_matched_run does not follow from the matched record")
-    return bad
-
-
-def _transplant_claims(p: dict[str, Any], construction: str) -> list[str]:
-    arms = {a["name"]: a["suffix_ids"] for a in p.get("arms", [])}
-    bad = []
-    if "live" in arms and construction in arms and p.get("baseline_diverges") != (arms["live"] != arms[construction]):
-        bad.append("baseline_diverges does not follow from the live and fresh arms")
-    for key, prefix in (("directions", ""), ("control", "control:")):
-        for direction, recorded in p.get(key, {}).items():
-            donor, _, recipient = direction.partition("->")
-            got = arms.get(f"{prefix}{direction}")
-            if got is None or donor not in arms or recipient not in arms:
-                bad.append(f"{key}.{direction}: its arms are missing")
-                continue
-            for f in diff_fields(recorded, outcome(tuple(got), tuple(arms[donor]), tuple(arms[recipient]))):
-                bad.append(f"{key}.{direction}.{f} does not follow from the arms")
-    return bad
-
-
-def claimed(rebuilt: Any, stored: Any) -> Any:
-    """`rebuilt` restricted to the fields `stored` has: a results.json (or a schema 1 record) written by an
-    earlier version claims fewer fields, and only what it claims is checked."""
-    if isinstance(rebuilt, dict) and isinstance(stored, dict):
-        return {k: claimed(v, stored[k]) for k, v in rebuilt.items() if k in stored}
-    if isinstance(rebuilt, list) and isinstance(stored, list) and len(rebuilt) == len(stored):
-        return [claimed(a, b) for a, b in zip(rebuilt, stored, strict=True)]
-    return rebuilt
 
 
 def results_findings(run_dir: Path, manifest: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:

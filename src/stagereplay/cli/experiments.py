@@ -10,15 +10,20 @@ import typer
 from stagereplay.cli.app import app, guarded
 from stagereplay.cli.options import (
     After,
+    Api,
+    ApiKeyEnv,
     AttnImpl,
     Batch,
+    BlockSize,
     BridgeRows,
     Cache,
     Checkpoint,
     Columns,
+    Concurrency,
     Data,
     Device,
     Executor,
+    FlashAttn,
     Items,
     Kernels,
     LaterModel,
@@ -29,26 +34,34 @@ from stagereplay.cli.options import (
     MovedLater,
     MovedModel,
     N,
+    NBatch,
+    NCtx,
+    NUbatch,
     Out,
     Precision,
     Processes,
     Quiet,
     Regex,
+    Repack,
     Resample,
     ResampleItems,
+    Retries,
     RunDir,
     Sample,
     Scorer,
     Seed,
     Select,
+    SlotRestore,
     Sweep,
     Temperature,
     Threads,
+    Timeout,
     TopK,
     TopP,
+    Url,
     Workers,
     decode_config,
-    engine_options,
+    given,
     relocation,
 )
 from stagereplay.errors import StageReplayError
@@ -86,24 +99,19 @@ def matched(
         "arms, on a --model .gguf | http: those arms on a running server (--url; docs/engines.md)"))] = "hf",
     cross: Annotated[str | None, typer.Option("--cross", help=(
         "hf: also continue the serving engine's prefixes in ours (the hf-oneshot arm)"))] = None,
-    block_size: Annotated[int, typer.Option("--block-size", help=(
-        "the serving engine's K/V block size (its prefix cache reuses whole blocks)"))] = 32,
-    n_ctx: Annotated[int, typer.Option("--n-ctx", help="llama.cpp: context positions")] = 4096,
-    n_batch: Annotated[int, typer.Option("--n-batch", help="llama.cpp: prompt tokens per batch (-b)")] = 512,
-    n_ubatch: Annotated[int, typer.Option("--n-ubatch", help="llama.cpp: micro-batch size (-ub)")] = 512,
-    flash_attn: Annotated[bool, typer.Option("--flash-attn", help="llama.cpp: flash attention (-fa)")] = False,
-    url: Annotated[str, typer.Option("--url", help="http: the running server, http://HOST:PORT")] = "",
-    api: Annotated[str, typer.Option("--api", help=(
-        "http: auto | llama-server (/completion) | openai (/v1/completions: vllm serve)"))] = "auto",
-    api_key_env: Annotated[str, typer.Option("--api-key-env", help=(
-        "http: the environment variable holding the API key (never recorded)"))] = "OPENAI_API_KEY",
-    slot_restore: Annotated[bool, typer.Option("--slot-restore", help=(
-        "http: live's slot saved and restored into another, continued there (llama-server --slot-save-path)"))
-    ] = False,
-    concurrency: Annotated[int, typer.Option("--concurrency", help=(
-        "http: other items' requests in flight around the under-load arms (0: none)"))] = 0,
-    timeout: Annotated[float, typer.Option("--timeout", help="http: seconds per request")] = 600.0,
-    retries: Annotated[int, typer.Option("--retries", help="http: retries of an unanswered request")] = 2,
+    block_size: BlockSize = None,
+    n_ctx: NCtx = None,
+    n_batch: NBatch = None,
+    n_ubatch: NUbatch = None,
+    flash_attn: FlashAttn = False,
+    repack: Repack = False,
+    url: Url = None,
+    api: Api = None,
+    api_key_env: ApiKeyEnv = None,
+    slot_restore: SlotRestore = False,
+    concurrency: Concurrency = None,
+    timeout: Timeout = None,
+    retries: Retries = None,
     cache: Cache = "dynamic",
     kernels: Kernels = "auto",
     batch: Batch = 1,
@@ -113,20 +121,20 @@ def matched(
     def go() -> None:
         from stagereplay.engine.boundary import boundary_from_options
         from stagereplay.engine.lm import check_construction
+        from stagereplay.runs import ExecConfig, Inputs, serving_arms
         from stagereplay.runs import matched as run
 
         check_construction(construction)
-        rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
-        dc = decode_config(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p)
-        server = {"url": url, "api": api, "concurrency": concurrency, "slot_restore": slot_restore}
-        if engine == "http":
-            server.update(api_key_env=api_key_env, timeout=timeout, retries=retries)
-        run(out, model, data, n, construction, rule, scorer, dc, precision, device, threads, attn_impl,
-            workers, executor, shard, quiet, columns, engine, cross, block_size, cache=cache, kernels=kernels,
-            engine_options=engine_options(engine, n_ctx, n_batch, n_ubatch, flash_attn, server), batch=batch)
+        serving = serving_arms(engine, cross, given(
+            block_size=block_size, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
+            repack=repack, url=url, api=api, api_key_env=api_key_env, slot_restore=slot_restore,
+            concurrency=concurrency, timeout=timeout, retries=retries))
+        inputs = Inputs(model, data, n, columns, boundary_from_options(boundary_marker, boundary_regex, boundary_after),
+                        scorer, decode_config(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p),
+                        precision, device, threads, attn_impl, cache, batch, kernels)
+        run(out, inputs, construction, ExecConfig(workers, executor), shard, serving, quiet)
 
     guarded(go)
-
 
 
 @app.command("precision-2x2")
@@ -145,10 +153,12 @@ def precision_2x2(
     """Hold the run's prefixes fixed; cross construction with precision."""
 
     def go() -> None:
+        from stagereplay.runs import ExecConfig, Extension
         from stagereplay.runs import precision_2x2 as run
 
+        on = Extension(checkpoint, ExecConfig(workers, executor), relocation(model, later_model))
         run(run_dir, tuple(constructions.split(",")) if constructions is not None else (), tuple(precisions.split(",")),
-            checkpoint, workers, executor, quiet, relocation(model, later_model))
+            on, quiet)
 
     guarded(go)
 
@@ -167,9 +177,11 @@ def bridge(
     """Incremental vs live boundary caches, bitwise, layer by layer, K and V, and their suffixes."""
 
     def go() -> None:
+        from stagereplay.runs import ExecConfig, Extension
         from stagereplay.runs import bridge as run
 
-        res = run(run_dir, rows, checkpoint, workers, executor, quiet, relocation(model, later_model))
+        res = run(run_dir, rows, Extension(checkpoint, ExecConfig(workers, executor), relocation(model, later_model)),
+                  quiet)
         if res["bridge"]["cache_bit_exact"] != res["bridge"]["rows"]:
             raise typer.Exit(1)
 
@@ -194,8 +206,8 @@ def transplant(
     """Swap K/V between live and fresh boundary states of divergent items, both directions, and continue."""
 
     def go() -> None:
-        from stagereplay.experiments.transplant import TransplantConfig
         from stagereplay.records.ledger import read_manifest
+        from stagereplay.runs import ExecConfig, Extension, TransplantConfig
         from stagereplay.runs import transplant as run
 
         if sweep not in (None, "layers"):
@@ -203,7 +215,7 @@ def transplant(
         stage = read_manifest(run_dir).get("stages", {}).get(f"matched/{checkpoint}", {}) if (
             run_dir / "manifest.json").exists() else {}
         cfg = TransplantConfig(stage.get("construction", "oneshot"), layers, kv, positions, select, sweep == "layers")
-        run(run_dir, cfg, checkpoint, workers, executor, quiet, relocation(model, later_model))
+        run(run_dir, cfg, Extension(checkpoint, ExecConfig(workers, executor), relocation(model, later_model)), quiet)
 
     guarded(go)
 
@@ -230,12 +242,12 @@ def resample(
     """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
 
     def go() -> None:
-        from stagereplay.experiments.resample import ResampleConfig
+        from stagereplay.runs import ExecConfig, Extension, ResampleConfig
         from stagereplay.runs import resample as run
 
         chosen = tuple(p for p in (precisions or "").split(",") if p)
         cfg = ResampleConfig(k, temperature, top_p, top_k, construction, n, chosen, seed)
-        run(run_dir, cfg, checkpoint, workers, executor, quiet, relocation(model, later_model))
+        run(run_dir, cfg, Extension(checkpoint, ExecConfig(workers, executor), relocation(model, later_model)), quiet)
 
     guarded(go)
 
@@ -278,14 +290,15 @@ def paper(
 
     def go() -> None:
         from stagereplay.engine.boundary import boundary_from_options
+        from stagereplay.runs import Inputs, PaperConfig
         from stagereplay.runs import paper as run
 
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = decode_config(max_new_tokens, max_stage1_tokens, False, 1.0, 0, 0)
-        res = run(out, model, later_model, data, n, rule, scorer, dc, select, rows, sweep, device=device,
-                  threads=threads, attn_impl=attn_impl, workers=workers, executor=executor, quiet=quiet,
-                  resample=resample, resample_items=resample_items, audit_sample=audit_sample or None, columns=columns,
-                  cache=cache, kernels=kernels, batch=batch)
+        inputs = Inputs(model, data, n, columns, rule, scorer, dc, "bf16", device, threads, attn_impl, cache, batch,
+                        kernels)
+        protocol = PaperConfig(later_model, select, rows, sweep, resample, resample_items, audit_sample or None)
+        res = run(out, inputs, protocol, workers, executor, quiet)
         from stagereplay.audit.reexecute import exit_code
 
         typer.echo(f"report: {out / 'report.html'}")

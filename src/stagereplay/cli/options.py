@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from stagereplay.cli.app import say_on_stderr
-from stagereplay.errors import StageReplayError
+
+if TYPE_CHECKING:  # the CLI imports the library lazily, so that --help is instant
+    from stagereplay.audit.relocate import Relocation
+    from stagereplay.engine.decode import DecodeConfig
 
 # Options shared by commands that load a model.
 Model = Annotated[str | None, typer.Option("--model", help=(
@@ -74,26 +77,39 @@ Processes = Annotated[int, typer.Option("--workers", help="processes; 0 = one pe
 
 
 def decode_config(max_new: int, max_stage1: int | None, sample: bool, temperature: float, top_k: int, seed: int,
-            top_p: float = 1.0) -> Any:
+            top_p: float = 1.0) -> DecodeConfig:
     from stagereplay.engine.decode import DecodeConfig
 
     return DecodeConfig(max_new, max_stage1, sample, temperature, top_k, seed, top_p)
 
 
 
-def engine_options(engine: str, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool,
-                   server: dict[str, Any] | None = None) -> dict[str, Any]:
-    """An engine's own settings (serving.seam.EngineConfig), given only for it: llama.cpp's sizes, or a server's
-    address, dialect, key variable, timeouts and load (`server`, for --engine http)."""
-    if engine == "llama.cpp":
-        return {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "flash_attn": flash_attn}
-    if engine == "http":
-        return dict(server or {})
-    given = {k for k, v in (server or {}).items() if v not in (None, "", 0, "auto")}
-    if given:
-        raise StageReplayError(f"--{sorted(given)[0].replace('_', '-')} is for --engine http",
-                               "pass --engine http --url http://HOST:PORT, or drop it")
-    return {}
+# A serving engine's own options: None (or off) unless given, so that one another engine does not take is refused
+# (serving.seam.options_of), never silently dropped. Each engine's module says its default.
+BlockSize = Annotated[int | None, typer.Option("--block-size", help=(
+    "vllm: tokens per K/V block (its prefix cache reuses whole blocks; default 32)"))]
+NCtx = Annotated[int | None, typer.Option("--n-ctx", help="llama.cpp: context positions (default 4096)")]
+NBatch = Annotated[int | None, typer.Option("--n-batch", help="llama.cpp: prompt tokens per batch (-b; default 512)")]
+NUbatch = Annotated[int | None, typer.Option("--n-ubatch", help="llama.cpp: micro-batch size (-ub; default 512)")]
+FlashAttn = Annotated[bool, typer.Option("--flash-attn", help="llama.cpp: flash attention (-fa)")]
+Repack = Annotated[bool, typer.Option("--repack", help=(
+    "llama.cpp: weights repacked for this CPU's wider kernels (its extra buffer types: other kernels, other bits)"))]
+Url = Annotated[str | None, typer.Option("--url", help="http: the running server, http://HOST:PORT")]
+Api = Annotated[str | None, typer.Option("--api", help=(
+    "http: auto (the default) | llama-server (/completion) | openai (/v1/completions: vllm serve)"))]
+ApiKeyEnv = Annotated[str | None, typer.Option("--api-key-env", help=(
+    "http: the environment variable holding the API key (default OPENAI_API_KEY; the key is never recorded)"))]
+SlotRestore = Annotated[bool, typer.Option("--slot-restore", help=(
+    "http: live's slot saved and restored into another, continued there (llama-server --slot-save-path)"))]
+Concurrency = Annotated[int | None, typer.Option("--concurrency", help=(
+    "http: other items' requests in flight around the under-load arms (default 0: none)"))]
+Timeout = Annotated[float | None, typer.Option("--timeout", help="http: seconds per request (default 600)")]
+Retries = Annotated[int | None, typer.Option("--retries", help="http: retries of an unanswered request (default 2)")]
+
+
+def given(**options: Any) -> dict[str, Any]:
+    """The engine options the command line gave: those not left at None (or off)."""
+    return {k: v for k, v in options.items() if v is not None and v is not False}
 
 
 RunDir = Annotated[Path, typer.Argument(help="a run directory made by `stagereplay matched` or `paper`")]
@@ -113,7 +129,7 @@ MovedServer = Annotated[str | None, typer.Option("--url", help=(
 
 
 def relocation(model: str | None, later_model: str | None, data: str | None = None, server: str | None = None
-               ) -> Any:
+               ) -> Relocation:
     from stagereplay.audit.relocate import Relocation
 
     return Relocation(model, later_model, data, server)

@@ -42,12 +42,13 @@ def audit(
     under this machine's other kernels (the first line names the fields that differ)."""
 
     def go() -> None:
-        from stagereplay.audit.reexecute import AuditConfig, exit_code
+        from stagereplay.audit.reexecute import exit_code
         from stagereplay.report.audit_lines import finding_lines, verdict_line
+        from stagereplay.runs import AuditConfig, ExecConfig, Extension
         from stagereplay.runs import audit as run
 
-        res = run(run_dir, verify_only, workers, executor, quiet, AuditConfig(sample, seed),
-                  relocation(model, later_model, data, url))
+        on = Extension(ex=ExecConfig(workers, executor), where=relocation(model, later_model, data, url))
+        res = run(run_dir, AuditConfig(sample, seed), verify_only, on, quiet)
         for moved in res.get("relocated", []):
             typer.echo(f"note: {moved['input']} found at {moved['here']} ({moved['how']}), recorded at "
                        f"{moved['recorded']}", err=True)

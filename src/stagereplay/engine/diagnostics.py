@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     import torch
 
 LAST_BAND = 16  # the last positions before the boundary get their own band
-STATS = ("maxabs", "rel_l2", "n_diff")
 
 
 def _finite(x: float) -> float | None:

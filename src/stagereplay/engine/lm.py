@@ -60,9 +60,6 @@ from stagereplay.tasks.base import Item
 
 log = logging.getLogger(__name__)
 
-CONSTRUCTIONS = ("live", "incremental", "oneshot", "chunked:<n>", "retokenized")
-
-
 def ids_fingerprint(ids: Sequence[int]) -> str:
     """sha256 of token IDs as little-endian int64."""
     return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()

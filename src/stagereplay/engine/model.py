@@ -8,14 +8,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from stagereplay.errors import StageReplayError
 
 if TYPE_CHECKING:
     import torch
 
-Precision = Literal["bf16", "fp16", "fp32", "fp32-compute"]
 PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp32-compute")
 ATTN_IMPLS: tuple[str, ...] = ("eager", "sdpa")
 AUTO = "auto"
@@ -354,7 +353,7 @@ def _placement(device: str) -> dict[str, Any]:
     On a GPU, a one-device `device_map` makes transformers materialise each tensor there as it reads it: no full
     host copy first (55 GiB of host RAM for a 14B model in fp32 otherwise), and no dispatch hooks, since there is
     one device. transformers needs `accelerate` for it (`pip install 'stagereplay[gpu]'`); without it the model
-    loads to the host and moves, as before. On the CPU the weights are read into host memory directly anyway.
+    loads to the host and then moves. On the CPU the weights are read into host memory directly anyway.
     """
     if not device.startswith("cuda"):
         return {}

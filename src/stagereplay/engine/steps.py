@@ -2,7 +2,7 @@
 
 Memory scales with the caches, never with steps x vocabulary: at V = 152k a suffix of 4,096 steps would hold
 1.2 GB of bf16 logits per arm. So each step is reduced on its device as it is made, into preallocated buffers
-(no allocation of ours per step, no host sync: the sampler's pick is the loop's one sync, as before):
+(no allocation of ours per step, no host sync: the sampler's pick is the loop's one sync):
 
 - the top-k token ids and fp32 logits (k = 5), `values` / `ids` [S, k]; the margin (top-1 minus top-2 fp32
   logit, LayerCast's quantity) is `values[:, 0] - values[:, 1]`, the same fp32 numbers a top-2 of the stacked

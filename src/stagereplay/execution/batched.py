@@ -38,9 +38,9 @@ def fewer_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
     """Hold glibc to `arenas` malloc arenas in this process (where the C library is glibc; elsewhere nothing).
 
     glibc gives a thread that allocates while another holds an arena an arena of its own, up to 8 per core, and
-    memory freed in one stays there: item threads allocating K/V and logits raised the peak RSS of
-    `bench/scale.py --batch 8` to 1,110 MiB (1,021 MiB with this hold from the first batch on). The item threads
-    take turns under the interpreter lock, so more arenas buy them nothing. Like MALLOC_ARENA_MAX, which it leaves
+    memory freed in one stays there, so item threads allocating K/V and logits raise the peak RSS
+    (`bench/scale.py --batch 8` measures it). The item threads take turns under the interpreter lock, so more arenas
+    buy them nothing. Like MALLOC_ARENA_MAX, which it leaves
     alone when set."""
     import ctypes
     import os

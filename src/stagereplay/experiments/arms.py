@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from stagereplay.engine.forwards import Lengths
 from stagereplay.engine.lm import LM, BoundaryState, Continuation
+from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.ledger import sha256_json
 from stagereplay.records.payloads import Arm, Comparison, GridPayload, MatchedPayload, NoBoundaryPayload
-from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
 
@@ -116,3 +117,12 @@ def no_boundary(item: Item, generated: Sequence[int], nulls: bool = True) -> NoB
 def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
     """`no_boundary`, as the record holds it."""
     return no_boundary(item, generated).as_payload()
+
+
+def record_lengths(payload: dict[str, Any]) -> Lengths:
+    """A record's measured lengths: prompt, stage 1, each arm's suffix (a no_boundary record: generated)."""
+    prompt = len(payload.get("prompt_ids") or [])
+    if payload.get("status") != "ok":
+        return Lengths(prompt, None, 0, generated=len(payload.get("generated_ids") or []))
+    arms = tuple((a["name"], len(a["suffix_ids"])) for a in payload.get("arms", []))
+    return Lengths(prompt, payload["boundary"] - prompt, 0, arms)

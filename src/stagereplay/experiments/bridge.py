@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter
 
@@ -17,11 +18,13 @@ from stagereplay.engine.forwards import (
 from stagereplay.engine.lm import LM, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.arms import arm_record, compare, no_boundary
+from stagereplay.experiments.arms import arm_record, compare, no_boundary, record_lengths
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.jobs import Job, ReplaySettings, execute
+from stagereplay.experiments.experiment import Experiment, Replay, Stage, matched_ok
+from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, yes_no
+from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes
-from stagereplay.records.ledger import Run
+from stagereplay.records.ledger import Record, Run
 from stagereplay.records.payloads import BitDifference, BridgePayload, LayerFingerprints, NoBoundaryPayload
 
 EXPERIMENT = "bridge"
@@ -30,7 +33,14 @@ PAYLOAD: TypeAdapter[BridgePayload | NoBoundaryPayload] = TypeAdapter(
 """A bridge record's payload (`records.payloads`): live reached its boundary again, or not."""
 
 
-def bridge_item(lm: LM, job: Job) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BridgeParams(Params):
+    """A bridge job's parameters: the matched run's prefix of the item (whether live reaches it again is recorded)."""
+
+    prefix: tuple[int, ...]
+
+
+def bridge_item(lm: LM, job: Job[BridgeParams]) -> dict[str, Any]:
     item, s = job.item, job.settings
     try:
         live = lm.live(item, s.rule(), s.decode)
@@ -46,7 +56,7 @@ def bridge_item(lm: LM, job: Job) -> dict[str, Any]:
             for name, (state, cont) in runs.items()]
     return BridgePayload(
         status="ok", prompt_ids=list(item.prompt_ids), prefix_ids=list(live.prefix), boundary=len(live.prefix),
-        answer=item.answer, prefix_matches_matched_run=list(live.prefix) == list(job.get("prefix")),
+        answer=item.answer, prefix_matches_matched_run=list(live.prefix) == list(job.params.prefix),
         cache_equal=not diffs,
         differences=[BitDifference(**d.as_dict()) for d in diffs],
         layers={name: [LayerFingerprints(**layer) for layer in layers] for name, (_, layers) in hashed.items()},
@@ -68,5 +78,94 @@ def run_bridge(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoin
                ex: ExecConfig, quiet: bool = False) -> None:
     run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": model.as_dict(), "settings": settings.as_dict(),
                                                   "rows": rows})
-    jobs = [Job(item, settings, extra=(("prefix", prefix),)) for item, prefix in fixed_prefixes(run, checkpoint)]
+    jobs = [Job(item, settings, BridgeParams(tuple(prefix))) for item, prefix in fixed_prefixes(run, checkpoint)]
     execute(run, EXPERIMENT, checkpoint, model, bridge_item, jobs[:rows], ex, None, quiet)
+
+
+# -- what verify checks, results.json and the report -------------------------------------------------------------
+
+
+def bridge_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
+    bad = []
+    layers = p.get("layers", {})
+    bitwise = layers.get("live") == layers.get("incremental")
+    if p.get("cache_equal") != bitwise:
+        bad.append("cache_equal does not follow from the layer fingerprints")
+    if (not p.get("differences")) != bitwise:
+        bad.append("first_difference does not follow from the layer fingerprints")
+    first = (p.get("comparisons") or [{}])[0]
+    if first.get("cache_equal") != p.get("cache_equal"):
+        bad.append("cache_equal differs from its comparison's")
+    if matched is not None and p.get("prefix_matches_matched_run") != (
+            p.get("prefix_ids") == matched.payload.get("prefix_ids")):
+        bad.append("prefix_matches_matched_run does not follow from the matched record")
+    return bad
+
+
+def summarize_bridge(records: list[Record], checkpoint: str) -> dict[str, Any]:
+    ok = [r for r in records if r.payload["status"] == "ok"]
+    items = [{"item_id": r.item_id, "cache_equal": r.payload["cache_equal"],
+              "first_difference": (r.payload["differences"] or [None])[0],
+              "suffix_equal": r.payload["comparisons"][0]["suffix_equal"]} for r in ok]
+    return {"checkpoint": checkpoint, "rows": len(ok), "cache_bit_exact": sum(i["cache_equal"] for i in items),
+            "suffix_equal": sum(i["suffix_equal"] for i in items), "items": items}
+
+
+def bridge_tables(bridge: dict[str, Any]) -> list[Table]:
+    n = int(bridge["rows"])
+    summary = [[str(n), k_of_n(int(bridge["cache_bit_exact"]), n), k_of_n(int(bridge["suffix_equal"]), n)]]
+    tables = [
+        Table(
+            "table-bridge",
+            f"Bridge ({bridge['checkpoint']}): incremental vs live cache",
+            ("rows", "caches bit-exact", "suffixes equal"),
+            as_rows(summary),
+        )
+    ]
+    rows = []
+    for i in bridge.get("items") or []:
+        if i["cache_equal"] and i["suffix_equal"]:
+            continue
+        fd = i.get("first_difference")
+        where = f"layer {fd['layer']}, {fd['tensor']}, position {fd['position']}" if fd else NA
+        rows.append([i["item_id"], yes_no(i["cache_equal"]), where, yes_no(i["suffix_equal"])])
+    if rows:
+        headers = ("item", "cache equal", "first difference", "suffix equal")
+        tables.append(Table("table-bridge-differences", "Bridge rows that differ", headers, as_rows(rows)))
+    return tables
+
+
+class Bridge(Experiment):
+    """Incremental prefill against the retained live cache, bitwise, layer by layer (`bridge_item`)."""
+
+    name: ClassVar[str] = EXPERIMENT
+    label: ClassVar[str] = "bridge"
+    many: ClassVar[bool] = False
+    replays_diagnostics: ClassVar[bool] = True
+
+    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+        return bridge_item(lm, job)
+
+    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+              ) -> list[tuple[str, str]]:
+        """The first `rows` prefixes of its matched run."""
+        return [(i, "") for i in matched_ok(records, checkpoint)[: stage.get("rows", 0)]]
+
+    def claims(self, record: Record, stage: Stage, matched: Record | None) -> list[str]:
+        return bridge_claims(record.payload, matched) if record.payload.get("status") == "ok" else []
+
+    def replay_job(self, replay: Replay) -> Job:
+        return Job(replay.item, replay.settings, BridgeParams(tuple(replay.prefix or ())))
+
+    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+        return forwards(record_lengths(record.payload))
+
+    def peak_caches(self, stage: Stage) -> int:
+        return 3  # live's, incremental's, and a continuation's
+
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+        return [summarize_bridge(records, checkpoint)]
+
+    def tables(self, results: Any) -> list[Table]:
+        return bridge_tables(results) if results else []
+

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from stagereplay.engine.diagnostics import cache_difference, logit_comparison
 from stagereplay.engine.lm import BoundaryState, Continuation
 from stagereplay.engine.steps import replay_logits
+from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.payloads import Diagnostics, PairDiagnostics
-from stagereplay.report.stats import first_divergence
 
 if TYPE_CHECKING:
     import torch

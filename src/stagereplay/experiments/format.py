@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from stagereplay.report.stats import wilson_interval
+from stagereplay.experiments.stats import wilson_interval
 
 NA = "-"
 """How a value that cannot be computed prints."""
@@ -74,3 +75,8 @@ def yes_no(flag: bool) -> str:
 
 def as_rows(rows: list[list[str]]) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(str(c) for c in row) for row in rows)
+
+
+def slug(name: str) -> str:
+    """A checkpoint name made safe for an HTML id: `table-transplant-<slug>`."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-") or "x"

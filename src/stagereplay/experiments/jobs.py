@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from stagereplay.engine.boundary import BoundaryRule, parse_boundary
 from stagereplay.engine.decode import DecodeConfig
@@ -38,18 +38,37 @@ class ReplaySettings:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReplaySettings:
+        """The settings as a manifest stage records them (`as_dict`)."""
+        return cls(d["boundary"], DecodeConfig(**d["decode"]), d["scorer"])
+
 
 @dataclass(frozen=True)
-class Job:
+class Params:
+    """An experiment's parameters for one item's job, besides the item and the shared settings: each experiment
+    has its own frozen subclass (typed, picklable for worker processes and Ray actors)."""
+
+    @property
+    def part(self) -> str:
+        """The sub-unit of the item this job computes (a precision), '' for none: the record's `part`."""
+        return ""
+
+
+P = TypeVar("P", bound=Params)
+
+
+@dataclass(frozen=True)
+class Job(Generic[P]):
     """One item's work for one experiment; picklable so that worker processes and Ray actors can take it."""
 
     item: Item
     settings: ReplaySettings
-    part: str = ""
-    extra: tuple[tuple[str, Any], ...] = ()
+    params: P
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return dict(self.extra).get(key, default)
+    @property
+    def part(self) -> str:
+        return self.params.part
 
 
 def with_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:

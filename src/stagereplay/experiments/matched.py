@@ -4,7 +4,7 @@ with an exact replica from scratch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter
 
@@ -18,10 +18,20 @@ from stagereplay.engine.forwards import (
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, check_construction
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.arms import arm_record, compare, no_boundary_payload, with_token_texts
+from stagereplay.experiments.arms import (
+    arm_record,
+    compare,
+    no_boundary_payload,
+    record_lengths,
+    with_token_texts,
+)
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.jobs import Job, ReplaySettings, execute
-from stagereplay.records.ledger import Run
+from stagereplay.experiments.diagnostics_summary import summarize_pair
+from stagereplay.experiments.experiment import Experiment, Replay, Stage
+from stagereplay.experiments.format import NA, Table, as_rows, count_of, k_of_n, p_value, pct, points
+from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
+from stagereplay.experiments.stats import mcnemar_exact, paired_bootstrap_ci
+from stagereplay.records.ledger import Record, Run
 from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload
 from stagereplay.tasks import DataConfig
 
@@ -50,7 +60,14 @@ class MatchedConfig:
         return {"model": self.model.as_dict(), "settings": self.settings.as_dict(), "construction": self.construction}
 
 
-def matched_item(lm: LM, job: Job) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MatchedParams(Params):
+    """A matched job's parameters: the fresh construction set against live."""
+
+    construction: str = "oneshot"
+
+
+def matched_item(lm: LM, job: Job[MatchedParams]) -> dict[str, Any]:
     """Live + replica, construction + replica; the comparisons between them. Pure in (model, item, settings).
 
     Each replica's cache is dropped as soon as its record (with the cache fingerprint) is made: comparisons need
@@ -60,7 +77,7 @@ def matched_item(lm: LM, job: Job) -> dict[str, Any]:
     replica's boundary state with the cache its continuation grows (README, "caches alive").
     """
     item, s = job.item, job.settings
-    construction = job.get("construction", "oneshot")
+    construction = job.params.construction
     rule = s.rule()
     try:
         live = lm.live(item, rule, s.decode)
@@ -122,5 +139,242 @@ def run_matched(run: Run, config: MatchedConfig, items: list[Any], ex: ExecConfi
     """Append a matched record for every item not yet in the ledger."""
     stage = f"{EXPERIMENT}/{config.checkpoint}"
     run.begin_stage(stage, config.stage())
-    jobs = [Job(item, config.settings, extra=(("construction", config.construction),)) for item in items]
+    jobs = [Job(item, config.settings, MatchedParams(config.construction)) for item in items]
     execute(run, EXPERIMENT, config.checkpoint, config.model, matched_item, jobs, ex, lm, quiet)
+
+
+# -- results.json and the report ---------------------------------------------------------------------------------
+
+
+def _cmp(record: Record, a: str, b: str) -> dict[str, Any] | None:
+    for c in record.payload["comparisons"]:
+        if c["a"] == a and c["b"] == b:
+            return dict(c)
+    return None
+
+
+def summarize_matched(records: list[Record], construction: str, checkpoint: str, precision: str,
+                      seed: int = 0, n_resamples: int = 10_000) -> dict[str, Any]:
+    """The matched table: replica exactness, disagreements, accuracies, paired CI, McNemar, divergence indices.
+
+    A serving engine's arm whose construction did not take place (`took_place` false: its engine reported a fresh
+    prefill where a restore was asked for, say; `serving.evidence`) is not that construction: such items are
+    counted apart (`not_built`) and left out of this column's statistics."""
+    reached = [r for r in records if r.payload["status"] == "ok"]
+    built = [_built(r, construction) for r in reached]
+    ok = [r for r, b in zip(reached, built, strict=True) if b is not False]
+    rep_live = rep_other = 0
+    replicated = False  # whether the construction has replicas (a server's under-load arms are replicas themselves)
+    suffix_k = label_k = live_only = other_only = 0
+    live_acc, other_acc, divergence = [], [], []
+    for r in ok:
+        arms = {a["name"]: a for a in r.payload["arms"]}
+        lr, orr = _cmp(r, "live", "live#replica"), _cmp(r, construction, f"{construction}#replica")
+        # cache_equal is None where an engine records no cache fingerprint: the tokens then decide alone.
+        rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] is not False
+                         and r.payload["replica_prefix_equal"])
+        rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"] is not False)
+        replicated = replicated or orr is not None
+        main = _cmp(r, "live", construction)
+        assert main is not None
+        if not main["suffix_equal"]:
+            suffix_k += 1
+            divergence.append(main["first_divergence"])
+        a, b = arms["live"]["correct"], arms[construction]["correct"]
+        label_k += a != b
+        live_only += a and not b
+        other_only += b and not a
+        live_acc.append(int(a))
+        other_acc.append(int(b))
+    n = len(ok)
+    summary: dict[str, Any] = {
+        "checkpoint": checkpoint, "construction": construction, "precision": precision,
+        "n": len(records), "n_boundary": len(reached), "n_no_boundary": len(records) - len(reached),
+        "replica_exact": {"live": {"k": rep_live, "n": n},
+                          construction: {"k": rep_other, "n": n} if replicated or not n else None},
+        "suffix_disagreements": {"k": suffix_k, "n": n},
+        "label_disagreements": {"k": label_k, "n": n},
+        "accuracy": {"live": None, construction: None},
+        "accuracy_diff": None,
+        "discordant": {"live_only": live_only, "other_only": other_only},
+        "mcnemar_p": None,
+        "first_divergence": divergence,
+        **summarize_pair(ok, "live", construction),
+    }
+    if any(b is not None for b in built):  # a serving engine's counts say whether each arm was built as named
+        summary["built"] = {"k": built.count(True), "n": len(reached), "not_built": built.count(False),
+                            "unknown": built.count(None),
+                            "not_built_cached": [_arm(r, construction).get("num_cached_tokens")
+                                                 for r, b in zip(reached, built, strict=True) if b is False]}
+    cached = [a for r in reached for a in r.payload["arms"] if a["name"] == construction
+              and a.get("num_cached_tokens") is not None]
+    if cached:  # a serving engine's arm: how much of the prefix its cache supplied, and how much decoding wrote
+        summary["prefix_cache"] = {
+            "n": len(cached), "hits": sum(a["num_cached_tokens"] > 0 for a in cached),
+            "num_cached_tokens": sum(a["num_cached_tokens"] for a in cached),
+            "cached_from_decode": sum(a.get("cached_from_decode", 0) for a in cached),
+            "hits_with_decode_blocks": sum(a.get("cached_from_decode", 0) > 0 for a in cached)}
+    findings = [r.payload["load_finding"] for r in records if "load_finding" in r.payload]
+    if findings and construction == "live@load":  # a server's replicas under load (serving.matched.load_finding)
+        summary["load"] = {arm: {f: [x.get(arm) for x in findings].count(f)
+                                 for f in ("invariant", "batch-variant", "not self-consistent", "unknown")}
+                           for arm in ("live", "oneshot")}
+    if any("marker_inside_token" in r.payload for r in ok):  # a marker matched on text (engine.boundary)
+        summary["n_marker_inside_token"] = sum(bool(r.payload.get("marker_inside_token")) for r in ok)
+    if n:
+        la, oa = sum(live_acc) / n, sum(other_acc) / n
+        lo, hi = paired_bootstrap_ci(live_acc, other_acc, n_resamples=n_resamples, seed=seed)
+        summary["accuracy"] = {"live": la, construction: oa}
+        summary["accuracy_diff"] = {"estimate": la - oa, "ci": [lo, hi], "confidence": 0.95,
+                                    "n_resamples": n_resamples, "seed": seed}
+        summary["mcnemar_p"] = mcnemar_exact(live_only, other_only)
+    return summary
+
+
+def _arm(record: Record, name: str) -> dict[str, Any]:
+    return next((a for a in record.payload["arms"] if a["name"] == name), {})
+
+
+def _built(record: Record, construction: str) -> bool | None:
+    """Whether the record's arm of `construction` was built as named (None: nothing says; `serving.evidence`)."""
+    took = _arm(record, construction).get("took_place")
+    return None if took is None else bool(took)
+
+
+
+def matched_table(matched: list[dict[str, Any]]) -> Table:
+    """Rows are quantities, columns checkpoints, so two checkpoints read side by side."""
+    fresh = {m["construction"] for m in matched}
+    other = fresh.pop() if len(fresh) == 1 else "rebuilt"
+    labels = [
+        "items (boundary / no boundary)",
+        "replica exact, live",
+        f"replica exact, {other}",
+        "suffix disagreements",
+        "correctness-label disagreements",
+        "accuracy, live",
+        f"accuracy, {other}",
+        f"accuracy difference, live - {other} (points) [95% CI]",
+        f"discordant labels: live only / {other} only",
+        "McNemar exact p",
+    ]
+    columns = []
+    for m in matched:
+        c, diff = m["construction"], m.get("accuracy_diff")
+        accuracy, discordant = m.get("accuracy") or {}, m["discordant"]
+        ci = f"{points(diff['estimate'])} [{points(diff['ci'][0])}, {points(diff['ci'][1])}]" if diff else NA
+        columns.append(
+            [
+                f"{m['n']} ({m['n_boundary']} / {m['n_no_boundary']})",
+                count_of(m["replica_exact"].get("live")),
+                count_of(m["replica_exact"].get(c)),
+                count_of(m["suffix_disagreements"]),
+                count_of(m["label_disagreements"]),
+                pct(accuracy.get("live")),
+                pct(accuracy.get(c)),
+                ci,
+                f"{discordant['live_only']} / {discordant['other_only']}",
+                p_value(m.get("mcnemar_p")),
+            ]
+        )
+    if any("n_marker_inside_token" in m for m in matched):  # a marker matched on text (engine.boundary)
+        labels.insert(1, "boundary marker ended inside a token")
+        for m, col in zip(matched, columns, strict=True):
+            inside = m.get("n_marker_inside_token")
+            col.insert(1, NA if inside is None else k_of_n(inside, m["n_boundary"]))
+    if any(m.get("built") for m in matched):  # a serving engine's counts: was each arm built as its name says?
+        labels.insert(1, "built as named, by the engine's counts (the rest left out below)")
+        for m, col in zip(matched, columns, strict=True):
+            b = m.get("built")
+            col.insert(1, NA if not b or b["k"] + b["not_built"] == 0 else k_of_n(b["k"], b["k"] + b["not_built"]))
+    rows = [[label, *(col[i] for col in columns)] for i, label in enumerate(labels)]
+    headers = ("", *(f"{m['engine'] + ' ' if m.get('engine') else ''}{m['checkpoint']}: live vs {m['construction']} "
+                     f"@ {m['precision']}" for m in matched))
+    note = "Disagreements and accuracies are over items that reached the stage boundary."
+    for m in matched:
+        b = m.get("built")
+        if b and b["not_built"]:
+            why = NOT_BUILT.get(m["construction"].split("@")[0], "by the engine's counts")
+            note += (f" {m['construction']} @ {m['precision']} was not built as named on {b['not_built']} of "
+                     f"{b['n']} items ({why}; "
+                     f"cached positions reported: {_spread(b['not_built_cached'])}): those items are counted apart "
+                     "and left out of its column.")
+    for m in matched:
+        pc = m.get("prefix_cache")
+        if pc and pc["hits"]:
+            note += (f" {m['construction']} @ {m['precision']}: {pc['hits']}/{pc['n']} requests hit the prefix cache, "
+                     f"{pc['hits_with_decode_blocks']} of them on blocks live's decoding wrote "
+                     f"({pc['cached_from_decode']} of {pc['num_cached_tokens']} cached positions).")
+        load = m.get("load")
+        if load:
+            note += f" Under load (@ {m['precision']}, the server's replicas with other requests in flight), per item:"
+            for arm, n in load.items():
+                note += (f" {arm}: {n['invariant']} invariant, {n['batch-variant']} batch-variant (exact alone, "
+                         f"different under load), {n['not self-consistent']} not self-consistent (different even "
+                         f"alone), {n['unknown']} unknown;")
+    d = next((m["accuracy_diff"] for m in matched if m.get("accuracy_diff")), None)
+    if d:
+        note += (
+            f" CI: paired percentile bootstrap over items, {d.get('n_resamples')} resamples, "
+            f"seed {d.get('seed')}, confidence {d.get('confidence')}."
+        )
+    return Table("table-matched", "Matched: live cache vs fresh prefill", headers, as_rows(rows), note)
+
+
+NOT_BUILT = {
+    "live": "the engine took positions from a cache",
+    "oneshot": "the engine took positions from a cache: not a fresh prefill",
+    "prefix-cache": "no position written by live's decoding came from the cache",
+    "slot-restore": "the server did not continue from the restored slot but prefilled afresh",
+}
+"""Per arm, what it means that the engine did not build it as named (`serving.evidence.took_place`)."""
+
+
+def _spread(values: list[Any]) -> str:
+    """A list of counts as `a` or `a-b`."""
+    known = sorted(int(v) for v in values if v is not None)
+    if not known:
+        return NA
+    return str(known[0]) if known[0] == known[-1] else f"{known[0]}-{known[-1]}"
+
+
+
+
+class Matched(Experiment):
+    """Live vs a fresh construction of the same token IDs, each with an exact replica (`matched_item`)."""
+
+    name: ClassVar[str] = EXPERIMENT
+    replays_diagnostics: ClassVar[bool] = True
+
+    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+        return matched_item(lm, job)
+
+    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+              ) -> list[tuple[str, str]]:
+        """Every item id of the run."""
+        return [(i, "") for i in config.get("item_ids", [])]
+
+    def replay_job(self, replay: Replay) -> Job:
+        return Job(replay.item, replay.settings, MatchedParams(replay.stage["construction"]))
+
+    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+        return forwards(record_lengths(record.payload), stage["construction"])
+
+    def peak_caches(self, stage: Stage) -> int:
+        return 4  # live's and the fresh construction's boundary states, a replica's state and its continuation's
+
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+        """One section per arm set against live: the construction, or a serving engine's arms (one column each)."""
+        out = []
+        for construction in stage.get("arms", [stage["construction"]]):
+            summary = summarize_matched(records, construction, checkpoint, stage["model"]["precision"])
+            out.append({"engine": stage["engine"]["name"], **summary} if "engine" in stage else summary)
+        return out
+
+    def tables(self, results: Any) -> list[Table]:
+        return [matched_table(results)] if results else []
+
+    def diagnosed(self, results: Any) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+        return [(f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}", m, m["suffix_disagreements"])
+                for m in results or [] if m.get("margins") is not None]
+

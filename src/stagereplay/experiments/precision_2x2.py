@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 from pydantic import TypeAdapter
 
@@ -13,12 +13,22 @@ from stagereplay.engine.lm import LM, BoundaryState, Continuation, check_constru
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.arms import arm_record, carried_arm, compare, matched_arms, with_token_texts
+from stagereplay.experiments.arms import (
+    arm_record,
+    carried_arm,
+    compare,
+    matched_arms,
+    record_lengths,
+    with_token_texts,
+)
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.jobs import Job, ReplaySettings, execute
-from stagereplay.records.ledger import Run
+from stagereplay.experiments.diagnostics_summary import summarize_pair
+from stagereplay.experiments.experiment import Experiment, Replay, Stage, matched_ok
+from stagereplay.experiments.format import NA, Table, as_rows, interval, k_of_n, pct, wilson_or_given
+from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
+from stagereplay.experiments.stats import first_divergence, wilson_interval
+from stagereplay.records.ledger import Record, Run
 from stagereplay.records.payloads import Arm, Diagnostics, GridPayload
-from stagereplay.report.stats import first_divergence
 from stagereplay.tasks.base import Item
 
 EXPERIMENT = "precision_2x2"
@@ -34,7 +44,26 @@ def fixed_state(item: Item, prefix: list[int], settings: ReplaySettings, lm: LM)
                          cache_len=lm.cache_len(len(item.prompt_ids), settings.decode))
 
 
-def grid_item(lm: LM, job: Job) -> dict[str, Any]:
+Carried = tuple[tuple[str, str, dict[str, Any], list[Any]], ...]
+"""(construction, `matched/<checkpoint>:<arm>`, that arm, its step margins) per carried-over arm (`reused_arms`)."""
+
+
+@dataclass(frozen=True)
+class GridParams(Params):
+    """A 2x2 job's parameters: the fixed prefix, the constructions, the precision (the record's part) and the
+    matched arms it may carry over."""
+
+    prefix: tuple[int, ...]
+    constructions: tuple[str, ...]
+    precision: str
+    reuse: Carried = ()
+
+    @property
+    def part(self) -> str:
+        return self.precision
+
+
+def grid_item(lm: LM, job: Job[GridParams]) -> dict[str, Any]:
     """Every construction at this process's precision on one fixed prefix, and their pairwise comparison.
 
     With `reuse` (see `reused_arms`), a construction whose arm the matched run already computed on this model
@@ -46,9 +75,9 @@ def grid_item(lm: LM, job: Job) -> dict[str, Any]:
     full and recorded as its own.
     """
     item, s = job.item, job.settings
-    state = fixed_state(item, job.get("prefix"), s, lm)
-    reuse = {c: (source, arm, margins) for c, source, arm, margins in job.get("reuse") or ()}
-    built = {f"{c}@{lm.config.precision}": (c, lm.construct(state, c)) for c in job.get("constructions")}
+    state = fixed_state(item, list(job.params.prefix), s, lm)
+    reuse = {c: (source, arm, margins) for c, source, arm, margins in job.params.reuse}
+    built = {f"{c}@{lm.config.precision}": (c, lm.construct(state, c)) for c in job.params.constructions}
     conts: dict[str, Continuation] = {}
     for name, (c, b) in built.items():
         if c not in reuse:
@@ -114,7 +143,7 @@ the carried arm's cache fingerprint checks item by item)."""
 
 
 def reused_arms(grid_stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any],
-                checkpoint: str, precision: str) -> tuple[tuple[str, str, dict[str, Any], list[Any]], ...]:
+                checkpoint: str, precision: str) -> Carried:
     """(construction, `matched/<checkpoint>:<arm>`, that arm, its step margins) for each construction of the 2x2
     at `precision` that would repeat an arm of the matched record: the same model at the same precision, the
     same settings, from the same prefix (the 2x2's prefixes are the matched run's), and the same forwards (the
@@ -161,8 +190,149 @@ def run_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: 
     matched_stage = run.manifest.get("stages", {}).get(f"matched/{checkpoint}")
     matched = {r.item_id: r.payload for r in run.find("matched", checkpoint)}
     for precision in precisions:
-        jobs = [Job(item, settings, part=precision, extra=(
-                    ("prefix", prefix), ("constructions", constructions),
-                    ("reuse", reused_arms(stage, matched_stage, matched[item.id], checkpoint, precision))))
+        jobs = [Job(item, settings, GridParams(tuple(prefix), constructions, precision,
+                                               reused_arms(stage, matched_stage, matched[item.id], checkpoint, precision)))
                 for item, prefix in fixed]
         execute(run, EXPERIMENT, checkpoint, model.with_precision(precision), grid_item, jobs, ex, None, quiet)
+
+
+# -- results.json and the report ---------------------------------------------------------------------------------
+
+
+def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+    constructions, precisions = stage["constructions"], stage["precisions"]
+    cells, disagreements = [], []
+    for precision in precisions:
+        mine = [r for r in records if r.part == precision]
+        for c in constructions:
+            name = f"{c}@{precision}"
+            correct = [a["correct"] for r in mine for a in r.payload["arms"] if a["name"] == name]
+            cells.append({"construction": c, "precision": precision, "n": len(correct),
+                          "accuracy": sum(correct) / len(correct) if correct else None})
+        first = [r.payload["comparisons"][0] for r in mine if r.payload["comparisons"]]
+        k = sum(not c["suffix_equal"] for c in first)
+        n = len(first)
+        more = _more_pairs(mine)
+        disagreements.append({
+            **({"pairs": more} if more else {}),
+            "precision": precision, "k": k, "n": n,
+            "wilson": list(wilson_interval(k, n)) if n else None,
+            "label_k": sum(not c["label_equal"] for c in first),
+            "first_divergence": [c["first_divergence"] for c in first if not c["suffix_equal"]],
+            **(summarize_pair(mine, first[0]["a"], first[0]["b"]) if first else {}),
+        })
+    return {"checkpoint": checkpoint, "constructions": constructions, "precisions": precisions,
+            "n": max((d["n"] for d in disagreements), default=0), "cells": cells, "disagreements": disagreements}
+
+
+def _more_pairs(records: list[Record]) -> list[dict[str, Any]]:
+    """With three or more arms (a serving engine's run), every compared pair past the first: its disagreements."""
+    ok = [r for r in records if len(r.payload["comparisons"]) > 1]
+    if not ok:
+        return []
+    out = []
+    for j, c in enumerate(ok[0].payload["comparisons"][1:], start=1):
+        cs = [r.payload["comparisons"][j] for r in ok]
+        k, n = sum(not x["suffix_equal"] for x in cs), len(cs)
+        out.append({"a": c["a"], "b": c["b"], "k": k, "n": n, "wilson": list(wilson_interval(k, n)),
+                    "label_k": sum(not x["label_equal"] for x in cs)})
+    return out
+
+
+def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
+    """Accuracy per cell (construction x precision), then disagreements per precision with Wilson 95%."""
+    precisions = list(grid["precisions"])
+    cells = {(c["construction"], c["precision"]): c for c in grid["cells"]}
+    accuracy = []
+    for construction in grid["constructions"]:
+        row = [construction]
+        for p in precisions:
+            cell = cells.get((construction, p))
+            row.append(f"{pct(cell.get('accuracy'))} (n={cell['n']})" if cell else NA)
+        accuracy.append(row)
+    a, b = [*grid["constructions"], "?", "?"][:2]
+    disagreements = []
+    for d in grid["disagreements"]:
+        k, n = int(d["k"]), int(d["n"])
+        label = k_of_n(int(d["label_k"]), n) if d.get("label_k") is not None else NA
+        disagreements.append([d["precision"], k_of_n(k, n), interval(wilson_or_given(k, n, d.get("wilson"))), label])
+        for pair in d.get("pairs") or []:  # a serving engine's run crosses three arms: every other pair too
+            pk, pn = int(pair["k"]), int(pair["n"])
+            names = f"{pair['a'].split('@')[0]} vs {pair['b'].split('@')[0]}"
+            disagreements.append([f"{d['precision']}: {names}", k_of_n(pk, pn),
+                                  interval(wilson_or_given(pk, pn, pair.get("wilson"))), k_of_n(int(pair["label_k"]), pn)])
+    ckpt = grid["checkpoint"]
+    return [
+        Table(
+            "table-2x2",
+            f"Fixed-prefix 2x2 ({ckpt}): accuracy",
+            ("construction", *precisions),
+            as_rows(accuracy),
+            f"All {grid['n']} prefixes held fixed; only construction and precision change.",
+        ),
+        Table(
+            "table-2x2-disagreements",
+            f"Fixed-prefix 2x2 ({ckpt}): {a} vs {b} disagreements",
+            ("precision", "suffix disagreements", "Wilson 95%", "label disagreements"),
+            as_rows(disagreements),
+            "0/n is reported with its Wilson upper bound.",
+        ),
+    ]
+
+
+def grid_lengths(payload: dict[str, Any]) -> Lengths:
+    """A 2x2 record's lengths, with the steps each arm it carried over from matched was decoded again for its
+    diagnostics (`diagnostic_steps`: against every other arm's suffix, as `grid_item` runs it)."""
+    n = record_lengths(payload)
+    arms = payload.get("arms", [])
+    looks = tuple((str(a["construction"]), diagnostic_steps(a["suffix_ids"], [tuple(o["suffix_ids"]) for o in arms
+                                                                             if o is not a]))
+                  for a in arms if a.get("same_as"))
+    return Lengths(n.prompt, n.stage1, 0, n.arms, looks=looks)
+
+
+class PrecisionGrid(Experiment):
+    """The matched run's prefixes held fixed, construction crossed with precision (`grid_item`)."""
+
+    name: ClassVar[str] = EXPERIMENT
+    label: ClassVar[str] = "2x2"
+    fixed_prefix: ClassVar[bool] = True
+    per_precision: ClassVar[bool] = True
+    many: ClassVar[bool] = False
+    replays_diagnostics: ClassVar[bool] = True
+
+    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+        return grid_item(lm, job)
+
+    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+              ) -> list[tuple[str, str]]:
+        """Every prefix of its matched run, at each precision."""
+        ok = matched_ok(records, checkpoint)
+        return [(i, p) for p in stage.get("precisions", []) for i in ok]
+
+    def replay_job(self, replay: Replay) -> Job:
+        checkpoint, part = replay.record.checkpoint, replay.record.part
+        reuse = () if replay.matched is None else reused_arms(replay.stage, replay.matched_stage, replay.matched,
+                                                              checkpoint, part)
+        return Job(replay.item, replay.settings, GridParams(tuple(replay.prefix or ()),
+                                                            tuple(replay.stage["constructions"]), part, reuse))
+
+    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+        return forwards(grid_lengths(record.payload), tuple(stage["constructions"]), record.part)
+
+    def peak_caches(self, stage: Stage) -> int:
+        return len(stage.get("constructions", ())) + 1  # every construction's state, and one continuation's
+
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+        return [summarize_2x2(records, stage, checkpoint)]
+
+    def tables(self, results: Any) -> list[Table]:
+        return precision_2x2_tables(results) if results else []
+
+    def diagnosed(self, results: Any) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+        if not results:
+            return []
+        a, b = [*results["constructions"], "?", "?"][:2]
+        return [(f"2x2 {results['checkpoint']}: {a} vs {b} @ {d['precision']}", d, d)
+                for d in results.get("disagreements") or [] if d.get("margins") is not None]
+

@@ -21,8 +21,9 @@ record, so the audit re-executes and checks every one, and the export gives one 
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import TypeAdapter
 
@@ -32,9 +33,20 @@ from stagereplay.engine.lm import LM, BoundaryState, NoBoundary, check_construct
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.jobs import Job, ReplaySettings, execute
+from stagereplay.experiments.arms import record_lengths
+from stagereplay.experiments.experiment import Experiment, Replay, Stage
+from stagereplay.experiments.format import NA, Table, k_of_n, points
+from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
-from stagereplay.records.ledger import Run
+from stagereplay.experiments.stats import (
+    MONTE_CARLO_TABLES,
+    TWO_SAMPLE_TEST,
+    benjamini_hochberg,
+    paired_bootstrap_ci,
+    total_variation,
+    two_sample_answer_test,
+)
+from stagereplay.records.ledger import Record, Run
 from stagereplay.records.payloads import Draw, ResamplePayload
 from stagereplay.tasks.scoring import answer_extractor, scorer_by_name
 
@@ -77,6 +89,21 @@ class ResampleConfig:
                             top_k=self.top_k, top_p=self.top_p)
 
 
+@dataclass(frozen=True)
+class ResampleParams(Params):
+    """A resample job's parameters: the matched prefix, the draws, the precision (the record's part) and what
+    stands in for live there (`live`: live generation again; `incremental` at another precision)."""
+
+    prefix: tuple[int, ...]
+    config: ResampleConfig
+    precision: str
+    live_source: str
+
+    @property
+    def part(self) -> str:
+        return self.precision
+
+
 def draw_names(construction: str, k: int) -> list[str]:
     """The arms `resample_item` draws, in order: K per (state, stream)."""
     return [f"{name}:{stream}{j}" for name, stream in (("live", "A"), (construction, "A"), ("live#replica", "A"),
@@ -100,10 +127,10 @@ def draw_seed(seed: int, item_id: str, stream: str, j: int) -> int:
     return derive_seed(seed, item_id, EXPERIMENT, stream, str(j))
 
 
-def _states(lm: LM, job: Job) -> tuple[BoundaryState, BoundaryState] | None:
+def _states(lm: LM, job: Job[ResampleParams]) -> tuple[BoundaryState, BoundaryState] | None:
     """(live, live replica) for the job's prefix, or None when live generation no longer reaches it."""
-    item, s, prefix = job.item, job.settings, tuple(job.get("prefix"))
-    if job.get("live_source") == "incremental":
+    item, s, prefix = job.item, job.settings, job.params.prefix
+    if job.params.live_source == "incremental":
         fixed = fixed_state(item, list(prefix), s, lm)
         return lm.construct(fixed, "incremental"), lm.construct(fixed, "incremental")
     try:
@@ -114,15 +141,15 @@ def _states(lm: LM, job: Job) -> tuple[BoundaryState, BoundaryState] | None:
     return (live, replica) if live.prefix == prefix == replica.prefix else None
 
 
-def resample_item(lm: LM, job: Job) -> dict[str, Any]:
+def resample_item(lm: LM, job: Job[ResampleParams]) -> dict[str, Any]:
     """5K draws for one item: live(A), fresh(A), live replica(A), fresh(B), live(C). Pure in (model, job)."""
     item, s = job.item, job.settings
-    cfg = ResampleConfig(**dict(job.get("config")))
+    cfg = job.params.config
     states = _states(lm, job)
 
     def payload(status: Literal["ok", "not_reproduced"], boundary: int | None, draws: list[Draw]) -> ResamplePayload:
-        return ResamplePayload(status=status, prompt_ids=list(item.prompt_ids), prefix_ids=list(job.get("prefix")),
-                               boundary=boundary, answer=item.answer, live_source=job.get("live_source"),
+        return ResamplePayload(status=status, prompt_ids=list(item.prompt_ids), prefix_ids=list(job.params.prefix),
+                               boundary=boundary, answer=item.answer, live_source=job.params.live_source,
                                arms=draws, comparisons=[])
 
     if states is None:
@@ -148,10 +175,11 @@ def resample_item(lm: LM, job: Job) -> dict[str, Any]:
     return payload("ok", len(live.prefix), draws).as_payload()
 
 
-def job_extra(stage: dict[str, Any], part: str, prefix: list[int] | None) -> tuple[tuple[str, Any], ...]:
-    """What a resample job needs besides the item, from its frozen stage: shared by the run and its audit."""
-    live_source = "live" if part == stage["model"]["precision"] else "incremental"
-    return ("prefix", prefix), ("config", tuple(stage["config"].items())), ("live_source", live_source)
+def resample_params(stage: dict[str, Any], precision: str, prefix: list[int] | None) -> ResampleParams:
+    """A resample job's parameters, from its frozen stage: shared by the run and its audit."""
+    live_source = "live" if precision == stage["model"]["precision"] else "incremental"
+    config = ResampleConfig(**stage["config"])
+    return ResampleParams(tuple(prefix or ()), config, precision, live_source)
 
 
 def run_resample(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, cfg: ResampleConfig,
@@ -168,5 +196,179 @@ def run_resample(run: Run, model: ModelConfig, settings: ReplaySettings, checkpo
     run.begin_stage(f"{EXPERIMENT}/{checkpoint}", stage)
     stage = run.manifest["stages"][f"{EXPERIMENT}/{checkpoint}"]
     for p in precisions:
-        jobs = [Job(item, settings, part=p, extra=job_extra(stage, p, prefix)) for item, prefix in fixed]
+        jobs = [Job(item, settings, resample_params(stage, p, prefix)) for item, prefix in fixed]
         execute(run, EXPERIMENT, checkpoint, model.with_precision(p), resample_item, jobs, ex, None, quiet)
+
+
+# -- results.json and the report ---------------------------------------------------------------------------------
+
+
+FDR = 0.05
+"""False-discovery rate of the Benjamini-Hochberg procedure over the items' answer-distribution tests."""
+
+
+def _draws(record: Record, state: str, stream: str) -> list[dict[str, Any]]:
+    return sorted((a for a in record.payload["arms"] if a["state"] == state and a["stream"] == stream),
+                  key=lambda a: a["draw"])
+
+
+def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
+    """mean(a - b) with its paired percentile bootstrap 95% CI over items."""
+    if not a:
+        return {"estimate": None, "ci": None}
+    lo, hi = paired_bootstrap_ci(a, b, seed=seed)
+    return {"estimate": sum(a) / len(a) - sum(b) / len(b), "ci": [lo, hi]}
+
+
+def summarize_resample(records: list[Record], stage: dict[str, Any], checkpoint: str) -> list[dict[str, Any]]:
+    """One entry per precision: coupled differences, independent answer distributions, the accuracy bias."""
+    cfg = stage["config"]
+    fresh = cfg["construction"]
+    out = []
+    for precision in stage["precisions"]:
+        mine = [r for r in records if r.part == precision]
+        ok = [r for r in mine if r.payload["status"] == "ok"]
+        coupled = {"draws": 0, "replica_differ": 0, "fresh_differ": 0, "answer_differ": 0, "label_differ": 0}
+        tv_fresh, tv_null, p_fresh, p_null = [], [], [], []
+        acc_live, acc_fresh, acc_null = [], [], []
+        for r in ok:
+            live, rep, fa = _draws(r, "live", "A"), _draws(r, "live#replica", "A"), _draws(r, fresh, "A")
+            fb, lc = _draws(r, fresh, "B"), _draws(r, "live", "C")
+            coupled["draws"] += len(live)
+            coupled["replica_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, rep, strict=True))
+            coupled["fresh_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, fa, strict=True))
+            coupled["answer_differ"] += sum(x["answer"] != y["answer"] for x, y in zip(live, fa, strict=True))
+            coupled["label_differ"] += sum(x["correct"] != y["correct"] for x, y in zip(live, fa, strict=True))
+            answers = {name: [d["answer"] for d in draws] for name, draws in (("A", live), ("B", fb), ("C", lc))}
+            test_seed = zlib.crc32(r.item_id.encode())  # per item, so a resumed or merged run gets the same p
+            tv_fresh.append(total_variation(answers["A"], answers["B"]))
+            tv_null.append(total_variation(answers["A"], answers["C"]))
+            p_fresh.append(two_sample_answer_test(answers["A"], answers["B"], test_seed))
+            p_null.append(two_sample_answer_test(answers["A"], answers["C"], test_seed))
+            acc_live.append(sum(d["correct"] for d in live) / len(live))
+            acc_fresh.append(sum(d["correct"] for d in fb) / len(fb))
+            acc_null.append(sum(d["correct"] for d in lc) / len(lc))
+        bias = _mean_ci(acc_live, acc_fresh)
+        out.append({
+            "checkpoint": checkpoint, "precision": precision, "construction": fresh,
+            "k": cfg["k"], "temperature": cfg["temperature"], "top_p": cfg["top_p"], "top_k": cfg["top_k"],
+            "seed": cfg["seed"], "n_items": len(ok), "n_not_reproduced": len(mine) - len(ok),
+            "live_source": ok[0].payload["live_source"] if ok else None,
+            "items": [r.item_id for r in ok],
+            "coupled": coupled,
+            "independent": {
+                "test": TWO_SAMPLE_TEST, "monte_carlo_tables": MONTE_CARLO_TABLES, "fdr": FDR,
+                "tv_fresh": tv_fresh, "tv_null": tv_null, "excess_tv": _mean_ci(tv_fresh, tv_null),
+                "p_values": p_fresh, "p_values_null": p_null,
+                "rejected_bh": sum(benjamini_hochberg(p_fresh, FDR)),
+                "rejected_bh_null": sum(benjamini_hochberg(p_null, FDR)),
+            },
+            "accuracy": {"live": _mean(acc_live), fresh: _mean(acc_fresh)},
+            "accuracy_bias": {**bias, "per_item": [a - b for a, b in zip(acc_live, acc_fresh, strict=True)]},
+            "accuracy_bias_null": _mean_ci(acc_live, acc_null),
+        })
+    return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _resample_where(e: dict[str, Any]) -> str:
+    return f"{e['checkpoint']} @ {e['precision']}"
+
+
+def _points_ci(d: dict[str, Any] | None) -> str:
+    """'+1.0 [-3.5, +5.5]' in points, or '-'."""
+    if not d or d.get("estimate") is None:
+        return NA
+    return f"{points(d['estimate'])} [{points(d['ci'][0])}, {points(d['ci'][1])}]"
+
+
+def _mean3(xs: list[float]) -> str:
+    return f"{sum(xs) / len(xs):.3f}" if xs else NA
+
+
+def _tv_ci(d: dict[str, Any] | None) -> str:
+    """A difference of TV distances with its CI, three decimals: '+0.012 [-0.004, +0.031]'."""
+    if not d or d.get("estimate") is None:
+        return NA
+    return f"{d['estimate'] + 0.0:+.3f} [{d['ci'][0] + 0.0:+.3f}, {d['ci'][1] + 0.0:+.3f}]"
+
+
+def resample_tables(entries: list[dict[str, Any]]) -> list[Table]:
+    """Coupled draws (shared seeds), then independent answer distributions and the accuracy bias."""
+    first = entries[0]
+    top_k = first["top_k"] or "off"
+    setting = (f"K = {first['k']} draws per state and seed stream, temperature {first['temperature']}, "
+               f"top-p {first['top_p']}, top-k {top_k}, seed {first['seed']}.")
+    coupled = []
+    independent = []
+    for e in entries:
+        c, ind = e["coupled"], e["independent"]
+        coupled.append([_resample_where(e), str(e["n_items"]), k_of_n(c["replica_differ"], c["draws"]),
+                        k_of_n(c["fresh_differ"], c["draws"]), k_of_n(c["answer_differ"], c["draws"])])
+        n = len(ind["p_values"])
+        independent.append([_resample_where(e), _mean3(ind["tv_fresh"]), _mean3(ind["tv_null"]),
+                            _tv_ci(ind["excess_tv"]), f"{ind['rejected_bh']}/{n} ({ind['rejected_bh_null']}/{n})",
+                            _points_ci(e["accuracy_bias"])])
+    fresh = first["construction"]
+    return [
+        Table(
+            "table-resample-coupled",
+            f"Resample, coupled: live vs {fresh}, draw j seeded alike on both sides",
+            ("where", "items", "replica differs", "fresh differs", "answer differs"),
+            tuple(tuple(r) for r in coupled),
+            f"{setting} Counts are over items x K draws. 'replica differs': live vs a live replica, the "
+            "negative control (must be 0). A differing draw is the cache's doing: the seed is shared.",
+        ),
+        Table(
+            "table-resample-independent",
+            f"Resample, independent: answer distributions, live vs {fresh}",
+            ("where", "TV fresh", "TV null", "excess TV [95% CI]", "BH rejects (null)", "acc. bias pts [CI]"),
+            tuple(tuple(r) for r in independent),
+            f"Mean total-variation distance between the answer distributions of live draws (seeds A) and fresh "
+            f"draws (seeds B), and of live against more live draws (seeds C: the null). Excess TV = mean TV "
+            f"fresh - mean TV null, paired bootstrap over items. Per item, {first['independent']['test']} test "
+            f"(exact with two answers, else {first['independent']['monte_carlo_tables']} seeded Monte Carlo "
+            f"tables), Benjamini-Hochberg at FDR {first['independent']['fdr']}. Accuracy bias: per item, "
+            "accuracy of live draws minus fresh draws (what resampling-importance methods compute), mean "
+            "and paired bootstrap CI, in points.",
+        ),
+    ]
+
+
+class Resample(Experiment):
+    """K seeded draws from each boundary state: coupled and independent designs (`resample_item`)."""
+
+    name: ClassVar[str] = EXPERIMENT
+    label: ClassVar[str] = "resample"
+    fixed_prefix: ClassVar[bool] = True
+    per_precision: ClassVar[bool] = True
+
+    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+        return resample_item(lm, job)
+
+    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+              ) -> list[tuple[str, str]]:
+        """Its frozen items, at each precision."""
+        return [(i, p) for p in stage.get("precisions", []) for i in stage.get("items", [])]
+
+    def replay_job(self, replay: Replay) -> Job:
+        return Job(replay.item, replay.settings, resample_params(replay.stage, replay.record.part, replay.prefix))
+
+    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+        if record.payload.get("status") != "ok":
+            return None  # live generation no longer reached the prefix: how far it went is not recorded
+        source = resample_params(stage, record.part, None).live_source
+        return forwards(record_lengths(record.payload), stage["config"]["k"], stage["config"]["construction"], source)
+
+    def peak_caches(self, stage: Stage) -> int:
+        return 4  # live's, its replica's and the fresh state, and a draw's continuation
+
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+        return summarize_resample(records, stage, checkpoint)
+
+    def tables(self, results: Any) -> list[Table]:
+        return resample_tables(results) if results else []
+

@@ -7,9 +7,8 @@ selected items are frozen in the manifest before the first transplant runs: that
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter
 
@@ -19,9 +18,13 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms
-from stagereplay.experiments.jobs import Job, ReplaySettings, execute
-from stagereplay.records.ledger import Record, Run
+from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms, record_lengths
+from stagereplay.experiments.experiment import Experiment, Replay, Stage
+from stagereplay.experiments.format import NA, Table, as_rows, bound, k_of_n, slug, wilson_or_given
+from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
+from stagereplay.experiments.selection import divergent_ids, divergent_items, parse_selection, select
+from stagereplay.experiments.stats import first_divergence, wilson_interval
+from stagereplay.records.ledger import Record, Run, diff_fields
 from stagereplay.records.payloads import (
     Arm,
     BandKind,
@@ -31,8 +34,6 @@ from stagereplay.records.payloads import (
     SweepRow,
     TransplantPayload,
 )
-from stagereplay.report.stats import first_divergence
-from stagereplay.tasks.base import Item
 
 EXPERIMENT = "transplant"
 PAYLOAD: TypeAdapter[TransplantPayload | PrefixNotReproducedPayload] = TypeAdapter(
@@ -70,29 +71,6 @@ class TransplantConfig:
         parse_layers(self.layers, n_layers)
 
 
-def parse_selection(rule: str) -> tuple[str, int, int]:
-    parts = rule.split(":")
-    if parts == ["all-divergent"]:
-        return "all", 0, 0
-    if parts[0] == "first" and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) > 0:
-        return "first", int(parts[1]), 0
-    if (parts[0] == "random" and len(parts) == 3 and parts[1].isdigit() and int(parts[1]) > 0
-            and parts[2].lstrip("-").isdigit()):
-        return "random", int(parts[1]), int(parts[2])
-    raise StageReplayError(f"unknown --select {rule!r}", "use all-divergent, first:K or random:K:SEED with K >= 1")
-
-
-def select(divergent: list[str], rule: str) -> list[str]:
-    """Apply a selection rule to divergent item ids (in ledger order); seeded, so it can be frozen up front."""
-    kind, k, seed = parse_selection(rule)
-    if kind == "all":
-        return list(divergent)
-    if kind == "first":
-        return divergent[:k]
-    chosen = set(random.Random(seed).sample(divergent, min(k, len(divergent))))
-    return [i for i in divergent if i in chosen]
-
-
 def sweep_bands(n_layers: int) -> list[tuple[BandKind, tuple[int, ...]]]:
     """Every single layer, every band from the bottom (0..k) and every band from the top (k..L-1)."""
     bands: list[tuple[BandKind, tuple[int, ...]]] = [("single", (i,)) for i in range(n_layers)]
@@ -113,6 +91,15 @@ def outcome(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[in
     return followed(suffix, donor, recipient).as_payload()
 
 
+@dataclass(frozen=True)
+class TransplantParams(Params):
+    """A transplant job's parameters: the matched prefix, what to swap, and the matched arms it may carry over."""
+
+    prefix: tuple[int, ...]
+    config: TransplantConfig
+    reuse: tuple[tuple[str, str, dict[str, Any]], ...] = ()
+
+
 def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: TransplantSpec, job: Job
           ) -> tuple[BoundaryState, Continuation]:
     cache = transplant(recipient.cache, donor.cache, spec)
@@ -120,19 +107,19 @@ def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: Transpla
     return state, lm.continue_from(state, job.settings.decode, keep_steps=False)  # no diagnostics read steps
 
 
-def transplant_item(lm: LM, job: Job) -> dict[str, Any]:
+def transplant_item(lm: LM, job: Job[TransplantParams]) -> dict[str, Any]:
     """Live and the fresh construction with their own suffixes, then the transplants both ways (and the
     zero-layer control). With `reuse` (`reused_arms`), an own suffix the matched run already decoded from the same
     cache is not decoded again: the boundary cache built here must be the recorded arm's bit for bit (its
     fingerprint), and the arm is then the matched record's, marked `same_as`."""
     item, s = job.item, job.settings
-    cfg = TransplantConfig(**dict(job.get("config")))
-    reuse = {name: (source, arm) for name, source, arm in job.get("reuse") or ()}
+    cfg = job.params.config
+    reuse = {name: (source, arm) for name, source, arm in job.params.reuse}
     try:
         live = lm.live(item, s.rule(), s.decode, keep_going="live" not in reuse, keep_steps=False)
     except NoBoundary:
         live = None
-    if live is None or list(live.prefix) != list(job.get("prefix")):
+    if live is None or list(live.prefix) != list(job.params.prefix):
         # The live run no longer reaches the recorded prefix: transplant between the recorded token states instead.
         live = None
     if live is None:
@@ -211,26 +198,6 @@ def reused_arms(stage: dict[str, Any], matched_stage: dict[str, Any] | None, mat
     return tuple((name, f"matched/{checkpoint}:{name}", arms[name]) for name in names if name in arms)
 
 
-def divergent_ids(matched: list[Record], construction: str) -> list[str]:
-    """The matched records (in ledger order) whose live and fresh suffixes differ: what a selection picks from."""
-    out = []
-    for r in matched:
-        p = r.payload
-        if p["status"] != "ok":
-            continue
-        main = next((c for c in p["comparisons"] if c["a"] == "live" and c["b"] == construction), None)
-        if main is not None and not main["suffix_equal"]:
-            out.append(r.item_id)
-    return out
-
-
-def divergent_items(run: Run, checkpoint: str, construction: str) -> list[tuple[Item, list[int]]]:
-    matched = run.find("matched", checkpoint)
-    divergent = set(divergent_ids(matched, construction))
-    return [(Item(r.item_id, tuple(r.payload["prompt_ids"]), r.payload["answer"]), r.payload["prefix_ids"])
-            for r in matched if r.item_id in divergent]
-
-
 def check_selection(model: ModelConfig, cfg: TransplantConfig, prefixes: list[list[int]]) -> None:
     """Before the stage is frozen: `--layers` is valid and `--positions` lies inside a selected layer's cache
     for every selected item (sliding-window layers hold only their last window - 1 positions)."""
@@ -260,7 +227,216 @@ def run_transplant(run: Run, model: ModelConfig, settings: ReplaySettings, check
     stage = run.manifest["stages"][f"{EXPERIMENT}/{checkpoint}"]  # as JSON gives it back, as the audit reads it
     matched_stage = run.manifest.get("stages", {}).get(f"matched/{checkpoint}")
     matched = {r.item_id: r.payload for r in run.find("matched", checkpoint)}
-    jobs = [Job(item, settings, extra=(("prefix", prefix), ("config", tuple(asdict(cfg).items())),
-                                       ("reuse", reused_arms(stage, matched_stage, matched.get(item.id), checkpoint))))
+    jobs = [Job(item, settings, TransplantParams(tuple(prefix), cfg, reused_arms(stage, matched_stage,
+                                                                           matched.get(item.id), checkpoint)))
             for item, prefix in candidates if item.id in chosen]
     execute(run, EXPERIMENT, checkpoint, model, transplant_item, jobs, ex, None, quiet)
+
+
+# -- what verify checks, results.json and the report -------------------------------------------------------------
+
+
+def transplant_claims(p: dict[str, Any], construction: str) -> list[str]:
+    arms = {a["name"]: a["suffix_ids"] for a in p.get("arms", [])}
+    bad = []
+    if "live" in arms and construction in arms and p.get("baseline_diverges") != (arms["live"] != arms[construction]):
+        bad.append("baseline_diverges does not follow from the live and fresh arms")
+    for key, prefix in (("directions", ""), ("control", "control:")):
+        for direction, recorded in p.get(key, {}).items():
+            donor, _, recipient = direction.partition("->")
+            got = arms.get(f"{prefix}{direction}")
+            if got is None or donor not in arms or recipient not in arms:
+                bad.append(f"{key}.{direction}: its arms are missing")
+                continue
+            for f in diff_fields(recorded, outcome(tuple(got), tuple(arms[donor]), tuple(arms[recipient]))):
+                bad.append(f"{key}.{direction}.{f} does not follow from the arms")
+    return bad
+
+
+def selection_findings(name: str, stage: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
+    """The frozen selection must be what its rule picks from the matched run's divergent items."""
+    checkpoint = name.partition("/")[2]
+    rule, construction = stage["config"]["select"], stage["config"]["construction"]
+    matched = [r for r in records if r.experiment == "matched" and r.checkpoint == checkpoint]
+    picked = sorted(select(divergent_ids(matched, construction), rule))
+    if picked == sorted(stage.get("selected", [])):
+        return []
+    changed = sorted(set(picked) ^ set(stage.get("selected", [])))
+    return [{"item_id": i, "what": f"{name}: selected is not what rule {rule} picks from the matched records"}
+            for i in changed]
+
+
+def _directions(records: list[Record], key: str) -> list[dict[str, Any]]:
+    names = list(records[0].payload[key]) if records else []
+    out = []
+    for name in names:
+        outcomes = [r.payload[key][name]["outcome"] for r in records]
+        n, k = len(outcomes), outcomes.count("donor")
+        out.append({"direction": name, "n": n, "follows_donor": k, "follows_recipient": outcomes.count("recipient"),
+                    "neither": outcomes.count("neither"), "donor_wilson": list(wilson_interval(k, n)) if n else None,
+                    "divergence_from_donor": [r.payload[key][name]["divergence_from_donor"] for r in records]})
+    return out
+
+
+def summarize_transplant(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+    cfg = stage["config"]
+    ok = [r for r in records if r.payload["status"] == "ok"]
+    summary: dict[str, Any] = {
+        "checkpoint": checkpoint, "selection": cfg["select"], "layers": cfg["layers"], "kv": cfg["kv"],
+        "positions": cfg["positions"], "n_items": len(ok), "n_selected": len(stage["selected"]),
+        "n_not_reproduced": len(records) - len(ok),
+        "directions": _directions(ok, "directions"),
+        "control": {"layers": "none", "directions": _directions(ok, "control")},
+        "sweep": None,
+    }
+    if cfg.get("sweep") and ok:
+        bands = ok[0].payload["sweep"]
+        n_layers = max(max(b["layers"]) for b in bands) + 1
+        rows: list[dict[str, Any]] = []
+        smallest: dict[str, list[int]] = {}
+        for j, band in enumerate(bands):
+            for d in (x["direction"] for x in summary["directions"]):
+                k = sum(r.payload["sweep"][j][d] == "donor" for r in ok)
+                layers = band["layers"]
+                label = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+                rows.append({"band": label, "kind": band["kind"], "layers": layers, "direction": d,
+                             "follows_donor": k, "n": len(ok)})
+                best = smallest.get(d)
+                if k == len(ok) and (best is None or (len(layers), layers[0]) < (len(best), best[0])):
+                    smallest[d] = layers
+        summary["sweep"] = {"n_layers": n_layers, "rows": rows, "smallest_band": smallest}
+    return summary
+
+
+_TRANSPLANT_HEADERS = (
+    "direction",
+    "layers",
+    "K/V",
+    "follows donor",
+    "Wilson 95% lower",
+    "follows recipient",
+    "neither",
+)
+
+
+def transplant_tables(t: dict[str, Any]) -> list[Table]:
+    ckpt = str(t["checkpoint"])
+    rows = [_direction_row(d, str(t.get("layers", "all")), str(t.get("kv", "kv"))) for d in t["directions"]]
+    control = t.get("control")
+    if control:
+        rows += [_direction_row(d, f"{control['layers']} (control)", NA) for d in control["directions"]]
+    note = (
+        f"Selection {t['selection']} ({t['n_items']} items), frozen before outcomes were seen; positions "
+        f"{t.get('positions') or 'all'}. Direction is donor->recipient; 'Wilson 95% lower' bounds the "
+        "donor-following rate."
+    )
+    tables = [
+        Table(
+            f"table-transplant-{slug(ckpt)}", f"Transplant ({ckpt})", _TRANSPLANT_HEADERS, as_rows(rows), note
+        )
+    ]
+    if t.get("sweep") and t["sweep"].get("rows"):
+        tables.extend(_sweep_tables(t["sweep"], ckpt))
+    return tables
+
+
+def _direction_row(d: dict[str, Any], layers: str, kv: str) -> list[str]:
+    n, donor = int(d["n"]), int(d["follows_donor"])
+    ci = wilson_or_given(donor, n, d.get("donor_wilson"))
+    return [
+        d["direction"],
+        layers,
+        kv,
+        k_of_n(donor, n),
+        bound(ci[0]) if ci else NA,
+        k_of_n(int(d["follows_recipient"]), n),
+        k_of_n(int(d["neither"]), n),
+    ]
+
+
+def _sweep_tables(sweep: dict[str, Any], ckpt: str) -> list[Table]:
+    directions = list(dict.fromkeys(r["direction"] for r in sweep["rows"]))
+    bands: dict[tuple[str, str], dict[str, str]] = {}
+    for r in sweep["rows"]:
+        bands.setdefault((r["kind"], r["band"]), {})[r["direction"]] = f"{r['follows_donor']}/{r['n']}"
+    smallest = sweep.get("smallest_band") or {}
+    summary = [[d, _layers(smallest.get(d), sweep.get("n_layers"))] for d in directions]
+    detail = [[kind, band, *(cells.get(d, NA) for d in directions)] for (kind, band), cells in bands.items()]
+    return [
+        Table(
+            f"table-sweep-summary-{slug(ckpt)}",
+            f"Layer sweep ({ckpt}): smallest band whose K/V makes every continuation follow the donor",
+            ("direction", "smallest band"),
+            as_rows(summary),
+        ),
+        Table(
+            f"table-sweep-{slug(ckpt)}",
+            f"Layer sweep ({ckpt}): follows donor per band",
+            ("kind", "layers", *directions),
+            as_rows(detail),
+            terminal=False,
+        ),
+    ]
+
+
+def _layers(layers: list[int] | None, n_layers: Any) -> str:
+    if not layers:
+        return "none found"
+    span = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+    return f"layers {span} ({len(layers)} of {n_layers})"
+
+
+class Transplant(Experiment):
+    """K/V swapped between the live and the fresh boundary states, both directions (`transplant_item`)."""
+
+    name: ClassVar[str] = EXPERIMENT
+    label: ClassVar[str] = "transplant"
+    fixed_prefix: ClassVar[bool] = True
+
+    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+        return transplant_item(lm, job)
+
+    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+              ) -> list[tuple[str, str]]:
+        """Its frozen selection."""
+        return [(i, "") for i in stage.get("selected", [])]
+
+    def claims(self, record: Record, stage: Stage, matched: Record | None) -> list[str]:
+        if record.payload.get("status") != "ok":
+            return []
+        return transplant_claims(record.payload, stage["config"]["construction"])
+
+    def stage_findings(self, name: str, stage: Stage, records: list[Record]) -> list[dict[str, str]]:
+        return selection_findings(name, stage, records)
+
+    def replay_job(self, replay: Replay) -> Job:
+        reuse = reused_arms(replay.stage, replay.matched_stage, replay.matched, replay.record.checkpoint)
+        return Job(replay.item, replay.settings, TransplantParams(tuple(replay.prefix or ()),
+                                                                  TransplantConfig(**replay.stage["config"]), reuse))
+
+    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+        p = record.payload
+        if p.get("status") != "ok":
+            return None  # its prefix was not reproduced: how far live went is not recorded
+        n = record_lengths(p)
+        suffix = stage["settings"]["decode"]["max_new_tokens"]  # sweep continuations are not recorded
+        carried = tuple((a["name"], 0) for a in p.get("arms", []) if a.get("same_as"))  # own suffixes not decoded
+        return forwards(Lengths(n.prompt, n.stage1, suffix, n.arms, looks=carried),
+                        TransplantConfig(**stage["config"]), _model_layers(stage))
+
+    def peak_caches(self, stage: Stage) -> int:
+        return 4  # both boundary states, a transplanted one and its continuation's
+
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+        return [summarize_transplant(records, stage, checkpoint)]
+
+    def tables(self, results: Any) -> list[Table]:
+        return [table for section in results or [] for table in transplant_tables(section)]
+
+
+def _model_layers(stage: Stage) -> int:
+    from pathlib import Path
+
+    from stagereplay.engine.model import load_checked_config
+
+    return int(load_checked_config(Path(stage["model"]["path"])).get_text_config().num_hidden_layers)

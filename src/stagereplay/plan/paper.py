@@ -45,7 +45,7 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
     stages: list[StagePlan] = []
 
     def stage(name: str, precision: str, todo: Sequence[tuple[Lengths, list[int]]]) -> None:
-        st = new_stage(name, precision, cfg.constructions)
+        st = new_stage(name, precision, {"constructions": list(cfg.constructions)})
         for lengths, fw in todo:
             st.add(fw, lengths.prefix + n)
         stages.append(st)

@@ -8,32 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stagereplay.engine.forwards import Lengths
-from stagereplay.errors import StageReplayError
+from stagereplay.experiments.arms import record_lengths
 from stagereplay.plan.stages import StagePlan, allocate, new_stage
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
-
-
-def lengths_of(payload: dict[str, Any]) -> Lengths:
-    """A record's measured lengths: prompt, stage 1, each arm's suffix (a no_boundary record: generated)."""
-    prompt = len(payload.get("prompt_ids") or [])
-    if payload.get("status") != "ok":
-        return Lengths(prompt, None, 0, generated=len(payload.get("generated_ids") or []))
-    arms = tuple((a["name"], len(a["suffix_ids"])) for a in payload.get("arms", []))
-    return Lengths(prompt, payload["boundary"] - prompt, 0, arms)
-
-
-def grid_lengths(payload: dict[str, Any]) -> Lengths:
-    """A 2x2 record's lengths, with the steps each arm it carried over from matched was decoded again for its
-    diagnostics (`precision_2x2.diagnostic_steps`: against every other arm's suffix, as `grid_item` runs it)."""
-    from stagereplay.experiments.precision_2x2 import diagnostic_steps
-
-    n = lengths_of(payload)
-    arms = payload.get("arms", [])
-    looks = tuple((str(a["construction"]), diagnostic_steps(a["suffix_ids"], [tuple(o["suffix_ids"]) for o in arms
-                                                                             if o is not a]))
-                  for a in arms if a.get("same_as"))
-    return Lengths(n.prompt, n.stage1, 0, n.arms, looks=looks)
 
 
 def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = True) -> list[StagePlan]:
@@ -59,7 +36,7 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
             continue
         row, fw, longest = counted
         precision = r.part or stage["model"]["precision"]
-        plan = plans.setdefault(row, new_stage(row, precision, stage.get("constructions", ())))
+        plan = plans.setdefault(row, new_stage(row, precision, stage))
         plan.add(fw, longest)
         units.setdefault(name, []).append(r)
         made[r.seq] = counted
@@ -99,35 +76,19 @@ def run_cache(manifest: dict[str, Any]) -> str:
 
 def unit_forwards(r: Record, stage: dict[str, Any]) -> tuple[str, list[int], int] | None:
     """(its plan row, the forwards its item function made, its longest sequence) for one item record, from its
-    measured lengths; None for a unit whose lengths are not recorded (a transplant whose prefix was not
-    reproduced)."""
-    from stagereplay.experiments import bridge, matched, precision_2x2, resample, transplant
-    from stagereplay.experiments.transplant import TransplantConfig
+    measured lengths, as its experiment counts them (`Experiment.unit_forwards`); None for a unit whose lengths
+    are not recorded, or whose forwards are not our engine's."""
+    from stagereplay.serving.experiments import experiment_for
 
-    name, p, n = f"{r.experiment}/{r.checkpoint}", r.payload, lengths_of(r.payload)
-    if r.experiment == "matched":
-        fw = matched.forwards(n, stage["construction"])
-    elif r.experiment == "bridge":
-        fw = bridge.forwards(n)
-    elif r.experiment == "transplant":
-        if p.get("status") != "ok":
-            return None
-        suffix = stage["settings"]["decode"]["max_new_tokens"]  # sweep continuations are not recorded
-        carried = tuple((a["name"], 0) for a in p.get("arms", []) if a.get("same_as"))  # own suffixes not decoded
-        fw = transplant.forwards(Lengths(n.prompt, n.stage1, suffix, n.arms, looks=carried),
-                                 TransplantConfig(**stage["config"]), _layers(stage))
-    elif r.experiment == "precision_2x2":
-        fw = precision_2x2.forwards(grid_lengths(p), tuple(stage["constructions"]), r.part)
+    name = f"{r.experiment}/{r.checkpoint}"
+    experiment = experiment_for(name, stage)
+    fw = experiment.unit_forwards(r, stage)
+    if fw is None:
+        return None
+    if experiment.per_precision:
         name = f"{name}@{r.part}"
-    elif r.experiment == "resample":
-        if p.get("status") != "ok":
-            return None  # live generation no longer reached the prefix: how far it went is not recorded
-        source = dict(resample.job_extra(stage, r.part, None))["live_source"]
-        fw = resample.forwards(n, stage["config"]["k"], stage["config"]["construction"], source)
-        name = f"{name}@{r.part}"
-    else:
-        raise StageReplayError(f"plan does not count {r.experiment} stages yet", "plan a run without them")
-    if p.get("status") == "ok" and r.experiment in ("matched", "bridge", "precision_2x2"):
+    p, n = r.payload, record_lengths(r.payload)
+    if p.get("status") == "ok" and experiment.replays_diagnostics:
         fw = fw + replay_forwards(p)
     return name, fw, n.prefix + max((length for _, length in n.arms), default=n.generated)
 
@@ -153,9 +114,3 @@ def replay_forwards(p: dict[str, Any]) -> list[int]:
             seen.add((first, d))
             out += [1] * (d + 1)
     return out
-
-
-def _layers(stage: dict[str, Any]) -> int:
-    from stagereplay.engine.model import load_checked_config
-
-    return int(load_checked_config(Path(stage["model"]["path"])).get_text_config().num_hidden_layers)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,9 +17,6 @@ from typing import Any
 from stagereplay.engine.limits import static_cache_len
 from stagereplay.engine.model import check_cache
 from stagereplay.errors import StageReplayError
-
-PEAK_CACHES = {"matched": 4, "bridge": 3, "precision_2x2": 3, "transplant": 4, "resample": 4}
-"""The most boundary/continuation caches an item holds at once (each item function's docstring says which)."""
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 4}  # a cache element at each precision
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 2}  # fp32-compute keeps 16-bit weights
@@ -164,13 +161,12 @@ class StagePlan:
         return sum(k * v for k, v in self.sizes.items() if k > 1)
 
 
-def experiment_of(name: str) -> str:
-    return name.split("/")[0]
+def new_stage(name: str, precision: str, stage: dict[str, Any]) -> StagePlan:
+    """A plan row for the manifest stage `name` (`<experiment>/<checkpoint>`, `@precision` for a per-precision
+    row), holding as many caches as its experiment's items hold at once (`Experiment.peak_caches`)."""
+    from stagereplay.serving.experiments import experiment_for
 
-
-def new_stage(name: str, precision: str, constructions: Sequence[str] = ()) -> StagePlan:
-    caches = len(constructions) + 1 if experiment_of(name) == "precision_2x2" else PEAK_CACHES[experiment_of(name)]
-    return StagePlan(name, precision, caches=caches)
+    return StagePlan(name, precision, caches=experiment_for(name.split("@")[0], stage).peak_caches(stage))
 
 
 def allocate(stages: list[StagePlan], prompts: Iterable[int], max_stage1: int | None, max_new: int,

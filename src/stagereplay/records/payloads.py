@@ -262,7 +262,7 @@ class MatchedPayload(PayloadModel):
     comparisons: list[Comparison] = Field(description="live vs the construction, then each replica pair")
     diagnostics: Diagnostics | None = optional("why the arms diverged (records before it have none)")
     token_texts: dict[str, str] | None = optional("each token id the record shows, decoded alone (records "
-                                                  "before it and a serving run's have none)")
+                                                  "made before it have none)")
     load_finding: dict[str, LoadFinding] | None = optional("a server under load: per request (live, oneshot), "
                                                            "what its replicas say")
 
@@ -293,7 +293,7 @@ class GridPayload(PayloadModel):
     comparisons: list[Comparison] = Field(description="every pair of arms, in arm order")
     diagnostics: Diagnostics | None = optional("why the arms diverged (records before it have none)")
     token_texts: dict[str, str] | None = optional("each token id the record shows, decoded alone (records "
-                                                  "before it and a serving run's have none)")
+                                                  "made before it have none)")
 
 
 class BridgePayload(PayloadModel):

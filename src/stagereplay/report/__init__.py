@@ -1,4 +1,5 @@
-"""From ledger records to what people read: `stats` (intervals, tests), `summaries` and `diagnostics` (each
-experiment's table from its records), `results` (results.json), `format` (numbers, `Table`), `tables`,
-`resample_tables`, `verdict`, `figures`, `diagnostic_figures`, `html`, `explorer` (the per-item HTML),
-`render` (Markdown, terminal, report files), `export` (Parquet / CSV)."""
+"""From ledger records to what people read: `results` (results.json, each stage's sections as its experiment
+summarises them), `tables` (each experiment's tables, the diagnostics of compared pairs, the audit's), `verdict`,
+`figures`, `diagnostic_figures`, `html`, `explorer` (the per-item HTML), `render` (Markdown, terminal, report files),
+`export` (Parquet / CSV), `audit_lines`. The statistics, summaries and tables an experiment declares live with it
+(`stagereplay.experiments`)."""

@@ -18,17 +18,10 @@ _AFTER = ("table-diagnostics",)
 
 
 def diagnostic_series(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(label, summary) per matched checkpoint and per 2x2 precision that carries diagnostics."""
-    series = []
-    for m in results.get("matched") or []:
-        if m.get("margins") is not None:
-            series.append((f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}", m))
-    grid = results.get("precision_2x2")
-    for d in (grid or {}).get("disagreements") or []:
-        if d.get("margins") is not None:
-            a, b = [*grid["constructions"], "?", "?"][:2]  # type: ignore[index]  # rows imply a grid
-            series.append((f"2x2 {grid['checkpoint']}: {a} vs {b} @ {d['precision']}", d))  # type: ignore[index]
-    return series
+    """(label, summary) per compared pair that carries diagnostics (`report.tables.diagnosed_pairs`)."""
+    from stagereplay.report.tables import diagnosed_pairs
+
+    return [(label, summary) for label, summary, _ in diagnosed_pairs(results)]
 
 
 def diagnostic_figures(results: dict[str, Any]) -> list[ReportFigure]:
@@ -67,7 +60,7 @@ def _ecdf(values: list[float]) -> tuple[list[float], list[float]]:
 def margin_figure(series: list[tuple[str, dict[str, Any]]]) -> Figure:
     from matplotlib.figure import Figure
 
-    from stagereplay.report.diagnostics import PERCENTILES
+    from stagereplay.experiments.diagnostics_summary import PERCENTILES
 
     fig = Figure(figsize=(8.0, 4.2 + 0.18 * len(series)), layout="constrained")
     ax = fig.add_subplot()

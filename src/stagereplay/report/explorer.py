@@ -17,6 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stagereplay.experiments.registry import experiment
 from stagereplay.records.ledger import Record
 
 if TYPE_CHECKING:
@@ -24,10 +25,6 @@ if TYPE_CHECKING:
 
 Decoder = Callable[[int], str]
 CONTEXT_CHARS = 60  # how much of the common text before the divergent token is shown
-
-
-EXPERIMENTS = ("matched", "precision_2x2")
-"""The records whose comparisons carry diagnostics."""
 
 
 @dataclass(frozen=True)
@@ -49,11 +46,12 @@ class Story:
     cache: dict[str, Any] | None  # engine.diagnostics.cache_difference
     experiment: str = "matched"
     texts: dict[str, str] | None = None  # the record's token_texts: token id (as text) -> its text
+    label: str = ""  # how the report names the experiment's pairs beside the checkpoint ('' for matched's)
 
     @property
     def where(self) -> str:
-        """`primary` for a matched pair, `primary, 2x2` for a fixed-prefix one."""
-        return self.checkpoint if self.experiment == "matched" else f"{self.checkpoint}, 2x2"
+        """`primary` for a matched pair, `primary, 2x2` for a fixed-prefix one (the experiment's `label`)."""
+        return f"{self.checkpoint}, {self.label}" if self.label else self.checkpoint
 
     def decoder(self) -> Decoder:
         """Token id -> its recorded text (newlines shown as ⏎), or `<id>` when the record has none."""
@@ -71,12 +69,12 @@ class Story:
 
 
 def stories(records: list[Record], item_id: str | None = None) -> list[Story]:
-    """Every matched and 2x2 record with diagnostics (of `item_id` only, when given), as the story of its first
-    comparison: live vs the construction (matched), or the first two constructions (2x2, one per precision)."""
+    """Every item record with diagnostics (of `item_id` only, when given), as the story of its first comparison:
+    live vs the construction (matched), the first two constructions (2x2, one per precision), and so on."""
     out = []
     for r in records:
         p = r.payload
-        if r.experiment not in EXPERIMENTS or p.get("status") != "ok" or not p.get("diagnostics"):
+        if r.kind != "item" or p.get("status") != "ok" or not p.get("diagnostics"):
             continue
         if item_id is not None and r.item_id != item_id:
             continue
@@ -93,6 +91,7 @@ def stories(records: list[Record], item_id: str | None = None) -> list[Story]:
             correct=(arms[a]["correct"], arms[b]["correct"]),
             first_step_logit_maxabs=diag.get("first_step_logit_maxabs"), divergence=diag.get("divergence"),
             cache=diag.get("cache"), experiment=r.experiment, texts=p.get("token_texts"),
+            label=experiment(r.experiment).label,
         ))
     return out
 

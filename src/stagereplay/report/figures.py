@@ -8,9 +8,10 @@ drawing a report must not switch the backend of a notebook that imported us, nor
 from __future__ import annotations
 
 import io
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from stagereplay.experiments.format import slug
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -36,11 +37,6 @@ class ReportFigure:
     after: tuple[str, ...] = ()
     """Table ids (an entry ending in `-` matches as a prefix): the page shows the figure after the last
     table they match, or at the end."""
-
-
-def slug(name: str) -> str:
-    """A checkpoint name made safe for an HTML id: `table-transplant-<slug>`."""
-    return re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-") or "x"
 
 
 def build_figures(results: dict[str, Any]) -> list[ReportFigure]:

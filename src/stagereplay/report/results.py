@@ -6,22 +6,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stagereplay.experiments.registry import all_experiments, of_stage
 from stagereplay.records.ledger import Record
 from stagereplay.records.provenance import now
-from stagereplay.report.summaries import (
-    summarize_2x2,
-    summarize_bridge,
-    summarize_matched,
-    summarize_resample,
-    summarize_transplant,
-)
 
 RESULTS_VERSION = 1
 AUDIT_FILE = "audit.json"
 
 
 def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]) -> dict[str, Any]:
-    stages: dict[str, dict[str, Any]] = manifest.get("stages", {})
+    """Each declared stage's sections, as its experiment summarises its records (an experiment of a list of sections
+    gets one per stage, arm or precision; one of a single section the last stage's), and the last audit."""
     config = manifest.get("config", {})
     results: dict[str, Any] = {
         "schema_version": RESULTS_VERSION,
@@ -33,32 +28,18 @@ def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]
             "created": now(),
             "tool_version": manifest.get("tool_version"),
         },
-        "matched": [],
-        "precision_2x2": None,
-        "bridge": None,
-        "transplant": [],
-        "resample": [],
+        **{e.name: [] if e.many else None for e in all_experiments()},
         "audit": None,
     }
-    for name, stage in stages.items():
-        experiment, _, checkpoint = name.partition("/")
-        mine = [r for r in records if r.experiment == experiment and r.checkpoint == checkpoint]
-        if experiment == "matched":
-            # A serving engine's run sets several arms against live (oneshot, prefix-cache, hf-oneshot): one
-            # summary each, as one column each of the matched table.
-            for construction in stage.get("arms", [stage["construction"]]):
-                summary = summarize_matched(mine, construction, checkpoint, stage["model"]["precision"])
-                if "engine" in stage:
-                    summary = {"engine": stage["engine"]["name"], **summary}
-                results["matched"].append(summary)
-        elif experiment == "precision_2x2":
-            results["precision_2x2"] = summarize_2x2(mine, stage, checkpoint)
-        elif experiment == "bridge":
-            results["bridge"] = summarize_bridge(mine, checkpoint)
-        elif experiment == "transplant":
-            results["transplant"].append(summarize_transplant(mine, stage, checkpoint))
-        elif experiment == "resample":
-            results["resample"].extend(summarize_resample(mine, stage, checkpoint))
+    for name, stage in manifest.get("stages", {}).items():
+        experiment = of_stage(name)
+        checkpoint = name.partition("/")[2]
+        mine = [r for r in records if r.experiment == experiment.name and r.checkpoint == checkpoint]
+        sections = experiment.summarize(mine, stage, checkpoint)
+        if experiment.many:
+            results[experiment.name].extend(sections)
+        else:
+            results[experiment.name] = sections[0] if sections else None
     audit = run_dir / AUDIT_FILE
     if audit.exists():
         results["audit"] = json.loads(audit.read_text())

@@ -16,7 +16,7 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-from stagereplay.report.stats import wilson_interval
+from stagereplay.experiments.stats import wilson_interval
 
 
 def _pct(k: int, n: int) -> str:

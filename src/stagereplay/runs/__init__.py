@@ -1,17 +1,26 @@
-"""The library entry points the CLI wraps; each makes or extends a run directory and returns its results.
+"""The library entry points the CLI wraps; each makes or extends a run directory and returns its results. Each
+takes typed configs, built by the CLI or in a notebook:
 
-    matched(out, ...)            live vs a fresh construction, with replicas     (runs/make.py)
-    precision_2x2(run_dir, ...)  fixed prefixes, construction x precision        (runs/extend.py)
-    bridge(run_dir, ...)         incremental vs live caches, bitwise
-    transplant(run_dir, ...)     K/V swapped between the two boundary states
-    resample(run_dir, ...)       K sampled draws per boundary state: is the answer distribution kept?
-    audit(run_dir, ...)          re-execute the ledger and check every claim
-    merge(shards, out)           join `--shard I/N` runs
-    paper(out, ...)              all of it, as the reference paper runs it        (runs/protocol.py)
+    matched(out, Inputs(...), construction, ExecConfig(...), shard, serving_arms(...))   (runs/make.py)
+    precision_2x2(run_dir, constructions, precisions, Extension(...))                      (runs/extend.py)
+    bridge(run_dir, rows, Extension(...))
+    transplant(run_dir, TransplantConfig(...), Extension(...))
+    resample(run_dir, ResampleConfig(...), Extension(...))
+    audit(run_dir, AuditConfig(...), verify_only, Extension(...))
+    merge(shards, out)                                                                      join `--shard I/N` runs
+    paper(out, Inputs(...), PaperConfig(...))                                               (runs/protocol.py)
 """
 
-from stagereplay.runs.extend import audit, bridge, merge, precision_2x2, resample, transplant
-from stagereplay.runs.make import matched
-from stagereplay.runs.protocol import paper
+from stagereplay.audit.reexecute import AuditConfig
+from stagereplay.audit.relocate import Relocation
+from stagereplay.execution.config import ExecConfig
+from stagereplay.experiments.resample import ResampleConfig
+from stagereplay.experiments.transplant import TransplantConfig
+from stagereplay.runs.extend import Extension, audit, bridge, merge, precision_2x2, resample, transplant
+from stagereplay.runs.make import Inputs, matched
+from stagereplay.runs.protocol import PaperConfig, paper
+from stagereplay.serving.matched import serving_arms
 
-__all__ = ["audit", "bridge", "matched", "merge", "paper", "precision_2x2", "resample", "transplant"]
+__all__ = ["AuditConfig", "ExecConfig", "Extension", "Inputs", "PaperConfig", "Relocation", "ResampleConfig",
+           "TransplantConfig", "audit", "bridge", "matched", "merge", "paper", "precision_2x2", "resample",
+           "serving_arms", "transplant"]

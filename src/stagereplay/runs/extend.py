@@ -6,18 +6,32 @@ then runs into the same ledger and writes the report again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagereplay.engine.decode import DecodeConfig
+from stagereplay.audit.reexecute import AuditConfig
+from stagereplay.audit.relocate import Relocation
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import follow_run
 from stagereplay.experiments.jobs import ReplaySettings
+from stagereplay.experiments.resample import ResampleConfig
+from stagereplay.experiments.transplant import TransplantConfig
 from stagereplay.records.ledger import open_run, read_ledger, read_manifest
 from stagereplay.records.shards import merge_runs
-from stagereplay.runs.make import finish, serving_arms
+from stagereplay.runs.make import check_serving_precision, finish
+
+
+@dataclass(frozen=True)
+class Extension:
+    """Where a later stage runs on a run directory: which of its models, in which processes, with the run's inputs
+    where they are now (each checked against the run's hashes before anything runs)."""
+
+    checkpoint: str = field(default="primary", metadata={"help": "which model of the run"})
+    ex: ExecConfig = field(default_factory=ExecConfig, metadata={"help": "processes and backend"})
+    where: Relocation = field(default_factory=Relocation, metadata={"help": "inputs that moved since the run"})
 
 
 def existing_run(run_dir: str | Path, check_ledger: bool = True) -> tuple[Path, dict[str, Any]]:
@@ -31,9 +45,10 @@ def existing_run(run_dir: str | Path, check_ledger: bool = True) -> tuple[Path, 
     return path, manifest
 
 
-def matched_stage(manifest: dict[str, Any], checkpoint: str, where: Any = None) -> tuple[ModelConfig, ReplaySettings]:
-    """The matched stage's model and settings, its model where `where` (a `Relocation`) says it is now."""
-    from stagereplay.audit.relocate import FLAGS, Relocation, relocate
+def matched_stage(manifest: dict[str, Any], checkpoint: str, where: Relocation | None = None
+                  ) -> tuple[ModelConfig, ReplaySettings]:
+    """The matched stage's model and settings, its model where `where` says it is now."""
+    from stagereplay.audit.relocate import FLAGS, relocate
 
     stage = relocate(manifest, where or Relocation(), need_inputs=False)[0].get("stages", {}).get(
         f"matched/{checkpoint}")
@@ -44,8 +59,7 @@ def matched_stage(manifest: dict[str, Any], checkpoint: str, where: Any = None) 
         raise StageReplayError(f"the run's {checkpoint} model is not at {stage['model']['path']}",
                                f"pass {FLAGS.get(checkpoint, '--model')} PATH where it is now (checked against the "
                                "run's hashes)")
-    s = stage["settings"]
-    return ModelConfig(**stage["model"]), ReplaySettings(s["boundary"], DecodeConfig(**s["decode"]), s["scorer"])
+    return ModelConfig(**stage["model"]), ReplaySettings.from_dict(stage["settings"])
 
 
 def refuse_serving(manifest: dict[str, Any], checkpoint: str, what: str) -> None:
@@ -58,107 +72,113 @@ def refuse_serving(manifest: dict[str, Any], checkpoint: str, what: str) -> None
 
 
 def precision_2x2(run_dir: str | Path, constructions: tuple[str, ...] = (),
-                  precisions: tuple[str, ...] = ("bf16", "fp32"), checkpoint: str = "primary", workers: int = 1,
-                  executor: str = "local", quiet: bool = False, where: Any = None) -> dict[str, Any]:
+                  precisions: tuple[str, ...] = ("bf16", "fp32"), on: Extension | None = None,
+                  quiet: bool = False) -> dict[str, Any]:
     """Hold the matched run's prefixes fixed; cross construction with precision. No constructions given:
     incremental and oneshot, or on a serving engine's run its arms (oneshot, prefix-cache, hf-oneshot)."""
     from stagereplay.experiments.precision_2x2 import check_fixed_constructions, run_2x2
 
+    on = on or Extension()
     path, manifest = existing_run(run_dir)
-    model, settings = matched_stage(manifest, checkpoint, where)
-    served = manifest["stages"][f"matched/{checkpoint}"].get("engine")
-    if served is not None:  # a serving engine's run: its arms crossed with precision, in that engine
+    model, settings = matched_stage(manifest, on.checkpoint, on.where)
+    stage = manifest["stages"][f"matched/{on.checkpoint}"]
+    if "engine" in stage:  # a serving engine's run: its arms crossed with precision, in that engine
         from stagereplay.serving.matched import arms_of
         from stagereplay.serving.precision_2x2 import check_serving_constructions, run_serving_2x2
 
-        arms = arms_of(manifest["stages"][f"matched/{checkpoint}"])
+        arms = arms_of(stage)
         constructions = constructions or arms.grid
         check_serving_constructions(constructions, arms)
         for p in precisions:
-            serving_arms(served["name"], arms.cross or None, served.get("block_size", 32), "oneshot",
-                         ExecConfig(workers, executor), DecodeConfig(), p,
-                         {k: v for k, v in served.items() if k not in ("name", "block_size")})
+            check_serving_precision(arms, p)
+        if on.ex.workers != 1 or on.ex.executor != "local":
+            raise StageReplayError(f"--engine {arms.engine.name} runs in this process",
+                                   "pass --workers 1 --executor local")
+        arms.kind.require()
         with open_run(path, manifest) as run:
-            run_serving_2x2(run, model, settings, checkpoint, arms, constructions, precisions, quiet)
+            run_serving_2x2(run, model, settings, on.checkpoint, arms, constructions, precisions, quiet)
             return finish(run, quiet)
     constructions = constructions or ("incremental", "oneshot")
     check_fixed_constructions(constructions)
     for p in precisions:
         model.with_precision(p)  # validates the name before anything runs
     with open_run(path, manifest) as run:
-        run_2x2(run, model, settings, checkpoint, constructions, precisions, ExecConfig(workers, executor), quiet)
+        run_2x2(run, model, settings, on.checkpoint, constructions, precisions, on.ex, quiet)
         return finish(run, quiet)
 
 
-def bridge(run_dir: str | Path, rows: int = 12, checkpoint: str = "primary", workers: int = 1,
-           executor: str = "local", quiet: bool = False, where: Any = None) -> dict[str, Any]:
+def bridge(run_dir: str | Path, rows: int = 12, on: Extension | None = None, quiet: bool = False) -> dict[str, Any]:
     """Incremental vs live boundary caches, bitwise, on the first `rows` items that reached the boundary."""
     from stagereplay.experiments.bridge import run_bridge
 
+    on = on or Extension()
     if rows < 1:
         raise StageReplayError(f"--rows must be at least 1, got {rows}", "pass a positive --rows")
     path, manifest = existing_run(run_dir)
-    refuse_serving(manifest, checkpoint, "the bridge")
-    model, settings = matched_stage(manifest, checkpoint, where)
+    refuse_serving(manifest, on.checkpoint, "the bridge")
+    model, settings = matched_stage(manifest, on.checkpoint, on.where)
     with open_run(path, manifest) as run:
-        run_bridge(run, model, settings, checkpoint, rows, ExecConfig(workers, executor), quiet)
+        run_bridge(run, model, settings, on.checkpoint, rows, on.ex, quiet)
         return finish(run, quiet)
 
 
-def transplant(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
-               executor: str = "local", quiet: bool = False, where: Any = None) -> dict[str, Any]:
-    """Swap K/V between live and fresh boundary states of the selected divergent items, both directions."""
+def transplant(run_dir: str | Path, config: TransplantConfig | None = None, on: Extension | None = None,
+               quiet: bool = False) -> dict[str, Any]:
+    """Swap K/V between live and fresh boundary states of the selected divergent items, both directions (the
+    fresh construction defaults to the matched run's)."""
     from stagereplay.engine.model import load_config_and_tokenizer
-    from stagereplay.experiments.transplant import TransplantConfig, run_transplant
+    from stagereplay.experiments.transplant import run_transplant
 
+    on = on or Extension()
     path, manifest = existing_run(run_dir)
-    refuse_serving(manifest, checkpoint, "a transplant")
-    model, settings = matched_stage(manifest, checkpoint, where)
-    cfg = config or TransplantConfig(construction=manifest["stages"][f"matched/{checkpoint}"]["construction"])
+    refuse_serving(manifest, on.checkpoint, "a transplant")
+    model, settings = matched_stage(manifest, on.checkpoint, on.where)
+    cfg = config or TransplantConfig(construction=manifest["stages"][f"matched/{on.checkpoint}"]["construction"])
     hf_config, _ = load_config_and_tokenizer(model.path)
     cfg.check_layers(hf_config.get_text_config().num_hidden_layers)
     with open_run(path, manifest) as run:
-        run_transplant(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
+        run_transplant(run, model, settings, on.checkpoint, cfg, on.ex, quiet)
         return finish(run, quiet)
 
 
-def resample(run_dir: str | Path, config: Any = None, checkpoint: str = "primary", workers: int = 1,
-             executor: str = "local", quiet: bool = False, where: Any = None) -> dict[str, Any]:
+def resample(run_dir: str | Path, config: ResampleConfig | None = None, on: Extension | None = None,
+             quiet: bool = False) -> dict[str, Any]:
     """K seeded draws from the live, live-replica and fresh boundary states of each item: coupled and
     independent designs (`experiments/resample.py`)."""
-    from stagereplay.experiments.resample import ResampleConfig, run_resample
+    from stagereplay.experiments.resample import run_resample
 
+    on = on or Extension()
     path, manifest = existing_run(run_dir)
-    refuse_serving(manifest, checkpoint, "resample (boundary states in our engine)")
-    model, settings = matched_stage(manifest, checkpoint, where)
-    cfg = config or ResampleConfig()
+    refuse_serving(manifest, on.checkpoint, "resample (boundary states in our engine)")
+    model, settings = matched_stage(manifest, on.checkpoint, on.where)
     with open_run(path, manifest) as run:
-        run_resample(run, model, settings, checkpoint, cfg, ExecConfig(workers, executor), quiet)
+        run_resample(run, model, settings, on.checkpoint, config or ResampleConfig(), on.ex, quiet)
         return finish(run, quiet)
 
 
-def audit(run_dir: str | Path, verify_only: bool = False, workers: int = 1, executor: str = "local",
-          quiet: bool = False, config: Any = None, where: Any = None) -> dict[str, Any]:
+def audit(run_dir: str | Path, config: AuditConfig | None = None, verify_only: bool = False,
+          on: Extension | None = None, quiet: bool = False) -> dict[str, Any]:
     """Check what needs no model (chain, binding to the manifest, completeness, derivable claims), then
-    (unless `verify_only`) re-execute the ledger, or a seeded sample of it (`config`, an `AuditConfig`), and
-    compare every field; `reproduced` says if all held. `where` (a `Relocation`) says where inputs that
-    moved are now: each is checked against the run's hashes before anything runs."""
+    (unless `verify_only`) re-execute the ledger, or a seeded sample of it (`config`), and compare every field;
+    `reproduced` says if all held. `on.where` says where inputs that moved are now: each is checked against the
+    run's hashes before anything runs."""
     import json
 
     from stagereplay.audit.reexecute import audit_run
-    from stagereplay.audit.relocate import Relocation, relocate
+    from stagereplay.audit.relocate import relocate
     from stagereplay.audit.verify import verify_run
     from stagereplay.records.ledger import atomic_write
     from stagereplay.report.results import AUDIT_FILE
 
+    on = on or Extension()
     path, manifest = existing_run(run_dir, check_ledger=False)  # the audit reports damage instead of refusing
-    here, moved = relocate(manifest, where or Relocation(), need_inputs=not verify_only)
+    here, moved = relocate(manifest, on.where, need_inputs=not verify_only)
     checked = verify_run(path, here)
     if verify_only or checked["broken_records"]:
         return {**checked, "integrity_ok": checked["reproduced"], **({"relocated": moved} if moved else {})}
     with open_run(path, manifest, extend=False) as run:
-        summary = audit_run(path, here, run.records, ExecConfig(workers, executor), quiet, config=config,
-                            relocated=moved, server=(where or Relocation()).server)
+        summary = audit_run(path, here, run.records, on.ex, quiet, config=config, relocated=moved,
+                            server=on.where.server)
         atomic_write(path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
         finish(run, quiet)
         return summary

@@ -25,8 +25,31 @@ from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run
 from stagereplay.records.proofs import attach_store
 from stagereplay.records.provenance import environment, model_hashes, now, package_versions
 from stagereplay.records.shards import parse_shard, shard_items
+from stagereplay.serving.matched import ServingArms
 from stagereplay.tasks import DataConfig, Item, load_items
 from stagereplay.tasks.sources import HF_PREFIX
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a run is made of, as given: the model, the items and how to read them, how to find the boundary, decode
+    and score, and the numerics. What is not given follows from the model (a reasoning model's `</think>`), or is the
+    embedded toy's (its checkpoint, its held-out items)."""
+
+    model: str | None = field(default=None, metadata={"help": "local model folder or .gguf file (None: the toy)"})
+    data: str | None = field(default=None, metadata={"help": "items: a file, a folder or hf:NAME (None: the toy's)"})
+    n: int | None = field(default=None, metadata={"help": "the first n items (None: all)"})
+    columns: str | None = field(default=None, metadata={"help": "TARGET=COLUMN,... mapping the data's fields"})
+    boundary: BoundaryRule | None = field(default=None, metadata={"help": "None: the model's default rule"})
+    scorer: str | None = field(default=None, metadata={"help": "None: last-number"})
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    precision: str = field(default="bf16", metadata={"help": "bf16 | fp16 | fp32 | fp32-compute"})
+    device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:<i>"})
+    threads: int = field(default=1, metadata={"help": "torch threads per process (fixed, recorded)"})
+    attn_impl: str = field(default="auto", metadata={"help": "auto | eager | sdpa"})
+    cache: str = field(default="dynamic", metadata={"help": "dynamic | static"})
+    batch: int = field(default=1, metadata={"help": "items stepping together"})
+    kernels: str = field(default="auto", metadata={"help": "CPU kernels: native | portable | auto"})
 
 
 @dataclass(frozen=True)
@@ -39,31 +62,29 @@ class Source:
     stage1: dict[str, Any] = field(default_factory=dict)  # what `prepare` resolved: rule, budgets, RoPE
 
 
-def resolve_source(model: str | None, data: str | None, n: int | None, boundary: BoundaryRule | None,
-                   scorer: str | None, decode: DecodeConfig, precision: str, device: str, threads: int,
-                   attn_impl: str, checkpoint: str = "primary", columns: str | None = None,
-                   cache: str = "dynamic", batch: int = 1) -> Source:
+def resolve_source(inputs: Inputs, checkpoint: str = "primary") -> Source:
     """Fill in the embedded toy's checkpoint and held-out items when no model or data is given.
 
     Nothing else is special to the toy: with no boundary rule the rule is left empty for `prepare` to default
     from the tokenizer (`</think>` for a reasoning model's, the toy's included), and the scorer defaults to
     `last-number`, so the toy takes the path a user's reasoning model takes.
     """
+    i = inputs
+    model = i.model
     if model is None:
         from stagereplay.toy import toy_checkpoint
 
         model = str(toy_checkpoint(checkpoint))
-    rule = "" if boundary is None else boundary.describe()
-    if scorer is None:
-        scorer = "last-number"
+    rule = "" if i.boundary is None else i.boundary.describe()
     path = str(Path(model).resolve())
     check_model_dir(path)
-    config = ModelConfig(path=path, precision=precision, device=device, threads=threads,
-                         attn_impl=resolve_attn_impl(path, attn_impl), cache=cache, batch=batch)
+    config = ModelConfig(path=path, precision=i.precision, device=i.device, threads=i.threads,
+                         attn_impl=resolve_attn_impl(path, i.attn_impl), cache=i.cache, batch=i.batch)
+    data = i.data
     if data and not data.startswith(HF_PREFIX):
         data = str(Path(data).resolve())  # a file or folder; an hf: name stays as given
-    return Source(config, DataConfig(path=data or None, n=n, columns=columns),
-                  ReplaySettings(boundary=rule, decode=decode, scorer=scorer))
+    return Source(config, DataConfig(path=data or None, n=i.n, columns=i.columns),
+                  ReplaySettings(boundary=rule, decode=i.decode, scorer=i.scorer or "last-number"))
 
 
 def prepare(source: Source, ex: ExecConfig, quiet: bool = True, engine_context: tuple[int, str] | None = None
@@ -108,7 +129,7 @@ def prepare(source: Source, ex: ExecConfig, quiet: bool = True, engine_context: 
         captured = lm.stepper.capture
     # Captured steps are the eager ones, bit for bit, where proven (once per machine and model setting: workers
     # reuse what the first to need it proved, records.proofs), and each record's environment says the outcome
-    # (`fast_steps`); the manifest says whether they were on, as before.
+    # (`fast_steps`); the manifest says whether they were on.
     determinism = {**determinism, "captured_steps": captured}
     if graphs_steps(m.precision, m.cache, m.device):  # CUDA graphs replay the eager kernels (engine.graphs)
         determinism["cuda_graph_steps"] = True
@@ -244,56 +265,28 @@ def write_and_print_report(run_dir: Path, results: dict[str, Any], quiet: bool) 
         print_tables(results, Console())
 
 
-def matched(
-    out: str | Path,
-    model: str | None = None,
-    data: str | None = None,
-    n: int | None = None,
-    construction: str = "oneshot",
-    boundary: BoundaryRule | None = None,
-    scorer: str | None = None,
-    decode: DecodeConfig | None = None,
-    precision: str = "bf16",
-    device: str = "cpu",
-    threads: int = 1,
-    attn_impl: str = "auto",
-    workers: int = 1,
-    executor: str = "local",
-    shard: str | None = None,
-    quiet: bool = False,
-    columns: str | None = None,
-    engine: str = "hf",
-    cross: str | None = None,
-    block_size: int = 32,
-    cache: str = "dynamic",
-    kernels: str = "auto",
-    engine_options: dict[str, Any] | None = None,
-    batch: int = 1,
-) -> dict[str, Any]:
+def matched(out: str | Path, inputs: Inputs | None = None, construction: str = "oneshot",
+            ex: ExecConfig | None = None, shard: str | None = None, serving: ServingArms | None = None,
+            quiet: bool = False) -> dict[str, Any]:
     """Run (or resume) the matched experiment into `out`; return results.json's content.
 
-    With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards. `columns`
-    maps the data's fields (`prompt=problem,answer=answer,id=unique_id`). With `engine="vllm"` the arms are a
-    serving engine's (`serving.matched`); `cross="hf"` adds our engine's replay of its prefixes. `kernels`:
-    the CPU kernels (`execution.kernels`), chosen here, before torch loads.
+    With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards. With `serving`
+    the arms are a serving engine's (`serving.matched`); its `cross` adds our engine's replay of its prefixes. The
+    CPU kernels (`inputs.kernels`, `execution.kernels`) are chosen here, before torch loads.
     """
     from stagereplay.experiments.matched import MatchedConfig, run_matched
 
-    pin(choose(kernels, toy=model is None and engine == "hf", device=device))
-    ex = ExecConfig(workers, executor)
+    inputs, ex = inputs or Inputs(), ex or ExecConfig()
+    pin(choose(inputs.kernels, toy=inputs.model is None and serving is None, device=inputs.device))
     part = parse_shard(shard)
-    arms = serving_arms(engine, cross, block_size, construction, ex, decode or DecodeConfig(), precision,
-                        engine_options)
-    if arms is not None:
-        arms.check_model(model)
-    source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), precision, device,
-                            threads, attn_impl, columns=columns, cache=cache, batch=batch)
     context = None
-    if arms is not None:  # without --cross our engine steps nothing: its model gives the tokenizer alone
-        source = replace(source, model=arms.our_model(source.model))
-        from stagereplay.serving.seam import engine_context
-
-        context = engine_context(arms.engine)  # a request must fit the engine's context, not only the model's
+    if serving is not None:
+        check_serving(serving, construction, ex, inputs)
+        serving.kind.check_model(inputs.model)
+        context = serving.kind.context(serving.engine)  # a request must fit the engine's context too
+    source = resolve_source(inputs)
+    if serving is not None:  # without --cross our engine steps nothing: its model gives the tokenizer alone
+        source = replace(source, model=serving.our_model(source.model))
     source, lm, items, data_hash, determinism = prepare(source, ex, quiet, context)
     print_header(source, quiet)
     config = MatchedConfig(source.model, source.settings, source.data, construction)
@@ -301,51 +294,45 @@ def matched(
     identity: dict[str, Any] = {"construction": construction}
     if shard is not None:
         identity["shard"] = shard
-    if arms is not None:
-        identity.update(engine=arms.engine.as_dict(), cross=arms.cross)
+    if serving is not None:
+        identity.update(engine=serving.engine.as_dict(), cross=serving.cross)
     manifest = new_manifest("matched", identity, source, items, data_hash, determinism)
-    if arms is not None:  # the engine's version and settings, frozen with the rest before the first item
+    if serving is not None:  # the engine's version and settings, frozen with the rest before the first item
         from stagereplay.serving.matched import cached_engine
 
-        assert lm is not None  # a serving engine runs in this process (serving_arms)
-        manifest["environment"]["engine"] = cached_engine(arms.engine, lm).settings()
+        assert lm is not None  # a serving engine runs in this process (check_serving)
+        manifest["environment"]["engine"] = cached_engine(serving.engine, lm).settings()
     with open_run(Path(out), manifest) as run:
-        if arms is None:
+        if serving is None:
             run_matched(run, config, items, ex, lm, quiet)
         else:
             from stagereplay.serving.matched import run_serving_matched
 
-            run_serving_matched(run, source.model, source.settings, source.data, arms, items, lm, quiet=quiet)
+            run_serving_matched(run, source.model, source.settings, source.data, serving, items, lm, quiet=quiet)
         results = finish(run, quiet)
     require_boundary(results["matched"][0], source.settings)
     return results
 
 
-def serving_arms(engine: str, cross: str | None, block_size: int, construction: str, ex: ExecConfig,
-                 decode: DecodeConfig, precision: str, options: dict[str, Any] | None = None) -> Any:
-    """The arms of a serving engine's matched run, or None for our engine; what it cannot run is refused here,
-    before anything loads. `options`: the engine's own settings (llama.cpp's batch sizes, serving.seam)."""
-    if engine == "hf":
-        if cross is not None:
-            raise StageReplayError("--cross replays a serving engine's prefixes",
-                                   "pass it with --engine vllm or --engine llama.cpp")
-        return None
-    from stagereplay.serving.matched import ServingArms
-    from stagereplay.serving.seam import EngineConfig, require_engine
-
-    config = EngineConfig(engine, block_size=block_size, **(options or {}))
+def check_serving(serving: ServingArms, construction: str, ex: ExecConfig, inputs: Inputs) -> None:
+    """Refuse, before anything loads, what a serving engine's matched run cannot do."""
+    engine = serving.engine.name
     if construction != "oneshot":
         raise StageReplayError(f"--construction {construction} is our engine's; --engine {engine} runs oneshot and "
                                "prefix-cache", "drop --construction")
     if ex.workers != 1 or ex.executor != "local":
         raise StageReplayError(f"--engine {engine} runs in this process", "pass --workers 1 --executor local")
-    if decode.sample:
+    if inputs.decode.sample:
         raise StageReplayError(f"--engine {engine} runs greedy: its sampler is not ours, so draws would not "
                                "compare across engines", "drop --sample")
+    check_serving_precision(serving, inputs.precision)
+    serving.kind.require()
+
+
+def check_serving_precision(serving: ServingArms, precision: str) -> None:
     if precision not in ("bf16", "fp16", "fp32"):
-        raise StageReplayError(f"--engine {engine} does not run precision {precision}", "use bf16, fp16 or fp32")
-    require_engine(config)
-    return ServingArms(config, cross or "")
+        raise StageReplayError(f"--engine {serving.engine.name} does not run precision {precision}",
+                               "use bf16, fp16 or fp32")
 
 
 def require_boundary(summary: dict[str, Any], settings: ReplaySettings) -> None:

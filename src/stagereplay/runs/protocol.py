@@ -8,26 +8,25 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from stagereplay.audit.reexecute import AuditConfig, audit_run
-from stagereplay.engine.boundary import BoundaryRule
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.model import ModelConfig, check_model_dir
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import choose, pin
 from stagereplay.experiments.bridge import run_bridge
-from stagereplay.experiments.matched import MatchedConfig, run_matched
+from stagereplay.experiments.matched import MatchedConfig, run_matched, summarize_matched
 from stagereplay.experiments.precision_2x2 import run_2x2
 from stagereplay.experiments.resample import ResampleConfig, run_resample
 from stagereplay.experiments.transplant import TransplantConfig, run_transplant
 from stagereplay.records.ledger import atomic_write, open_run
 from stagereplay.report.results import AUDIT_FILE
-from stagereplay.report.summaries import summarize_matched
 from stagereplay.runs.make import (
+    Inputs,
     finish,
     new_manifest,
     prepare,
@@ -51,12 +50,13 @@ MAX_GPU_BATCH = 32
 
 def gpu_batch(model: str | None, device: str, decode: DecodeConfig) -> int:
     """The most items whose caches fit beside the weights on `device`, at most `MAX_GPU_BATCH`: per item, the most
-    caches any stage holds (`stage_plan.PEAK_CACHES`) in fp32 (the 2x2's fp32 stage is the largest) at the longest
+    caches any stage holds (`Experiment.peak_caches`) in fp32 (the 2x2's fp32 stage is the largest) at the longest
     sequence the budgets allow, within 90% of the memory free before the fp32 weights load."""
     import torch
 
     from stagereplay.engine.limits import STAGE1_BUDGET
-    from stagereplay.plan.stages import PEAK_CACHES, model_shape
+    from stagereplay.experiments.registry import all_experiments
+    from stagereplay.plan.stages import model_shape
 
     if model is None:
         from stagereplay.toy import toy_checkpoint
@@ -65,59 +65,59 @@ def gpu_batch(model: str | None, device: str, decode: DecodeConfig) -> int:
     shape = model_shape(model)
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     positions = min(shape.context, (decode.max_stage1_tokens or STAGE1_BUDGET) + decode.max_new_tokens + 1024)
-    per_item = max(PEAK_CACHES.values()) * shape.cache_bytes(positions, "fp32")
+    grid = {"constructions": ["incremental", "oneshot"]}  # the 2x2 `paper` runs
+    per_item = max(e.peak_caches(grid) for e in all_experiments()) * shape.cache_bytes(positions, "fp32")
     room = 0.9 * free - shape.weight_bytes("fp32")
     return max(1, min(MAX_GPU_BATCH, int(room // per_item)))
 
 
-def paper(
-    out: str | Path,
-    model: str | None = None,
-    later_model: str | None = None,
-    data: str | None = None,
-    n: int | None = 200,
-    boundary: BoundaryRule | None = None,
-    scorer: str | None = None,
-    decode: DecodeConfig | None = None,
-    select_primary: str = "first:24",
-    bridge_rows: int = 12,
-    sweep: bool = False,
-    resample: int = 0,
-    resample_items: int = 50,
-    audit_sample: int | None = AUDIT_SAMPLE,
-    columns: str | None = None,
-    device: str = "cpu",
-    threads: int = 1,
-    attn_impl: str = "auto",
-    workers: int = 0,
-    executor: str = "local",
-    quiet: bool = False,
-    cache: str = "dynamic",
-    kernels: str = "auto",
-    batch: int = 0,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PaperConfig:
+    """What `paper` runs besides matched: the later checkpoint, the transplant selection, the bridge rows, the layer
+    sweep, resample, and the closing audit's sample."""
+
+    later_model: str | None = field(default=None, metadata={
+        "help": "the second checkpoint (None: the embedded toy's later one when the model is the toy, else none)"})
+    select_primary: str = field(default="first:24", metadata={"help": "transplant selection at the primary"})
+    bridge_rows: int = field(default=12, metadata={"help": "bridge rows"})
+    sweep: bool = field(default=False, metadata={"help": "layer sweep at the primary checkpoint"})
+    resample: int = field(default=0, metadata={"help": "K sampled draws per state (0: no resample stage)"})
+    resample_items: int = field(default=50, metadata={"help": "items the resample stage draws on"})
+    audit_sample: int | None = field(default=AUDIT_SAMPLE, metadata={
+        "help": "units per stage the closing audit re-executes (None: every unit)"})
+
+    def __post_init__(self) -> None:
+        if self.bridge_rows < 1:
+            raise StageReplayError(f"--rows must be at least 1, got {self.bridge_rows}", "pass a positive --rows")
+        TransplantConfig(select=self.select_primary)  # a bad selection rule fails here, before any run directory
+
+
+def paper(out: str | Path, inputs: Inputs | None = None, protocol: PaperConfig | None = None,
+          workers: int = 0, executor: str = "local", quiet: bool = False) -> dict[str, Any]:
     """The whole protocol: matched (bf16), 2x2, bridge, transplant, outcome-blind replication at a later
-    checkpoint, audit, report. With `resample` = K > 0, also K sampled draws per boundary state on the first
+    checkpoint, audit, report. With `protocol.resample` = K > 0, also K sampled draws per boundary state on the first
     `resample_items` items, at bf16 and fp32 (the primary checkpoint). The audit verifies every record and
-    re-executes a seeded sample of `audit_sample` units per stage (None: every unit). `kernels`: the CPU kernels
-    (`execution.kernels`; by default portable ones for the embedded toy), chosen here, before torch loads.
-    `batch`: up to this many items step together (engine.batch), at every stage and in the audit; 0 (auto):
-    `TOY_BATCH` for the embedded toy on a CPU, 1 for a model of the user's on a CPU, on a GPU what its free memory
-    holds (`gpu_batch`)."""
-    pin(choose(kernels, toy=model is None, device=device))
-    if bridge_rows < 1:
-        raise StageReplayError(f"--rows must be at least 1, got {bridge_rows}", "pass a positive --rows")
-    TransplantConfig(select=select_primary)  # a bad selection rule fails here, before any run directory exists
-    audit = AuditConfig(audit_sample, seed=0)
+    re-executes a seeded sample of `audit_sample` units per stage (None: every unit). The CPU kernels
+    (`inputs.kernels`, `execution.kernels`; by default portable ones for the embedded toy) are chosen here, before
+    torch loads. `inputs.batch`: up to this many items step together (engine.batch), at every stage and in the
+    audit; 0 (auto): `TOY_BATCH` for the embedded toy on a CPU, 1 for a model of the user's on a CPU, on a GPU what
+    its free memory holds (`gpu_batch`). `workers` 0: one single-threaded process per core on a CPU (at most 2),
+    one process on a GPU. `inputs.n` None: 200 items."""
+    inputs, protocol = inputs or Inputs(), protocol or PaperConfig()
+    model, device, decode = inputs.model, inputs.device, inputs.decode
+    n = 200 if inputs.n is None else inputs.n
+    pin(choose(inputs.kernels, toy=model is None, device=device))
+    audit = AuditConfig(protocol.audit_sample, seed=0)
     if workers == 0:  # auto: one single-threaded process per core on a CPU (capped), one process per GPU run
         workers = min(2, os.cpu_count() or 1) if device == "cpu" else 1
     ex = ExecConfig(workers, executor)
+    batch = inputs.batch
     if batch == 0:
         batch = TOY_BATCH if model is None and device == "cpu" else 1
         if device.startswith("cuda"):
-            batch = gpu_batch(model, device, decode or DecodeConfig())
-    source = resolve_source(model, data, n, boundary, scorer, decode or DecodeConfig(), "bf16", device, threads,
-                            attn_impl, columns=columns, cache=cache, batch=batch)
+            batch = gpu_batch(model, device, decode)
+    source = resolve_source(replace(inputs, n=n, precision="bf16", batch=batch))
+    later_model = protocol.later_model
     if later_model is None and model is None:
         from stagereplay.toy import toy_checkpoint
 
@@ -128,9 +128,10 @@ def paper(
     source, lm, items, data_hash, determinism = prepare(source, ex, quiet)
     print_header(source, quiet)
     extra = {"later": later.path} if later else {}
-    manifest = new_manifest("paper", {"later_model": later.path if later else None, "select_primary": select_primary,
-                                      "bridge_rows": bridge_rows, "sweep": sweep, "resample": resample,
-                                      "resample_items": resample_items},
+    manifest = new_manifest("paper", {"later_model": later.path if later else None,
+                                      "select_primary": protocol.select_primary, "bridge_rows": protocol.bridge_rows,
+                                      "sweep": protocol.sweep, "resample": protocol.resample,
+                                      "resample_items": protocol.resample_items},
                             source, items, data_hash, determinism, extra)
     with open_run(Path(out), manifest) as run:
         settings = source.settings
@@ -138,12 +139,12 @@ def paper(
         del lm  # held here, it would stay loaded beside the next model (execution.local keeps one at a time)
         require_boundary(summarize_matched(run.find("matched", "primary"), "oneshot", "primary", "bf16"), settings)
         # Everything on the primary bf16 model first, so worker processes are started once for it.
-        run_bridge(run, source.model, settings, "primary", bridge_rows, ex, quiet)
-        run_transplant(run, source.model, settings, "primary", TransplantConfig(select=select_primary, sweep=sweep),
-                       ex, quiet)
+        run_bridge(run, source.model, settings, "primary", protocol.bridge_rows, ex, quiet)
+        run_transplant(run, source.model, settings, "primary",
+                       TransplantConfig(select=protocol.select_primary, sweep=protocol.sweep), ex, quiet)
         run_2x2(run, source.model, settings, "primary", ("incremental", "oneshot"), ("bf16", "fp32"), ex, quiet)
-        if resample:
-            cfg = ResampleConfig(k=resample, n=resample_items, precisions=("bf16", "fp32"))
+        if protocol.resample:
+            cfg = ResampleConfig(k=protocol.resample, n=protocol.resample_items, precisions=("bf16", "fp32"))
             run_resample(run, source.model, settings, "primary", cfg, ex, quiet)
         if later is not None:
             run_matched(run, MatchedConfig(later, settings, source.data, checkpoint="later"), items, ex, None, quiet)

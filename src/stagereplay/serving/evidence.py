@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CONSTRUCTIONS = ("live", "oneshot", "prefix-cache", "slot-restore")
+COUNTED = ("live", "oneshot", "prefix-cache", "slot-restore")
 """The constructions whose taking place an engine's counts show."""
 
 
@@ -26,7 +26,7 @@ def took_place(arm: dict[str, Any], prompt_len: int, boundary: int) -> bool | No
     """Whether the arm's construction took place, as its engine reported the request (module docstring)."""
     cached = arm.get("num_cached_tokens")
     construction = arm.get("construction")
-    if cached is None or construction not in CONSTRUCTIONS:
+    if cached is None or construction not in COUNTED:
         return None
     load = arm.get("load")
     if load is not None and not load.get("in_flight_at_send"):

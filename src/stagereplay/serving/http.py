@@ -38,12 +38,23 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from http import client
-from typing import Any
+from typing import Any, ClassVar
 from urllib import parse
 
 from stagereplay.errors import StageReplayError
-from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, Generation
+from stagereplay.serving.seam import (
+    TOP_LOGPROBS,
+    ChecksFirst,
+    EngineConfig,
+    EngineKind,
+    EngineOptions,
+    Generation,
+    Restarts,
+    RestoresSlot,
+    ServesUnderLoad,
+)
 
 SLOT_FILE = "stagereplay-slot.bin"
 """The file a slot is saved to, in the server's --slot-save-path: one, overwritten by each item (a long trace's K/V
@@ -55,12 +66,31 @@ PROBES = ("Hello world", " 12+7=19.", "The answer is 42\n", "naïve café", "</t
 """Strings the server's tokenizer must split as the run's does (a merged `</think>\n`, spaces, non-ASCII)."""
 
 
-def require() -> None:
-    """Nothing to install: the server is reached over HTTP with the standard library."""
+@dataclass(frozen=True)
+class HttpOptions(EngineOptions):
+    """How to reach a running server and what to ask of it (`--engine http`)."""
 
+    url: str = field(default="", metadata={"help": "the server: http://HOST:PORT"})
+    api: str = field(default="auto", metadata={
+        "help": "auto | llama-server (/completion) | openai (/v1/completions)"})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={
+        "help": "the environment variable holding the server's API key (the key itself is never recorded)"})
+    timeout: float = field(default=600.0, metadata={"help": "seconds per request"})
+    retries: int = field(default=2, metadata={"help": "retries of a request the server did not answer"})
+    slot_restore: bool = field(default=False, metadata={
+        "help": "the slot-restore arms: live's slot saved and restored into another (llama-server --slot-save-path)"})
+    concurrency: int = field(default=0, metadata={
+        "help": "other requests in flight around each under-load replica (0: no under-load arms)"})
 
-def check_model(model: str | None) -> None:
-    """Any model our engine loads gives the tokenizer and scores the arms; the server serves its own copy."""
+    def check(self) -> None:
+        if self.api not in ("auto", "llama-server", "openai"):
+            raise StageReplayError(f"unknown --api {self.api!r}", "use auto, llama-server or openai")
+        if self.timeout <= 0 or self.retries < 0 or self.concurrency < 0:
+            raise StageReplayError("--timeout must be positive, --retries and --concurrency at least 0",
+                                   "pass e.g. --timeout 600 --retries 2 --concurrency 4")
+
+    def client(self) -> Client:
+        return Client(self.url, self.api_key_env, self.timeout, self.retries)
 
 
 def public_url(url: str) -> str:
@@ -166,13 +196,14 @@ def _openai_steps(logprobs: dict[str, Any]) -> tuple[list[int], list[tuple[tuple
     return tokens, top
 
 
-class HttpEngine:
+class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
     """One server; greedy requests of one item at a time (and `generate_loaded`'s traffic around one)."""
 
     name = "http"
 
     def __init__(self, config: EngineConfig, client: Client, api: str, identity: dict[str, Any]):
         self.config, self.client, self.api, self.identity = config, client, api, identity
+        self.options = config.own(HttpOptions)
         self.checked: dict[str, Any] = {}
         self.resumed: dict[str, Any] | None = None  # set by `note_resume` when a run resumes on this server
         self._salt = ""  # the cache salt of the last request that bypassed the cache (openai dialect)
@@ -225,6 +256,10 @@ class HttpEngine:
             self._salt = uuid.uuid4().hex
         return self.complete(ids, max_tokens, reuse, salt=self._salt)
 
+    @property
+    def restores_slots(self) -> bool:
+        return self.options.slot_restore
+
     def slot_restore(self, prompt: Sequence[int], live_tokens: int, prefix: Sequence[int], max_new: int
                      ) -> tuple[Generation, Generation, dict[str, Any]]:
         """llama-server's slot save/restore (`--slot-save-path`): live's request again in slot A, that slot's K/V
@@ -249,7 +284,7 @@ class HttpEngine:
         then let finish (short, so soon), never cancelled: a server notices a cancelled request only at its next
         poll, and one still queued for an HTTP thread would run after it, beside the next quiet arm. Also what was
         seen: the concurrency, how many others were in flight when it was sent, how many returned meanwhile."""
-        k = self.config.concurrency
+        k = self.options.concurrency
         stop, started, failures = threading.Event(), threading.Semaphore(0), []
         lock = threading.Lock()
         in_flight, finished = [0], [0]
@@ -297,6 +332,13 @@ class HttpEngine:
     def version(self) -> str:
         return str(self.identity.get("build", "unknown"))
 
+    def close(self) -> None:
+        """Nothing held open: each request has its own connection."""
+
+    @property
+    def address(self) -> str:
+        return self.client.url
+
     def settings(self) -> dict[str, Any]:
         return {"engine": self.name, **self.config.as_dict(), "url": self.client.url, "api": self.api,
                 "build": build_of(self.identity), "server": dict(self.identity), "top_logprobs": TOP_LOGPROBS,
@@ -328,7 +370,7 @@ class HttpEngine:
                 "serve without a sampler override (no --samplers forcing sampling) and audit again")
         reused, _ = self.counted(probe, 8, reuse=True)
         bypassed, _ = self.counted(probe, 8, reuse=False)
-        if self.config.slot_restore:
+        if self.options.slot_restore:
             self._check_slot_restore()
         differs = self._tokenizer_differs(tokenizer)
         if differs is not None:
@@ -431,27 +473,49 @@ def build_of(identity: dict[str, Any]) -> dict[str, Any]:
             if identity.get(k) is not None}
 
 
-def build_info(config: EngineConfig) -> dict[str, Any]:
-    """The build of the server at `config.url` now (`build_of`), for the audit."""
-    client = Client(config.url, config.api_key_env, config.timeout, config.retries)
-    return build_of(identify(client, config.api)[1])
-
-
-def context(config: EngineConfig) -> tuple[int, str] | None:
-    """The positions one request may hold on the server: llama-server's per-slot context (its total context over
-    its slots), vLLM's max_model_len; None where the server does not say."""
-    client = Client(config.url, config.api_key_env, config.timeout, config.retries)
-    api, identity = identify(client, config.api)
-    n = identity.get("n_ctx") if api == "llama-server" else identity.get("max_model_len")
-    if not n:
-        return None
-    per = "per-slot context" if api == "llama-server" else "context (max_model_len)"
-    return int(n), f"the server's {per}"
-
-
 def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> HttpEngine:
-    """The server at `config.url`, identified; `precision`, `threads` and `device` are the server's to choose
+    """The server at the config's url, identified; `precision`, `threads` and `device` are the server's to choose
     (our engine runs at `precision` for the tokenizer and `--cross hf`)."""
-    client = Client(config.url, config.api_key_env, config.timeout, config.retries)
-    api, identity = identify(client, config.api)
+    options = config.own(HttpOptions)
+    client = options.client()
+    api, identity = identify(client, options.api)
     return HttpEngine(config, client, api, identity)
+
+
+class HttpKind(EngineKind):
+    """A running server, over HTTP (`--engine http --url URL`)."""
+
+    name: ClassVar[str] = "http"
+    options: ClassVar[type[EngineOptions]] = HttpOptions
+    engine: ClassVar[type] = HttpEngine
+
+    def context(self, config: EngineConfig) -> tuple[int, str] | None:
+        """The positions one request may hold on the server: llama-server's per-slot context (its total context over
+        its slots), vLLM's max_model_len; None where the server does not say."""
+        options = config.own(HttpOptions)
+        api, identity = identify(options.client(), options.api)
+        n = identity.get("n_ctx") if api == "llama-server" else identity.get("max_model_len")
+        if not n:
+            return None
+        per = "per-slot context" if api == "llama-server" else "context (max_model_len)"
+        return int(n), f"the server's {per}"
+
+    def load(self, config: EngineConfig, model_path: str, precision: str, threads: int, device: str
+             ) -> HttpEngine:
+        return load(config, model_path, precision, threads, device)
+
+    def arms(self, config: EngineConfig) -> tuple[str, ...]:
+        options = config.own(HttpOptions)
+        return ((RestoresSlot.ARMS if options.slot_restore else ())
+                + (ServesUnderLoad.ARMS if options.concurrency else ()))
+
+    def concurrency(self, config: EngineConfig) -> int:
+        return config.own(HttpOptions).concurrency
+
+    def build(self, config: EngineConfig) -> dict[str, Any]:
+        """The build of the server at the config's url now (`build_of`), for the audit."""
+        options = config.own(HttpOptions)
+        return build_of(identify(options.client(), options.api)[1])
+
+    def at_address(self, config: EngineConfig, url: str) -> EngineConfig:
+        return replace(config, options=replace(config.own(HttpOptions), url=url))

@@ -33,16 +33,44 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from stagereplay.errors import StageReplayError
-from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, Generation
+from stagereplay.serving.seam import (
+    TOP_LOGPROBS,
+    EngineConfig,
+    EngineKind,
+    EngineOptions,
+    Generation,
+    PrefillsInChunks,
+    SavedState,
+    SavesState,
+)
 
 CACHE_TYPES = {"fp16": ("f16", 1), "bf16": ("bf16", 30), "fp32": ("f32", 0)}
 """--precision -> the K/V cache's ggml type (name, enum value in ggml.h)."""
 CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
              "avx512_bf16", "avx512vbmi", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 """The x86 extensions ggml has code paths for: which of them a build uses is in its system info."""
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions(EngineOptions):
+    """llama.cpp's settings (`--engine llama.cpp`)."""
+
+    n_ctx: int = field(default=4096, metadata={"help": "context positions (prompt + stage 1 + suffix must fit)"})
+    n_batch: int = field(default=512, metadata={"help": "prompt tokens per llama_decode (llama-server's -b)"})
+    n_ubatch: int = field(default=512, metadata={"help": "micro-batch: tokens per graph compute (-ub)"})
+    flash_attn: bool = field(default=False, metadata={"help": "llama.cpp's flash attention (-fa)"})
+    repack: bool = field(default=False, metadata={"help": (
+        "llama.cpp's extra buffer types: weights repacked for the CPU's wider kernels (other kernels, other bits; "
+        "llama-server repacks unless --no-repack)")})
+
+    def check(self) -> None:
+        for name in ("n_ctx", "n_batch", "n_ubatch"):
+            if getattr(self, name) < 1:
+                raise StageReplayError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",
+                                       "pass a positive size")
 
 
 def require() -> None:
@@ -87,8 +115,9 @@ class Snapshot:
         return hashlib.sha256(self.data).hexdigest()
 
 
-class LlamaCppEngine:
-    """One llama.cpp context; `generate` is the seam's request, `run`, `snapshot` and `restore` llama.cpp's own."""
+class LlamaCppEngine(SavesState, PrefillsInChunks):
+    """One llama.cpp context; `generate` is the seam's request; it saves and restores a sequence's state and
+    prefills in chunks (`serving.seam`'s capabilities)."""
 
     name = "llama.cpp"
 
@@ -96,6 +125,7 @@ class LlamaCppEngine:
         import llama_cpp
 
         self.llm, self.config, self.precision, self.threads = llm, config, precision, threads
+        self.options = config.own(LlamaCppOptions)
         self.lib = llama_cpp
         self.vocab = llama_cpp.llama_model_get_vocab(llm.model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
@@ -107,15 +137,15 @@ class LlamaCppEngine:
         self.llm.n_tokens = 0
 
     def _check_room(self, n: int) -> None:
-        if n > self.config.n_ctx:
-            raise StageReplayError(f"a llama.cpp request of {n} positions exceeds its context of {self.config.n_ctx}",
+        if n > self.options.n_ctx:
+            raise StageReplayError(f"a llama.cpp request of {n} positions exceeds its context of {self.options.n_ctx}",
                                    "pass a larger --n-ctx")
 
     def _eval(self, ids: Sequence[int], chunk: int | None = None) -> None:
         """Process `ids` after what the context holds, `chunk` tokens per llama_decode (default n_batch)."""
-        size = chunk or self.config.n_batch
-        if size > self.config.n_batch:
-            raise StageReplayError(f"chunks of {size} tokens exceed the context's batch of {self.config.n_batch}",
+        size = chunk or self.options.n_batch
+        if size > self.options.n_batch:
+            raise StageReplayError(f"chunks of {size} tokens exceed the context's batch of {self.options.n_batch}",
                                    f"pass --n-batch {size} or more")
         saved, self.llm.n_batch = self.llm.n_batch, size  # Llama.eval splits by n_batch
         try:
@@ -190,6 +220,9 @@ class LlamaCppEngine:
     def generate(self, ids: Sequence[int], max_tokens: int, reuse: bool = False) -> Generation:
         return self.run(ids, max_tokens, reuse)[0]
 
+    def chunked(self, ids: Sequence[int], max_tokens: int, chunk: int) -> Generation:
+        return self.run(ids, max_tokens, chunk=chunk)[0]
+
     def snapshot(self) -> Snapshot:
         """The sequence's K/V as it stands (what llama-server's slot save writes)."""
         import ctypes
@@ -207,11 +240,13 @@ class LlamaCppEngine:
         self._eval(ids, chunk)
         return self.snapshot()
 
-    def restore(self, state: Snapshot, pending: int, max_tokens: int) -> tuple[Generation, str]:
+    def restore(self, state: SavedState, pending: int, max_tokens: int) -> tuple[Generation, str]:
         """Load `state` into the cleared context (slot restore), feed the pending token as a decode step and
         continue. Also returns the fingerprint of the cache as re-read after the load, before the pending token."""
         import ctypes
 
+        if not isinstance(state, Snapshot):
+            raise TypeError(f"llama.cpp restores its own snapshots, not {type(state).__name__}")
         self._check_room(len(state.ids) + 1 + max_tokens)
         self._clear()
         buf = (ctypes.c_uint8 * len(state.data)).from_buffer_copy(state.data)
@@ -249,16 +284,12 @@ def check_model(model_path: str | None) -> None:
                                "folder)")
 
 
-def context(config: EngineConfig) -> tuple[int, str]:
-    """The context every request must fit (`--n-ctx`)."""
-    return config.n_ctx, f"llama.cpp's context (--n-ctx {config.n_ctx})"
-
-
 def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> LlamaCppEngine:
     if precision not in CACHE_TYPES:
         raise StageReplayError(f"--engine llama.cpp does not run precision {precision} (it sets the K/V cache type)",
                                f"use one of {', '.join(CACHE_TYPES)}")
     check_model(model_path)
+    options = config.own(LlamaCppOptions)
     if device != "cpu":
         raise StageReplayError(f"--engine llama.cpp runs here on the CPU build only, not on {device}",
                                "pass --device cpu")
@@ -266,9 +297,9 @@ def load(config: EngineConfig, model_path: str, precision: str, threads: int, de
     from llama_cpp import Llama
 
     cache_type = CACHE_TYPES[precision][1]
-    with extra_buffers(config.repack):
-        llm = Llama(model_path=str(model_path), n_ctx=config.n_ctx, n_batch=config.n_batch,
-                    n_ubatch=config.n_ubatch, n_threads=threads, n_threads_batch=threads, flash_attn=config.flash_attn,
+    with extra_buffers(options.repack):
+        llm = Llama(model_path=str(model_path), n_ctx=options.n_ctx, n_batch=options.n_batch,
+                    n_ubatch=options.n_ubatch, n_threads=threads, n_threads_batch=threads, flash_attn=options.flash_attn,
                     seed=config.seed, n_gpu_layers=0, type_k=cache_type, type_v=cache_type, logits_all=False,
                     verbose=False)
     return LlamaCppEngine(llm, config, precision, threads)
@@ -295,3 +326,44 @@ def extra_buffers(on: bool) -> Iterator[None]:
         yield
     finally:
         lib.llama_model_default_params = default
+
+
+class LlamaCppKind(EngineKind):
+    """llama.cpp in this process, through llama-cpp-python (`--engine llama.cpp --model FILE.gguf`)."""
+
+    name: ClassVar[str] = "llama.cpp"
+    options: ClassVar[type[EngineOptions]] = LlamaCppOptions
+    engine: ClassVar[type] = LlamaCppEngine
+    isolated: ClassVar[bool] = True  # its native code may crash: the items run in a worker process
+
+    def require(self) -> None:
+        require()
+
+    def check_model(self, model: str | None) -> None:
+        check_model(model)
+
+    def context(self, config: EngineConfig) -> tuple[int, str]:
+        """The context every request must fit (`--n-ctx`)."""
+        n_ctx = config.own(LlamaCppOptions).n_ctx
+        return n_ctx, f"llama.cpp's context (--n-ctx {n_ctx})"
+
+    def load(self, config: EngineConfig, model_path: str, precision: str, threads: int, device: str
+             ) -> LlamaCppEngine:
+        return load(config, model_path, precision, threads, device)
+
+    def build(self, config: EngineConfig) -> dict[str, Any]:
+        require()
+        return build_info()
+
+    def crashed(self, config: EngineConfig, problem: str) -> StageReplayError:
+        if config.own(LlamaCppOptions).repack:
+            return StageReplayError(
+                f"{problem}: llama.cpp's native code crashed with --repack; a build for this CPU on AMX tiles is the "
+                "known cause (its AMX matmul puts repacked weights in AMX buffers, llama.cpp issue 20824)",
+                "run without --repack in a new run directory, or install the portable build "
+                "(docs/how-to/llamacpp.md) and run the same command again: the run resumes from this item")
+        return StageReplayError(
+            f"{problem}: llama.cpp's native code crashed (weights not repacked); a build for other CPU "
+            "features than this one's is a likely cause",
+            "install the portable build (docs/how-to/llamacpp.md) and run the same command again: the run resumes "
+            "from this item")

@@ -14,8 +14,10 @@ Per item, in one engine and this order (the prefix cache is emptied where an arm
     live#replica, prefix-cache#replica    the two again, from a reset
     oneshot         reset; a request for P: nothing cached, one fresh prefill
     oneshot#replica
-    state-restore, oneshot-restore (+ #replica)   llama.cpp only: its saved boundary states restored and
-                    continued (`serving.restore`)
+    state-restore, oneshot-restore (+ #replica)   an engine that saves states (llama.cpp): its saved boundary
+                    states restored and continued (`serving.restore`)
+    slot-restore (+ #replica)   a server that restores slots, when asked for (`--slot-restore`)
+    live@load, oneshot@load     a server under load, when asked for (`--concurrency K`)
     hf-oneshot      (--cross hf) our engine prefills P[0:T-1] in one forward and continues from P[T-1]
     hf-oneshot#replica
 
@@ -28,7 +30,7 @@ convention (feed P[T-1] as the first decode step over the cache of P[0:T-1]) yie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -39,30 +41,36 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.local import WorkerDied
-from stagereplay.experiments.arms import comparison, no_boundary_payload
-from stagereplay.experiments.jobs import Job, ReplaySettings, execute
+from stagereplay.experiments.arms import comparison, no_boundary_payload, with_token_texts
+from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.records.ledger import Run
+from stagereplay.records.payloads import MatchedPayload
 from stagereplay.records.provenance import environment
+from stagereplay.serving.engines import ENGINES, OURS, config_from_dict, engine_config, kind_of
 from stagereplay.serving.evidence import took_place
 from stagereplay.serving.live import Live, request_live
 from stagereplay.serving.seam import (
-    EXTRA_ARMS,
     TOP_LOGPROBS,
+    ChecksFirst,
     EngineConfig,
+    EngineKind,
     Generation,
+    Restarts,
+    RestoresSlot,
+    SavesState,
+    ServesUnderLoad,
     ServingEngine,
-    load_engine,
 )
 from stagereplay.tasks import DataConfig
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
 
-CROSS = ("hf",)
+CROSS = (OURS,)
 """Engines that may replay a serving engine's prefixes: ours."""
-GRID_ARMS = ("oneshot", "prefix-cache", "oneshot-restore")
-"""The serving arms the precision 2x2 builds on a fixed prefix (`serving.precision_2x2.serving_grid_item`)."""
-LOADED = ("live@load", "oneshot@load")
-"""A server's arms under load: live's and oneshot's request again, with other items' requests in flight."""
+GRID_ARMS = ("oneshot", "prefix-cache")
+"""The arms every engine's precision 2x2 builds on a fixed prefix (`serving.precision_2x2.serving_grid_item`),
+besides those of its capabilities (`EngineKind.grid_arms`)."""
+LOADED = ServesUnderLoad.ARMS
 
 
 @dataclass(frozen=True)
@@ -82,50 +90,66 @@ class ServingArms:
         return model if self.cross else replace(model, weights=False)
 
     @property
+    def kind(self) -> EngineKind:
+        return kind_of(self.engine.name)
+
+    @property
     def fresh(self) -> tuple[str, ...]:
-        """The arms set against live, in the order of the report's columns."""
-        restore = ("slot-restore",) if self.engine.name == "http" and self.engine.slot_restore else ()
-        return ("oneshot", "prefix-cache", *EXTRA_ARMS.get(self.engine.name, ()), *restore, *self.loaded,
+        """The arms set against live, in the order of the report's columns: oneshot and prefix-cache, those the
+        engine's capabilities add (`EngineKind.arms`), and the cross arm."""
+        return ("oneshot", "prefix-cache", *self.kind.arms(self.engine),
                 *((f"{self.cross}-oneshot",) if self.cross else ()))
 
     @property
     def loaded(self) -> tuple[str, ...]:
         """The under-load arms (a server's, with --concurrency): live's replica with other requests in flight."""
-        return LOADED if self.engine.name == "http" and self.engine.concurrency else ()
-
-    def check_model(self, model: str | None) -> None:
-        """Refuse, before anything loads, a model the engine cannot run (llama.cpp runs GGUF files only; None is
-        the embedded toy's folder)."""
-        import importlib
-
-        from stagereplay.serving.seam import ENGINES
-
-        check = getattr(importlib.import_module(ENGINES[self.engine.name]), "check_model", None)
-        if check is not None:
-            check(model)
+        return tuple(a for a in self.fresh if a in LOADED)
 
     @property
     def grid(self) -> tuple[str, ...]:
         """The arms `precision-2x2` crosses with precision by default: those of `fresh` it builds on a fixed
-        prefix (`GRID_ARMS` and the cross arm). Not state-restore or slot-restore, which need live's state at each
-        precision, nor the under-load arms (llama.cpp's `chunked:<n>`, its prompt batch size, may be added)."""
-        return tuple(a for a in self.fresh if a in GRID_ARMS or a == f"{self.cross}-oneshot")
+        prefix (`GRID_ARMS`, the engine's `grid_arms` and the cross arm). Not state-restore or slot-restore, which
+        need live's state at each precision, nor the under-load arms (`chunked:<n>` may be added where the engine
+        prefills in chunks)."""
+        own = (*GRID_ARMS, *self.kind.grid_arms(), f"{self.cross}-oneshot")
+        return tuple(a for a in self.fresh if a in own)
 
-    def extra(self) -> tuple[tuple[str, Any], ...]:
-        return (("construction", "oneshot"), ("engine", tuple(self.engine.as_dict().items())),
-                ("cross", self.cross))
-
-    def traffic(self, items: Sequence[Item], index: int) -> tuple[tuple[str, Any], ...]:
+    def traffic(self, items: Sequence[Item], index: int) -> tuple[tuple[int, ...], ...]:
         """The prompts an item's under-load arms run beside: the next --concurrency items' (its own, alone)."""
         if not self.loaded:
             return ()
-        others = [items[(index + 1 + i) % len(items)] for i in range(self.engine.concurrency)]
-        return (("traffic", tuple(tuple(o.prompt_ids) for o in others)),)
+        others = [items[(index + 1 + i) % len(items)] for i in range(self.kind.concurrency(self.engine))]
+        return tuple(tuple(o.prompt_ids) for o in others)
+
+
+@dataclass(frozen=True)
+class ServingMatchedParams(Params):
+    """A serving matched job's parameters: the engine and its arms, and the prompts of the other items whose
+    requests are in flight around its under-load arms."""
+
+    arms: ServingArms
+    traffic: tuple[tuple[int, ...], ...] = ()
+
+
+def serving_arms(engine: str, cross: str | None = None, options: Mapping[str, Any] | None = None
+                 ) -> ServingArms | None:
+    """The arms of a matched run on `engine` with the options given for it, or None on ours; an option the engine
+    does not take, or a cross arm on our own engine, is refused in one line."""
+    if engine == OURS:
+        if cross is not None:
+            raise StageReplayError("--cross replays a serving engine's prefixes in ours",
+                                   f"pass it with --engine {' or --engine '.join(ENGINES)}")
+        if options:
+            flag = "--" + sorted(options)[0].replace("_", "-")
+            raise StageReplayError(f"{flag} is an option of a serving engine, and --engine {OURS} is ours",
+                                   f"pass --engine {' or --engine '.join(ENGINES)}, or drop {flag}")
+        return None
+    return ServingArms(engine_config(engine, options), cross or "")
 
 
 def arms_of(stage: dict[str, Any]) -> ServingArms:
     """The arms a manifest stage declares."""
-    return ServingArms(EngineConfig(**stage["engine"]), stage.get("cross", ""))
+    return ServingArms(config_from_dict(stage["engine"]), stage.get("cross", ""))
 
 
 # One engine per process, as one model per process in `execution.local`: two precisions load one after the other.
@@ -136,12 +160,11 @@ def cached_engine(config: EngineConfig, lm: LM) -> ServingEngine:
     key = (config, lm.config.path, lm.config.precision, lm.config.threads, lm.config.device)
     if key not in _ENGINES:
         for old in list(_ENGINES):
-            engine = _ENGINES.pop(old)
-            getattr(engine, "close", lambda: None)()
-        engine = load_engine(config, lm.config.path, lm.config.precision, lm.config.threads, lm.config.device)
-        check = getattr(engine, "check", None)
-        if check is not None:  # a server is checked against the run's tokenizer before any item (serving.http)
-            check(lm.tokenizer)
+            _ENGINES.pop(old).close()
+        engine = kind_of(config.name).load(config, lm.config.path, lm.config.precision, lm.config.threads,
+                                           lm.config.device)
+        if isinstance(engine, ChecksFirst):  # a server is checked against the run's tokenizer before any item
+            engine.check(lm.tokenizer)
         _ENGINES[key] = engine
     return _ENGINES[key]
 
@@ -203,32 +226,29 @@ def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation,
     return arm
 
 
-def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
+def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> dict[str, Any]:
     """One item's arms on the serving engine (and ours with --cross hf); `lm` is our engine at the same
     precision: its tokenizer scores and finds the boundary, and it runs the cross arm."""
     from stagereplay.experiments.precision_2x2 import fixed_state
     from stagereplay.serving.restore import restore_arms
 
     item, s = job.item, job.settings
-    engine_config = EngineConfig(**dict(job.get("engine")))
-    cross = job.get("cross", "")
-    engine = cached_engine(engine_config, lm)
+    engine = cached_engine(job.params.arms.engine, lm)
+    cross = job.params.arms.cross
     budget, max_new = s.decode.max_stage1_tokens, s.decode.max_new_tokens
     if budget is None:
         raise StageReplayError("a serving engine's live request needs a resolved stage-1 budget",
                                "run through `stagereplay matched`, which resolves it")
     rule = s.rule().bind(lm.tokenizer)
     prompt = list(item.prompt_ids)
-    restores = EXTRA_ARMS.get(engine.name, ())
+    saves = isinstance(engine, SavesState)
 
     def send(max_tokens: int, saver: Callable[[int], bool] | None) -> tuple[Generation, Any]:
-        if saver is None:
+        if saver is None or not isinstance(engine, SavesState):
             return engine.generate(prompt, max_tokens, reuse=False), None
-        run: Any = engine.run  # type: ignore[attr-defined]  # llama.cpp's: saves the boundary state as it goes
-        generation, state = run(prompt, max_tokens, save=saver)
-        return generation, state
+        return engine.run(prompt, max_tokens, save=saver)  # the boundary state saved as it goes
 
-    first = request_live(send, rule, lm.eos, budget, max_new, saves=bool(restores))
+    first = request_live(send, rule, lm.eos, budget, max_new, saves=saves)
     if first.end is None:
         return no_boundary_payload(item, first.generation.tokens[:budget])
     end = first.end
@@ -247,7 +267,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
 
     served("live", "live", first.generation, end + 1, first)
     served("prefix-cache", "prefix-cache", engine.generate(prefix, max_new, reuse=True))
-    again = request_live(send, rule, lm.eos, budget, max_new, saves=bool(restores), sizes=size)
+    again = request_live(send, rule, lm.eos, budget, max_new, saves=saves, sizes=size)
     replica_prefix_equal = again.end is not None and list(again.generation.tokens[: again.end + 1]) == list(stage1)
     if again.end is not None:
         served("live#replica", "live", again.generation, again.end + 1, again)
@@ -256,31 +276,30 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     for name in ("oneshot", "oneshot#replica"):
         served(name, "oneshot", engine.generate(prefix, max_new, reuse=False))
     fresh = ["oneshot", "prefix-cache"]
-    if restores:
+    if isinstance(engine, SavesState):
         def restored(name: str, g: Generation, cache_fp: str) -> dict[str, Any]:
             return arm_of(lm, name, name.split("#")[0], engine.name, g.tokens[:max_new], g.top[:max_new], stage1,
                           item, s.scorer, cache_fp)
 
         states = [first.state, again.state] if replica_prefix_equal else [first.state]
         arms += restore_arms(engine, prefix, states, max_new, restored)
-        fresh += restores
-    if engine_config.name == "http" and engine_config.slot_restore:  # llama-server's slot save and restore
+        fresh += SavesState.ARMS
+    if isinstance(engine, RestoresSlot) and engine.restores_slots:  # a server's slot saved and restored
         for name in ("slot-restore", "slot-restore#replica"):
-            again_live, g, how = engine.slot_restore(  # type: ignore[attr-defined]
-                prompt, first.max_tokens, prefix, max_new)
+            again_live, g, how = engine.slot_restore(prompt, first.max_tokens, prefix, max_new)
             served(name, "slot-restore", g)
             arms[-1]["slot"] = {**how, "live_equal": list(again_live.tokens) == list(first.generation.tokens),
                                 "live_max_tokens": first.max_tokens}
-        fresh += ["slot-restore"]
-    traffic = job.get("traffic")
-    if traffic:  # under load: the same requests with other items' in flight (serving.http.generate_loaded)
-        loaded, seen = engine.generate_loaded(prompt, first.max_tokens, traffic)  # type: ignore[attr-defined]
+        fresh += RestoresSlot.ARMS
+    traffic = job.params.traffic
+    if traffic and isinstance(engine, ServesUnderLoad):  # the same requests with other items' in flight
+        loaded, seen = engine.generate_loaded(prompt, first.max_tokens, traffic)
         loaded_end = stage1_end(loaded.tokens, rule.watch(), lm.eos, size[0])
         if loaded_end is not None:
             served("live@load", "live", loaded, loaded_end + 1)
             arms[-1]["load"] = {**seen, "prefix_equal": list(loaded.tokens[: loaded_end + 1]) == list(stage1)}
             arms[-1]["request"] = first.request
-        loaded, seen = engine.generate_loaded(prefix, max_new, traffic)  # type: ignore[attr-defined]
+        loaded, seen = engine.generate_loaded(prefix, max_new, traffic)
         served("oneshot@load", "oneshot", loaded)
         arms[-1]["load"] = seen
         fresh += list(LOADED)
@@ -300,7 +319,7 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
     pairs = [("live", f) for f in fresh] + [(f, f"{f}#replica") for f in ("live", *fresh)]
     pairs += [("oneshot", "oneshot@load")] if traffic else []
     comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by}
-    return {
+    payload = MatchedPayload.model_validate({  # the record's shape, checked where it is made
         "status": "ok",
         "prompt_ids": prompt,
         "prefix_ids": prefix,
@@ -312,7 +331,8 @@ def serving_matched_item(lm: LM, job: Job) -> dict[str, Any]:
         "comparisons": list(comparisons.values()),
         "diagnostics": diagnostics(by, [("live", f) for f in fresh], comparisons),
         **({"load_finding": load_finding(comparisons)} if traffic else {}),
-    }
+    })
+    return with_token_texts(lm, payload).as_payload()
 
 
 def load_finding(comparisons: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
@@ -339,7 +359,7 @@ def with_engine_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
         payload = work(lm, job)
     except StageReplayError as e:
         raise StageReplayError(f"item {job.item.id}: {e.problem}", e.fix) from e
-    engine = cached_engine(EngineConfig(**dict(job.get("engine"))), lm)
+    engine = cached_engine(job.params.arms.engine, lm)
     return {"payload": payload, "environment": {**environment(lm.config.device, lm.determinism),
                                                 "engine": engine.settings()}}
 
@@ -348,9 +368,9 @@ REQUESTS_PER_ITEM = 6
 """Completions a server's matched item sends at least (live, prefix-cache and oneshot, each with its replica)."""
 
 
-def _note_resume(run: Run, done: Sequence[Any], engine: Any, quiet: bool) -> None:
-    """Tell the server's `note_resume` how the process that made the last record saw it, and how many items that
-    process recorded since; say so when the server restarted (its prefix cache is then cold, which the records from
+def _note_resume(run: Run, done: Sequence[Any], engine: Restarts, quiet: bool) -> None:
+    """Tell an engine that restarts (a server) how the process that made the last record saw it, and how many items
+    that process recorded since; say so when it restarted (its prefix cache is then cold, which the records from
     here on also say, in their environment's `engine.resumed`)."""
     import sys
 
@@ -362,7 +382,7 @@ def _note_resume(run: Run, done: Sequence[Any], engine: Any, quiet: bool) -> Non
     made = sum(r.env == last.env for r in done)
     restarted = engine.note_resume(before, REQUESTS_PER_ITEM * made, last.item_id)
     if restarted and not quiet:
-        print(f"note: the server at {engine.client.url} restarted since item {last.item_id} was recorded: its "
+        print(f"note: the server at {engine.address} restarted since item {last.item_id} was recorded: its "
               "caches are cold (the records from here on say so)", file=sys.stderr)
 
 
@@ -374,23 +394,16 @@ def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, 
         "model": model.as_dict(), "settings": settings.as_dict(), "construction": "oneshot",
         "engine": arms.engine.as_dict(), "cross": arms.cross, "arms": list(arms.fresh)})
     done = run.find("matched", checkpoint)
-    if done and arms.engine.name == "http" and lm is not None:  # a resumed server run: has the server restarted?
-        _note_resume(run, done, cached_engine(arms.engine, lm), quiet)
-    jobs = [Job(item, settings, extra=arms.extra() + arms.traffic(items, i)) for i, item in enumerate(items)]
-    # llama.cpp's native code runs in a worker process: a crash there ends in one line, and the run resumes.
-    native = arms.engine.name == "llama.cpp"
+    if done and lm is not None:  # a resumed run: has the engine restarted since (a server)?
+        engine = cached_engine(arms.engine, lm)
+        if isinstance(engine, Restarts):
+            _note_resume(run, done, engine, quiet)
+    jobs = [Job(item, settings, ServingMatchedParams(arms, arms.traffic(items, i))) for i, item in enumerate(items)]
+    # An engine of native code that may crash runs in a worker process: a crash there ends in one line, and the run
+    # resumes.
+    isolated = arms.kind.isolated
     try:
-        execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(isolated=native),
-                None if native else lm, quiet, env_work=partial(with_engine_environment, serving_matched_item))
+        execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(isolated=isolated),
+                None if isolated else lm, quiet, env_work=partial(with_engine_environment, serving_matched_item))
     except WorkerDied as e:
-        if arms.engine.repack:
-            raise StageReplayError(
-                f"{e.problem}: llama.cpp's native code crashed with --repack; a build for this CPU on AMX tiles is the "
-                "known cause (its AMX matmul puts repacked weights in AMX buffers, llama.cpp issue 20824)",
-                "run without --repack in a new run directory, or install the portable build "
-                "(docs/how-to/llamacpp.md) and run the same command again: the run resumes from this item") from e
-        raise StageReplayError(
-            f"{e.problem}: llama.cpp's native code crashed (weights not repacked); a build for other CPU "
-            "features than this one's is a likely cause",
-            "install the portable build (docs/how-to/llamacpp.md) and run the same command again: the run resumes "
-            "from this item") from e
+        raise arms.kind.crashed(arms.engine, e.problem) from e

@@ -16,6 +16,7 @@ Per item and precision p, in one engine at p (and ours at p for the cross arm):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -23,10 +24,11 @@ from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.arms import comparison
-from stagereplay.experiments.jobs import Job, ReplaySettings, execute
+from stagereplay.experiments.arms import comparison, with_token_texts
+from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
 from stagereplay.records.ledger import Run
+from stagereplay.records.payloads import GridPayload
 from stagereplay.serving.evidence import took_place
 from stagereplay.serving.matched import (
     ServingArms,
@@ -37,7 +39,7 @@ from stagereplay.serving.matched import (
     served_arm,
     with_engine_environment,
 )
-from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig
+from stagereplay.serving.seam import TOP_LOGPROBS, PrefillsInChunks, SavesState
 
 EXPERIMENT = "precision_2x2"
 
@@ -50,18 +52,33 @@ def _chunk(construction: str) -> int | None:
 
 def check_serving_constructions(constructions: tuple[str, ...], arms: ServingArms) -> None:
     allowed = arms.grid
-    chunks = arms.engine.name == "llama.cpp"
+    chunks = issubclass(arms.kind.engine, PrefillsInChunks)
     for c in constructions:
         if c not in allowed and not (chunks and _chunk(c) is not None):
             raise StageReplayError(f"construction {c!r} is not an arm of this {arms.engine.name} run's 2x2",
                                    f"use {', '.join(allowed)}" + (" or chunked:<n>" if chunks else ""))
 
 
-def serving_grid_item(lm: LM, job: Job) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ServingGridParams(Params):
+    """A serving 2x2 job's parameters: the fixed prefix, the arms crossed with precision, the precision (the
+    record's part), and the engine."""
+
+    prefix: tuple[int, ...]
+    constructions: tuple[str, ...]
+    precision: str
+    arms: ServingArms
+
+    @property
+    def part(self) -> str:
+        return self.precision
+
+
+def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> dict[str, Any]:
     """Every arm at this process's precision on one fixed prefix, and their pairwise comparisons."""
     item, s = job.item, job.settings
-    prefix, constructions = list(job.get("prefix")), tuple(job.get("constructions"))
-    engine = cached_engine(EngineConfig(**dict(job.get("engine"))), lm)
+    prefix, constructions = list(job.params.prefix), job.params.constructions
+    engine = cached_engine(job.params.arms.engine, lm)
     prompt, max_new, precision = list(item.prompt_ids), s.decode.max_new_tokens, lm.config.precision
     stage1 = prefix[len(prompt) :]
     arms: list[dict[str, Any]] = []
@@ -76,13 +93,13 @@ def serving_grid_item(lm: LM, job: Job) -> dict[str, Any]:
             arm = served_arm(lm, engine.name, name, c, hit, 0, max_new, stage1, item, s.scorer, len(prompt))
             arm["live_prefix_equal"] = list(live.tokens) == stage1
             arms.append(arm)
-        elif c == "oneshot-restore":
-            state = engine.build_state(prefix[:-1])  # type: ignore[attr-defined]  # llama.cpp's (checked)
-            g, loaded = engine.restore(state, prefix[-1], max_new)  # type: ignore[attr-defined]
+        elif c == "oneshot-restore" and isinstance(engine, SavesState):
+            state = engine.build_state(prefix[:-1])
+            g, loaded = engine.restore(state, prefix[-1], max_new)
             arms.append(arm_of(lm, name, c, engine.name, g.tokens[:max_new], g.top[:max_new], stage1, item,
                                s.scorer, loaded))
-        elif _chunk(c) is not None:
-            g, _ = engine.run(prefix, max_new, chunk=_chunk(c))  # type: ignore[attr-defined]  # llama.cpp's
+        elif (n := _chunk(c)) is not None and isinstance(engine, PrefillsInChunks):
+            g = engine.chunked(prefix, max_new, n)
             arms.append(served_arm(lm, engine.name, name, c, g, 0, max_new, stage1, item, s.scorer, len(prompt)))
         else:  # <cross>-oneshot: ours, on the same IDs
             built = lm.construct(fixed_state(item, prefix, s, lm), "oneshot")
@@ -95,9 +112,11 @@ def serving_grid_item(lm: LM, job: Job) -> dict[str, Any]:
     by = {a["name"]: a for a in arms}
     pairs = [(a["name"], b["name"]) for i, a in enumerate(arms) for b in arms[i + 1 :]]
     comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs}
-    return {"status": "ok", "precision": precision, "prompt_ids": prompt, "prefix_ids": prefix,
-            "boundary": len(prefix), "answer": item.answer, "arms": arms, "comparisons": list(comparisons.values()),
-            "diagnostics": diagnostics(by, pairs, comparisons)}
+    payload = GridPayload.model_validate({  # the record's shape, checked where it is made
+        "status": "ok", "precision": precision, "prompt_ids": prompt, "prefix_ids": prefix, "boundary": len(prefix),
+        "answer": item.answer, "arms": arms, "comparisons": list(comparisons.values()),
+        "diagnostics": diagnostics(by, pairs, comparisons)})
+    return with_token_texts(lm, payload).as_payload()
 
 
 def run_serving_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, arms: ServingArms,
@@ -108,12 +127,7 @@ def run_serving_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, chec
         "precisions": list(precisions), "engine": arms.engine.as_dict(), "cross": arms.cross})
     fixed = fixed_prefixes(run, checkpoint)
     for precision in precisions:
-        jobs = [Job(item, settings, part=precision, extra=job_extra(arms, constructions, prefix))
+        jobs = [Job(item, settings, ServingGridParams(tuple(prefix), constructions, precision, arms))
                 for item, prefix in fixed]
         execute(run, EXPERIMENT, checkpoint, model.with_precision(precision), serving_grid_item, jobs, ExecConfig(),
                 None, quiet, env_work=partial(with_engine_environment, serving_grid_item))
-
-
-def job_extra(arms: ServingArms, constructions: tuple[str, ...], prefix: Any) -> tuple[tuple[str, Any], ...]:
-    return (("prefix", prefix), ("constructions", tuple(constructions)),
-            ("engine", tuple(arms.engine.as_dict().items())), ("cross", arms.cross))

@@ -1,59 +1,47 @@
-"""What the audit needs to re-execute a serving engine's records in that engine: the work and the job extras of
-each experiment, from the manifest stage that declares the engine."""
+"""What the audit needs of a serving engine's run besides its experiments (`serving.experiments`): the engine's
+build as installed here, the server of a run that moved, and the arms one request at a time cannot re-execute
+(under load)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import Work
-from stagereplay.serving.matched import LOADED, arms_of, serving_matched_item
-from stagereplay.serving.precision_2x2 import job_extra, serving_grid_item
-
-
-def serving_work(experiment: str) -> Work:
-    return {"matched": serving_matched_item, "precision_2x2": serving_grid_item}[experiment]
-
-
-def serving_job_extra(experiment: str, stage: dict[str, Any], prefix: Any) -> tuple[tuple[str, Any], ...]:
-    arms = arms_of(stage)
-    if experiment == "matched":
-        return arms.extra()
-    return job_extra(arms, tuple(stage["constructions"]), prefix)
+from stagereplay.serving.engines import config_from_dict, kind_of
+from stagereplay.serving.http import public_url
+from stagereplay.serving.matched import LOADED
 
 
 def engine_build_here(stages: dict[str, Any]) -> dict[str, Any] | None:
-    """The build of the serving engine a run's stages name, as installed here (llama.cpp records its build; the
-    audit compares it as it compares torch's kernels), or None where no stage names such an engine."""
+    """The build of the serving engine a run's stages name, as it is here (llama.cpp's installed build, the
+    server's at its address; the audit compares it as it compares torch's kernels), or None where no stage names an
+    engine that records one."""
     for stage in stages.values():
-        if stage.get("engine", {}).get("name") == "llama.cpp":
-            from stagereplay.serving.llamacpp import build_info, require
-
-            require()
-            return build_info()
-        if stage.get("engine", {}).get("name") == "http":  # the server at the recorded address, as it is now
-            from stagereplay.serving import http
-            from stagereplay.serving.seam import EngineConfig
-
-            return http.build_info(EngineConfig(**stage["engine"]))
+        if "engine" in stage:
+            config = config_from_dict(stage["engine"])
+            build = kind_of(config.name).build(config)
+            if build is not None:
+                return build
     return None
 
 
 def at_server(stages: dict[str, Any], url: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
-    """The stages with the server of each `--engine http` stage at `url` instead of its recorded address (in memory:
-    the chain binds the recorded one), and what moved, for the audit's notes."""
-    from stagereplay.serving.http import public_url
-
+    """The stages with the engine of each stage that has an address (a server) at `url` instead of its recorded one
+    (in memory: the chain binds the recorded one), and what moved, for the audit's notes."""
     out, moved = dict(stages), []
     for name, stage in stages.items():
-        engine = stage.get("engine") or {}
-        if engine.get("name") == "http":
-            out[name] = {**stage, "engine": {**engine, "url": url}}
-            moved.append({"input": f"{name} server", "recorded": engine.get("url", ""), "here": public_url(url),
-                          "how": "--url; its build and model are compared with the recorded ones"})
+        if "engine" not in stage:
+            continue
+        config = config_from_dict(stage["engine"])
+        there = kind_of(config.name).at_address(config, url)
+        if there is not None:
+            out[name] = {**stage, "engine": there.as_dict()}
+            moved.append({"input": f"{name} server", "recorded": stage["engine"].get("url", ""),
+                          "here": public_url(url), "how": "--url; its build and model are compared with the "
+                                                          "recorded ones"})
     if not moved:
-        raise StageReplayError("--url names a server, and this run has no stage of --engine http",
-                               "drop --url (a run of another engine is audited in that engine)")
+        raise StageReplayError("--url names a server, and no stage of this run ran on one",
+                               "drop --url (a run of an engine in process is audited in that engine)")
     return out, moved
 
 

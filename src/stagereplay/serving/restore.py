@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stagereplay.serving.seam import Generation
+from stagereplay.serving.seam import Generation, SavedState, SavesState
 
 
-def restore_arms(engine: Any, prefix: Sequence[int], states: Sequence[Any], max_new: int,
+def restore_arms(engine: SavesState, prefix: Sequence[int], states: Sequence[SavedState | None], max_new: int,
                  arm: Callable[[str, Generation, str], dict[str, Any]]) -> list[dict[str, Any]]:
     """state-restore from each of `states` (live's, live#replica's), then oneshot-restore and its replica.
     `arm(name, generation, cache_fp)` builds an arm record."""

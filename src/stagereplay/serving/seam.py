@@ -1,36 +1,39 @@
-"""The seam to a serving engine (vLLM first): what `matched --engine NAME` needs from an engine other than ours.
+"""The seam to a serving engine: what `matched --engine NAME` needs from an engine other than ours.
 
-Our engine (`engine.lm`) owns its K/V cache, so every experiment runs on it. A serving engine gives only token
-IDs in and out, so an engine here provides exactly four things (docs/engines.md says which experiment needs
-which):
+Our engine (`engine.lm`) owns its K/V cache, so every experiment runs on it. A serving engine gives token IDs in and
+out. What every engine does is `ServingEngine`:
 
     generate(ids, max_tokens, reuse=False)   greedy tokens after `ids`, with the prefix cache emptied first
     generate(ids, max_tokens, reuse=True)    the same request, reusing whatever the prefix cache holds
     Generation.top                           the top-k (token id, logprob) of every step, best first
-    version() / settings()                   what fixes its numbers, for the manifest and the environment
+    Generation.cached                        the prompt positions taken from a cache (None: the engine does not say)
+    version() / settings() / close()         what fixes its numbers, for the manifest and the environment
 
-Another engine is one module (`require()`, `load(...)` and a class of this shape) and one line in `ENGINES`:
-llama.cpp is `serving.llamacpp`, whose context state adds the `state-restore` arms (`EXTRA_ARMS`); a running
-server is `serving.http`, whose `generate_loaded` adds the under-load arms.
+What only some engines do is a capability, a mixin its class declares, and each capability contributes its arms:
+
+    SavesState        a sequence's K/V saved while decoding and restored into a cleared context: `state-restore`,
+                      `oneshot-restore` (llama.cpp's state save/load)
+    PrefillsInChunks  a prompt processed n tokens per batch: the 2x2's `chunked:<n>`
+    RestoresSlot      a server slot saved and restored into another slot: `slot-restore`
+    ServesUnderLoad   a request sent while other requests are in flight: `live@load`, `oneshot@load`
+    ChecksFirst       checked against the run's tokenizer before any item (a server)
+    Restarts          a process whose restart a resumed run can tell (a server)
+
+An engine is a module with an `EngineKind` (its name, its options, how it loads, what it checks up front) and an
+engine class; one line of `serving.engines.ENGINES` registers the kind. No code outside an engine's module names it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from stagereplay.errors import StageReplayError
 
 TOP_LOGPROBS = 5
 """Top-k logprobs recorded per step: enough for the margin (top-1 minus top-2) and a look at the near-ties."""
-
-ENGINES: dict[str, str] = {"vllm": "stagereplay.serving.vllm",
-                           "llama.cpp": "stagereplay.serving.llamacpp",
-                           "http": "stagereplay.serving.http"}
-"""Engine name -> the module whose `load(config)` returns a `ServingEngine`."""
-EXTRA_ARMS: dict[str, tuple[str, ...]] = {"llama.cpp": ("state-restore", "oneshot-restore")}
-"""Arms an engine runs beside oneshot and prefix-cache: llama.cpp saves and restores a sequence's K/V."""
 
 
 @dataclass(frozen=True)
@@ -47,64 +50,37 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class EngineOptions:
+    """An engine's own settings: each engine has its frozen subclass, each field with its `help`."""
+
+    def check(self) -> None:
+        """Refuse, in one line, a setting out of range."""
+
+
+OptionsT = TypeVar("OptionsT", bound=EngineOptions)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides which numbers a serving engine produces (the model's path and precision are the
-    run's `ModelConfig`; these are the engine's own settings)."""
+    run's `ModelConfig`): which engine, its seed, and its own options."""
 
-    name: str = field(metadata={"help": "vllm | llama.cpp | http"})
-    block_size: int = field(default=32, metadata={"engines": ("vllm",),
-        "help": "tokens per K/V block: the prefix cache reuses whole blocks, so it must be below the prefixes"})
-    enforce_eager: bool = field(default=True, metadata={"engines": ("vllm",),
-                                                        "help": "no CUDA graphs or compilation"})
-    kv_cache_gib: int = field(default=1, metadata={"engines": ("vllm",),
-                                                   "help": "CPU K/V cache space in GiB (VLLM_CPU_KVCACHE_SPACE)"})
-    gpu_memory_utilization: float = field(default=0.5, metadata={"engines": ("vllm",),
-        "help": "GPU share for weights and cache (leaves room for the transformers model of --cross hf)"})
+    name: str = field(metadata={"help": "the engine (serving.engines.ENGINES)"})
+    options: EngineOptions = field(default_factory=EngineOptions, metadata={"help": "the engine's own settings"})
     seed: int = field(default=0, metadata={"help": "engine seed (greedy decoding does not read it)"})
-    n_ctx: int = field(default=4096, metadata={"engines": ("llama.cpp",),
-                                               "help": "context positions (prompt + stage 1 + suffix must fit)"})
-    n_batch: int = field(default=512, metadata={"engines": ("llama.cpp",),
-                                                "help": "prompt tokens per llama_decode (llama-server's -b)"})
-    n_ubatch: int = field(default=512, metadata={"engines": ("llama.cpp",),
-                                                 "help": "micro-batch: tokens per graph compute (-ub)"})
-    flash_attn: bool = field(default=False, metadata={"engines": ("llama.cpp",),
-                                                      "help": "llama.cpp's flash attention (-fa)"})
-    repack: bool = field(default=False, metadata={"engines": ("llama.cpp",), "help": (
-        "llama.cpp's extra buffer types: weights repacked for the CPU's wider kernels (other kernels, other bits; "
-        "llama-server repacks unless --no-repack)")})
-    url: str = field(default="", metadata={"engines": ("http",), "help": "the server: http://HOST:PORT"})
-    api: str = field(default="auto", metadata={"engines": ("http",),
-                                               "help": "auto | llama-server (/completion) | openai (/v1/completions)"})
-    api_key_env: str = field(default="OPENAI_API_KEY", metadata={"engines": ("http",),
-        "help": "the environment variable holding the server's API key (the key itself is never recorded)"})
-    timeout: float = field(default=600.0, metadata={"engines": ("http",), "help": "seconds per request"})
-    retries: int = field(default=2, metadata={"engines": ("http",),
-                                              "help": "retries of a request the server did not answer"})
-    slot_restore: bool = field(default=False, metadata={"engines": ("http",),
-        "help": "the slot-restore arms: live's slot saved and restored into another (llama-server --slot-save-path)"})
-    concurrency: int = field(default=0, metadata={"engines": ("http",),
-        "help": "other requests in flight around each under-load replica (0: no under-load arms)"})
 
-    def __post_init__(self) -> None:
-        if self.name not in ENGINES:
-            raise StageReplayError(f"unknown engine {self.name!r}", f"use hf or one of {', '.join(ENGINES)}")
-        if self.block_size < 1:
-            raise StageReplayError(f"--block-size must be at least 1, got {self.block_size}", "pass e.g. 32")
-        if self.api not in ("auto", "llama-server", "openai"):
-            raise StageReplayError(f"unknown --api {self.api!r}", "use auto, llama-server or openai")
-        if self.timeout <= 0 or self.retries < 0 or self.concurrency < 0:
-            raise StageReplayError("--timeout must be positive, --retries and --concurrency at least 0",
-                                   "pass e.g. --timeout 600 --retries 2 --concurrency 4")
-        for name in ("n_ctx", "n_batch", "n_ubatch"):
-            if getattr(self, name) < 1:
-                raise StageReplayError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",
-                                       "pass a positive size")
+    def own(self, kind: type[OptionsT]) -> OptionsT:
+        """The options, as the engine module that reads them types them."""
+        if not isinstance(self.options, kind):
+            raise TypeError(f"engine {self.name} holds {type(self.options).__name__}, not {kind.__name__}")
+        return self.options
 
     def as_dict(self) -> dict[str, Any]:
-        """The settings this engine reads (a field another engine reads is left out, so a run's identity names
-        only what decided its numbers)."""
-        reads = {f.name for f in fields(self) if self.name in f.metadata.get("engines", (self.name,))}
-        return {k: v for k, v in asdict(self).items() if k in reads}
+        """What the manifest records: the name, the seed and each option, flat."""
+        return {"name": self.name, "seed": self.seed, **asdict(self.options)}
+
+    def with_options(self, **changes: Any) -> EngineConfig:
+        return replace(self, options=replace(self.options, **changes))
 
 
 class ServingEngine(Protocol):
@@ -124,31 +100,176 @@ class ServingEngine(Protocol):
         """The engine's settings and the environment variables that change its numbers, as it runs them."""
         ...
 
-
-def require_engine(config: EngineConfig) -> None:
-    """A one-line refusal, before anything loads, when the engine is not installed here."""
-    import importlib
-
-    importlib.import_module(ENGINES[config.name]).require()
+    def close(self) -> None: ...
 
 
-def engine_context(config: EngineConfig) -> tuple[int, str] | None:
-    """The positions one request may hold in the engine, and their name for an error, where the engine's own
-    settings bound them below the model's context (llama.cpp's --n-ctx, a server's per-slot context); None
-    where only the model's context bounds them."""
-    import importlib
-
-    context: tuple[int, str] | None = importlib.import_module(ENGINES[config.name]).context(config)
-    return context
+# -- capabilities -------------------------------------------------------------------------------------------------
 
 
-def load_engine(config: EngineConfig, model_path: str, precision: str, threads: int, device: str
-                ) -> ServingEngine:
-    import importlib
+class SavedState(Protocol):
+    """A sequence's K/V as an engine saved it: the positions it holds and its fingerprint."""
 
-    module = importlib.import_module(ENGINES[config.name])
-    engine: ServingEngine = module.load(config, model_path, precision, threads, device)
-    return engine
+    @property
+    def ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+
+class SavesState(ABC):
+    """Saves a sequence's K/V the moment a token is emitted, and restores a saved one into a cleared context."""
+
+    ARMS: ClassVar[tuple[str, ...]] = ("state-restore", "oneshot-restore")
+    """live's saved state restored and continued; a one-shot prefill's, the whole-cache transplant."""
+    GRID: ClassVar[tuple[str, ...]] = ("oneshot-restore",)
+    """What the 2x2 builds on a fixed prefix (live's state needs live at each precision)."""
+
+    @abstractmethod
+    def run(self, ids: Sequence[int], max_tokens: int, reuse: bool = False, chunk: int | None = None,
+            save: Callable[[int], bool] | None = None) -> tuple[Generation, SavedState | None]:
+        """`generate`, the prompt processed `chunk` tokens per batch, and the K/V saved before the first emitted
+        token that `save` accepts (None: never)."""
+
+    @abstractmethod
+    def build_state(self, ids: Sequence[int], chunk: int | None = None) -> SavedState:
+        """A fresh prefill of `ids`, saved."""
+
+    @abstractmethod
+    def restore(self, state: SavedState, pending: int, max_tokens: int) -> tuple[Generation, str]:
+        """`state` loaded into a cleared context, `pending` fed as a decode step, continued; and the fingerprint of
+        the cache as re-read after the load."""
+
+
+class PrefillsInChunks(ABC):
+    """Processes a prompt n tokens per batch (`chunked:<n>` in the 2x2)."""
+
+    @abstractmethod
+    def chunked(self, ids: Sequence[int], max_tokens: int, chunk: int) -> Generation:
+        """`generate(ids)` from nothing, the prompt processed `chunk` tokens per batch."""
+
+
+class RestoresSlot(ABC):
+    """A server slot saved, restored into another slot and continued there."""
+
+    ARMS: ClassVar[tuple[str, ...]] = ("slot-restore",)
+
+    @property
+    @abstractmethod
+    def restores_slots(self) -> bool:
+        """Whether this run asked for the slot-restore arms."""
+
+    @abstractmethod
+    def slot_restore(self, prompt: Sequence[int], live_tokens: int, prefix: Sequence[int], max_new: int
+                     ) -> tuple[Generation, Generation, dict[str, Any]]:
+        """live's request again in one slot, that slot saved and restored into another, the prefix continued
+        there: (the live request, the continuation, what the server said of the save and the restore)."""
+
+
+class ServesUnderLoad(ABC):
+    """Serves a request while other requests are in flight."""
+
+    ARMS: ClassVar[tuple[str, ...]] = ("live@load", "oneshot@load")
+    """live's and oneshot's request again, with other items' requests in flight."""
+
+    @abstractmethod
+    def generate_loaded(self, ids: Sequence[int], max_tokens: int, others: Sequence[Sequence[int]]
+                        ) -> tuple[Generation, dict[str, Any]]:
+        """`generate(ids, reuse=False)` while requests for `others` are in flight; and what was seen of them."""
+
+
+class ChecksFirst(ABC):
+    """Checked against the run's tokenizer before any item: refused in one line where its numbers could not be
+    compared with ours."""
+
+    @abstractmethod
+    def check(self, tokenizer: Any) -> None: ...
+
+
+class Restarts(ABC):
+    """A process that may restart between a run's items (its caches then cold), which a resumed run can tell."""
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """Where it is, for a note."""
+
+    @abstractmethod
+    def instance(self) -> dict[str, Any]:
+        """What tells this process's life from another's."""
+
+    @abstractmethod
+    def note_resume(self, before: dict[str, Any], requests: int, after: str) -> bool | None:
+        """Whether it restarted since a record made when it was `before` and `requests` requests ago (None: it
+        cannot tell)."""
+
+
+# -- what an engine is before it loads ----------------------------------------------------------------------------
+
+
+class EngineKind(ABC):
+    """An engine before it is loaded: its name, its options, what it checks before anything loads, how it loads,
+    and the arms its capabilities add to a matched run."""
+
+    name: ClassVar[str]
+    options: ClassVar[type[EngineOptions]]
+    engine: ClassVar[type]
+    """The class `load` returns: its capability mixins say which arms it runs."""
+    isolated: ClassVar[bool] = False
+    """Its items run in a worker process: native code that crashes takes the worker down, not the run."""
+
+    def require(self) -> None:  # noqa: B027  # an engine with nothing to install keeps this
+        """Refuse in one line, before anything loads, an engine not installed here."""
+
+    def check_model(self, model: str | None) -> None:  # noqa: B027  # an engine that runs any model keeps this
+        """Refuse in one line a model it cannot run (None: the embedded toy's folder)."""
+
+    def context(self, config: EngineConfig) -> tuple[int, str] | None:
+        """The positions one request may hold, and their name for an error, where the engine's settings bound
+        them below the model's context; None where only the model's context does."""
+        return None
+
+    @abstractmethod
+    def load(self, config: EngineConfig, model_path: str, precision: str, threads: int, device: str
+             ) -> ServingEngine: ...
+
+    def arms(self, config: EngineConfig) -> tuple[str, ...]:
+        """The arms its capabilities add beside oneshot and prefix-cache, as this run's options switch them on."""
+        return SavesState.ARMS if issubclass(self.engine, SavesState) else ()
+
+    def grid_arms(self) -> tuple[str, ...]:
+        """The arms of its own the 2x2 may build on a fixed prefix."""
+        return SavesState.GRID if issubclass(self.engine, SavesState) else ()
+
+    def concurrency(self, config: EngineConfig) -> int:
+        """Other requests in flight around each under-load arm (0: none)."""
+        return 0
+
+    def build(self, config: EngineConfig) -> dict[str, Any] | None:
+        """What fixes its kernels, as installed here, for the audit to compare with the recorded one (None: the
+        engine records none)."""
+        return None
+
+    def at_address(self, config: EngineConfig, url: str) -> EngineConfig | None:
+        """Its config with the engine found at `url` instead (a server that moved); None: it has no address."""
+        return None
+
+    def crashed(self, config: EngineConfig, problem: str) -> StageReplayError:
+        """The one line for a worker whose native code died running an item."""
+        return StageReplayError(f"{problem}: the {self.name} engine's native code crashed",
+                                "run the same command again: the run resumes from this item")
+
+
+def options_of(kind: type[OptionsT], given: dict[str, Any], engine: str) -> OptionsT:
+    """`kind` from the options given for `engine`, an option it does not take refused in one line."""
+    names = {f.name for f in fields(kind)}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        flag = "--" + unknown[0].replace("_", "-")
+        takes = ", ".join("--" + n.replace("_", "-") for n in sorted(names)) or "no options"
+        raise StageReplayError(f"{flag} is not an option of --engine {engine}", f"--engine {engine} takes {takes}")
+    options = kind(**given)
+    options.check()
+    return options
 
 
 def refuse_cache_access(engine: str, what: str) -> StageReplayError:

@@ -4,7 +4,7 @@ vLLM runs in its own virtual environment (its transformers cap differs from ours
 that fix its numbers on a CPU are environment variables read when vLLM is imported, so `load` sets them first
 (keeping any the user set) and records the values in effect:
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0   the engine core in this process (a 4 s start, no worker to leak)
+    VLLM_ENABLE_V1_MULTIPROCESSING=0   the engine core in this process (no worker process to start or leak)
     VLLM_CPU_OMP_THREADS_BIND=nobind   no thread pinning on a machine shared with other work
     OMP_NUM_THREADS=<--threads>        the thread count, fixed and recorded, as for our engine
     VLLM_CPU_KVCACHE_SPACE=<GiB>       the CPU K/V pool
@@ -18,14 +18,31 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from stagereplay.errors import StageReplayError
-from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, Generation
+from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, EngineKind, EngineOptions, Generation
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE",
        "VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES")
+
+
+@dataclass(frozen=True)
+class VllmOptions(EngineOptions):
+    """vLLM's settings (`--engine vllm`)."""
+
+    block_size: int = field(default=32, metadata={
+        "help": "tokens per K/V block: the prefix cache reuses whole blocks, so it must be below the prefixes"})
+    enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs or compilation"})
+    kv_cache_gib: int = field(default=1, metadata={"help": "CPU K/V cache space in GiB (VLLM_CPU_KVCACHE_SPACE)"})
+    gpu_memory_utilization: float = field(default=0.5, metadata={
+        "help": "GPU share for weights and cache (leaves room for the transformers model of --cross hf)"})
+
+    def check(self) -> None:
+        if self.block_size < 1:
+            raise StageReplayError(f"--block-size must be at least 1, got {self.block_size}", "pass e.g. 32")
 
 
 def require() -> None:
@@ -46,6 +63,7 @@ class VLLMEngine:
     def __init__(self, llm: Any, config: EngineConfig, precision: str, env: dict[str, str | None]) -> None:
         self.llm = llm
         self.config = config
+        self.options = config.own(VllmOptions)
         self.precision = precision
         self.env = env
 
@@ -84,24 +102,35 @@ class VLLMEngine:
         gc.collect()
 
 
-def context(config: EngineConfig) -> None:
-    """vLLM runs the model's own context here (its max_model_len defaults to it)."""
-    return None
-
-
 def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> VLLMEngine:
     if precision not in DTYPES:
         raise StageReplayError(f"--engine vllm does not run precision {precision}",
                                f"use one of {', '.join(DTYPES)}")
+    options = config.own(VllmOptions)
     for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                       ("OMP_NUM_THREADS", str(threads)), ("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))):
+                       ("OMP_NUM_THREADS", str(threads)), ("VLLM_CPU_KVCACHE_SPACE", str(options.kv_cache_gib))):
         os.environ.setdefault(key, value)
     require()
     import vllm
     kwargs: dict[str, Any] = {}
     if device.startswith("cuda"):
-        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-    llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=DTYPES[precision], block_size=config.block_size,
-                   enforce_eager=config.enforce_eager, enable_prefix_caching=True, seed=config.seed,
+        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+    llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=DTYPES[precision], block_size=options.block_size,
+                   enforce_eager=options.enforce_eager, enable_prefix_caching=True, seed=config.seed,
                    max_num_seqs=1, **kwargs)
     return VLLMEngine(llm, config, precision, {k: os.environ.get(k) for k in ENV})
+
+
+class VllmKind(EngineKind):
+    """vLLM in this process (`--engine vllm`)."""
+
+    name: ClassVar[str] = "vllm"
+    options: ClassVar[type[EngineOptions]] = VllmOptions
+    engine: ClassVar[type] = VLLMEngine
+
+    def require(self) -> None:
+        require()
+
+    def load(self, config: EngineConfig, model_path: str, precision: str, threads: int, device: str
+             ) -> VLLMEngine:
+        return load(config, model_path, precision, threads, device)

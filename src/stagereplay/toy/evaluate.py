@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.toy import (
@@ -105,7 +106,7 @@ class Measurement:
 
 def greedy_outputs(
     directory: Path, precision: str, items: Sequence[Item]
-) -> tuple[list[list[int]], list[list[float]], object]:
+) -> tuple[list[list[int]], list[list[float]], Any]:
     """Greedy token ids of `items` at `precision` and the top-1 minus top-2 logit gap at every step."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,11 +138,11 @@ def greedy_outputs(
 def measure(directory: Path, name: str, precision: str, items: Sequence[Item]) -> Measurement:
     start = time.perf_counter()
     generated, gaps, tokenizer = greedy_outputs(directory, precision, items)
-    marker_id = tokenizer.convert_tokens_to_ids(TOY_MARKER)  # type: ignore[attr-defined]
+    marker_id = tokenizer.convert_tokens_to_ids(TOY_MARKER)
     outputs, points, answer_tokens = [], [], []
     for ids, item_gaps, item in zip(generated, gaps, items, strict=True):
-        outputs.append(str(tokenizer.decode(ids, skip_special_tokens=True)))  # type: ignore[attr-defined]
-        pieces = [str(tokenizer.decode([t])) for t in ids]  # type: ignore[attr-defined]
+        outputs.append(str(tokenizer.decode(ids, skip_special_tokens=True)))
+        pieces = [str(tokenizer.decode([t])) for t in ids]
         question = item.prompt_text
         labels = "".join(label for label in LABELS if f"{label}=" in question)
         points += choice_points(pieces, item_gaps, labels)
