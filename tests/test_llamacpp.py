@@ -109,7 +109,7 @@ def test_every_arm_runs_with_an_exact_replica_and_state_restore_is_live(run):
     manifest = json.loads((run / "manifest.json").read_text())
     engine = manifest["environment"]["engine"]
     assert engine["engine"] == "llama.cpp" and engine["cache_type"] == "f32" and "AVX" in engine["build"]["system_info"]
-    assert set(manifest["config"]["engine"]) == {"name", "seed", "n_ctx", "n_batch", "n_ubatch", "flash_attn"}
+    assert set(manifest["config"]["engine"]) == {"name", "seed", "n_ctx", "n_batch", "n_ubatch", "flash_attn", "repack"}
     results = json.loads((run / "results.json").read_text())
     assert [m["construction"] for m in results["matched"]] == ["oneshot", "prefix-cache", "state-restore",
                                                                 "oneshot-restore", "hf-oneshot"]

@@ -125,8 +125,8 @@ def test_against_another_server_build_a_difference_is_not_reproduced_here(run, t
 
     forged = tmp_path / "forged"
     _forge(run, forged)
-    real = http.build_info
-    monkeypatch.setattr(http, "build_info", lambda config: {**real(config), "build": "b9999-other"})
+    real = http.HttpKind.build
+    monkeypatch.setattr(http.HttpKind, "build", lambda self, config: {**real(self, config), "build": "b9999-other"})
     result = runner.invoke(app, ["audit", str(forged), "--quiet"])
     assert result.exit_code == 3, result.output
     audit = json.loads((forged / "audit.json").read_text())

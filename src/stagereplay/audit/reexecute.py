@@ -26,7 +26,7 @@ from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.registry import experiment
 from stagereplay.records.kernels import NOT_RECORDED, describe, kernel_differences
 from stagereplay.records.ledger import Record, diff_fields, items
-from stagereplay.records.manifest import binds, stage_name
+from stagereplay.records.manifest import Stage, binds, stage_name
 from stagereplay.records.provenance import environment, model_hashes
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
@@ -79,7 +79,7 @@ def compare_payloads(item_id: str, recorded: dict[str, Any], again: dict[str, An
     return t_ok, len(rec_arms), c_ok, len(rec_c), mismatches
 
 
-def _replay(record: Record, stages: dict[str, Any], item: Item,
+def _replay(record: Record, stages: dict[str, Stage], item: Item,
             matched: dict[tuple[str, str], dict[str, Any]]) -> Replay:
     """What re-executing `record` needs: its stage and the item's matched record at its checkpoint."""
     key = (record.checkpoint, record.item_id)
@@ -109,7 +109,7 @@ class Unit(Params):
         return self.params.part
 
 
-def _unit_model(record: Record, stage: dict[str, Any]) -> ModelConfig:
+def _unit_model(record: Record, stage: Stage) -> ModelConfig:
     """The model settings a unit re-executes under: its stage's, at the unit's precision where it has one."""
     model = ModelConfig(**stage["model"])
     if "engine" in stage:  # a serving engine's stage: our model as its run loaded it
@@ -228,7 +228,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     return _summary(records, checked, tally, env_summary, chosen, config, relocated)
 
 
-def _other_kernels(run_dir: Path, manifest: dict[str, Any], stages: dict[str, Any], records: list[Record]
+def _other_kernels(run_dir: Path, manifest: dict[str, Any], stages: dict[str, Stage], records: list[Record]
                    ) -> tuple[set[int], dict[str, Any]]:
     """The records computed under other kernels than this machine's (their seqs), and the summary of the
     differences (said on stderr): a difference there is "not reproduced here", not an integrity finding."""
@@ -265,7 +265,7 @@ def _items(manifest: dict[str, Any], relocated: list[dict[str, str]] | None, tal
     return {i.id: i for i in loaded}
 
 
-def _declared(stages: dict[str, Any], config: dict[str, Any], records: list[Record]) -> dict[str, list[Record]]:
+def _declared(stages: dict[str, Stage], config: dict[str, Any], records: list[Record]) -> dict[str, list[Record]]:
     """Per stage, its records of the units the manifest declares, once each (a missing, extra or duplicated record
     is verify's finding)."""
     from stagereplay.audit.verify import expected_units
@@ -281,7 +281,7 @@ def _declared(stages: dict[str, Any], config: dict[str, Any], records: list[Reco
     return by_stage
 
 
-def _reexecute(chosen: dict[str, list[Record]], stages: dict[str, Any], records: list[Record],
+def _reexecute(chosen: dict[str, list[Record]], stages: dict[str, Stage], records: list[Record],
                by_id: dict[str, Item], ex: ExecConfig, quiet: bool, bound: bool, other: set[int],
                tally: _Tally) -> None:
     """Re-execute the chosen units, grouped by the model settings that run them, whatever their stage: one batch of

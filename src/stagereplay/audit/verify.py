@@ -27,6 +27,7 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments import registry
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
 from stagereplay.records.manifest import (
+    Stage,
     binding_problems,
     binds,
     bound_config,
@@ -141,7 +142,7 @@ def stage_model_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
     return findings
 
 
-def expected_units(name: str, stage: dict[str, Any], config: dict[str, Any], records: list[Record]
+def expected_units(name: str, stage: Stage, config: dict[str, Any], records: list[Record]
                    ) -> list[tuple[str, str]]:
     """The (item id, part) units a declared stage names, as its experiment says (`Experiment.units`)."""
     experiment, _, checkpoint = name.partition("/")
@@ -175,7 +176,7 @@ def completeness(manifest: dict[str, Any], records: list[Record]) -> list[dict[s
     return findings
 
 
-def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None, schema_2: bool = True
+def claim_findings(record: Record, stage: Stage, matched: Record | None, schema_2: bool = True
                    ) -> list[dict[str, str]]:
     """Every field of one item record that follows from its other fields (and its matched record), checked.
     Schema 1 fingerprinted fewer comparison fields (`schema_2=False`)."""
@@ -206,7 +207,7 @@ def claim_findings(record: Record, stage: dict[str, Any], matched: Record | None
     return [{"item_id": item, "what": f"{where} {b}"} for b in bad]
 
 
-def _arm_claims(record: Record, stage: dict[str, Any]) -> list[str]:
+def _arm_claims(record: Record, stage: Stage) -> list[str]:
     p = record.payload
     scorer = scorer_by_name(stage["settings"]["scorer"])
     precision = record.part or stage["model"]["precision"]

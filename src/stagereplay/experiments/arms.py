@@ -11,7 +11,14 @@ from stagereplay.engine.forwards import Lengths
 from stagereplay.engine.lm import LM, BoundaryState, Continuation
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.ledger import sha256_json
-from stagereplay.records.payloads import Arm, Comparison, GridPayload, MatchedPayload, NoBoundaryPayload
+from stagereplay.records.manifest import Stage
+from stagereplay.records.payloads import (
+    Arm,
+    Comparison,
+    GridPayload,
+    MatchedPayload,
+    NoBoundaryPayload,
+)
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
 
@@ -29,7 +36,7 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
     return arm if state.roundtrip is None else arm.model_copy(update={"roundtrip": state.roundtrip})
 
 
-def matched_arms(stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any] | None,
+def matched_arms(stage: Stage, matched_stage: Stage | None, matched: dict[str, Any] | None,
                  precision: str | None = None) -> dict[str, dict[str, Any]]:
     """By name, the arms of an item's matched record that `stage` may carry over instead of decoding them again:
     those of a record that reached its boundary, when `stage` runs the matched stage's model (at `precision`, by

@@ -20,12 +20,18 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import arm_record, compare, no_boundary, record_lengths
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.experiment import Experiment, Replay, Stage, matched_ok
+from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage, matched_ok
 from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, yes_no
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes
 from stagereplay.records.ledger import Record, Run
-from stagereplay.records.payloads import BitDifference, BridgePayload, LayerFingerprints, NoBoundaryPayload
+from stagereplay.records.payloads import (
+    BitDifference,
+    BridgePayload,
+    LayerFingerprints,
+    NoBoundaryPayload,
+    Payload,
+)
 
 EXPERIMENT = "bridge"
 PAYLOAD: TypeAdapter[BridgePayload | NoBoundaryPayload] = TypeAdapter(
@@ -40,7 +46,7 @@ class BridgeParams(Params):
     prefix: tuple[int, ...]
 
 
-def bridge_item(lm: LM, job: Job[BridgeParams]) -> dict[str, Any]:
+def bridge_item(lm: LM, job: Job[BridgeParams]) -> Payload:
     item, s = job.item, job.settings
     try:
         live = lm.live(item, s.rule(), s.decode)
@@ -102,7 +108,7 @@ def bridge_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
     return bad
 
 
-def summarize_bridge(records: list[Record], checkpoint: str) -> dict[str, Any]:
+def summarize_bridge(records: list[Record], checkpoint: str) -> Section:
     ok = [r for r in records if r.payload["status"] == "ok"]
     items = [{"item_id": r.item_id, "cache_equal": r.payload["cache_equal"],
               "first_difference": (r.payload["differences"] or [None])[0],
@@ -143,7 +149,7 @@ class Bridge(Experiment):
     many: ClassVar[bool] = False
     replays_diagnostics: ClassVar[bool] = True
 
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> Payload:
         return bridge_item(lm, job)
 
     def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
@@ -163,7 +169,7 @@ class Bridge(Experiment):
     def peak_caches(self, stage: Stage) -> int:
         return 3  # live's, incremental's, and a continuation's
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
         return [summarize_bridge(records, checkpoint)]
 
     def tables(self, results: Any) -> list[Table]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
+from stagereplay.experiments.experiment import Section
 from stagereplay.records.ledger import Record
 
 PERCENTILES = tuple(range(0, 101, 5))
@@ -35,7 +36,7 @@ def percentiles(values: list[float]) -> list[float]:
     return [float(x) for x in np.percentile(np.asarray(values, dtype=np.float64), PERCENTILES)]
 
 
-def summarize_pair(records: list[Record], a: str, b: str) -> dict[str, Any]:
+def summarize_pair(records: list[Record], a: str, b: str) -> Section:
     """Divergences with their margins, the first-step logit difference per item, median cache differences.
 
     The margin distribution over all steps is the reference arm `a`'s (the live arm in a matched run), so the

@@ -27,13 +27,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, ReplaySettings
 from stagereplay.records.ledger import Record
+from stagereplay.records.manifest import Stage
+from stagereplay.records.payloads import Payload
 from stagereplay.tasks.base import Item
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
 
-Stage = dict[str, Any]
-"""A stage's frozen section of the manifest (`stages["<experiment>/<checkpoint>"]`), as JSON gives it back."""
+Section = dict[str, Any]
+"""One section of results.json: what an experiment's summary says of one stage (or one arm or precision of it)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Replay:
     stage: Stage
     item: Item
     matched_stage: Stage | None
-    matched: dict[str, Any] | None
+    matched: Payload | None
 
     @property
     def settings(self) -> ReplaySettings:
@@ -73,7 +75,7 @@ class Experiment(ABC):
     """Whether its diagnostics decode an arm again to a pair's first divergent step (`plan.recorded`)."""
 
     @abstractmethod
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> Payload:
         """One item's record payload."""
 
     @abstractmethod
@@ -103,14 +105,14 @@ class Experiment(ABC):
         """The most K/V caches one item holds at once."""
 
     @abstractmethod
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
         """Its sections of results.json from one stage's records (one, or one per arm or precision)."""
 
     @abstractmethod
     def tables(self, results: Any) -> list[Table]:
         """The report's tables of its results.json entry (a list of sections if `many`, else one)."""
 
-    def diagnosed(self, results: Any) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    def diagnosed(self, results: Any) -> list[tuple[str, Section, dict[str, int]]]:
         """(label, summary, its disagreement counts {k, n}) of each compared pair in its results.json entry whose
         summary carries diagnostics (margins, logits, caches): the report's diagnostics table and figures."""
         return []

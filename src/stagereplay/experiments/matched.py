@@ -27,12 +27,12 @@ from stagereplay.experiments.arms import (
 )
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.diagnostics_summary import summarize_pair
-from stagereplay.experiments.experiment import Experiment, Replay, Stage
+from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage
 from stagereplay.experiments.format import NA, Table, as_rows, count_of, k_of_n, p_value, pct, points
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.experiments.stats import mcnemar_exact, paired_bootstrap_ci
 from stagereplay.records.ledger import Record, Run
-from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload
+from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, Payload
 from stagereplay.tasks import DataConfig
 
 EXPERIMENT = "matched"
@@ -67,7 +67,7 @@ class MatchedParams(Params):
     construction: str = "oneshot"
 
 
-def matched_item(lm: LM, job: Job[MatchedParams]) -> dict[str, Any]:
+def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
     """Live + replica, construction + replica; the comparisons between them. Pure in (model, item, settings).
 
     Each replica's cache is dropped as soon as its record (with the cache fingerprint) is made: comparisons need
@@ -346,7 +346,7 @@ class Matched(Experiment):
     name: ClassVar[str] = EXPERIMENT
     replays_diagnostics: ClassVar[bool] = True
 
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> Payload:
         return matched_item(lm, job)
 
     def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
@@ -363,7 +363,7 @@ class Matched(Experiment):
     def peak_caches(self, stage: Stage) -> int:
         return 4  # live's and the fresh construction's boundary states, a replica's state and its continuation's
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
         """One section per arm set against live: the construction, or a serving engine's arms (one column each)."""
         out = []
         for construction in stage.get("arms", [stage["construction"]]):
@@ -374,7 +374,7 @@ class Matched(Experiment):
     def tables(self, results: Any) -> list[Table]:
         return [matched_table(results)] if results else []
 
-    def diagnosed(self, results: Any) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    def diagnosed(self, results: Any) -> list[tuple[str, Section, dict[str, int]]]:
         return [(f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}", m, m["suffix_disagreements"])
                 for m in results or [] if m.get("margins") is not None]
 

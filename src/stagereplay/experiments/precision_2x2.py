@@ -23,12 +23,12 @@ from stagereplay.experiments.arms import (
 )
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.diagnostics_summary import summarize_pair
-from stagereplay.experiments.experiment import Experiment, Replay, Stage, matched_ok
+from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage, matched_ok
 from stagereplay.experiments.format import NA, Table, as_rows, interval, k_of_n, pct, wilson_or_given
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.experiments.stats import first_divergence, wilson_interval
 from stagereplay.records.ledger import Record, Run
-from stagereplay.records.payloads import Arm, Diagnostics, GridPayload
+from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, Payload
 from stagereplay.tasks.base import Item
 
 EXPERIMENT = "precision_2x2"
@@ -63,7 +63,7 @@ class GridParams(Params):
         return self.precision
 
 
-def grid_item(lm: LM, job: Job[GridParams]) -> dict[str, Any]:
+def grid_item(lm: LM, job: Job[GridParams]) -> Payload:
     """Every construction at this process's precision on one fixed prefix, and their pairwise comparison.
 
     With `reuse` (see `reused_arms`), a construction whose arm the matched run already computed on this model
@@ -142,7 +142,7 @@ feeds the prompt in one forward, then one token per forward, as live generation 
 the carried arm's cache fingerprint checks item by item)."""
 
 
-def reused_arms(grid_stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any],
+def reused_arms(grid_stage: Stage, matched_stage: Stage | None, matched: dict[str, Any],
                 checkpoint: str, precision: str) -> Carried:
     """(construction, `matched/<checkpoint>:<arm>`, that arm, its step margins) for each construction of the 2x2
     at `precision` that would repeat an arm of the matched record: the same model at the same precision, the
@@ -199,7 +199,7 @@ def run_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: 
 # -- results.json and the report ---------------------------------------------------------------------------------
 
 
-def summarize_2x2(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+def summarize_2x2(records: list[Record], stage: Stage, checkpoint: str) -> Section:
     constructions, precisions = stage["constructions"], stage["precisions"]
     cells, disagreements = [], []
     for precision in precisions:
@@ -301,7 +301,7 @@ class PrecisionGrid(Experiment):
     many: ClassVar[bool] = False
     replays_diagnostics: ClassVar[bool] = True
 
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> Payload:
         return grid_item(lm, job)
 
     def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
@@ -323,13 +323,13 @@ class PrecisionGrid(Experiment):
     def peak_caches(self, stage: Stage) -> int:
         return len(stage.get("constructions", ())) + 1  # every construction's state, and one continuation's
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
         return [summarize_2x2(records, stage, checkpoint)]
 
     def tables(self, results: Any) -> list[Table]:
         return precision_2x2_tables(results) if results else []
 
-    def diagnosed(self, results: Any) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    def diagnosed(self, results: Any) -> list[tuple[str, Section, dict[str, int]]]:
         if not results:
             return []
         a, b = [*results["constructions"], "?", "?"][:2]

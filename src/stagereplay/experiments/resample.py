@@ -34,7 +34,7 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import record_lengths
-from stagereplay.experiments.experiment import Experiment, Replay, Stage
+from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage
 from stagereplay.experiments.format import NA, Table, k_of_n, points
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
@@ -47,7 +47,7 @@ from stagereplay.experiments.stats import (
     two_sample_answer_test,
 )
 from stagereplay.records.ledger import Record, Run
-from stagereplay.records.payloads import Draw, ResamplePayload
+from stagereplay.records.payloads import Draw, Payload, ResamplePayload
 from stagereplay.tasks.scoring import answer_extractor, scorer_by_name
 
 EXPERIMENT = "resample"
@@ -141,7 +141,7 @@ def _states(lm: LM, job: Job[ResampleParams]) -> tuple[BoundaryState, BoundarySt
     return (live, replica) if live.prefix == prefix == replica.prefix else None
 
 
-def resample_item(lm: LM, job: Job[ResampleParams]) -> dict[str, Any]:
+def resample_item(lm: LM, job: Job[ResampleParams]) -> Payload:
     """5K draws for one item: live(A), fresh(A), live replica(A), fresh(B), live(C). Pure in (model, job)."""
     item, s = job.item, job.settings
     cfg = job.params.config
@@ -175,7 +175,7 @@ def resample_item(lm: LM, job: Job[ResampleParams]) -> dict[str, Any]:
     return payload("ok", len(live.prefix), draws).as_payload()
 
 
-def resample_params(stage: dict[str, Any], precision: str, prefix: list[int] | None) -> ResampleParams:
+def resample_params(stage: Stage, precision: str, prefix: list[int] | None) -> ResampleParams:
     """A resample job's parameters, from its frozen stage: shared by the run and its audit."""
     live_source = "live" if precision == stage["model"]["precision"] else "incremental"
     config = ResampleConfig(**stage["config"])
@@ -220,7 +220,7 @@ def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
     return {"estimate": sum(a) / len(a) - sum(b) / len(b), "ci": [lo, hi]}
 
 
-def summarize_resample(records: list[Record], stage: dict[str, Any], checkpoint: str) -> list[dict[str, Any]]:
+def summarize_resample(records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
     """One entry per precision: coupled differences, independent answer distributions, the accuracy bias."""
     cfg = stage["config"]
     fresh = cfg["construction"]
@@ -346,7 +346,7 @@ class Resample(Experiment):
     fixed_prefix: ClassVar[bool] = True
     per_precision: ClassVar[bool] = True
 
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> Payload:
         return resample_item(lm, job)
 
     def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
@@ -366,7 +366,7 @@ class Resample(Experiment):
     def peak_caches(self, stage: Stage) -> int:
         return 4  # live's, its replica's and the fresh state, and a draw's continuation
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
         return summarize_resample(records, stage, checkpoint)
 
     def tables(self, results: Any) -> list[Table]:

@@ -19,7 +19,7 @@ from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_po
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms, record_lengths
-from stagereplay.experiments.experiment import Experiment, Replay, Stage
+from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage
 from stagereplay.experiments.format import NA, Table, as_rows, bound, k_of_n, slug, wilson_or_given
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.experiments.selection import divergent_ids, divergent_items, parse_selection, select
@@ -30,6 +30,7 @@ from stagereplay.records.payloads import (
     BandKind,
     Followed,
     Outcome,
+    Payload,
     PrefixNotReproducedPayload,
     SweepRow,
     TransplantPayload,
@@ -107,7 +108,7 @@ def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: Transpla
     return state, lm.continue_from(state, job.settings.decode, keep_steps=False)  # no diagnostics read steps
 
 
-def transplant_item(lm: LM, job: Job[TransplantParams]) -> dict[str, Any]:
+def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
     """Live and the fresh construction with their own suffixes, then the transplants both ways (and the
     zero-layer control). With `reuse` (`reused_arms`), an own suffix the matched run already decoded from the same
     cache is not decoded again: the boundary cache built here must be the recorded arm's bit for bit (its
@@ -184,7 +185,7 @@ def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
     return out
 
 
-def reused_arms(stage: dict[str, Any], matched_stage: dict[str, Any] | None, matched: dict[str, Any] | None,
+def reused_arms(stage: Stage, matched_stage: Stage | None, matched: dict[str, Any] | None,
                 checkpoint: str) -> tuple[tuple[str, str, dict[str, Any]], ...]:
     """(arm, `matched/<checkpoint>:<arm>`, that arm) for the transplant's own arms that the matched record of the
     item already decoded: live, and the fresh construction when it is the matched run's, on the same model at the
@@ -253,7 +254,7 @@ def transplant_claims(p: dict[str, Any], construction: str) -> list[str]:
     return bad
 
 
-def selection_findings(name: str, stage: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
+def selection_findings(name: str, stage: Stage, records: list[Record]) -> list[dict[str, str]]:
     """The frozen selection must be what its rule picks from the matched run's divergent items."""
     checkpoint = name.partition("/")[2]
     rule, construction = stage["config"]["select"], stage["config"]["construction"]
@@ -278,7 +279,7 @@ def _directions(records: list[Record], key: str) -> list[dict[str, Any]]:
     return out
 
 
-def summarize_transplant(records: list[Record], stage: dict[str, Any], checkpoint: str) -> dict[str, Any]:
+def summarize_transplant(records: list[Record], stage: Stage, checkpoint: str) -> Section:
     cfg = stage["config"]
     ok = [r for r in records if r.payload["status"] == "ok"]
     summary: dict[str, Any] = {
@@ -393,7 +394,7 @@ class Transplant(Experiment):
     label: ClassVar[str] = "transplant"
     fixed_prefix: ClassVar[bool] = True
 
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> Payload:
         return transplant_item(lm, job)
 
     def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
@@ -427,7 +428,7 @@ class Transplant(Experiment):
     def peak_caches(self, stage: Stage) -> int:
         return 4  # both boundary states, a transplanted one and its continuation's
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
         return [summarize_transplant(records, stage, checkpoint)]
 
     def tables(self, results: Any) -> list[Table]:

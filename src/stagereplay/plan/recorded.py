@@ -11,6 +11,7 @@ from typing import Any
 from stagereplay.experiments.arms import record_lengths
 from stagereplay.plan.stages import StagePlan, allocate, new_stage
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
+from stagereplay.records.manifest import Stage
 
 
 def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = True) -> list[StagePlan]:
@@ -74,7 +75,7 @@ def run_cache(manifest: dict[str, Any]) -> str:
     return str(manifest["config"]["model"].get("cache", "dynamic"))
 
 
-def unit_forwards(r: Record, stage: dict[str, Any]) -> tuple[str, list[int], int] | None:
+def unit_forwards(r: Record, stage: Stage) -> tuple[str, list[int], int] | None:
     """(its plan row, the forwards its item function made, its longest sequence) for one item record, from its
     measured lengths, as its experiment counts them (`Experiment.unit_forwards`); None for a unit whose lengths
     are not recorded, or whose forwards are not our engine's."""

@@ -17,6 +17,7 @@ from typing import Any
 from stagereplay.engine.limits import static_cache_len
 from stagereplay.engine.model import check_cache
 from stagereplay.errors import StageReplayError
+from stagereplay.records.manifest import Stage
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 4}  # a cache element at each precision
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 2}  # fp32-compute keeps 16-bit weights
@@ -161,7 +162,7 @@ class StagePlan:
         return sum(k * v for k, v in self.sizes.items() if k > 1)
 
 
-def new_stage(name: str, precision: str, stage: dict[str, Any]) -> StagePlan:
+def new_stage(name: str, precision: str, stage: Stage) -> StagePlan:
     """A plan row for the manifest stage `name` (`<experiment>/<checkpoint>`, `@precision` for a per-precision
     row), holding as many caches as its experiment's items hold at once (`Experiment.peak_caches`)."""
     from stagereplay.serving.experiments import experiment_for

@@ -22,6 +22,10 @@ UNBOUND_CONFIG = (("model", "path"), ("data", "path"), ("later_model",))
 """Locations in `config` that the chain does not bind (their files are bound by hash)."""
 
 
+Stage = dict[str, Any]
+"""A stage's frozen section of the manifest (`stages["<experiment>/<checkpoint>"]`), as JSON gives it back."""
+
+
 def _drop(obj: dict[str, Any], path: tuple[str, ...]) -> None:
     *parents, last = path
     for key in parents:

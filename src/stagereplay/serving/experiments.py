@@ -5,8 +5,6 @@ run and re-executed in that engine; `experiment_for` finds the experiment of any
 
 from __future__ import annotations
 
-from typing import Any
-
 from stagereplay.engine.lm import LM
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments import registry
@@ -15,6 +13,7 @@ from stagereplay.experiments.jobs import Job
 from stagereplay.experiments.matched import Matched
 from stagereplay.experiments.precision_2x2 import PrecisionGrid
 from stagereplay.records.ledger import Record
+from stagereplay.records.payloads import Payload
 from stagereplay.serving.matched import ServingMatchedParams, arms_of, serving_matched_item
 from stagereplay.serving.precision_2x2 import ServingGridParams, serving_grid_item
 
@@ -22,7 +21,7 @@ from stagereplay.serving.precision_2x2 import ServingGridParams, serving_grid_it
 class ServingMatched(Matched):
     """Matched on a serving engine (`serving.matched`)."""
 
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> Payload:
         return serving_matched_item(lm, job)
 
     def replay_job(self, replay: Replay) -> Job:
@@ -36,7 +35,7 @@ class ServingMatched(Matched):
 class ServingGrid(PrecisionGrid):
     """The 2x2 on a serving engine's matched run (`serving.precision_2x2`)."""
 
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> Payload:
         return serving_grid_item(lm, job)
 
     def replay_job(self, replay: Replay) -> Job:

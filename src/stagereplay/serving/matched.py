@@ -44,7 +44,8 @@ from stagereplay.execution.local import WorkerDied
 from stagereplay.experiments.arms import comparison, no_boundary_payload, with_token_texts
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.records.ledger import Run
-from stagereplay.records.payloads import MatchedPayload
+from stagereplay.records.manifest import Stage
+from stagereplay.records.payloads import MatchedPayload, Payload
 from stagereplay.records.provenance import environment
 from stagereplay.serving.engines import ENGINES, OURS, config_from_dict, engine_config, kind_of
 from stagereplay.serving.evidence import took_place
@@ -147,7 +148,7 @@ def serving_arms(engine: str, cross: str | None = None, options: Mapping[str, An
     return ServingArms(engine_config(engine, options), cross or "")
 
 
-def arms_of(stage: dict[str, Any]) -> ServingArms:
+def arms_of(stage: Stage) -> ServingArms:
     """The arms a manifest stage declares."""
     return ServingArms(config_from_dict(stage["engine"]), stage.get("cross", ""))
 
@@ -226,7 +227,7 @@ def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation,
     return arm
 
 
-def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> dict[str, Any]:
+def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> Payload:
     """One item's arms on the serving engine (and ours with --cross hf); `lm` is our engine at the same
     precision: its tokenizer scores and finds the boundary, and it runs the cross arm."""
     from stagereplay.experiments.precision_2x2 import fixed_state

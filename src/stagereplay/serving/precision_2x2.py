@@ -28,7 +28,7 @@ from stagereplay.experiments.arms import comparison, with_token_texts
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
 from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
 from stagereplay.records.ledger import Run
-from stagereplay.records.payloads import GridPayload
+from stagereplay.records.payloads import GridPayload, Payload
 from stagereplay.serving.evidence import took_place
 from stagereplay.serving.matched import (
     ServingArms,
@@ -74,7 +74,7 @@ class ServingGridParams(Params):
         return self.precision
 
 
-def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> dict[str, Any]:
+def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> Payload:
     """Every arm at this process's precision on one fixed prefix, and their pairwise comparisons."""
     item, s = job.item, job.settings
     prefix, constructions = list(job.params.prefix), job.params.constructions

@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from stagereplay.errors import StageReplayError
+from stagereplay.records.manifest import Stage
 from stagereplay.serving.engines import config_from_dict, kind_of
 from stagereplay.serving.http import public_url
 from stagereplay.serving.matched import LOADED
 
 
-def engine_build_here(stages: dict[str, Any]) -> dict[str, Any] | None:
+def engine_build_here(stages: dict[str, Stage]) -> dict[str, Any] | None:
     """The build of the serving engine a run's stages name, as it is here (llama.cpp's installed build, the
     server's at its address; the audit compares it as it compares torch's kernels), or None where no stage names an
     engine that records one."""
@@ -25,7 +26,7 @@ def engine_build_here(stages: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def at_server(stages: dict[str, Any], url: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
+def at_server(stages: dict[str, Stage], url: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
     """The stages with the engine of each stage that has an address (a server) at `url` instead of its recorded one
     (in memory: the chain binds the recorded one), and what moved, for the audit's notes."""
     out, moved = dict(stages), []
