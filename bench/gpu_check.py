@@ -155,7 +155,7 @@ def step_matched(a: argparse.Namespace) -> int:
             str(a.stage1), "--device", a.device, "--quiet", "--out", str(run)]
     if has_cache_option():
         args += ["--cache", a.cache]
-    if a.batch > 1:  # items stepping together: each row's bits independent of its batch-mates (engine.batch)
+    if a.batch > 1:  # items stepping together: each row's bits independent of its batch-mates (engine.batched_step)
         args += ["--batch", str(a.batch)]
     loads = timed_loads(a.device)
     t = time.perf_counter()

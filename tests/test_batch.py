@@ -1,4 +1,4 @@
-"""Batched exact replay: an item's record is the same bits whatever else is in its batch (engine.batch).
+"""Batched exact replay: an item's record is the same bits whatever else is in its batch (engine.batched_step).
 
 Checked on every tiny architecture (sliding windows shorter than the sequence included), in bf16 and fp32:
 the batched step row by row (together, alone, in another slot), whole runs' item payloads across item orders,
@@ -19,7 +19,7 @@ import pytest
 import torch
 from tiny import SLIDING
 
-from stagereplay.engine import batch
+from stagereplay.engine import batched_step as batch
 from stagereplay.engine.cache import new_cache
 from stagereplay.engine.decode import Stepper
 from stagereplay.engine.lm import load

@@ -129,7 +129,7 @@ def test_audit_reproduces_an_untouched_run(paper_run, tmp_path):
 def test_the_audit_reexecutes_the_units_of_one_model_setting_as_one_batch_of_jobs(paper_run, tmp_path, monkeypatch):
     """Every stage's units on the same model settings go out together (at --batch C they step together), not a
     stage at a time: one call per model setting, whatever the stages."""
-    import stagereplay.execution.jobs as jobs
+    import stagereplay.execution.executors as jobs
 
     calls: list[tuple[tuple[str, str], set[str]]] = []
     run_jobs = jobs.run_jobs

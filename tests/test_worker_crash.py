@@ -9,7 +9,7 @@ import pytest
 
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.execution.jobs import run_jobs
+from stagereplay.execution.executors import run_jobs
 from stagereplay.execution.local import WorkerDied
 from stagereplay.toy import toy_checkpoint
 

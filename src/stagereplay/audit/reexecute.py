@@ -286,10 +286,10 @@ def _reexecute(chosen: dict[str, list[Record]], stages: dict[str, Stage], record
                tally: _Tally) -> None:
     """Re-execute the chosen units, grouped by the model settings that run them, whatever their stage: one batch of
     jobs per model, so that worker processes load each model once and its units step together (a row's bits do
-    not depend on its batch-mates, engine.batch). A serving engine's stage runs alone, in its engine."""
+    not depend on its batch-mates, engine.batched_step). A serving engine's stage runs alone, in its engine."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from stagereplay.execution.jobs import run_jobs
+    from stagereplay.execution.executors import run_jobs
     from stagereplay.serving.experiments import experiment_for
 
     matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}

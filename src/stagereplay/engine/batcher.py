@@ -1,12 +1,12 @@
 """Many items at once, each told as one item's story: item threads whose single-token steps are gathered into
-batched forwards (engine.batch).
+batched forwards (engine.batched_step).
 
 Each item runs its own experiment function (`matched_item` and its siblings, unchanged) in a thread of its own.
 Their forwards go through a `Batcher` in place of the LM's stepper: a thread that asks for a step waits until
 every item thread in flight has asked for one (or finished), and then the last to ask runs them all, the
 single-token steps as one `BatchedStep` forward of `rows` rows, each prefill alone at batch 1. Items
 join as others finish, so the rows stay busy. Which items share a forward depends on thread timing, and need not
-be deterministic: a row's bits do not depend on its batch-mates or its slot (engine.batch), so every item's record
+be deterministic: a row's bits do not depend on its batch-mates or its slot (engine.batched_step), so every item's record
 is the same bits however the items were grouped.
 
     with batched(lm, rows=16) as batcher:          # lm.stepper is the batcher within
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from stagereplay.engine.batch import BatchedStep
+from stagereplay.engine.batched_step import BatchedStep
 from stagereplay.engine.decode import Stepper
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ class ModelConfig:
         "help": "dynamic (grows per step; equals generate()) | static (preallocated; equals "
                 "generate(cache_implementation='static'), CUDA-graph captured on a GPU)"})
     batch: int = field(default=1, metadata={
-        "help": "rows of a batched decode step: up to this many items step together (engine.batch); a row's bits "
+        "help": "rows of a batched decode step: up to this many items step together (engine.batched_step); a row's bits "
                 "may depend on the row count, never on its batch-mates, so it is part of the numbers"})
     weights: bool = field(default=True, metadata={
         "help": "False: the config and tokenizer only, for a run whose every step a serving engine takes (the "

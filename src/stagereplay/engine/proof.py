@@ -222,7 +222,7 @@ def remember(config: Any, proof: Proof) -> None:
 
 @dataclass(frozen=True)
 class BatchProof:
-    """What a batched step (engine.batch) was shown to be on this model and these kernels."""
+    """What a batched step (engine.batched_step) was shown to be on this model and these kernels."""
 
     rows: int
     steps: int
@@ -250,7 +250,7 @@ def prove_batched(model: Any, rows: int, device: str, prompts: Sequence[Sequence
     one sized as generate() sizes it: prompt + steps positions, so its rows attend over their own lengths)."""
     import torch
 
-    from stagereplay.engine.batch import BatchedStep
+    from stagereplay.engine.batched_step import BatchedStep
     from stagereplay.engine.cache import new_cache
     from stagereplay.engine.decode import Stepper
 

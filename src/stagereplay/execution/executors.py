@@ -10,8 +10,8 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from stagereplay.execution.batched import chunks, run_chunk
 from stagereplay.execution.config import ExecConfig, Work
+from stagereplay.execution.item_threads import chunks, run_chunk
 from stagereplay.execution.local import run_local
 from stagereplay.execution.ray_cluster import run_ray
 

@@ -15,8 +15,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.batched import chunks, run_batched, run_chunk
 from stagereplay.execution.config import Work
+from stagereplay.execution.item_threads import chunks, run_batched, run_chunk
 from stagereplay.execution.models import cached_lm, release_models
 from stagereplay.execution.ray_cluster import shutdown_actors
 

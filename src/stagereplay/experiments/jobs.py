@@ -13,7 +13,7 @@ from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig, Work
-from stagereplay.execution.jobs import run_jobs
+from stagereplay.execution.executors import run_jobs
 from stagereplay.records.ledger import Run
 from stagereplay.records.proofs import attach_store
 from stagereplay.records.provenance import environment

@@ -75,7 +75,7 @@ def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads
     machine may run slower than one of an idle one, so a step of one of `together` workers costs more than a
     step measured alone (docs/reference/performance.md).
 
-    `batch` > 1: also a batched step of that many rows (engine.batch), each row on its own cache of `prompt`
+    `batch` > 1: also a batched step of that many rows (engine.batched_step), each row on its own cache of `prompt`
     positions, which gives what a row beyond the first adds (`Rates.row_seconds`)."""
     if together > 1:
         each = calibrate_each(together, path, precisions, device=device, threads=threads, prompt=prompt,
@@ -130,7 +130,7 @@ def _batched_step(lm: Any, ids: list[int], batch: int, steps: int, rounds: int, 
     """Seconds of one batched step of `batch` rows, each on its own cache over `ids` (median of `rounds`)."""
     import statistics
 
-    from stagereplay.engine.batch import BatchedStep
+    from stagereplay.engine.batched_step import BatchedStep
 
     step = BatchedStep(lm.model, batch, lm.config.device)
     timed = []

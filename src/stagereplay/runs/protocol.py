@@ -99,7 +99,7 @@ def paper(out: str | Path, inputs: Inputs | None = None, protocol: PaperConfig |
     `resample_items` items, at bf16 and fp32 (the primary checkpoint). The audit verifies every record and
     re-executes a seeded sample of `audit_sample` units per stage (None: every unit). The CPU kernels
     (`inputs.kernels`, `execution.kernels`; by default portable ones for the embedded toy) are chosen here, before
-    torch loads. `inputs.batch`: up to this many items step together (engine.batch), at every stage and in the
+    torch loads. `inputs.batch`: up to this many items step together (engine.batched_step), at every stage and in the
     audit; 0 (auto): `TOY_BATCH` for the embedded toy on a CPU, 1 for a model of the user's on a CPU, on a GPU what
     its free memory holds (`gpu_batch`). `workers` 0: one single-threaded process per core on a CPU (at most 2),
     one process on a GPU. `inputs.n` None: 200 items."""
