@@ -11,7 +11,6 @@ re-executed records. The model-free checks (chain, binding, completeness, deriva
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -246,10 +245,11 @@ def _other_kernels(run_dir: Path, manifest: dict[str, Any], stages: dict[str, St
     differences = {env: kernel_differences(recorded, here) for env, recorded in environments.items()}
     other = [r for r in records if differences.get(r.env, [("environment", NOT_RECORDED, "this machine's")])]
     env_summary = _environment_summary(records, other, differences)
-    if env_summary["differences"]:
-        print(f"environment: this machine's kernels differ from the run's for {len(other)} of {len(records)} "
-              f"records: {describe(env_summary['first'])}", file=sys.stderr)
-    return {r.seq for r in other}, {k: v for k, v in env_summary.items() if k != "first"}
+    said = {}
+    if env_summary["differences"]:  # the line the CLI says first (`stagereplay audit`)
+        said = {"line": f"environment: this machine's kernels differ from the run's for {len(other)} of "
+                        f"{len(records)} records: {describe(env_summary['first'])}"}
+    return {r.seq for r in other}, {**{k: v for k, v in env_summary.items() if k != "first"}, **said}
 
 
 def _items(manifest: dict[str, Any], relocated: list[dict[str, str]] | None, tally: _Tally) -> dict[str, Item]:

@@ -49,6 +49,9 @@ def audit(
 
         on = Extension(ex=ExecConfig(workers, executor), where=relocation(model, later_model, data, url))
         res = run(run_dir, AuditConfig(sample, seed), verify_only, on, quiet)
+        line = (res.get("environment") or {}).get("line")
+        if line:  # why units may not reproduce here: the kernels that made them are not this machine's
+            typer.echo(line, err=True)
         for moved in res.get("relocated", []):
             typer.echo(f"note: {moved['input']} found at {moved['here']} ({moved['how']}), recorded at "
                        f"{moved['recorded']}", err=True)

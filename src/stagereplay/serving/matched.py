@@ -30,6 +30,7 @@ convention (feed P[T-1] as the first decode step over the cache of P[0:T-1]) yie
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -65,6 +66,8 @@ from stagereplay.serving.seam import (
 from stagereplay.tasks import DataConfig
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
+
+log = logging.getLogger(__name__)
 
 CROSS = (OURS,)
 """Engines that may replay a serving engine's prefixes: ours."""
@@ -369,12 +372,10 @@ REQUESTS_PER_ITEM = 6
 """Completions a server's matched item sends at least (live, prefix-cache and oneshot, each with its replica)."""
 
 
-def _note_resume(run: Run, done: Sequence[Any], engine: Restarts, quiet: bool) -> None:
+def _note_resume(run: Run, done: Sequence[Any], engine: Restarts) -> None:
     """Tell an engine that restarts (a server) how the process that made the last record saw it, and how many items
     that process recorded since; say so when it restarted (its prefix cache is then cold, which the records from
     here on also say, in their environment's `engine.resumed`)."""
-    import sys
-
     last = done[-1]
     env = next((r.payload for r in run.chain if r.kind == "environment" and r.env == last.env), {})
     before = ((env.get("engine") or {}).get("checked") or {}).get("instance")
@@ -382,9 +383,9 @@ def _note_resume(run: Run, done: Sequence[Any], engine: Restarts, quiet: bool) -
         return
     made = sum(r.env == last.env for r in done)
     restarted = engine.note_resume(before, REQUESTS_PER_ITEM * made, last.item_id)
-    if restarted and not quiet:
-        print(f"note: the server at {engine.address} restarted since item {last.item_id} was recorded: its "
-              "caches are cold (the records from here on say so)", file=sys.stderr)
+    if restarted:
+        log.info(f"note: the server at {engine.address} restarted since item {last.item_id} was recorded: its "
+                 "caches are cold (the records from here on say so)")
 
 
 def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, data: DataConfig, arms: ServingArms,
@@ -398,7 +399,7 @@ def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, 
     if done and lm is not None:  # a resumed run: has the engine restarted since (a server)?
         engine = cached_engine(arms.engine, lm)
         if isinstance(engine, Restarts):
-            _note_resume(run, done, engine, quiet)
+            _note_resume(run, done, engine)
     jobs = [Job(item, settings, ServingMatchedParams(arms, arms.traffic(items, i))) for i, item in enumerate(items)]
     # An engine of native code that may crash runs in a worker process: a crash there ends in one line, and the run
     # resumes.
