@@ -105,6 +105,15 @@ class BoundaryState:
     cache_len: int | None = None
     """With a static cache: the positions L it is allocated for (`LM.cache_len`), which every construction of
     this item shares, since a static forward attends over all L rows. None for a dynamic cache."""
+    stage1_steps: StepRecord | None = field(default=None, repr=False, compare=False)
+    """For `live`: stage 1's steps reduced as they were made (top-k and log-sum-exp per step), the steps that chose
+    each stage-1 token: what another run's divergence in stage 1 is read against (`stage1_top`)."""
+
+    def stage1_top(self, k: int = 2) -> list[list[tuple[int, float | None]]] | None:
+        """Per stage-1 step, the top-k (token id, logprob), best first (None: not recorded)."""
+        if self.stage1_steps is None:
+            return None
+        return [[(int(t), float(v)) for t, v in step] for step in self.stage1_steps.top_logprobs(k)]
 
     @property
     def stage1(self) -> tuple[int, ...]:
@@ -306,9 +315,11 @@ class LM:
         logits = self.stepper.forward(prompt, cache, 0)
         past = len(prompt)
         pick = Sampler(dc, derive_seed(dc.seed, item_id, "stage1"), self.config.device)
+        steps = StepRecord(budget, keep_full=False)  # reduced on the device as they are made: no sync of ours
         generated: list[int] = []
         while True:
             token = pick(logits)
+            steps.add(logits, token)
             generated.append(token)
             if ended.step(token):
                 break
@@ -320,7 +331,7 @@ class LM:
         state = BoundaryState(
             prefix=(*prompt, *generated), prompt_len=len(prompt), construction="live",
             cache=clone_cache(cache), seed=derive_seed(dc.seed, item_id, "suffix"), match=ended.detail(),
-            cache_len=cache_len,
+            cache_len=cache_len, stage1_steps=steps,
         )
         if not keep_going:
             return state

@@ -37,8 +37,10 @@ TOP_K = 5
 class StepRecord:
     """Per-step top-k ids and fp32 logits of one continuation, and the full logits of the steps a number needs."""
 
-    def __init__(self, capacity: int, watch: Sequence[Sequence[int]] = (), stepper: Any = None) -> None:
+    def __init__(self, capacity: int, watch: Sequence[Sequence[int]] = (), stepper: Any = None,
+                 keep_full: bool = True) -> None:
         self.capacity = capacity
+        self.keep_full = keep_full  # False: the reductions only (stage 1's steps, whose logits no number reads)
         self.n = 0  # steps recorded
         self._values: torch.Tensor | None = None  # [capacity, k] fp32, made on the first step (V known then)
         self._ids: torch.Tensor | None = None  # [capacity, k] int64
@@ -62,7 +64,7 @@ class StepRecord:
             wide = logits.float()
             torch.topk(wide, self._values.shape[1], out=(self._values[i], self._ids[i]))
             torch.logsumexp(wide, dim=-1, out=self._lse[i])
-        if i == 0:
+        if i == 0 and self.keep_full:
             self.full[0] = logits
         still = []
         for w in self._watch:  # the pick (already on the host) against each watched suffix

@@ -36,6 +36,9 @@ from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload,
 from stagereplay.tasks import DataConfig
 
 EXPERIMENT = "matched"
+STAGE1_TOP = 2
+"""Tokens kept per stage-1 step of live (`stage1_top`): the margin and the runner-up, at a size a trace of thousands
+of steps can carry in every record."""
 PAYLOAD: TypeAdapter[MatchedPayload | NoBoundaryPayload] = TypeAdapter(
     Annotated[MatchedPayload | NoBoundaryPayload, Field(discriminator="status")])
 """A matched record's payload (`records.payloads`): the item reached its boundary, or not (a serving run's too)."""
@@ -119,6 +122,7 @@ def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
         arms=arms,
         comparisons=[compare(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by],
         diagnostics=diagnose(runs, pairs, cache_pairs=pairs[:1]),
+        stage1_top=live.stage1_top(STAGE1_TOP),
     )
     return with_token_texts(lm, payload).as_payload()
 

@@ -269,6 +269,10 @@ class MatchedPayload(PayloadModel):
                                                   "made before it have none)")
     load_finding: dict[str, LoadFinding] | None = optional("a server under load: per request (live, oneshot), "
                                                            "what its replicas say")
+    stage1_top: list[list[TopEntry]] | None = optional(
+        "live's stage 1: per step (the step that chose each stage-1 token), the top-2 [token id, logprob], best "
+        "first, ties by id; what a divergence in stage 1 between two runs is read against (`stagereplay compare`; "
+        "records made before it have none)")
 
 
 class NoBoundaryPayload(PayloadModel):

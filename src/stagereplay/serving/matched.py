@@ -44,6 +44,7 @@ from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.local import WorkerDied
 from stagereplay.experiments.arms import comparison, no_boundary_payload, with_token_texts
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
+from stagereplay.experiments.matched import STAGE1_TOP
 from stagereplay.records.ledger import Run
 from stagereplay.records.manifest import Stage
 from stagereplay.records.payloads import MatchedPayload, Payload
@@ -335,6 +336,7 @@ def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> Payload:
         "comparisons": list(comparisons.values()),
         "diagnostics": diagnostics(by, [("live", f) for f in fresh], comparisons),
         **({"load_finding": load_finding(comparisons)} if traffic else {}),
+        "stage1_top": [[(int(t), float(v)) for t, v in step[:STAGE1_TOP]] for step in first.generation.top[: end + 1]],
     })
     return with_token_texts(lm, payload).as_payload()
 
