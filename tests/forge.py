@@ -100,3 +100,28 @@ def forge_arm(run: Path, to: Path, arm_name: str) -> None:
     arm["top_logprobs"][-1][0][0] = arm["suffix_ids"][-1]
     chain[i] = with_payload(chain[i], payload)
     save(to, chain, manifest)
+
+
+def plant_token(run: Path, to: Path, step: int, arms: tuple[str, ...] = ("live", "live#replica"), nth: int = 0
+                ) -> str:
+    """A copy of `run` at `to` whose `nth` matched item (of those whose live suffix reaches `step`) has the suffix
+    token at `step` of each arm in `arms` changed to another (and a serving arm's top-1 logprob's token with it),
+    every checksum recomputed; the run still verifies. Live and its replica by default, so the forged run stays
+    self-consistent. Returns the item's id."""
+    import shutil
+
+    shutil.copytree(run, to)
+    (to / "audit.json").unlink(missing_ok=True)
+    chain, manifest = load(to)
+    reach = [k for k, r in enumerate(chain) if r.kind == "item" and r.experiment == "matched"
+             and r.payload["status"] == "ok"
+             and len(next(a for a in r.payload["arms"] if a["name"] == "live")["suffix_ids"]) > step]
+    i = reach[nth]
+    payload = edit(chain[i])
+    for arm in (a for a in payload["arms"] if a["name"] in arms):
+        arm["suffix_ids"][step] = (arm["suffix_ids"][step] + 1) % 256
+        if arm.get("top_logprobs"):
+            arm["top_logprobs"][step][0][0] = arm["suffix_ids"][step]
+    chain[i] = with_payload(chain[i], payload)
+    save(to, chain, manifest)
+    return chain[i].item_id

@@ -1,0 +1,37 @@
+"""`stagereplay compare RUN_A RUN_B --out DIR`: two runs of the same items under two settings, item by item."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from stagereplay.cli.app import app, guarded
+from stagereplay.cli.options import Quiet
+
+
+@app.command()
+def compare(
+    run_a: Annotated[Path, typer.Argument(help="run A: a run directory with matched records")],
+    run_b: Annotated[Path, typer.Argument(help="run B: the same model and items under another setting")],
+    out: Annotated[Path, typer.Option("--out", help="folder for compare.json, compare.md and compare.html")],
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="the model of the runs to compare")] = "primary",
+    quiet: Quiet = False,
+) -> None:
+    """Two runs of one model and the same items under two settings (servers, engine options, engines,
+    precisions): live trajectories equal, the first divergence and its margins, suffix and label disagreements
+    per arm with the paired CI and McNemar's p, and what differs between the manifests. Both ledgers are verified
+    first; runs of different models, tokenizers or items are refused. Exit 0 when it compared: a difference is a
+    finding."""
+
+    def go() -> None:
+        from stagereplay.report.compare_render import FILES, print_compare
+        from stagereplay.runs.compare import compare as run
+
+        comparison = run(run_a, run_b, out, checkpoint)
+        if not quiet:
+            print_compare(comparison)
+            typer.echo(f"wrote {', '.join(str(out / name) for name in FILES)}")
+
+    guarded(go)

@@ -1,0 +1,178 @@
+"""What two runs' manifests say of them, side by side: whether they are runs of one model, one tokenizer and one
+set of items (else `compare` refuses them in one line), and what differs between them: the settings, the serving
+engine's identity and settings, the kernels and the rest of the environment.
+
+A run's settings are its manifest's `config` (less what identifies its model and items, which must be equal) and
+the matched stage's own section where it says more (a serving engine's options, `engine`, flat; `cross`; the arms).
+Fields that only say where a file or a server lies (a path, a URL) are not settings: they are listed apart, as
+locations. The kernels are those of the process that computed the records (`records.kernels`), read from the
+ledger's environment records, the manifest's where the records name none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stagereplay.errors import StageReplayError
+from stagereplay.records.kernels import kernel_differences
+from stagereplay.records.ledger import Record, diff_fields
+
+MODEL_KEYS = ("config", "weights", "gguf")
+"""The `config.model_hashes.<checkpoint>` fields that identify a model's weights and architecture
+(`records.provenance.model_hashes`; a GGUF file is one hash of all of it)."""
+TOKENIZER_KEYS = ("tokenizer", "gguf")
+"""...and its tokenizer (inside the GGUF file for a GGUF model)."""
+IDENTITY = ("item_ids", "dataset_hash", "model_hashes")
+"""Config fields that must be equal for two runs to compare: checked, not listed as settings."""
+LOCATIONS = frozenset({"path", "url", "model_path", "root"})
+"""Last keys of the fields that say where a file or a server lies."""
+VOLATILE = ("checked.instance", "resumed")
+"""Server fields that tell one process's life from another's, not its settings (`serving.http.HttpEngine`)."""
+KERNELS_OUTSIDE = frozenset({"machine", "packages.torch", "packages.transformers", "determinism.threads",
+                             "determinism.deterministic_algorithms", "gpu", "capability", "cuda", "cudnn"})
+"""The environment fields outside `kernels` that `records.kernels` reads as kernel fields: listed there, not
+twice."""
+SERVER_IN_KERNELS = "engine build"
+"""The kernel field that repeats the server's build, which the server's section lists."""
+
+
+@dataclass(frozen=True)
+class RunSide:
+    """One run as `compare` reads it: its folder, manifest and whole chain (items, stage and environment records)."""
+
+    path: Path
+    manifest: dict[str, Any]
+    chain: list[Record]
+
+    def matched(self, checkpoint: str) -> list[Record]:
+        """Its matched item records at `checkpoint`, in ledger order."""
+        return [r for r in self.chain if r.kind == "item" and r.experiment == "matched" and r.checkpoint == checkpoint]
+
+    def checkpoints(self) -> list[str]:
+        return sorted({r.checkpoint for r in self.chain if r.kind == "item" and r.experiment == "matched"})
+
+    def environment(self, checkpoint: str) -> dict[str, Any]:
+        """The environment of the process that computed its first matched record at `checkpoint` (the manifest's
+        where none is named), with the serving engine's identity from the manifest (only it records that)."""
+        envs = {r.env: r.payload for r in self.chain if r.kind == "environment"}
+        first = next((envs[r.env] for r in self.matched(checkpoint) if r.env in envs), None)
+        manifest_env = self.manifest.get("environment") or {}
+        env = dict(first if first is not None else manifest_env)
+        if "engine" in manifest_env:
+            env["engine"] = manifest_env["engine"]
+        return env
+
+
+def check_comparable(a: RunSide, b: RunSide, checkpoint: str) -> None:
+    """Refuse, in one line, two runs that do not hold matched records at `checkpoint`, or that ran different models,
+    tokenizers or items."""
+    for side in (a, b):
+        if not side.matched(checkpoint):
+            held = ", ".join(side.checkpoints())
+            raise StageReplayError(f"{side.path} holds no matched records at checkpoint {checkpoint}",
+                                   f"pass --checkpoint one of: {held}" if held else
+                                   "compare runs made by `stagereplay matched` (or `paper`)")
+    ha, hb = (_hashes(side, checkpoint) for side in (a, b))
+    if ("gguf" in ha) != ("gguf" in hb):
+        gguf, folder = (a, b) if "gguf" in ha else (b, a)
+        raise StageReplayError(f"{gguf.path} ran a GGUF file and {folder.path} a model folder at checkpoint "
+                               f"{checkpoint}: nothing shows they hold one model",
+                               "compare runs of one model file (a setting may differ, the model may not)")
+    model = [k for k in MODEL_KEYS if ha.get(k) != hb.get(k)]
+    if model:
+        raise StageReplayError(f"{a.path} and {b.path} ran different models at checkpoint {checkpoint} "
+                               f"({', '.join(model)} hashes differ)",
+                               "compare runs of one model (a setting may differ, the model may not)")
+    tokenizer = [k for k in TOKENIZER_KEYS if ha.get(k) != hb.get(k)]
+    if tokenizer:
+        raise StageReplayError(f"{a.path} and {b.path} ran different tokenizers at checkpoint {checkpoint}",
+                               "compare runs of one model and tokenizer: token IDs of two tokenizers do not compare")
+    ca, cb = a.manifest.get("config", {}), b.manifest.get("config", {})
+    ia, ib = list(ca.get("item_ids", [])), list(cb.get("item_ids", []))
+    if ia != ib:
+        common = len(set(ia) & set(ib))
+        raise StageReplayError(f"{a.path} ran {len(ia)} items and {b.path} {len(ib)}, {common} of them in common "
+                               "(config.item_ids differ)",
+                               "compare runs of the same items: the same --data and --n (and no --shard)")
+    if ca.get("dataset_hash") != cb.get("dataset_hash"):
+        raise StageReplayError(f"{a.path} and {b.path} ran items of different datasets (config.dataset_hash "
+                               "differs)", "compare runs of the same data file")
+
+
+def _hashes(side: RunSide, checkpoint: str) -> dict[str, Any]:
+    hashes = (side.manifest.get("config", {}).get("model_hashes") or {}).get(checkpoint)
+    if not isinstance(hashes, dict) or not hashes:
+        raise StageReplayError(f"{side.path} records no model hashes for checkpoint {checkpoint}",
+                               "compare runs whose manifests name their models (config.model_hashes)")
+    return hashes
+
+
+def manifest_differences(a: RunSide, b: RunSide, checkpoint: str) -> dict[str, list[dict[str, Any]]]:
+    """What differs, in four groups of `{field, a, b}`: `settings` (the config and the matched stage), `server`
+    (a serving engine's identity and settings, less what changes with each start), `kernels` (by the names
+    `records.kernels` gives them), `environment` (the rest of the computing process: packages, commit, proofs),
+    and `locations` (paths and URLs, which are no setting)."""
+    groups: dict[str, list[dict[str, Any]]] = {"settings": [], "server": [], "kernels": [], "environment": [],
+                                               "locations": []}
+    for name in diff_fields(_settings(a, checkpoint), _settings(b, checkpoint)):
+        va, vb = _at(_settings(a, checkpoint), name), _at(_settings(b, checkpoint), name)
+        groups["locations" if _is_location(name) else "settings"].append({"field": name, "a": va, "b": vb})
+    ea, eb = a.environment(checkpoint), b.environment(checkpoint)
+    sa, sb = (_drop(e.get("engine") or {}, VOLATILE) for e in (ea, eb))
+    for name in diff_fields(sa, sb, "environment.engine."):
+        field = {"field": name, "a": _at({"environment": {"engine": sa}}, name),
+                 "b": _at({"environment": {"engine": sb}}, name)}
+        groups["locations" if _is_location(name) else "server"].append(field)
+    groups["kernels"] = [{"field": name, "a": va, "b": vb} for name, va, vb in kernel_differences(ea, eb)
+                         if name != SERVER_IN_KERNELS]
+    rest_a, rest_b = ({"tool_version": m.manifest.get("tool_version"), **_drop(e, ("engine", "kernels"))}
+                      for m, e in ((a, ea), (b, eb)))
+    for name in diff_fields(rest_a, rest_b):
+        if name not in KERNELS_OUTSIDE:
+            groups["environment"].append({"field": name, "a": _at(rest_a, name), "b": _at(rest_b, name)})
+    return groups
+
+
+def _settings(side: RunSide, checkpoint: str) -> dict[str, Any]:
+    """The config less its identity, and the matched stage's section: each key the config does not hold with the
+    same value, under `stages.matched/<checkpoint>`."""
+    config = {k: v for k, v in (side.manifest.get("config") or {}).items() if k not in IDENTITY}
+    name = f"matched/{checkpoint}"
+    stage = (side.manifest.get("stages") or {}).get(name) or {}
+    own = {k: v for k, v in stage.items() if config.get(k) != v}
+    return {"config": config, **({"stages": {name: own}} if own else {})}
+
+
+def _at(tree: Any, dotted: str) -> Any:
+    """The value at a dotted field name (`diff_fields`' names); None where a side lacks it. Keys may hold dots
+    themselves (`stages.matched/primary`), so the longest key that matches is taken at each level."""
+    value = tree
+    rest = dotted
+    while rest:
+        if not isinstance(value, dict):
+            return None
+        key = next((k for k in sorted(value, key=len, reverse=True) if rest == k or rest.startswith(f"{k}.")), None)
+        if key is None:
+            return None
+        value, rest = value[key], rest[len(key) + 1:]
+    return value
+
+
+def _drop(tree: dict[str, Any], dotted: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of `tree` without the fields named (one or two levels deep)."""
+    out = dict(tree)
+    for name in dotted:
+        head, _, tail = name.partition(".")
+        if not tail:
+            out.pop(head, None)
+        elif isinstance(out.get(head), dict):
+            out[head] = {k: v for k, v in out[head].items() if k != tail}
+    return out
+
+
+def _is_location(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in LOCATIONS
+
+
