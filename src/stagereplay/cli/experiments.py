@@ -73,7 +73,9 @@ def matched(
     model: Model = None,
     data: Data = None,
     n: N = None,
-    construction: Annotated[str, typer.Option(help="oneshot | incremental | chunked:<n> | retokenized")] = "oneshot",
+    construction: Annotated[str, typer.Option(help=(
+        "oneshot | incremental | chunked:<n> | retokenized | roundtrip:fp8-e4m3|fp8-e5m2|int8 (live's K/V through that "
+        "format and back), or several, comma-separated: each is set against live"))] = "oneshot",
     boundary_marker: Marker = None,
     boundary_regex: Regex = None,
     boundary_after: After = None,
@@ -112,6 +114,14 @@ def matched(
     concurrency: Concurrency = None,
     timeout: Timeout = None,
     retries: Retries = None,
+    static_len: Annotated[int | None, typer.Option("--static-len", help=(
+        "with --cache static: positions each cache is allocated, where more than an item needs (the padded keys "
+        "change the attention's blocking: a setting to compare)"))] = None,
+    speculate: Annotated[str | None, typer.Option("--speculate", help=(
+        "live built by transformers' assisted generation: prompt-lookup:N | draft:PATH | self (the model as its own "
+        "draft); the tokens each step added are recorded"))] = None,
+    quantized_cache: Annotated[str | None, typer.Option("--quantized-cache", help=(
+        "live built with transformers' quantized K/V cache: quanto:2|4 | hqq:1|2|3|4|8 | fp8"))] = None,
     cache: Cache = "dynamic",
     kernels: Kernels = "auto",
     batch: Batch = 1,
@@ -120,19 +130,24 @@ def matched(
 
     def go() -> None:
         from stagereplay.engine.boundary import boundary_from_options
-        from stagereplay.engine.lm import check_construction
+        from stagereplay.experiments.matched import constructions
         from stagereplay.runs import ExecConfig, Inputs, serving_arms
         from stagereplay.runs import matched as run
 
-        check_construction(construction)
+        constructions(construction)
         serving = serving_arms(engine, cross, given(
             block_size=block_size, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
             repack=repack, url=url, api=api, api_key_env=api_key_env, slot_restore=slot_restore,
             concurrency=concurrency, timeout=timeout, retries=retries))
-        inputs = Inputs(model, data, n, columns, boundary_from_options(boundary_marker, boundary_regex, boundary_after),
-                        scorer, decode_config(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p),
-                        precision, device, threads, attn_impl, cache, batch, kernels)
-        run(out, inputs, construction, ExecConfig(workers, executor), shard, serving, quiet)
+        inputs = Inputs(model=model, data=data, n=n, columns=columns,
+                        boundary=boundary_from_options(boundary_marker, boundary_regex, boundary_after), scorer=scorer,
+                        decode=decode_config(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p),
+                        precision=precision, device=device, threads=threads, attn_impl=attn_impl, cache=cache,
+                        static_len=static_len, batch=batch, kernels=kernels)
+        from stagereplay.engine.generated import Generated
+
+        generated = Generated(speculate or "", quantized_cache or "")
+        run(out, inputs, construction, ExecConfig(workers, executor), shard, serving, quiet, generated)
 
     guarded(go)
 
@@ -295,8 +310,9 @@ def paper(
 
         rule = boundary_from_options(boundary_marker, boundary_regex, boundary_after)
         dc = decode_config(max_new_tokens, max_stage1_tokens, False, 1.0, 0, 0)
-        inputs = Inputs(model, data, n, columns, rule, scorer, dc, "bf16", device, threads, attn_impl, cache, batch,
-                        kernels)
+        inputs = Inputs(model=model, data=data, n=n, columns=columns, boundary=rule, scorer=scorer, decode=dc,
+                        precision="bf16", device=device, threads=threads, attn_impl=attn_impl, cache=cache, batch=batch,
+                        kernels=kernels)
         protocol = PaperConfig(later_model, select, rows, sweep, resample, resample_items, audit_sample or None)
         res = run(out, inputs, protocol, workers, executor, quiet)
         from stagereplay.audit.reexecute import exit_code

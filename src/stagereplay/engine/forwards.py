@@ -20,9 +20,10 @@ def construction_spans(construction: str, prompt_len: int, body_len: int) -> lis
 
     oneshot: the whole body; incremental: the prompt, then one token per forward (what live generation does);
     chunked:<n>: n tokens at a time; retokenized: the re-encoded body in one forward (its length is the body's
-    when the IDs round-trip, which is what a plan assumes).
+    when the IDs round-trip, which is what a plan assumes); roundtrip:<format>: incremental's, where it is built from
+    a fixed prefix (from a state that has its cache, such as live's, it makes none: `construct_forwards`).
     """
-    if construction == "incremental":
+    if construction == "incremental" or construction.startswith("roundtrip:"):
         return [(0, prompt_len), *((p, p + 1) for p in range(prompt_len, body_len))]
     if construction.startswith("chunked:"):
         n = int(construction.split(":")[1])
@@ -41,7 +42,11 @@ def no_boundary_forwards(prompt_len: int, generated: int) -> list[int]:
     return [prompt_len, *[1] * (generated - 1)]
 
 
-def construct_forwards(construction: str, prompt_len: int, prefix_len: int) -> list[int]:
+def construct_forwards(construction: str, prompt_len: int, prefix_len: int, from_cache: bool = False) -> list[int]:
+    """The forwards of building a boundary state by `construction`; `from_cache`: from a state that holds its
+    cache already (live's), which a round trip reuses."""
+    if from_cache and construction.startswith("roundtrip:"):
+        return []
     return [stop - start for start, stop in construction_spans(construction, prompt_len, prefix_len - 1)]
 
 

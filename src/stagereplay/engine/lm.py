@@ -32,6 +32,9 @@ from stagereplay.engine.decode import (
     graphs_steps,
 )
 from stagereplay.engine.forwards import construction_spans
+from stagereplay.engine.generated import Generated
+from stagereplay.engine.kv_roundtrip import FORMATS as ROUNDTRIP_FORMATS
+from stagereplay.engine.kv_roundtrip import roundtrip_cache
 from stagereplay.engine.limits import model_context, stage1_budget, static_cache_len
 from stagereplay.engine.model import (
     ModelConfig,
@@ -71,8 +74,11 @@ def check_construction(name: str) -> str:
         return name
     if base == "chunked" and n.isdigit() and int(n) > 0:
         return name
+    if base == "roundtrip" and n in ROUNDTRIP_FORMATS:
+        return name
     raise StageReplayError(f"unknown construction {name!r}",
-                           "use live, incremental, oneshot, chunked:<n> (n > 0) or retokenized")
+                           "use live, incremental, oneshot, chunked:<n> (n > 0), retokenized or "
+                           f"roundtrip:<{'|'.join(ROUNDTRIP_FORMATS)}>")
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,9 @@ class BoundaryState:
     cache_len: int | None = None
     """With a static cache: the positions L it is allocated for (`LM.cache_len`), which every construction of
     this item shares, since a static forward attends over all L rows. None for a dynamic cache."""
+    generated: dict[str, Any] | None = None
+    """For live built by transformers' generate() (`engine.generated`): the option, and the tokens each of its steps
+    added (more than one where speculation was accepted)."""
     stage1_steps: StepRecord | None = field(default=None, repr=False, compare=False)
     """For `live`: stage 1's steps reduced as they were made (top-k and log-sum-exp per step), the steps that chose
     each stage-1 token: what another run's divergence in stage 1 is read against (`stage1_top`)."""
@@ -270,7 +279,8 @@ class LM:
         if self.config.cache != "static":
             return None
         dc = decode_config or DecodeConfig()
-        return static_cache_len(prompt_len, dc.max_stage1_tokens, dc.max_new_tokens, self.context)
+        needed = static_cache_len(prompt_len, dc.max_stage1_tokens, dc.max_new_tokens, self.context)
+        return max(needed, self.config.static_len or 0)  # `--static-len`: more positions, never fewer
 
     def new_cache(self, length: int | None) -> Any:
         """An empty cache of this LM's kind; a static one for `length` positions (a dynamic one ignores it)."""
@@ -337,6 +347,38 @@ class LM:
             return state
         return replace(state, live_suffix=self._continue(cache, state, dc, None, keep_steps, watch))
 
+    def live_generated(self, item: Item | Sequence[int], boundary: BoundaryRule, decode_config: DecodeConfig,
+                       via: Generated) -> BoundaryState:
+        """`live` as transformers' generate() builds it with `via` (speculation, a quantized cache): the tokens, the
+        boundary state (its cache cropped to P[0:T-1]; None for a quantized cache, which holds no plain K/V) and
+        the uninterrupted suffix, with per-step reductions for the margins. Raises `NoBoundary` as `live` does."""
+        from stagereplay.engine.generated import generate_live
+
+        dc = decode_config
+        if dc.sample:
+            raise StageReplayError("live through generate() runs greedy", "drop --sample")
+        prompt, item_id = self.check_prompt(item)
+        budget = dc.max_stage1_tokens or stage1_budget(self.context, len(prompt), dc.max_new_tokens)
+        built = generate_live(self, prompt, boundary, budget, dc.max_new_tokens, via)
+        if built.end is None:
+            raise NoBoundary(list(built.tokens[:budget]))
+        end, n = built.end, len(prompt)
+        suffix = built.tokens[end + 1 : end + 1 + dc.max_new_tokens]
+        cache = None
+        if not via.cache:  # plain K/V: what it held at the boundary, the positions before the pending token
+            cache = clone_cache(built.cache)
+            extra = cache.get_seq_length() - (n + end)  # positions past P[0:T-1]: the boundary token's and after
+            if extra > 0:
+                cache.crop(-extra)
+        stop = "eos" if suffix and suffix[-1] in self.eos else "length"
+        state = BoundaryState(
+            prefix=(*prompt, *built.tokens[: end + 1]), prompt_len=n, construction="live", cache=cache,
+            seed=derive_seed(dc.seed, item_id, "suffix"), match=built.match,
+            generated={**via.as_dict(), "added": list(built.added)},
+            stage1_steps=built.positions.record(n, end + 1))
+        record = built.positions.record(n + end + 1, len(suffix))
+        return replace(state, live_suffix=Continuation(tuple(suffix), stop, record))
+
     # -- constructions --------------------------------------------------------------------------------
 
     def construct(self, state: BoundaryState, construction: str) -> BoundaryState:
@@ -348,6 +390,12 @@ class LM:
         roundtrip = None
         if name == "live":
             raise StageReplayError("the live construction comes only from live generation", "use lm.live(...)")
+        if name.startswith("roundtrip:"):  # the state's own K/V (live's), else incremental's, through a format
+            source = state if state.cache is not None else self.construct(state, "incremental")
+            cache = clone_cache(source.cache)
+            roundtrip_cache(cache, name.partition(":")[2])
+            return BoundaryState(prefix=tuple(prefix), prompt_len=n_prompt, construction=name, cache=cache,
+                                 seed=state.seed, cache_len=cache_len)
         if name == "retokenized":  # the text route that stage-replay methods often take
             text = self.tokenizer.decode(list(prefix), skip_special_tokens=False)
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))

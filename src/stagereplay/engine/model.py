@@ -38,6 +38,9 @@ class ModelConfig:
     batch: int = field(default=1, metadata={
         "help": "rows of a batched decode step: up to this many items step together (engine.batched_step); a row's bits "
                 "may depend on the row count, never on its batch-mates, so it is part of the numbers"})
+    static_len: int | None = field(default=None, metadata={
+        "help": "with a static cache: positions to allocate per cache, when more than an item needs (None: what "
+                "generate(cache_implementation='static') allocates); the padded keys change the attention's blocking"})
     weights: bool = field(default=True, metadata={
         "help": "False: the config and tokenizer only, for a run whose every step a serving engine takes (the "
                 "server's model is its own; ours only tokenizes and scores). Not part of the numbers: never recorded"})
@@ -58,6 +61,9 @@ class ModelConfig:
             raise StageReplayError(f"--threads must be at least 1, got {self.threads}", "pass --threads 1 or more")
         if self.batch < 1:
             raise StageReplayError(f"--batch must be at least 1, got {self.batch}", "pass --batch 1 or more")
+        if self.static_len is not None and (self.cache != "static" or self.static_len < 1):
+            raise StageReplayError(f"--static-len {self.static_len} sizes a static cache", "pass --cache static "
+                                   "and a positive --static-len, or drop --static-len")
 
     def with_precision(self, precision: str) -> ModelConfig:
         return ModelConfig(**{**asdict(self), "precision": precision})
@@ -69,6 +75,8 @@ class ModelConfig:
         del out["weights"]
         if self.batch == 1:
             del out["batch"]
+        if self.static_len is None:  # recorded only when set, as `batch`
+            del out["static_len"]
         return out
 
 

@@ -49,6 +49,21 @@ class StepRecord:
         self._watch = [tuple(w) for w in watch]
         self.stepper = stepper  # what made the steps: `replay_logits` recomputes a step with it
 
+    @classmethod
+    def reduced(cls, steps: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> StepRecord:
+        """A record of steps already reduced elsewhere (transformers' generate(): `engine.generated`), each
+        (top-k fp32 logits [k], their ids [k], log-sum-exp []): no full logits, and no stepper to replay a step
+        with (its forwards were generate()'s)."""
+        import torch
+
+        record = cls(len(steps), keep_full=False)
+        record.n = len(steps)
+        if steps:
+            record._values = torch.stack([v for v, _, _ in steps])
+            record._ids = torch.stack([i for _, i, _ in steps])
+            record._lse = torch.stack([lse for _, _, lse in steps])
+        return record
+
     def add(self, logits: torch.Tensor, token: int) -> None:
         """Reduce one step's logits [V] (on their device) after `token` was picked from them."""
         import torch

@@ -15,6 +15,7 @@ from stagereplay.records.manifest import Stage
 from stagereplay.records.payloads import (
     Arm,
     Comparison,
+    GeneratedBy,
     GridPayload,
     MatchedPayload,
     NoBoundaryPayload,
@@ -28,10 +29,13 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
     """One arm: its suffix, fingerprints and correctness label. Text is scored as stage 1 + suffix.
     `cache_fp`: the state's cache fingerprint when the caller has already hashed that cache."""
     text = lm.text([*stage1, *cont.suffix])
+    if cache_fp is None and state.cache is not None:
+        cache_fp = state.fingerprint()
     arm = Arm(name=name, construction=state.construction, precision=lm.config.precision,
-              suffix_ids=list(cont.suffix), suffix_fp=cont.fingerprint,
-              cache_fp=state.fingerprint() if cache_fp is None else cache_fp, stop=cont.stop, text=text,
+              suffix_ids=list(cont.suffix), suffix_fp=cont.fingerprint, cache_fp=cache_fp, stop=cont.stop, text=text,
               correct=bool(scorer_by_name(scorer)(text, item.answer)))
+    if state.generated is not None:  # live built by transformers' generate(): how, and what each step added
+        arm = arm.model_copy(update={"generated": GeneratedBy.model_validate(state.generated)})
     # A field left unset is absent from the record: only a retokenized state has a round trip to report.
     return arm if state.roundtrip is None else arm.model_copy(update={"roundtrip": state.roundtrip})
 

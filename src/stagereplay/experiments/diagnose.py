@@ -13,11 +13,11 @@ of every pair.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stagereplay.engine.diagnostics import cache_difference, logit_comparison
 from stagereplay.engine.lm import BoundaryState, Continuation
-from stagereplay.engine.steps import replay_logits
+from stagereplay.engine.steps import StepRecord, replay_logits
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.payloads import Diagnostics, PairDiagnostics
 
@@ -31,12 +31,21 @@ def pair_key(a: str, b: str) -> str:
 
 
 def _logits_at(arm: tuple[BoundaryState, Continuation], step: int) -> torch.Tensor | None:
-    """The arm's logits [V] at `step`: kept, or replayed from its boundary cache; None past its last step."""
+    """The arm's logits [V] at `step`: kept, or replayed from its boundary cache; None past its last step, or where
+    neither can be had (steps reduced by transformers' generate(), whose forwards cannot be replayed: `_from_top`)."""
     state, cont = arm
     assert cont.record is not None
-    if step >= cont.record.n:
+    if step >= cont.record.n or (step not in cont.record.full and cont.record.stepper is None):
         return None
     return replay_logits(cont.record, state.cache, state.prefix, cont.suffix, step)
+
+
+def _from_top(record: StepRecord, step: int) -> dict[str, Any]:
+    """One side of a divergence from the step's recorded top-k alone (fp32 logits, ties by id)."""
+    ranked = sorted(zip(record.ids[step].tolist(), record.values[step].tolist(), strict=True),
+                    key=lambda p: (-p[1], p[0]))
+    return {"margin": ranked[0][1] - ranked[1][1] if len(ranked) > 1 else None,
+            "top": [[int(t), float(v)] for t, v in ranked]}
 
 
 def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterable[tuple[str, str]],
@@ -64,9 +73,13 @@ def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterabl
             at_a = at_b = None
             if d is not None and d < ca.record.n and d < cb.record.n:
                 at_a, at_b = _logits_at(kept[a], d), _logits_at(kept[b], d)
-            entry = logit_comparison(ca.record.full[0], cb.record.full[0], d, at_a, at_b)
+            entry = logit_comparison(ca.record.full.get(0), cb.record.full.get(0), d, at_a, at_b)
+            if entry["divergence"] is None and d is not None and d < ca.record.n and d < cb.record.n:
+                # an arm whose logits cannot be had there: each side's recorded top-k, no logit difference
+                entry["divergence"] = {"step": d, "logit_maxabs": None, "a": _from_top(ca.record, d),
+                                       "b": _from_top(cb.record, d)}
             entry["cache"] = None
-            if (a, b) in with_cache and sa.prefix == sb.prefix:
+            if (a, b) in with_cache and sa.prefix == sb.prefix and sa.cache is not None and sb.cache is not None:
                 entry["cache"] = cache_difference(sa.cache, sb.cache, sa.prompt_len, len(sa.prefix) - 1)
             out[pair_key(a, b)] = PairDiagnostics.model_validate(entry)
     return Diagnostics(margins=margins, pairs=out)

@@ -3,6 +3,7 @@ with an exact replica from scratch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, ClassVar
 
@@ -15,8 +16,10 @@ from stagereplay.engine.forwards import (
     live_forwards,
     no_boundary_forwards,
 )
+from stagereplay.engine.generated import Generated
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, check_construction
 from stagereplay.engine.model import ModelConfig
+from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import (
     arm_record,
@@ -51,23 +54,44 @@ class MatchedConfig:
     model: ModelConfig
     settings: ReplaySettings
     data: DataConfig = field(default_factory=DataConfig)
-    construction: str = field(default="oneshot", metadata={"help": "the fresh construction set against live"})
+    construction: str = field(default="oneshot", metadata={
+        "help": "the fresh construction set against live, or several, comma-separated (oneshot,chunked:16,...)"})
     checkpoint: str = field(default="primary", metadata={"help": "name of this model in the run"})
     bootstrap_seed: int = field(default=0, metadata={"help": "seed of the paired bootstrap"})
     n_resamples: int = field(default=10_000, metadata={"help": "bootstrap resamples"})
+    generated: Generated = field(default_factory=Generated, metadata={
+        "help": "live (and its replica) built by transformers' generate() with speculation or a quantized cache"})
 
     def __post_init__(self) -> None:
-        check_construction(self.construction)
+        constructions(self.construction)
 
     def stage(self) -> dict[str, Any]:
-        return {"model": self.model.as_dict(), "settings": self.settings.as_dict(), "construction": self.construction}
+        """The stage's frozen section: `construction` is the first fresh construction (the one later stages set
+        against live), `arms` every one where there are several."""
+        cs = constructions(self.construction)
+        return {"model": self.model.as_dict(), "settings": self.settings.as_dict(), "construction": cs[0],
+                **({"arms": list(cs)} if len(cs) > 1 else {}),
+                **({"generate": self.generated.as_dict()} if self.generated else {})}
+
+
+def constructions(given: str) -> tuple[str, ...]:
+    """The fresh constructions of a comma list, each checked, none twice, live not among them."""
+    cs = tuple(c.strip() for c in given.split(","))
+    for c in cs:
+        if check_construction(c) == "live":
+            raise StageReplayError("live is what the constructions are set against", "drop live from --construction")
+    if len(set(cs)) != len(cs):
+        raise StageReplayError(f"--construction {given} names a construction twice", "name each once")
+    return cs
 
 
 @dataclass(frozen=True)
 class MatchedParams(Params):
-    """A matched job's parameters: the fresh construction set against live."""
+    """A matched job's parameters: the fresh construction(s) set against live (a comma list), and how live is
+    built (our loop, or transformers' generate() with an option)."""
 
     construction: str = "oneshot"
+    generated: Generated = field(default_factory=Generated)
 
 
 def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
@@ -77,13 +101,18 @@ def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
     only the fingerprints, and the diagnostics compare the caches of live and the fresh construction alone (a
     replica watches its pair's first arm, so its logits at their first divergent step are kept as it runs). So
     at most four K/V caches are alive at once: live's and the fresh construction's boundary states, and a
-    replica's boundary state with the cache its continuation grows (README, "caches alive").
+    replica's boundary state with the cache its continuation grows (README, "caches alive"); one more per further
+    construction, whose boundary state the diagnostics compare with live's.
     """
     item, s = job.item, job.settings
-    construction = job.params.construction
-    rule = s.rule()
+    fresh_ones = constructions(job.params.construction)
+    rule, via = s.rule(), job.params.generated
+
+    def live_state(watch: Sequence[Sequence[int]] = ()) -> BoundaryState:
+        return lm.live_generated(item, rule, s.decode, via) if via else lm.live(item, rule, s.decode, watch=watch)
+
     try:
-        live = lm.live(item, rule, s.decode)
+        live = live_state()
     except NoBoundary as nb:
         return no_boundary_payload(item, nb.generated)
     stage1 = live.stage1
@@ -98,19 +127,21 @@ def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
     record("live", live, live.live_suffix, keep_cache=True)
     try:
         # From scratch: the same construction run again, watching live's suffix for its first divergent step.
-        replica = lm.live(item, rule, s.decode, watch=[live.live_suffix.suffix])
+        replica = live_state([live.live_suffix.suffix])
     except NoBoundary:
         replica = None
     replica_prefix_equal = replica is not None and replica.prefix == live.prefix
     if replica is not None and replica.live_suffix is not None:
         record("live#replica", replica, replica.live_suffix, keep_cache=False)
     del replica
-    for name, keep, first in ((construction, True, "live"), (f"{construction}#replica", False, construction)):
-        fresh = lm.construct(live, construction)
-        record(name, fresh, lm.continue_from(fresh, s.decode, watch=[runs[first][1].suffix]), keep_cache=keep)
-        del fresh
+    for construction in fresh_ones:
+        for name, keep, first in ((construction, True, "live"), (f"{construction}#replica", False, construction)):
+            fresh = lm.construct(live, construction)
+            record(name, fresh, lm.continue_from(fresh, s.decode, watch=[runs[first][1].suffix]), keep_cache=keep)
+            del fresh
     by = {a.name: a for a in arms}
-    pairs = [("live", construction), ("live", "live#replica"), (construction, f"{construction}#replica")]
+    pairs = [*(("live", c) for c in fresh_ones), ("live", "live#replica"),
+             *((c, f"{c}#replica") for c in fresh_ones)]
     payload = MatchedPayload(
         status="ok",
         prompt_ids=list(item.prompt_ids),
@@ -121,7 +152,7 @@ def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
         replica_prefix_equal=replica_prefix_equal,
         arms=arms,
         comparisons=[compare(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by],
-        diagnostics=diagnose(runs, pairs, cache_pairs=pairs[:1]),
+        diagnostics=diagnose(runs, pairs, cache_pairs=pairs[: len(fresh_ones)]),
         stage1_top=live.stage1_top(STAGE1_TOP),
     )
     return with_token_texts(lm, payload).as_payload()
@@ -129,13 +160,19 @@ def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
 
 def forwards(n: Lengths, construction: str = "oneshot") -> list[int]:
     """The forwards `matched_item` makes for an item of lengths `n` (token counts, engine.forwards): live and its
-    replica from scratch, then the fresh construction and its replica with their continuations."""
+    replica from scratch, then each fresh construction (a comma list) and its replica with their continuations."""
     if n.stage1 is None:
         return no_boundary_forwards(n.prompt, n.generated)
     out = live_forwards(n.prompt, n.stage1, n.of("live")) + live_forwards(n.prompt, n.stage1, n.of("live#replica"))
-    for arm in (construction, f"{construction}#replica"):
-        out += construct_forwards(construction, n.prompt, n.prefix) + continuation_forwards(n.of(arm))
+    for c in constructions(construction):
+        for arm in (c, f"{c}#replica"):
+            out += construct_forwards(c, n.prompt, n.prefix, from_cache=True) + continuation_forwards(n.of(arm))
     return out
+
+
+def stage_constructions(stage: Stage) -> str:
+    """A matched stage's fresh constructions as the comma list its jobs take."""
+    return ",".join(stage.get("arms", [stage["construction"]]))
 
 
 def run_matched(run: Run, config: MatchedConfig, items: list[Any], ex: ExecConfig, lm: LM | None = None,
@@ -143,7 +180,7 @@ def run_matched(run: Run, config: MatchedConfig, items: list[Any], ex: ExecConfi
     """Append a matched record for every item not yet in the ledger."""
     stage = f"{EXPERIMENT}/{config.checkpoint}"
     run.begin_stage(stage, config.stage())
-    jobs = [Job(item, config.settings, MatchedParams(config.construction)) for item in items]
+    jobs = [Job(item, config.settings, MatchedParams(config.construction, config.generated)) for item in items]
     execute(run, EXPERIMENT, config.checkpoint, config.model, matched_item, jobs, ex, lm, quiet)
 
 
@@ -359,13 +396,17 @@ class Matched(Experiment):
         return [(i, "") for i in config.get("item_ids", [])]
 
     def replay_job(self, replay: Replay) -> Job:
-        return Job(replay.item, replay.settings, MatchedParams(replay.stage["construction"]))
+        via = Generated(**replay.stage.get("generate", {}))
+        return Job(replay.item, replay.settings, MatchedParams(stage_constructions(replay.stage), via))
 
     def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
-        return forwards(record_lengths(record.payload), stage["construction"])
+        if stage.get("generate"):
+            return None  # live's forwards were transformers' generate()'s, speculation's chunks included
+        return forwards(record_lengths(record.payload), stage_constructions(stage))
 
     def peak_caches(self, stage: Stage) -> int:
-        return 4  # live's and the fresh construction's boundary states, a replica's state and its continuation's
+        """live's and each fresh construction's boundary states, a replica's state and its continuation's."""
+        return 3 + len(stage.get("arms", [stage.get("construction")]))
 
     def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
         """One section per arm set against live: the construction, or a serving engine's arms (one column each)."""

@@ -117,7 +117,7 @@ def forwards(n: Lengths, k: int, construction: str, live_source: str) -> list[in
         states = construct_forwards("incremental", n.prompt, n.prefix) * 2
     else:
         states = live_forwards(n.prompt, n.stage1 or 0, None) * 2
-    out = states + construct_forwards(construction, n.prompt, n.prefix)
+    out = states + construct_forwards(construction, n.prompt, n.prefix, from_cache=True)
     for name in draw_names(construction, k):
         out += continuation_forwards(n.of(name))
     return out

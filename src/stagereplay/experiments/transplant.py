@@ -176,7 +176,7 @@ def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
     3 x `n_layers` bands (sweep continuations are not recorded: `n.suffix`)."""
     c, carried = cfg.construction, dict(n.looks)
     out = live_forwards(n.prompt, n.stage1 or 0, None if "live" in carried else n.of("live"))
-    out += construct_forwards(c, n.prompt, n.prefix)
+    out += construct_forwards(c, n.prompt, n.prefix, from_cache=True)
     out += continuation_forwards(carried.get(c, n.of(c)))
     for arm in (f"{p}{d}->{r}" for p in ("", "control:") for d, r in (("live", c), (c, "live"))):
         out += continuation_forwards(n.of(arm))

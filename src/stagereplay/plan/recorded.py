@@ -49,7 +49,7 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
 
         decode = config["settings"]["decode"]
         allocate(out, prompts, decode.get("max_stage1_tokens"), decode["max_new_tokens"],
-                 model_context(load_checked_config(Path(config["model"]["path"]))))
+                 model_context(load_checked_config(Path(config["model"]["path"]))), config["model"].get("static_len"))
     if not audited:
         return out
     if audit_sample is None:

@@ -171,9 +171,10 @@ def new_stage(name: str, precision: str, stage: Stage) -> StagePlan:
 
 
 def allocate(stages: list[StagePlan], prompts: Iterable[int], max_stage1: int | None, max_new: int,
-             context: int) -> None:
+             context: int, static_len: int | None = None) -> None:
     """Size every stage's caches at the longest static allocation of items with these prompt lengths
-    (`engine.limits.static_cache_len`, as `LM.cache_len` allocates them)."""
-    positions = max((static_cache_len(p, max_stage1, max_new, context) for p in prompts), default=0)
+    (`engine.limits.static_cache_len`, or `static_len` where that is more, as `LM.cache_len` allocates them)."""
+    positions = max((max(static_cache_len(p, max_stage1, max_new, context), static_len or 0) for p in prompts),
+                    default=0)
     for st in stages:
         st.positions = positions

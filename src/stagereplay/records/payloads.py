@@ -69,6 +69,15 @@ class Load(PayloadModel):
     prefix_equal: bool | None = optional("live@load only: whether its stage 1 is live's")
 
 
+class GeneratedBy(PayloadModel):
+    """How transformers' generate() built a live arm (`engine.generated`)."""
+
+    speculate: str | None = optional("the speculation method: prompt-lookup:N, draft:PATH or self")
+    cache: str | None = optional("the quantized cache: quanto:BITS, hqq:BITS or fp8")
+    added: list[int] = Field(description="tokens each generate() step added: more than one where candidates were "
+                                         "accepted (each step is one forward of the model)")
+
+
 class _Continued(PayloadModel):
     """What every continuation from a boundary state records."""
 
@@ -105,6 +114,8 @@ class Arm(_Continued):
     slot: SlotRestore | None = optional("slot-restore arms: the slot saved and restored")
     load: Load | None = optional("under-load arms: the traffic the request met")
     restored_positions: int | None = optional("restore arms (llama.cpp): positions the restored state holds")
+    generated: GeneratedBy | None = optional("a live arm built by transformers' generate() with an option (a "
+                                             "speculation method, a quantized cache): which, and what each step added")
     live_prefix_equal: bool | None = optional("a serving 2x2's prefix-cache arm: whether live at this precision "
                                               "generated the fixed prefix's stage 1")
 

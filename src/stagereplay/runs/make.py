@@ -13,6 +13,7 @@ from typing import Any
 
 from stagereplay.engine.boundary import BoundaryRule
 from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.generated import Generated
 from stagereplay.engine.limits import model_context
 from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig, check_model_dir, resolve_attn_impl
@@ -48,6 +49,7 @@ class Inputs:
     threads: int = field(default=1, metadata={"help": "torch threads per process (fixed, recorded)"})
     attn_impl: str = field(default="auto", metadata={"help": "auto | eager | sdpa"})
     cache: str = field(default="dynamic", metadata={"help": "dynamic | static"})
+    static_len: int | None = field(default=None, metadata={"help": "static cache positions (None: what is needed)"})
     batch: int = field(default=1, metadata={"help": "items stepping together"})
     kernels: str = field(default="auto", metadata={"help": "CPU kernels: native | portable | auto"})
 
@@ -79,7 +81,8 @@ def resolve_source(inputs: Inputs, checkpoint: str = "primary") -> Source:
     path = str(Path(model).resolve())
     check_model_dir(path)
     config = ModelConfig(path=path, precision=i.precision, device=i.device, threads=i.threads,
-                         attn_impl=resolve_attn_impl(path, i.attn_impl), cache=i.cache, batch=i.batch)
+                         attn_impl=resolve_attn_impl(path, i.attn_impl), cache=i.cache, batch=i.batch,
+                         static_len=i.static_len)
     data = i.data
     if data and not data.startswith(HF_PREFIX):
         data = str(Path(data).resolve())  # a file or folder; an hf: name stays as given
@@ -267,16 +270,23 @@ def write_and_print_report(run_dir: Path, results: dict[str, Any], quiet: bool) 
 
 def matched(out: str | Path, inputs: Inputs | None = None, construction: str = "oneshot",
             ex: ExecConfig | None = None, shard: str | None = None, serving: ServingArms | None = None,
-            quiet: bool = False) -> dict[str, Any]:
+            quiet: bool = False, generated: Generated | None = None) -> dict[str, Any]:
     """Run (or resume) the matched experiment into `out`; return results.json's content.
 
     With `shard="I/N"` only every N-th item from the I-th runs; `stagereplay merge` joins the shards. With `serving`
-    the arms are a serving engine's (`serving.matched`); its `cross` adds our engine's replay of its prefixes. The
-    CPU kernels (`inputs.kernels`, `execution.kernels`) are chosen here, before torch loads.
+    the arms are a serving engine's (`serving.matched`); its `cross` adds our engine's replay of its prefixes. With
+    `generated`, live is built by transformers' generate() with speculation or a quantized cache
+    (`engine.generated`). The CPU kernels (`inputs.kernels`, `execution.kernels`) are chosen here, before torch
+    loads.
     """
     from stagereplay.experiments.matched import MatchedConfig, run_matched
 
-    inputs, ex = inputs or Inputs(), ex or ExecConfig()
+    inputs, ex, generated = inputs or Inputs(), ex or ExecConfig(), generated or Generated()
+    if generated:
+        if serving is not None:
+            raise StageReplayError(f"{generated.describe()} builds live in our engine, through transformers",
+                                   "a serving engine's own option is its own: drop --speculate/--quantized-cache")
+        generated.check(inputs.cache, inputs.batch)
     pin(choose(inputs.kernels, toy=inputs.model is None and serving is None, device=inputs.device))
     part = parse_shard(shard)
     context = None
@@ -289,9 +299,9 @@ def matched(out: str | Path, inputs: Inputs | None = None, construction: str = "
         source = replace(source, model=serving.our_model(source.model))
     source, lm, items, data_hash, determinism = prepare(source, ex, quiet, context)
     print_header(source, quiet)
-    config = MatchedConfig(source.model, source.settings, source.data, construction)
+    config = MatchedConfig(source.model, source.settings, source.data, construction, generated=generated)
     items = shard_items(items, part)
-    identity: dict[str, Any] = {"construction": construction}
+    identity: dict[str, Any] = {"construction": construction, **({"generate": generated.as_dict()} if generated else {})}
     if shard is not None:
         identity["shard"] = shard
     if serving is not None:
