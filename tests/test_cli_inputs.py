@@ -58,7 +58,7 @@ MATCHED = [
     (["--construction", "chunked:0"], "unknown construction 'chunked:0'"),
     (["--construction", "chunked:x"], "unknown construction 'chunked:x'"),
     (["--construction", "twoshot"], "unknown construction 'twoshot'"),
-    (["--construction", "live"], "live construction comes only from live generation"),
+    (["--construction", "live"], "drop live from --construction"),
     (["--boundary-marker", ""], "empty boundary marker"),
     (["--boundary-regex", "("], "invalid --boundary-regex '('"),
     (["--boundary-regex", ""], "matches the empty text"),
