@@ -15,10 +15,21 @@ it is measured (a step that runs out of time leaves the rows before it and a row
    dynamic`): both arms and their replicas, cache fingerprints and diagnostics, in bf16. Rows: time (model
    load apart), decode steps per second, peak memory against `stagereplay plan`'s estimate for the run (weights
    + the most caches alive at once, at the run's measured lengths), exact replicas, fingerprints, diagnostics;
-4. the fixed-prefix 2x2 (incremental | oneshot x bf16 | fp32) on that run's items, the same rows.
+4. the fixed-prefix 2x2 (incremental | oneshot x bf16 | fp32) on that run's items, the same rows;
+5. `matched --cache dynamic --batch 16` on 16 items, shorter ones (`Profile.batch_tokens`): the same rows, and
+   whether a row's bits depend on its batch-mates; its steps/s are the 16 rows' together.
 
-It ends with `gpu check: K/N steps done in S s; replicas exact: yes|NO|not measured`. A build without the
-`--cache` option runs `dynamic` as its only cache (no flag) and says that `static` is not in it.
+Each step runs under its own budget plus what the steps before it left unused, and the budgets add up to the
+profile's total, so `all` ends within it whatever a step does. The model step also measures the bandwidth floor:
+the model's weight bytes (`stagereplay plan`'s, from the safetensors headers) over the device's copy bandwidth
+(`gpu_decode.copy_bandwidth`), the time a batch-1 step cannot beat. It ends with one line:
+
+    gpu check: K/N steps done in S s; replicas exact: yes|NO|not measured; decode steps/s against a floor of F:
+    static X (Tx floor), dynamic Y (Tx floor), dynamic --batch 16 Z (Tx floor)
+
+on one line, T being each time a step over the floor's, as bench/gpu_decode.py says it (a figure not measured says
+so). A build without the `--cache` option runs `dynamic` as its only cache (no flag) and says that `static` is not
+in it.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 TABLE = "gpu_check.txt"
+FLOOR = "floor.json"  # the model step's bandwidth floor, for the summary line
 
 
 @dataclass(frozen=True)
@@ -48,21 +60,30 @@ class Profile:
     shape: str
     stage1: int
     suffix: int
-    budgets: dict[str, int]
+    budgets: dict[str, int]  # per step; "matched [c]" falls back to "matched"
+    total: int  # what all steps may take together: at least the sum of the budgets of the steps that run
+    batch_tokens: tuple[int, int]  # stage-1 and suffix tokens of the --batch 16 step's 16 items
     engine_tests: str  # pytest -k over tests/test_engine.py
+
+    def budget(self, step: str) -> int:
+        return self.budgets.get(step, self.budgets["matched"] if step.startswith("matched") else 0)
 
 
 PROFILES = {
-    # One H200: 40 + 50 + 75 + 2 x 90 + 100 + 60 = 505 s of steps; gpu_check.sh's wheel install and start-up fit in
-    # the rest of 8 minutes. A 7B model at batch 1 makes 40-70 decode steps/s eager (host-bound), so a matched
-    # item (2 x 96 stage-1 steps + 4 x 48 suffix steps) takes 6-10 s; the rest is loading 15 GB and capturing
-    # the step, per process.
+    # One H200, 8 minutes with gpu_check.sh's wheel install and start-up (about 20 s): 450 s of steps. Sized from
+    # the one run recorded there (issue 46's closing note, a random Qwen2.5-7B-shaped model, 2 items of 96 + 48
+    # tokens): the gpu tests took 23 s in pytest; the engine tests were stopped at 50 s; matched [static] took
+    # 43.8 s (18.8 decode steps/s, the proofs and loading apart), matched [dynamic] 98.0 s (8.2 steps/s), the
+    # fp32 2x2 54.2 s; each process adds about 10 s of start-up. --batch 16 was stopped at 100 s on 16 items of
+    # 96 + 48 tokens: its items here are 32 + 16 tokens, a third of that work, enough for a per-row cost.
+    # Steps that finish early leave their time to the later ones (--batch 16 comes last).
     "cuda": Profile("qwen2.5-7b", 96, 48,
-                    {"gpu tests": 40, "engine tests": 50, "model": 75, "matched": 90, "2x2": 100, "batch": 60},
-                    "live_loop_equals_generate or incremental_is_bit_exact"),  # every tiny architecture
+                    {"gpu tests": 35, "engine tests": 60, "model": 50, "matched [static]": 55,
+                     "matched [dynamic]": 110, "matched": 110, "2x2": 65, "batch": 75},
+                    450, (32, 16), "live_loop_equals_generate or incremental_is_bit_exact"),  # every tiny arch.
     "cpu": Profile("tiny", 8, 8, {"gpu tests": 120, "engine tests": 120, "model": 120, "matched": 120, "2x2": 120,
                                   "batch": 120},
-                   "live_loop_equals_generate and qwen2-bf16"),
+                   840, (8, 8), "live_loop_equals_generate and qwen2-bf16"),
 }
 
 
@@ -161,7 +182,7 @@ def step_matched(a: argparse.Namespace) -> int:
     t = time.perf_counter()
     cli(args)
     wall = time.perf_counter() - t
-    report(out, tag, run, "matched", wall, sum(loads), a.device)
+    rate = report(out, tag, run, "matched", wall, sum(loads), a.device)
     results = json.loads((run / "results.json").read_text())["matched"][0]
     exact = results["replica_exact"]
     k, n = sum(v["k"] for v in exact.values()), sum(v["n"] for v in exact.values())
@@ -185,17 +206,20 @@ def step_matched(a: argparse.Namespace) -> int:
         check = manifest["environment"]["determinism"].get("batch_check", {})
         row(out, f"{tag}: rows independent of batch-mates | equal to batch 1",
             f"{'yes' if check.get('invariant') else 'NO'} | {'yes' if check.get('equals_batch_1') else 'no'}")
-    (out / f"{name}.json").write_text(json.dumps({"replicas_exact": [k, n]}) + "\n")
+    (out / f"{name}.json").write_text(json.dumps({"replicas_exact": [k, n], "steps_per_s": rate}) + "\n")
     return 0
 
 
-def report(out: Path, tag: str, run: Path, prefix: str, wall: float, load: float, device: str) -> None:
+def report(out: Path, tag: str, run: Path, prefix: str, wall: float, load: float, device: str) -> float:
+    """The rows of a timed run; returns its decode steps per second (model loads apart)."""
     steps, forwards = decode_steps(run, prefix)
+    rate = steps / max(wall - load, 1e-9)
     row(out, f"{tag}: time s (model loads apart)", f"{wall:.1f} ({load:.1f} loading)")
-    row(out, f"{tag}: decode steps/s", f"{steps / max(wall - load, 1e-9):.1f} ({steps} steps of {forwards} forwards)")
+    row(out, f"{tag}: decode steps/s", f"{rate:.1f} ({steps} steps of {forwards} forwards)")
     kind, peak = peak_memory(device)
     estimate, stage = plan_estimate(run, prefix)
     row(out, f"{tag}: peak {kind} GiB | plan's estimate", f"{peak:.3g} | {estimate:.3g} ({stage})")
+    return rate
 
 
 def step_2x2(a: argparse.Namespace) -> int:
@@ -220,13 +244,23 @@ def step_2x2(a: argparse.Namespace) -> int:
 
 
 def step_model(a: argparse.Namespace) -> int:
-    from random_model import SHAPES, build  # bench/ is on sys.path when this runs as a script
+    from gpu_decode import copy_bandwidth  # bench/ is on sys.path when this runs as a script
+    from random_model import SHAPES, build
+
+    from stagereplay.plan.stages import model_shape
 
     t = time.perf_counter()
     build(a.shape, a.model, a.device)
     layers, hidden, heads, kv, _, vocab = SHAPES[a.shape]
     row(a.out, f"random {a.shape} ({layers} layers, hidden {hidden}, {heads}/{kv} heads, vocab {vocab})",
         f"drawn on {a.device} and saved in {time.perf_counter() - t:.1f} s")
+    weights = model_shape(a.model).weight_bytes("bf16")
+    bandwidth = copy_bandwidth(a.device, 2048 if a.device.startswith("cuda") else 64)
+    floor = weights / bandwidth  # seconds a batch-1 step takes at least: every weight read once
+    row(a.out, "bandwidth floor: weights / copy bandwidth",
+        f"{weights / 1e9:.3g} GB / {bandwidth / 1e9:.1f} GB/s = {1e3 * floor:.3g} ms a step ({1 / floor:.0f} steps/s)")
+    (a.out / FLOOR).write_text(json.dumps({"weight_bytes": weights, "copy_bytes_per_s": bandwidth,
+                                           "floor_s_per_step": floor}) + "\n")
     return 0
 
 
@@ -259,11 +293,31 @@ def pytest_summary(log: Path) -> str:
     return found[-1] if found else "no summary (see the log)"
 
 
+def times(x: float) -> str:
+    return f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
+
+
+def summary(out: Path, caches: list[str]) -> str:
+    """`decode steps/s against a floor of F: static X (Tx floor), ...`: each matched run's rate, and its time a step
+    over the floor's (as bench/gpu_decode.py says it: 1x is the floor; --batch 16's 16 rows may go under it)."""
+    runs = {c: f"matched-{c}" for c in caches} | {"dynamic --batch 16": "matched-dynamic-b16"}
+    rates = {label: json.loads((out / f"{name}.json").read_text()).get("steps_per_s")
+             if (out / f"{name}.json").exists() else None for label, name in runs.items()}
+    floor = json.loads((out / FLOOR).read_text())["floor_s_per_step"] if (out / FLOOR).exists() else None
+    cells = [f"{label} not measured" if rate is None else
+             f"{label} {rate:.1f}" + (f" ({times(1 / (rate * floor))} floor)" if floor else "")
+             for label, rate in rates.items()]
+    return (f"decode steps/s against a floor of {1 / floor:.0f}: " if floor else
+            "decode steps/s (floor not measured): ") + ", ".join(cells)
+
+
 def step_all(a: argparse.Namespace) -> int:
     profile = PROFILES["cuda" if a.device.startswith("cuda") else "cpu"]
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
     (out / TABLE).write_text("")
+    for stale in [out / FLOOR, *out.glob("matched-*.json")]:  # an earlier check's figures in the same OUT
+        stale.unlink(missing_ok=True)
     t0 = time.perf_counter()
     import torch
 
@@ -278,31 +332,46 @@ def step_all(a: argparse.Namespace) -> int:
     gpu_tests = [*pytest, "-m", "gpu", "tests"]
     if not a.device.startswith("cuda"):  # they need CUDA: on a CPU, only check that they import and collect
         gpu_tests.insert(-1, "--collect-only")
-    for name, cmd in (("gpu tests", gpu_tests),
-                      ("engine tests", [*pytest, "tests/test_engine.py", "-k", profile.engine_tests])):
-        total += 1
-        log = out / f"{name.replace(' ', '_')}.txt"
-        rc = run_step(out, name, cmd, profile.budgets[name], test_env, log, ok=(0, 1, 5))
-        if rc is not None:  # 1: some failed (the summary says which); 5: collected nothing (none marked gpu)
-            row(out, f"{name} on {a.device}", "none marked gpu in this build" if rc == 5 else pytest_summary(log))
-            done += rc in (0, 5)
     me = [sys.executable, str(Path(__file__).resolve())]
     common = ["--device", a.device, "--out", str(out), "--model", str(a.model), "--shape", profile.shape,
-              "--stage1", str(profile.stage1), "--suffix", str(profile.suffix), "--caches", a.caches]
-    steps = [("model", [*me, "model", *common], profile.budgets["model"])]
-    steps += [(f"matched [{c}]", [*me, "matched", *common, "--cache", c], profile.budgets["matched"]) for c in caches]
-    steps += [("2x2", [*me, "2x2", *common], profile.budgets["2x2"])]
-    steps += [("matched [dynamic, --batch 16]", [*me, "matched", *common, "--cache", "dynamic", "--batch", "16"],
-               profile.budgets["batch"])]
-    for name, cmd, budget in steps:
+              "--caches", a.caches]
+    lengths = ["--stage1", str(profile.stage1), "--suffix", str(profile.suffix)]
+    batch_lengths = ["--stage1", str(profile.batch_tokens[0]), "--suffix", str(profile.batch_tokens[1])]
+    tests: list[tuple[str, list[str]]] = [
+        ("gpu tests", gpu_tests), ("engine tests", [*pytest, "tests/test_engine.py", "-k", profile.engine_tests])]
+    steps = [("model", [*me, "model", *common])]
+    steps += [(f"matched [{c}]", [*me, "matched", *common, *lengths, "--cache", c]) for c in caches]
+    steps += [("2x2", [*me, "2x2", *common, *lengths])]
+    steps += [("matched [dynamic, --batch 16]",
+               [*me, "matched", *common, *batch_lengths, "--cache", "dynamic", "--batch", "16"])]
+    budgets = {name: profile.budget("batch" if "--batch" in name else name) for name, _ in [*tests, *steps]}
+    if sum(budgets.values()) > profile.total:
+        raise SystemExit(f"error: the steps' budgets add up to {sum(budgets.values())} s, more than the "
+                         f"{profile.total} s all of them may take; run fewer --caches")
+    spare = 0.0  # what the steps so far left of their budgets: the next step may use it
+    for name, cmd in [*tests, *steps]:
         total += 1
-        done += run_step(out, name, cmd, budget) == 0
+        budget = budgets[name] + int(spare)
+        started = time.perf_counter()
+        if name in dict(tests):
+            log = out / f"{name.replace(' ', '_')}.txt"
+            rc = run_step(out, name, cmd, budget, test_env, log, ok=(0, 1, 5))
+            if rc is not None:  # 1: some failed (the summary says which); 5: collected nothing (none marked gpu)
+                row(out, f"{name} on {a.device}", "none marked gpu in this build" if rc == 5 else pytest_summary(log))
+                done += rc in (0, 5)
+        else:
+            rc = run_step(out, name, cmd, budget)
+            done += rc == 0
+        spare = max(0.0, budget - (time.perf_counter() - started))
     exact = [json.loads((out / f"{c}.json").read_text())["replicas_exact"]
              for c in [f"matched-{c}" for c in caches] + ["matched-dynamic-b16"] if (out / f"{c}.json").exists()]
     verdict = ("not measured" if not exact else
                "yes" if all(k == n and n for k, n in exact) else "NO")
+    rates = summary(out, caches)
     row(out, "gpu check", f"{done}/{total} steps done in {time.perf_counter() - t0:.0f} s")
-    print(f"gpu check: {done}/{total} steps done in {time.perf_counter() - t0:.0f} s; replicas exact: {verdict}")
+    row(out, "gpu check: rates", rates)
+    print(f"gpu check: {done}/{total} steps done in {time.perf_counter() - t0:.0f} s; replicas exact: {verdict}; "
+          f"{rates}")
     return 0 if done == total else 1
 
 

@@ -145,8 +145,13 @@ class BatchedStep:
         if not any(r is not None for r in rows):
             return [None] * self.rows
         with torch.inference_mode():
-            ids = torch.tensor([[r[0] if r else 0] for r in rows], dtype=torch.long, device=self.device)  # [C, 1]
-            positions = torch.tensor([[r[2] if r else 0] for r in rows], dtype=torch.long, device=self.device)
+            # The tokens and positions [2, C, 1] come from the host in one copy that the host does not wait for: a
+            # copy from pageable memory (`torch.tensor(..., device=cuda)`) would wait for the device, as a read does.
+            host = torch.tensor([[[r[0] if r else 0] for r in rows], [[r[2] if r else 0] for r in rows]],
+                                dtype=torch.long)
+            if torch.device(self.device).type == "cuda":
+                host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
+            ids, positions = host.to(self.device, non_blocking=True)  # [C, 1] each
             self.caches = [r[1] if r else None for r in rows]
             self.masks = [self._row_masks(r[1], positions[i : i + 1]) if r else None for i, r in enumerate(rows)]
             with self._as_rows():

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from stagereplay.engine.steps import widened
 from stagereplay.errors import StageReplayError
 
 if TYPE_CHECKING:
@@ -73,18 +74,28 @@ class Sampler:
             import torch
 
             self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._scores: torch.Tensor | None = None  # [V] fp32, the step's logits widened, rewritten every step
+        self._picked: torch.Tensor | None = None  # [] int64, the greedy pick, rewritten every step
 
     def __call__(self, logits: torch.Tensor) -> int:
-        return int(self.pick(logits))
+        return int(self.pick(logits))  # the step's one host read
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """The pick as a one-element tensor on the logits' device (a graphed step takes it from there)."""
+        """The pick as a one-element tensor on the logits' device (a graphed step takes it from there).
+
+        A greedy pick allocates nothing: the fp32 scores and the pick go into two buffers made on the first step
+        and rewritten by each later one, so a pick is good until the next `pick` (the loop reads it, or a graphed
+        step copies it on the device, before that)."""
         import torch
 
-        scores = logits.float()  # [V]; generate() also casts to fp32 before choosing
-        if self.generator is None:
-            return torch.argmax(scores)
-        return torch.multinomial(torch.softmax(self.warp(scores[None]), dim=-1), 1, generator=self.generator)
+        scores = widened(logits, self._scores)  # [V]; generate() also casts to fp32 before choosing
+        if scores is not logits:
+            self._scores = scores
+        if self.generator is not None:
+            return torch.multinomial(torch.softmax(self.warp(scores[None]), dim=-1), 1, generator=self.generator)
+        if self._picked is None:
+            self._picked = torch.empty((), dtype=torch.long, device=logits.device)
+        return torch.argmax(scores, out=self._picked)
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
         """generate()'s sampling warpers on (1, V) fp32 scores: temperature, top-k, top-p."""

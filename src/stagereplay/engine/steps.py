@@ -34,6 +34,19 @@ TOP_K = 5
 """Tokens recorded per step (and per arm at the first divergent step)."""
 
 
+def widened(logits: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    """`logits.float()` without a new tensor per step: fp32 logits as they are, others copied into `buffer` ([V] fp32,
+    made here when None). The copy widens exactly as `.float()` does (every bf16 or fp16 value is an fp32 value),
+    so the numbers are generate()'s."""
+    import torch
+
+    if logits.dtype == torch.float32:
+        return logits
+    if buffer is None or buffer.shape != logits.shape or buffer.device != logits.device:
+        buffer = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    return buffer.copy_(logits)
+
+
 class StepRecord:
     """Per-step top-k ids and fp32 logits of one continuation, and the full logits of the steps a number needs."""
 
@@ -45,6 +58,7 @@ class StepRecord:
         self._values: torch.Tensor | None = None  # [capacity, k] fp32, made on the first step (V known then)
         self._ids: torch.Tensor | None = None  # [capacity, k] int64
         self._lse: torch.Tensor | None = None  # [capacity] fp32 log-sum-exp: a logprob is logit - lse
+        self._wide: torch.Tensor | None = None  # [V] fp32, the step's logits widened, rewritten every step
         self.full: dict[int, torch.Tensor] = {}  # step -> that step's logits [V], as the forward made them
         self._watch = [tuple(w) for w in watch]
         self.stepper = stepper  # what made the steps: `replay_logits` recomputes a step with it
@@ -65,7 +79,8 @@ class StepRecord:
         return record
 
     def add(self, logits: torch.Tensor, token: int) -> None:
-        """Reduce one step's logits [V] (on their device) after `token` was picked from them."""
+        """Reduce one step's logits [V] (on their device) after `token` was picked from them: into the rows made on
+        the first step, through one reused fp32 buffer, so a step allocates nothing and reads nothing back."""
         import torch
 
         i = self.n
@@ -76,7 +91,9 @@ class StepRecord:
                 self._ids = torch.empty((self.capacity, k), dtype=torch.long, device=logits.device)
                 self._lse = torch.empty((self.capacity,), dtype=torch.float32, device=logits.device)
             assert self._ids is not None and self._lse is not None
-            wide = logits.float()
+            wide = widened(logits, self._wide)  # what `logits.float()` holds, in the buffer
+            if wide is not logits:
+                self._wide = wide
             torch.topk(wide, self._values.shape[1], out=(self._values[i], self._ids[i]))
             torch.logsumexp(wide, dim=-1, out=self._lse[i])
         if i == 0 and self.keep_full:
