@@ -121,18 +121,22 @@ class Fake:
 Otherwise each slot holds the tokens of its last request, as llama-server's do: a request with `cache_prompt`
 reports as cached the common prefix of its prompt and its slot's tokens, less the last prompt token; `/slots/N`
 saves, restores and erases them. `marker` = (step, id) puts token `id` at that step of a generation from a prompt
-that lacks it (stage 1's end), and never elsewhere; tokens in `avoid` (an EOS) are never generated.
+that lacks it (stage 1's end), and never elsewhere; tokens in `avoid` (an EOS) are never generated. `draft` =
+(drafted, accepted) makes it a speculating server, as llama-server with --spec-type is: its /slots say `speculative`
+and, once a slot ran a request, `speculative.types`; each reply's `timings` carry `draft_n` and `draft_n_accepted`,
+`draft` per 8 generated tokens, rounded down (absent where no token was drafted, as llama-server leaves them out).
 """
 
     def __init__(self, tokenizer: Any, mode: str = "", stall: float = 5.0, slots: int = 1, n_ctx: int = 4096,
-                 marker: tuple[int, int] | None = None, avoid: tuple[int, ...] = ()):
+                 marker: tuple[int, int] | None = None, avoid: tuple[int, ...] = (),
+                 draft: tuple[int, int] | None = None):
         self.tokenizer, self.mode, self.stall = tokenizer, mode, stall
         self.vocab = len(tokenizer)
         self.requests = 0  # completions answered: the task counter /slots shows
         self.fail_after: int | None = None  # completions past this many answer HTTP 500 (a server gone bad mid-run)
         self.authorization: list[str | None] = []  # each request's Authorization header
         self.rng = random.Random(0)
-        self.slots, self.n_ctx, self.marker, self.avoid = slots, n_ctx, marker, set(avoid)
+        self.slots, self.n_ctx, self.marker, self.avoid, self.draft = slots, n_ctx, marker, set(avoid), draft
         self.held: dict[int, list[int]] = {}  # slot -> the tokens its cache holds
         self.saved: list[int] = []
         self.asked: list[tuple[int, int]] = []  # per completion: (prompt length, n_predict)
@@ -164,8 +168,11 @@ that lacks it (stage 1's end), and never elsewhere; tokens in `avoid` (an EOS) a
             steps.append({"id": last, "logprob": -0.1, "top_logprobs": top})
         with self.lock:
             self.held[slot] = ids + tokens[:-1]  # the last token emitted is never fed back
-        reply = {"tokens": tokens, "tokens_evaluated": counted, "stop_type": "limit",
-                 "timings": {"cache_n": cached}, "completion_probabilities": steps}
+        timings: dict[str, int] = {"cache_n": cached}
+        if self.draft is not None and self.draft[0] * len(tokens) // 8 > 0:
+            timings |= {"draft_n": self.draft[0] * len(tokens) // 8, "draft_n_accepted": self.draft[1] * len(tokens) // 8}
+        reply = {"tokens": tokens, "tokens_evaluated": counted, "stop_type": "limit", "timings": timings,
+                 "completion_probabilities": steps}
         if self.mode == "no-logprobs":
             reply.pop("completion_probabilities")
         return reply
@@ -203,7 +210,12 @@ that lacks it (stage 1's end), and never elsewhere; tokens in `avoid` (an EOS) a
                     self.reply(200, {"default_generation_settings": {"n_ctx": fake.n_ctx}, "build_info": "fake-1",
                                      "model_alias": "toy", "model_path": "toy.gguf", "total_slots": fake.slots})
                 elif self.path == "/slots":
-                    self.reply(200, [{"id": 0, "is_processing": False, "id_task": fake.requests}])
+                    slot: dict[str, Any] = {"id": 0, "is_processing": False, "id_task": fake.requests,
+                                            "speculative": fake.draft is not None}
+                    if fake.requests:
+                        types = "none,ngram-simple" if fake.draft is not None else "none"
+                        slot["params"] = {"speculative.types": types}
+                    self.reply(200, [slot])
                 else:
                     self.reply(404, {"error": "not found"})
 

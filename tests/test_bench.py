@@ -22,12 +22,21 @@ NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 TINY: dict[str, tuple[list[str], str]] = {
     "batch.py": (["--models", "toy", "--rows", "1,4", "--items", "4", "--tokens", "4"],
                  rf"^best: \S+ at C=\d+, {NUMBER}x batch 1's tokens/s$"),
+    # Two named configurations of our engine on the toy, the second speculating and compared with the first.
+    "constructions.py": (["toy", "toy", "{tmp}/out", "--n", "2", "--max-new-tokens", "4", "--config",
+                          "plain=--construction oneshot,roundtrip:int8", "--config", "lookup=--speculate prompt-lookup:2"],
+                         r"^lookup \(\d+ s\): replicas \d+/2; vs oneshot \d+/2 \| against plain: trajectories equal \d+/2"
+                         r".*McNemar p [\d.]+$"),
     "decode.py": (["--models", "toy", "--tokens", "4", "--prompts", "1", "--repeats", "1"],
                   rf"^toy .* ours\s+{NUMBER} .* tokens == generate\(\): yes\s+graphs \d+$"),
     "gpu_check.py": (["model", "--device", "cpu", "--out", "{tmp}/out", "--model", "{tmp}/model"],
-                     rf"^random tiny \(.*\)\s+drawn on cpu and saved in {NUMBER} s$"),
+                     rf"^bandwidth floor: weights / copy bandwidth\s+\S+ GB / {NUMBER} GB/s = \S+ ms a step "
+                     rf"\(\d+ steps/s\)$"),
     # Every step of the GPU check at a tiny shape, each under its budget; all must finish.
-    "gpu_check.sh": (["--device", "cpu"], r"^gpu check: (\d+)/\1 steps done in \d+ s; replicas exact: yes$"),
+    "gpu_check.sh": (["--device", "cpu"],
+                     rf"^gpu check: (\d+)/\1 steps done in \d+ s; replicas exact: yes; decode steps/s against a floor"
+                     rf" of \d+: static {NUMBER} \({NUMBER}x floor\), dynamic {NUMBER} \({NUMBER}x floor\), dynamic"
+                     rf" --batch 16 {NUMBER} \({NUMBER}x floor\)$"),
     "gpu_wheels.sh": (["--dry-run"], r"^would download \d+ wheels into .*\.whl for CPython 3\.12 manylinux x86_64$"),
     "gpu_decode.py": (["--shape", "tiny", "--device", "cpu", "--tokens", "8", "--repeats", "1", "--copy-mib", "16"],
                       rf"^ours static: {NUMBER}x floor, tokens == generate\(\): yes$"),
@@ -52,10 +61,15 @@ TINY: dict[str, tuple[list[str], str]] = {
                  rf"^peak RSS \d+ MiB, floor \d+ MiB, caches {NUMBER} MiB, logits kept \d+ MiB$"),
     "resample.py": (["--items", "1", "--k", "1", "--new-tokens", "8", "--repeats", "1"],
                     rf"^draw / decode {NUMBER}\s+reprefill / draw {NUMBER}$"),
-    # The toy as a GGUF served by llama-server (the server tier: LLAMA_CPP_LIB_PATH names the build).
-    "server.py": (["{tmp}/toy.gguf", "{tmp}/items.jsonl", "{tmp}/out", "--server", "{llama_server}", "--slots", "1",
-                   "--loads", "0,2", "--n", "2", "--boundary-after", "4", "--max-new-tokens", "4"],
-                  r"^slots 1, load 2 \(\d+ s\): live replica exact \d+/\d+; oneshot \d+/\d+ differ .*oneshot per item: .*$"),
+    # The toy as a GGUF served by llama-server (the server tier: LLAMA_CPP_LIB_PATH names the build): two named
+    # configurations, the second speculating and compared with the first, each under a load of 2.
+    "server.py": (["{tmp}/toy.gguf", "{tmp}/items.jsonl", "{tmp}/out", "--server", "{llama_server}", "--config",
+                   "plain=", "--config", "ngram=--spec-type ngram-simple --spec-ngram-simple-size-n 2 "
+                   "--spec-ngram-simple-size-m 8", "--slots", "1", "--loads", "2", "--n", "2", "--boundary-after", "4",
+                   "--max-new-tokens", "4"],
+                  r"^ngram, slots 1, load 2 \(\d+ s\): live replica exact \d+/\d+; oneshot \d+/\d+ differ .*"
+                  r"oneshot per item: .*; live drafted \d+, accepted \d+; vs plain: trajectories equal \d+/\d+ .*"
+                  r"manifests differ in server_args, .*server\.speculative.*$"),
 }
 
 
@@ -80,7 +94,7 @@ def test_last_line_rejects_a_crash() -> None:
     assert not any(re.match(pattern, last_line(crash)) for _, pattern in TINY.values())
 
 
-SLOW = ("paper.py", "gpu_check.sh", "plan.py", "matched_floor.py")
+SLOW = ("paper.py", "constructions.py", "gpu_check.sh", "plan.py", "matched_floor.py")
 """Scripts whose smoke run is a whole protocol run (or several): the slow tier, which CI also runs."""
 SERVER = ("server.py",)
 """Scripts whose smoke run starts llama-server: the server tier (tests/test_server.py says how to run it)."""

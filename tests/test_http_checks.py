@@ -211,3 +211,64 @@ def test_url_is_refused_for_a_run_of_another_engine(tmp_path):
     assert made.exit_code == 0, made.output
     refused = runner.invoke(app, ["audit", str(out), "--url", "http://127.0.0.1:1"])
     assert refused.exit_code != 0 and "no stage of this run ran on one" in refused.output, refused.output
+
+
+# -- what the server does not report: --server-args -----------------------------------------------------------------
+
+
+def _run_with(url: str, out, *extra: str):
+    return runner.invoke(app, ["matched", "--engine", "http", "--url", url, "--n", "2", "--boundary-after", "4",
+                               "--max-stage1-tokens", "4", "--max-new-tokens", "4", "--out", str(out), "--quiet",
+                               *extra])
+
+
+def test_server_args_are_recorded_verbatim_and_compare_names_two_that_differ(tokenizer, tmp_path):
+    """Two runs of one server that differ only in the flags declared for it: each manifest records its flags as
+    given, and `compare` lists the difference (as a setting and in the server's settings). The control: two runs
+    declaring the same flags, where `compare` lists no setting of the server."""
+    from stagereplay.runs.compare import compare
+
+    flags = {"a": "-ctk f16 -ctv f16", "b": "-ctk q8_0 -ctv q8_0 -fa on", "c": "-ctk f16 -ctv f16"}
+    with fake_server(tokenizer) as (url, _):
+        for name, args in flags.items():
+            made = _run_with(url, tmp_path / name, "--server-args", args)
+            assert made.exit_code == 0, made.output
+    for name, args in flags.items():
+        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+        assert manifest["stages"]["matched/primary"]["engine"]["server_args"] == args
+        assert manifest["environment"]["engine"]["server_args"] == args
+    differ = compare(tmp_path / "a", tmp_path / "b", tmp_path / "ab")["differences"]
+    fields = {d["field"]: (d["a"], d["b"]) for group in ("settings", "server") for d in differ[group]}
+    assert fields["config.engine.server_args"] == (flags["a"], flags["b"])
+    assert fields["environment.engine.server_args"] == (flags["a"], flags["b"])
+    same = compare(tmp_path / "a", tmp_path / "c", tmp_path / "ac")["differences"]
+    assert not [d for group in ("settings", "server") for d in same[group] if "server_args" in d["field"]], same
+
+
+@pytest.mark.parametrize("args", ["--api-key sk-secret-123 -ctk q8_0", "-fa on --api-key=sk-secret-123",
+                                  "--api-key-file /run/key", "-hft hf_secret"])
+def test_server_args_holding_a_secret_are_refused_in_one_line_before_anything_runs(tokenizer, tmp_path, args):
+    out = tmp_path / "run"
+    with fake_server(tokenizer) as (url, fake):
+        refused = _run_with(url, out, "--server-args", args)
+        assert refused.exit_code == 2, refused.output
+        (line,) = refused.stderr.strip().splitlines()
+        assert line.startswith("error: --server-args holds ") and "never recorded" in line
+        assert "secret-123" not in refused.output and fake.requests == 0 and not out.exists()
+        # Negative control: the same flags without the secret run.
+        kept = " ".join(w for w in args.split() if "secret" not in w and "key" not in w and w != "-hft")
+        assert _run_with(url, tmp_path / "kept", "--server-args", kept).exit_code == 0
+
+
+def test_server_args_are_the_http_engines_and_vllms_knobs_are_vllms(tmp_path):
+    """A server's settings are declared (--server-args), vLLM's in-process knobs are its options: each refused under
+    the other engine in one line that names what that engine takes."""
+    out = str(tmp_path / "r")
+    refused = runner.invoke(app, ["matched", "--engine", "vllm", "--n", "1", "--server-args", "-ub 16", "--out", out])
+    assert refused.exit_code == 2 and "--server-args is not an option of --engine vllm" in refused.output
+    assert "--kv-cache-dtype" in refused.output  # what vllm takes instead
+    refused = runner.invoke(app, ["matched", "--engine", "http", "--url", "http://127.0.0.1:1", "--n", "1",
+                                  "--kv-cache-dtype", "fp8", "--out", out])
+    assert refused.exit_code == 2 and "--kv-cache-dtype is not an option of --engine http" in refused.output
+    assert "--server-args" in refused.output
+    assert not (tmp_path / "r").exists()

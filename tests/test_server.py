@@ -1,7 +1,8 @@
 """`matched --engine http` against a real llama-server (the one llama.cpp build of .ci/llamacpp.sh), started here on
 127.0.0.1 with two slots and the embedded toy written as a GGUF: both dialects, every arm with its replica, the
 under-load arms, the audit re-executing against the server (a forged record is an integrity finding, another build
-"not reproduced here"), the API key kept out of the run, and a server killed mid-run. Opt-in:
+"not reproduced here"), the API key kept out of the run, a server killed mid-run, and a speculating server's drafts
+and identity. Opt-in:
 `LLAMA_CPP_LIB_PATH=<build folder> python -m pytest -m server tests/test_server.py`.
 
 Whether the toy's arms differ on this server is reported by the runs, not asserted."""
@@ -201,6 +202,46 @@ def test_a_server_killed_mid_run_loses_nothing_and_resume_completes(toy_gguf, tm
     notes = [r["payload"]["engine"].get("resumed") for r in map(json.loads, (out / "ledger.jsonl").read_text().splitlines())
              if r["kind"] == "environment"]
     assert notes[0] is None and notes[-1]["restarted"] is True, notes
+
+
+NGRAM = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2", "--spec-ngram-simple-size-m", "8")
+"""llama-server's n-gram speculation, with n-grams short enough for the toy's own output to repeat them."""
+
+
+def _short(url: str, model: Path, out: Path, *extra: str):
+    return runner.invoke(app, ["matched", "--engine", "http", "--url", url, "--model", str(model), "--precision",
+                               "fp32", "--n", "2", "--max-new-tokens", "16", "--out", str(out), "--quiet", *extra])
+
+
+def test_a_speculating_server_records_its_drafts_and_compare_names_its_speculation(server, toy_gguf, tmp_path):
+    """llama-server with n-gram speculation: every served arm records what its request drafted and accepted
+    (`timings.draft_n`, `draft_n_accepted`), live's more than nothing; the server's identity says it speculates and
+    with which types (its /slots), the build the audit compares says it speculates; `compare` with a run of the same
+    items on the plain server names the speculation and the declared flags. The control is that plain server's run:
+    no draft on any arm, and an identity that does not speculate. Whether speculation changed any token is
+    `compare`'s to report, not asserted."""
+    from stagereplay.runs.compare import compare
+
+    spec, plain = tmp_path / "spec", tmp_path / "plain"
+    with llama_server(toy_gguf, tmp_path / "log.txt", slots=1, extra=NGRAM) as s:
+        result = _short(s.url, toy_gguf, spec, "--server-args", " ".join(NGRAM))
+    assert result.exit_code == 0, result.output
+    assert _short(server.url, toy_gguf, plain).exit_code == 0
+    for run, speculates in ((spec, True), (plain, False)):
+        engine = json.loads((run / "manifest.json").read_text())["environment"]["engine"]
+        assert engine["server"]["speculative"] is speculates
+        assert ("ngram-simple" in engine["server"]["speculative_types"]) is speculates
+        assert engine["build"].get("speculative", False) is speculates
+        arms = [a for p in _payloads(run) for a in p["arms"]]
+        if speculates:
+            assert all(0 <= a["draft"]["accepted"] <= a["draft"]["drafted"] for a in arms)
+            assert sum(a["draft"]["drafted"] for a in arms if a["name"] == "live") > 0
+        else:
+            assert not [a for a in arms if "draft" in a]
+    differ = compare(plain, spec, tmp_path / "compare")["differences"]
+    named = {d["field"] for d in differ["server"]}
+    assert {"environment.engine.server.speculative", "environment.engine.server.speculative_types",
+            "environment.engine.build.speculative", "environment.engine.server_args"} <= named, named
 
 
 def gemma_gguf() -> Path:

@@ -194,3 +194,76 @@ def test_a_refusal_names_what_was_refused_in_one_line(tokenizer):
         http.load(engine_config("http", dict(url=url)), "", "fp32", 1, "cpu").check(tokenizer)
     assert "\n" not in str(refused.value) and "HTTP 422" in refused.value.problem
     assert "transformers serve" in refused.value.fix
+
+
+# -- what the server's speculation did -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", [(6, 2), None])
+def test_a_speculating_servers_drafts_are_recorded_on_each_served_arm(tokenizer, tmp_path, draft):
+    """A server whose replies count drafted and accepted tokens (llama-server's `timings.draft_n`,
+    `draft_n_accepted`): each served arm records its request's counts, and the server's identity says it
+    speculates and with which types. The control, a server that does not speculate: no arm has a draft, and the
+    identity says it does not."""
+    run = tmp_path / "run"
+    with fake_server(tokenizer, draft=draft) as (url, _):
+        result = _matched(url, run, "--boundary-after", "4", "--concurrency", "1")
+        assert result.exit_code == 0, result.output
+    for record in _records(run):
+        for arm in record["arms"]:
+            if draft is None:
+                assert "draft" not in arm, arm["name"]
+            else:  # the fake drafts `draft` per 8 generated tokens: live's request generates 4 + 8, the others 8
+                n = 12 if arm["name"].startswith("live") else 8
+                assert arm["draft"] == {"drafted": draft[0] * n // 8, "accepted": draft[1] * n // 8}, arm["name"]
+    server = json.loads((run / "manifest.json").read_text())["environment"]["engine"]["server"]
+    assert server["speculative"] is (draft is not None)
+    assert server["speculative_types"] == ("none,ngram-simple" if draft else "none")
+
+
+def test_a_speculating_server_that_drafted_nothing_records_zero_and_one_that_does_not_speculate_none():
+    from stagereplay.serving.seam import Draft
+    from stagereplay.serving.server_identity import llama_server_draft
+
+    assert llama_server_draft({"cache_n": 0, "draft_n": 10, "draft_n_accepted": 3}, True) == Draft(10, 3)
+    assert llama_server_draft({"cache_n": 0}, True) == Draft(0, 0)  # llama-server leaves out a zero count
+    assert llama_server_draft({"cache_n": 0}, False) is None
+
+
+METRICS = """# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="toy"} 7.0
+vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="toy"} 1.79e+09
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="toy"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="toy",position="0"} 2.0
+vllm:cache_config_info{block_size="32",cache_dtype="fp8",enable_prefix_caching="True",num_gpu_blocks="10922"} 1.0
+process_start_time_seconds 1.79e+09
+"""
+
+
+def test_vllms_metrics_say_its_cache_configuration_and_its_speculation():
+    """vllm serve's /metrics: the cache configuration's labels that say how the cache is built (not the memory it
+    was given), and its speculation counters, whose change over a request sent alone is that request's drafts. The
+    control: a server without speculation counters is not called speculative, and reads zero."""
+    from stagereplay.serving.seam import Draft
+    from stagereplay.serving.server_identity import SpecCounters, metrics_identity
+
+    identity = metrics_identity(METRICS)
+    assert identity == {"speculative": True, "cache_config": {"cache_dtype": "fp8", "block_size": "32",
+                                                              "enable_prefix_caching": "True"}}
+
+    class Metrics:
+        def __init__(self, text):
+            self.body = text
+
+        def text(self, path):
+            return self.body
+
+    before = SpecCounters.read(Metrics(METRICS))
+    after = SpecCounters.read(Metrics(METRICS.replace("} 7.0", "} 19.0").replace("model_name=\"toy\"} 2.0",
+                                                                                  "model_name=\"toy\"} 5.0")))
+    assert (before.drafted, before.accepted) == (7.0, 2.0)  # per-position counters and `_created` not summed in
+    assert after.since(before) == Draft(12, 3)
+    plain = "\n".join(line for line in METRICS.splitlines() if "spec_decode" not in line)
+    assert "speculative" not in metrics_identity(plain)
+    assert SpecCounters.read(Metrics(plain)) == SpecCounters(0.0, 0.0)

@@ -254,3 +254,105 @@ def test_vllm_serve_audited_over_http_reuses_live_blocks_and_reproduces(tmp_path
     for arm in ("oneshot", "prefix-cache"):
         assert results[arm]["replica_exact"][arm] == {"k": N, "n": N}
     assert all(sum(counts.values()) == N for counts in results["live@load"]["load"].values())
+
+
+# -- the knobs that change how vLLM builds the cache ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--kv-cache-dtype", "int8"], "unknown --kv-cache-dtype 'int8'"),
+    (["--speculative-config", "ngram"], "--speculative-config 'ngram' is not a JSON object"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1"),
+])
+def test_a_cache_knob_out_of_range_is_refused_before_vllm_loads(tmp_path, extra, says):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["matched", "--engine", "vllm", "--n", "1", "--out", str(out), *extra])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert says in line and line.startswith("error: ") and not out.exists()
+
+
+def test_an_fp8_cache_the_cpu_build_cannot_run_on_this_model_is_refused_naming_the_option(tmp_path):
+    """The CPU build's fp8 K/V cache needs a head size divisible by 32; the toy's is 48, so vLLM raises at load: one
+    line names the option and says what vLLM said. (The control, `auto`, is every other run of this module.)"""
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["matched", "--engine", "vllm", "--n", "1", "--precision", "fp32", "--kv-cache-dtype",
+                                 "fp8", "--out", str(out), "--quiet"])
+    assert result.exit_code == 2, result.output
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error: ")]  # vLLM logs on stderr too
+    assert line.startswith("error: vLLM cannot run --kv-cache-dtype fp8 here (NotImplementedError: ")
+    assert "head_size divisible by 32" in line
+
+
+def _narrow_toy(folder: Path) -> Path:
+    """The toy's tokenizer on a random Qwen2 of head size 32 (2 layers, hidden 64, 2 heads): a model the CPU build's
+    fp8 cache takes."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from stagereplay.toy import toy_checkpoint
+
+    shutil.copytree(toy_checkpoint("primary"), folder)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    config = AutoConfig.from_pretrained(folder)
+    config.update({"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                   "intermediate_size": 128, "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2,
+                   "torch_dtype": "float32"})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_an_fp8_cache_runs_where_the_head_size_allows_and_is_recorded(tmp_path):
+    """On a model of head size 32 the CPU build runs every fp8 cache type it names; the runs record the type. Whether
+    it changed the tokens against the model's own dtype is reported by `compare`, not asserted (random weights)."""
+    model = _narrow_toy(tmp_path / "narrow")
+    common = ["matched", "--engine", "vllm", "--model", str(model), "--n", "2", "--precision", "fp32",
+              "--boundary-after", "8", "--max-stage1-tokens", "8", "--max-new-tokens", "8", "--quiet"]
+    for dtype in ("auto", "fp8", "fp8_e5m2"):
+        result = runner.invoke(app, [*common, "--kv-cache-dtype", dtype, "--out", str(tmp_path / dtype)])
+        assert result.exit_code == 0, result.output
+        engine = json.loads((tmp_path / dtype / "manifest.json").read_text())["environment"]["engine"]
+        assert engine["kv_cache_dtype"] == dtype
+    compared = runner.invoke(app, ["compare", str(tmp_path / "auto"), str(tmp_path / "fp8"), "--out",
+                                   str(tmp_path / "compare"), "--quiet"])
+    assert compared.exit_code == 0, compared.output
+    differ = json.loads((tmp_path / "compare" / "compare.json").read_text())["differences"]
+    assert "config.engine.kv_cache_dtype" in {d["field"] for d in differ["settings"]}
+
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+def test_a_small_step_budget_prefills_in_chunks_and_is_recorded(tmp_path):
+    """`max_num_batched_tokens` below the toy's prompts (vLLM then prefills them in chunks): the run completes with
+    exact replicas and records the budget."""
+    out = tmp_path / "chunked"
+    result = runner.invoke(app, ["matched", "--engine", "vllm", "--n", "2", "--precision", "fp32", "--max-new-tokens",
+                                 "16", "--max-num-batched-tokens", "16", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "manifest.json").read_text())["environment"]["engine"]["max_num_batched_tokens"] == 16
+    for p in _records(out):
+        pairs = {(c["a"], c["b"]): c for c in p["comparisons"]}
+        assert pairs[("oneshot", "oneshot#replica")]["suffix_equal"]
+
+
+# The ngram test comes last: in vLLM 0.32.0's CPU build, an LLM made in a process where a speculating one was made
+# fails in its Triton kernel overrides (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'); the CLI
+# makes one LLM per process.
+def test_ngram_speculation_records_each_requests_drafts(fp32_run, tmp_path):
+    """vLLM's n-gram speculation (`speculative_config`) on the CPU build: each arm records what its request drafted
+    and accepted (the engine's counters, read around it), live's more than nothing. The control, the run without
+    speculation: no arm has a draft."""
+    out = tmp_path / "spec"
+    result = runner.invoke(app, ["matched", "--engine", "vllm", "--n", "2", "--precision", "fp32", "--max-new-tokens",
+                                 "16", "--speculative-config", NGRAM, "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    arms = [a for p in _records(out) for a in p["arms"]]
+    assert all(0 <= a["draft"]["accepted"] <= a["draft"]["drafted"] for a in arms)
+    assert sum(a["draft"]["drafted"] for a in arms if a["name"] == "live") > 0
+    assert json.loads((out / "manifest.json").read_text())["environment"]["engine"]["speculative_config"] == NGRAM
+    assert not [a for p in _records(fp32_run) for a in p["arms"] if "draft" in a]

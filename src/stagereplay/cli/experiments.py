@@ -26,9 +26,11 @@ from stagereplay.cli.options import (
     FlashAttn,
     Items,
     Kernels,
+    KvCacheDtype,
     LaterModel,
     Marker,
     MaxNew,
+    MaxNumBatchedTokens,
     MaxStage1,
     Model,
     MovedLater,
@@ -51,7 +53,9 @@ from stagereplay.cli.options import (
     Scorer,
     Seed,
     Select,
+    ServerArgs,
     SlotRestore,
+    SpeculativeConfig,
     Sweep,
     Temperature,
     Threads,
@@ -114,6 +118,10 @@ def matched(
     concurrency: Concurrency = None,
     timeout: Timeout = None,
     retries: Retries = None,
+    server_args: ServerArgs = None,
+    kv_cache_dtype: KvCacheDtype = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    speculative_config: SpeculativeConfig = None,
     static_len: Annotated[int | None, typer.Option("--static-len", help=(
         "with --cache static: positions each cache is allocated, where more than an item needs (the padded keys "
         "change the attention's blocking: a setting to compare)"))] = None,
@@ -138,7 +146,9 @@ def matched(
         serving = serving_arms(engine, cross, given(
             block_size=block_size, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
             repack=repack, url=url, api=api, api_key_env=api_key_env, slot_restore=slot_restore,
-            concurrency=concurrency, timeout=timeout, retries=retries))
+            concurrency=concurrency, timeout=timeout, retries=retries, server_args=server_args,
+            kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=max_num_batched_tokens,
+            speculative_config=speculative_config))
         inputs = Inputs(model=model, data=data, n=n, columns=columns,
                         boundary=boundary_from_options(boundary_marker, boundary_regex, boundary_after), scorer=scorer,
                         decode=decode_config(max_new_tokens, max_stage1_tokens, sample, temperature, top_k, seed, top_p),

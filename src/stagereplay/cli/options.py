@@ -105,6 +105,16 @@ Concurrency = Annotated[int | None, typer.Option("--concurrency", help=(
     "http: other items' requests in flight around the under-load arms (default 0: none)"))]
 Timeout = Annotated[float | None, typer.Option("--timeout", help="http: seconds per request (default 600)")]
 Retries = Annotated[int | None, typer.Option("--retries", help="http: retries of an unanswered request (default 2)")]
+ServerArgs = Annotated[str | None, typer.Option("--server-args", help=(
+    "http: the flags the server was started with (recorded verbatim; no --api-key): what it does not report of how it "
+    "builds the cache, e.g. '-ctk q8_0 -ctv q8_0 -fa on -ub 16'"))]
+KvCacheDtype = Annotated[str | None, typer.Option("--kv-cache-dtype", help=(
+    "vllm: the K/V cache's type, auto | fp8 | fp8_e4m3 | fp8_e5m2 (default auto)"))]
+MaxNumBatchedTokens = Annotated[int | None, typer.Option("--max-num-batched-tokens", help=(
+    "vllm: tokens per engine step; a longer prompt is prefilled in chunks (default: vLLM's)"))]
+SpeculativeConfig = Annotated[str | None, typer.Option("--speculative-config", help=(
+    "vllm: speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+    "\"prompt_lookup_max\": 4}' (default: none)"))]
 
 
 def given(**options: Any) -> dict[str, Any]:

@@ -69,6 +69,15 @@ class Load(PayloadModel):
     prefix_equal: bool | None = optional("live@load only: whether its stage 1 is live's")
 
 
+class Drafted(PayloadModel):
+    """What a serving engine's speculative decoding did in an arm's request, as the engine counted it
+    (llama-server's `timings.draft_n` and `draft_n_accepted`; vLLM's speculation counters over the request)."""
+
+    drafted: int = Field(description="tokens the drafter proposed over the whole request (a live request's stage 1 "
+                                     "included)")
+    accepted: int = Field(description="tokens of those the model accepted")
+
+
 class GeneratedBy(PayloadModel):
     """How transformers' generate() built a live arm (`engine.generated`)."""
 
@@ -114,6 +123,8 @@ class Arm(_Continued):
     slot: SlotRestore | None = optional("slot-restore arms: the slot saved and restored")
     load: Load | None = optional("under-load arms: the traffic the request met")
     restored_positions: int | None = optional("restore arms (llama.cpp): positions the restored state holds")
+    draft: Drafted | None = optional("serving run: what the engine's speculative decoding drafted and accepted in "
+                                     "the arm's request (absent: it did not speculate, or does not say)")
     generated: GeneratedBy | None = optional("a live arm built by transformers' generate() with an option (a "
                                              "speculation method, a quantized cache): which, and what each step added")
     live_prefix_equal: bool | None = optional("a serving 2x2's prefix-cache arm: whether live at this precision "
@@ -377,7 +388,7 @@ MODELS: tuple[type[PayloadModel], ...] = (
     MatchedPayload, NoBoundaryPayload, GridPayload, BridgePayload, TransplantPayload, PrefixNotReproducedPayload,
     ResamplePayload, Arm, Draw, Comparison, Diagnostics, PairDiagnostics, Divergence, DivergenceSide, CacheDiff,
     LayerDiff, BandDiff, DiffStats, Outcome, SweepRow, BitDifference, LayerFingerprints, LiveRequest, SlotRestore,
-    Load)
+    Load, Drafted)
 """Every model of a payload, in the order docs/ledger-schema.md shows them."""
 
 

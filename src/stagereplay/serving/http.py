@@ -26,24 +26,28 @@ Before the first item `check` refuses, in one line with the fix, a server that d
 tokens differently from the IDs sent (it does not take IDs verbatim), tokenizes probe strings differently from the
 run's tokenizer, is not greedy at temperature 0 (two replicas of a probe differ), or returns no top-k logprobs.
 
+What the server says it is, and the settings it reports that change how it builds the cache (whether it speculates,
+its speculative types, the model's type and size), are its identity (`serving.server_identity`); what it does not
+report (its K/V cache types, batch sizes, repacking, a draft model) the user declares with `--server-args`, the
+flags it was started with, recorded verbatim. Each request's speculation (llama-server's `timings.draft_n` and
+`draft_n_accepted`; a speculating vLLM's counters read around a request sent alone) is `Generation.draft`.
+
 The API key is read from the environment variable `--api-key-env` names (OPENAI_API_KEY by default) at each
 request and sent as a bearer token; it is never kept in the engine's settings, the run directory or an error.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import shlex
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from http import client
 from typing import Any, ClassVar
-from urllib import parse
 
 from stagereplay.errors import StageReplayError
+from stagereplay.serving.client import Client, public_url
 from stagereplay.serving.seam import (
     TOP_LOGPROBS,
     ChecksFirst,
@@ -55,6 +59,16 @@ from stagereplay.serving.seam import (
     RestoresSlot,
     ServesUnderLoad,
 )
+from stagereplay.serving.server_identity import (
+    LLAMA_SERVER,
+    SpecCounters,
+    build_of,
+    identify,
+    llama_server_draft,
+    slots_identity,
+)
+
+__all__ = ["Client", "HttpEngine", "HttpKind", "HttpOptions", "build_of", "identify", "public_url"]
 
 SLOT_FILE = "stagereplay-slot.bin"
 """The file a slot is saved to, in the server's --slot-save-path: one, overwritten by each item (a long trace's K/V
@@ -62,6 +76,8 @@ can take hundreds of MB)."""
 TRAFFIC_TOKENS = 16
 """Tokens each request of the traffic around an under-load arm asks for (`HttpEngine.generate_loaded`): short, so
 the batch changes many times within one measured request, and what is in flight when it returns soon finishes."""
+SECRET_FLAGS = ("--api-key", "--api-key-file", "--hf-token", "-hft", "--ssl-key-file")
+"""Server flags whose value is a secret (or names one): refused in `--server-args`, which is recorded."""
 PROBES = ("Hello world", " 12+7=19.", "The answer is 42\n", "naïve café", "</think>\n\nSo")
 """Strings the server's tokenizer must split as the run's does (a merged `</think>\n`, spaces, non-ASCII)."""
 
@@ -81,6 +97,10 @@ class HttpOptions(EngineOptions):
         "help": "the slot-restore arms: live's slot saved and restored into another (llama-server --slot-save-path)"})
     concurrency: int = field(default=0, metadata={
         "help": "other requests in flight around each under-load replica (0: no under-load arms)"})
+    server_args: str = field(default="", metadata={
+        "help": "the flags the server was started with, as the user declares them (recorded verbatim): what it does "
+                "not report of how it builds the cache (-ctk/-ctv, -fa, -b/-ub, --no-repack, -md, "
+                "--kv-cache-dtype ...)"})
 
     def check(self) -> None:
         if self.api not in ("auto", "llama-server", "openai"):
@@ -88,88 +108,21 @@ class HttpOptions(EngineOptions):
         if self.timeout <= 0 or self.retries < 0 or self.concurrency < 0:
             raise StageReplayError("--timeout must be positive, --retries and --concurrency at least 0",
                                    "pass e.g. --timeout 600 --retries 2 --concurrency 4")
+        flags = [w.split("=")[0] for w in self.server_args.split()]
+        secret = next((f for f in flags if f in SECRET_FLAGS or f.startswith("--api-key")), None)
+        if secret is not None:
+            raise StageReplayError(f"--server-args holds {secret}: a secret is never recorded, and --server-args is "
+                                   "recorded verbatim",
+                                   "declare the server's flags without it (the key reaches the server from "
+                                   "$OPENAI_API_KEY, or the variable --api-key-env names)")
+        try:
+            shlex.split(self.server_args)
+        except ValueError as e:
+            raise StageReplayError(f"--server-args is not a command line's flags ({e})",
+                                   "quote it as the shell would: --server-args '-ctk q8_0 -ctv q8_0 -fa on'") from e
 
     def client(self) -> Client:
         return Client(self.url, self.api_key_env, self.timeout, self.retries)
-
-
-def public_url(url: str) -> str:
-    """`url` without credentials (a `user:password@` part is never recorded)."""
-    parts = parse.urlsplit(url)
-    host = parts.hostname or ""
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    return parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-
-
-class Client:
-    """JSON over HTTP to one server, with bounded timeouts and retries; errors name the URL, never the key."""
-
-    def __init__(self, url: str, key_env: str, timeout: float, retries: int):
-        if not url:
-            raise StageReplayError("--engine http needs the server's address", "pass --url http://HOST:PORT")
-        if parse.urlsplit(url).scheme not in ("http", "https"):
-            raise StageReplayError(f"--url {public_url(url)!r} is not an http(s) address",
-                                   "pass --url http://HOST:PORT")
-        self.url, self.key_env, self.timeout, self.retries = public_url(url), key_env, timeout, retries
-
-    def call(self, path: str, body: dict[str, Any] | None = None, quiet_status: tuple[int, ...] = ()) -> Any:
-        """GET (no body) or POST `body` to `path`; the JSON reply. None for a status in `quiet_status` (an
-        endpoint the server does not have)."""
-        text = self.text(path, body, quiet_status)
-        if text is None:
-            return None
-        try:
-            return json.loads(text or "{}")
-        except json.JSONDecodeError as e:
-            raise StageReplayError(f"the server at {self.url} answered {path} with no JSON: {text[:120]!r}",
-                                   "check --url: it must name the server itself, not a page in front of it") from e
-
-    def refused(self, path: str, status: int, reply: str) -> StageReplayError:
-        """The one line for a request the server answered with a 4xx: what it refused, and whether that is the key
-        or a request it cannot serve (and then which servers can)."""
-        if status in (401, 403):
-            return StageReplayError(f"the server at {self.url} refused {path} ({reply}): its API key is missing or "
-                                    "wrong", f"set ${self.key_env} to the server's key (--api-key-env names another "
-                                    "variable)")
-        return StageReplayError(
-            f"the server at {self.url} refused our request to {path} ({reply}): it cannot be audited, since an audit "
-            "sends token-ID prompts and reads the top-k logprobs of every step",
-            "audit a server that takes both: llama-server (/completion) or vllm serve (/v1/completions); "
-            "transformers serve and llama-cpp-python's server take no token-ID prompts (docs/how-to/server.md)")
-
-    def text(self, path: str, body: dict[str, Any] | None = None, quiet_status: tuple[int, ...] = (404, 405, 501)
-             ) -> str | None:
-        """The reply's text; None for a status in `quiet_status`. Connection errors and 5xx are retried `retries`
-        times."""
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.key_env, "")
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        parts = parse.urlsplit(self.url)
-        connection = client.HTTPSConnection if parts.scheme == "https" else client.HTTPConnection
-        last = ""
-        for attempt in range(self.retries + 1):
-            conn = connection(parts.hostname or "", parts.port, timeout=self.timeout)
-            try:
-                conn.request("GET" if data is None else "POST", parts.path + path, body=data, headers=headers)
-                reply = conn.getresponse()
-                text = reply.read().decode(errors="replace")
-                if reply.status < 400:
-                    return text
-                if reply.status in quiet_status:
-                    return None
-                last = f"HTTP {reply.status} {(text.replace(key, '***') if key else text)[:200].strip()}"
-                if reply.status < 500:  # the server answered, and refused: asking again changes nothing
-                    raise self.refused(path, reply.status, last)
-            except (OSError, client.HTTPException) as e:
-                last = str(e) or type(e).__name__
-            finally:
-                conn.close()
-            if attempt < self.retries:
-                time.sleep(min(0.5 * 2**attempt, 5.0))
-        raise StageReplayError(f"the server at {self.url} did not answer {path}: {last}",
-                               "start the server (or fix --url); --timeout and --retries bound the wait")
 
 
 def _top_native(step: dict[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -207,6 +160,10 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
         self.checked: dict[str, Any] = {}
         self.resumed: dict[str, Any] | None = None  # set by `note_resume` when a run resumes on this server
         self._salt = ""  # the cache salt of the last request that bypassed the cache (openai dialect)
+        # A speculating vLLM says what a request drafted only through its server-wide counters, read around a request
+        # sent alone (not under load, where other requests' drafts count too).
+        self._counts_drafts = bool(identity.get("speculative")) and identity.get("server") not in LLAMA_SERVER
+        self._alone = True
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -224,16 +181,20 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
             steps = reply.get("completion_probabilities") or []
             ids_out = tuple(int(t) for t in reply.get("tokens") or [s["id"] for s in steps])
             finish = "stop" if reply.get("stop_type") in ("eos", "word") else "length"
-            cache_n = (reply.get("timings") or {}).get("cache_n")
+            timings = reply.get("timings") or {}
+            cache_n = timings.get("cache_n")
             cached = None if cache_n is None else int(cache_n)
             prompt = int(reply.get("tokens_evaluated", -1))
-            return Generation(ids_out, tuple(_top_native(s) for s in steps), cached, finish), prompt
+            draft = llama_server_draft(timings, bool(self.identity.get("speculative")))
+            return Generation(ids_out, tuple(_top_native(s) for s in steps), cached, finish, draft), prompt
         body: dict[str, Any] = {
             "model": self.identity.get("model"), "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
             "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "seed": self.config.seed,
             "cache_prompt": reuse}
         if salt:
             body["cache_salt"] = salt
+        counters = self._counts_drafts and self._alone
+        before = SpecCounters.read(self.client) if counters else None
         reply = self.client.call("/v1/completions", body)
         assert reply is not None
         choice = (reply.get("choices") or [{}])[0]
@@ -242,7 +203,12 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
         details = usage.get("prompt_tokens_details")  # null where the server does not count cached tokens
         cached = None if not isinstance(details, dict) else int(details.get("cached_tokens") or 0)
         finish = "stop" if choice.get("finish_reason") == "stop" else "length"
-        return Generation(tuple(tokens), tuple(top), cached, finish), int(usage.get("prompt_tokens", -1))
+        timings = reply.get("timings")  # llama-server's own field beside the OpenAI ones; vLLM has none
+        draft = None if not isinstance(timings, dict) else llama_server_draft(
+            timings, bool(self.identity.get("speculative")))
+        if before is not None:  # vLLM's counters, read around a request sent alone: its own speculation
+            draft = SpecCounters.read(self.client).since(before)
+        return Generation(tuple(tokens), tuple(top), cached, finish, draft), int(usage.get("prompt_tokens", -1))
 
     def generate(self, ids: Sequence[int], max_tokens: int, reuse: bool = False) -> Generation:
         return self.counted(ids, max_tokens, reuse)[0]
@@ -307,6 +273,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
                         in_flight[0] -= 1
                         finished[0] += 1
 
+        self._alone = False
         threads = [threading.Thread(target=traffic, args=(others[i % len(others)],), daemon=True) for i in range(k)]
         for t in threads:
             t.start()
@@ -323,6 +290,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
             stop.set()
             for t in threads:
                 t.join()
+            self._alone = True
         if failures:
             raise failures[0]
         return g, {"concurrency": k, "in_flight_at_send": seen, "returned_meanwhile": done}
@@ -370,6 +338,8 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
                 "serve without a sampler override (no --samplers forcing sampling) and audit again")
         reused, _ = self.counted(probe, 8, reuse=True)
         bypassed, _ = self.counted(probe, 8, reuse=False)
+        if self.identity.get("server") in LLAMA_SERVER:  # its slots now say the speculative types requests run with
+            self.identity.update(slots_identity(self.client))
         if self.options.slot_restore:
             self._check_slot_restore()
         differs = self._tokenizer_differs(tokenizer)
@@ -441,36 +411,6 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
             if theirs != ours:
                 return text, theirs, ours
         return None
-
-
-def identify(client: Client, api: str) -> tuple[str, dict[str, Any]]:
-    """Which dialect the server speaks (`api` unless auto) and what it says it is: build, model, slots."""
-    props = client.call("/props", quiet_status=(404, 405, 501)) if api in ("auto", "llama-server") else None
-    if props is not None and "default_generation_settings" in props:
-        settings = props.get("default_generation_settings") or {}
-        identity = {"server": "llama-server", "build": props.get("build_info"), "model": props.get("model_alias"),
-                    "model_path": props.get("model_path"), "total_slots": props.get("total_slots"),
-                    "n_ctx": settings.get("n_ctx")}
-        return ("llama-server" if api == "auto" else api), identity
-    if api == "llama-server":
-        raise StageReplayError(f"the server at {client.url} has no llama-server /props", "pass --api openai")
-    models = client.call("/v1/models") or {}
-    data = models.get("data") or []
-    if not data:
-        raise StageReplayError(f"the server at {client.url} lists no model at /v1/models",
-                               "start it with a model, or check --url")
-    first = data[0]
-    version = client.call("/version", quiet_status=(404, 405)) or {}
-    identity = {"server": first.get("owned_by"), "build": version.get("version"), "model": first.get("id"),
-                "root": first.get("root"), "max_model_len": first.get("max_model_len")}
-    return "openai", identity
-
-
-def build_of(identity: dict[str, Any]) -> dict[str, Any]:
-    """What fixes a server's numbers, as far as it says: its software and build, and the model it serves. The
-    audit compares it as it compares our kernels: another build or model is "not reproduced here"."""
-    return {k: identity.get(k) for k in ("server", "build", "model", "model_path", "root")
-            if identity.get(k) is not None}
 
 
 def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> HttpEngine:

@@ -22,7 +22,8 @@ Per item, in one engine and this order (the prefix cache is emptied where an arm
     hf-oneshot#replica
 
 Each served arm records `took_place`: whether the engine's own counts say its state was built as its name says
-(`serving.evidence`); the report counts the items where it was not apart.
+(`serving.evidence`); the report counts the items where it was not apart. Where the engine speculated and says so (llama-server's `timings`, vLLM's counters), a served arm records its
+request's `draft`: tokens drafted and accepted over the whole request.
 
 The suffixes are comparable across engines: a request whose prompt is P yields the tokens after P, and our
 convention (feed P[T-1] as the first decode step over the cache of P[0:T-1]) yields the tokens after P too.
@@ -226,6 +227,8 @@ def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation,
     arm = arm_of(lm, name, construction, engine, g.tokens[start : start + max_new], g.top[start : start + max_new],
                  stage1, item, scorer)
     arm["num_cached_tokens"] = g.cached  # None: the engine does not say
+    if g.draft is not None:  # the request's speculation, over all it generated (a live request's stage 1 too)
+        arm["draft"] = {"drafted": g.draft.drafted, "accepted": g.draft.accepted}
     if construction == "prefix-cache" and g.cached is not None:
         arm["cached_from_decode"] = max(0, g.cached - prompt_len)  # cached positions past the prompt: decode's
     return arm

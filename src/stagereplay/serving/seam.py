@@ -7,6 +7,7 @@ out. What every engine does is `ServingEngine`:
     generate(ids, max_tokens, reuse=True)    the same request, reusing whatever the prefix cache holds
     Generation.top                           the top-k (token id, logprob) of every step, best first
     Generation.cached                        the prompt positions taken from a cache (None: the engine does not say)
+    Generation.draft                         tokens drafted and accepted where the engine speculated (None: it did not)
     version() / settings() / close()         what fixes its numbers, for the manifest and the environment
 
 What only some engines do is a capability, a mixin its class declares, and each capability contributes its arms:
@@ -47,6 +48,20 @@ class Generation:
     """Prompt tokens whose K/V the engine took from its prefix cache instead of computing them (None: the engine
     does not say)."""
     finish: str  # the engine's own reason: "stop" (an EOS or stop token) | "length"
+    draft: Draft | None = None
+    """What speculative decoding did in this request, where the engine speculated and says so (None: it did not
+    speculate, or does not say)."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A request's speculation, as the engine counts it over the whole request (all the tokens it generated, a
+    live request's stage 1 included): tokens its drafter proposed and tokens of those the model accepted. Each
+    verification forward writes the K/V of the proposed tokens and crops the rejected ones: another construction
+    of the state than one token per step."""
+
+    drafted: int
+    accepted: int
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,36 @@ that fix its numbers on a CPU are environment variables read when vLLM is import
 
 The prefix cache reuses whole blocks of `block_size` tokens, those filled while decoding included; the CPU
 default of 128 exceeds the toy's prefixes, so nothing would be reused, hence 32.
+
+The options that change how vLLM builds the cache are passed as vLLM takes them, and a load vLLM refuses with one of
+them set ends in one line naming it (`refused`): `kv_cache_dtype` (fp8 e4m3 or e5m2; the CPU build of 0.32 takes
+them only where the head size is a multiple of 32), `max_num_batched_tokens` (a prompt past it is prefilled in
+chunks) and `speculative_config` (vLLM's JSON; the CPU build runs `ngram` and `draft_model`). A speculating engine's
+request records what it drafted and accepted: the engine's counters (`LLM.get_metrics`, stats on) before and after
+it, one request at a time.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from stagereplay.errors import StageReplayError
-from stagereplay.serving.seam import TOP_LOGPROBS, EngineConfig, EngineKind, EngineOptions, Generation
+from stagereplay.serving.seam import TOP_LOGPROBS, Draft, EngineConfig, EngineKind, EngineOptions, Generation
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""The K/V cache types vLLM takes (`kv_cache_dtype`): auto is the model's dtype; fp8 is e4m3."""
+KNOB_WORDS = {"kv_cache_dtype": ("kv cache", "kv_cache", "fp8", "cache_dtype"),
+              "max_num_batched_tokens": ("batched_tokens", "max_num_batched"),
+              "speculative_config": ("specul", "draft", "ngram", "eagle", "suffix", "mtp")}
+"""What a vLLM error says when it is about each cache option (`refused` names the option)."""
+SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+"""vLLM's counters of speculated tokens (drafted, accepted), which `LLM.get_metrics` reads with stats on."""
 ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE",
        "VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES")
 
@@ -39,10 +55,51 @@ class VllmOptions(EngineOptions):
     kv_cache_gib: int = field(default=1, metadata={"help": "CPU K/V cache space in GiB (VLLM_CPU_KVCACHE_SPACE)"})
     gpu_memory_utilization: float = field(default=0.5, metadata={
         "help": "GPU share for weights and cache (leaves room for the transformers model of --cross hf)"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "the K/V cache's type: auto (the model's) | fp8 | fp8_e4m3 | fp8_e5m2"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={
+        "help": "tokens one engine step may process: a prompt past it is prefilled in chunks (None: vLLM's default)"})
+    speculative_config: str = field(default="", metadata={
+        "help": "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                "\"prompt_lookup_max\": 4} or a draft model (\"method\": \"draft_model\", \"model\": PATH); empty: none"})
 
     def check(self) -> None:
         if self.block_size < 1:
             raise StageReplayError(f"--block-size must be at least 1, got {self.block_size}", "pass e.g. 32")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise StageReplayError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}",
+                                   f"use one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise StageReplayError(f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}",
+                                   "pass e.g. 2048, or leave it to vLLM")
+        self.speculative()
+
+    def speculative(self) -> dict[str, Any] | None:
+        """`speculative_config` as the dict vLLM takes (None: no speculation); refused in one line where it is no
+        JSON object."""
+        if not self.speculative_config:
+            return None
+        try:
+            config = json.loads(self.speculative_config)
+        except json.JSONDecodeError as e:
+            config = e
+        if not isinstance(config, dict):
+            raise StageReplayError(f"--speculative-config {self.speculative_config!r} is not a JSON object",
+                                   "pass e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                                   "\"prompt_lookup_max\": 4}'")
+        return config
+
+    def knobs(self) -> dict[str, Any]:
+        """The options that change how vLLM builds the cache, as its `LLM` takes them, where they differ from its
+        defaults."""
+        knobs: dict[str, Any] = {}
+        if self.kv_cache_dtype != "auto":
+            knobs["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.max_num_batched_tokens is not None:
+            knobs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.speculative_config:
+            knobs["speculative_config"] = self.speculative()
+        return knobs
 
 
 def require() -> None:
@@ -75,7 +132,9 @@ class VLLMEngine:
             raise RuntimeError("vLLM refused to reset its prefix cache (a request still holds blocks)")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP_LOGPROBS, detokenize=False,
                                 seed=self.config.seed)
+        before = self.spec_counters()
         (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
+        after = self.spec_counters()
         (choice,) = out.outputs
         top = []
         for step in choice.logprobs or []:  # one {token id: Logprob} per generated token, the pick included
@@ -83,8 +142,17 @@ class VLLMEngine:
             # common exactly at near-ties), so the pick comes first, as in our engine's record.
             ranked = sorted(step.items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:TOP_LOGPROBS]
             top.append(tuple((int(t), float(lp.logprob)) for t, lp in ranked))
+        draft = None if before is None or after is None else Draft(after[0] - before[0], after[1] - before[1])
         return Generation(tuple(int(t) for t in choice.token_ids), tuple(top), int(out.num_cached_tokens or 0),
-                          str(choice.finish_reason))
+                          str(choice.finish_reason), draft)
+
+    def spec_counters(self) -> tuple[int, int] | None:
+        """The engine's speculation counters (drafted, accepted) since it loaded; None where it does not speculate.
+        One request at a time in one engine, so their change over a request is that request's."""
+        if not self.options.speculative_config:
+            return None
+        values = {m.name: int(getattr(m, "value", 0)) for m in self.llm.get_metrics() if m.name in SPEC_COUNTERS}
+        return values.get(SPEC_COUNTERS[0], 0), values.get(SPEC_COUNTERS[1], 0)
 
     def version(self) -> str:
         import vllm
@@ -115,10 +183,31 @@ def load(config: EngineConfig, model_path: str, precision: str, threads: int, de
     kwargs: dict[str, Any] = {}
     if device.startswith("cuda"):
         kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
-    llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=DTYPES[precision], block_size=options.block_size,
-                   enforce_eager=options.enforce_eager, enable_prefix_caching=True, seed=config.seed,
-                   max_num_seqs=1, **kwargs)
+    knobs = options.knobs()
+    if options.speculative_config:
+        kwargs["disable_log_stats"] = False  # the speculation counters each request's draft is read from
+    try:
+        llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=DTYPES[precision], block_size=options.block_size,
+                       enforce_eager=options.enforce_eager, enable_prefix_caching=True, seed=config.seed,
+                       max_num_seqs=1, **knobs, **kwargs)
+    except Exception as e:  # vLLM raises what its backend cannot take as any of several types
+        if not knobs:
+            raise
+        raise refused(knobs, e) from e
     return VLLMEngine(llm, config, precision, {k: os.environ.get(k) for k in ENV})
+
+
+def refused(knobs: dict[str, Any], error: Exception) -> StageReplayError:
+    """The one line for a load vLLM refused with a cache option set: the option its message speaks of (else every
+    one set), and vLLM's own first line."""
+    said = (str(error).strip().splitlines() or [""])[0][:300]
+    words = said.lower().replace("-", "_")
+    named = [k for k in knobs if any(w in words for w in KNOB_WORDS[k])] or list(knobs)
+    flags = ", ".join(f"--{k.replace('_', '-')} {json.dumps(knobs[k]) if isinstance(knobs[k], dict) else knobs[k]}"
+                      for k in named)
+    return StageReplayError(f"vLLM cannot run {flags} here ({type(error).__name__}: {said})",
+                            "drop the option, or run where vLLM's backend takes it (docs/engines.md says what the CPU "
+                            "build runs)")
 
 
 class VllmKind(EngineKind):
