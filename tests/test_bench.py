@@ -94,7 +94,8 @@ def test_last_line_rejects_a_crash() -> None:
     assert not any(re.match(pattern, last_line(crash)) for _, pattern in TINY.values())
 
 
-SLOW = ("paper.py", "constructions.py", "gpu_check.sh", "plan.py", "matched_floor.py")
+SLOW = ("paper.py", "constructions.py", "long_trace.py", "long_trace.py --cache static", "gpu_check.sh", "plan.py",
+        "matched_floor.py")
 """Scripts whose smoke run is a whole protocol run (or several): the slow tier, which CI also runs."""
 SERVER = ("server.py",)
 """Scripts whose smoke run starts llama-server: the server tier (tests/test_server.py says how to run it)."""

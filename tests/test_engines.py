@@ -50,7 +50,7 @@ def test_cross_without_a_serving_engine_is_refused(tmp_path):
 @pytest.mark.parametrize(("args", "says"), [
     (["--engine", "http", "--url", "http://127.0.0.1:9", "--n-ctx", "64"],
      "error: --n-ctx is not an option of --engine http; --engine http takes --api, --api-key-env, --concurrency, "
-     "--retries, --slot-restore, --timeout, --url"),
+     "--retries, --server-args, --slot-restore, --timeout, --url"),
     (["--engine", "llama.cpp", "--url", "http://127.0.0.1:9"], "error: --url is not an option of --engine llama.cpp"),
     (["--engine", "vllm", "--repack"], "error: --repack is not an option of --engine vllm"),
     (["--concurrency", "4"], "error: --concurrency is an option of a serving engine, and --engine hf is ours"),

@@ -114,6 +114,7 @@ def test_a_missing_math_verify_is_one_clear_error(monkeypatch):
         scorer_by_name("math")
 
 
+@pytest.mark.slow  # a whole run or several: the slow tier (CI runs it)
 def test_a_math_run_records_the_scorer_version_and_labels_the_toy_as_last_number_does(tmp_path):
     """The toy ends in `Answer: N`: `--scorer math` labels each arm as `last-number` does; the manifest names
     math-verify's version, and a run with the default scorer (the negative control) names none."""

@@ -49,6 +49,7 @@ def _read_back(experiment: str, payload: dict[str, Any]) -> payloads.PayloadMode
     return model
 
 
+@pytest.mark.slow  # a whole run or several: the slow tier (CI runs it)
 def test_every_payload_of_a_toy_run_is_its_model_and_writes_back_the_same_bytes(toy_run):
     seen: Counter[tuple[str, str]] = Counter()
     carried = sweeps = 0

@@ -343,6 +343,7 @@ def test_calibrate_measures_positive_rates(tiny_dir):
     assert set(both.steps) == {"bf16", "fp32"} and min(both.steps.values()) > 0 and "static cache" in both.source
 
 
+@pytest.mark.slow  # a whole run or several: the slow tier (CI runs it)
 def test_calibrating_together_times_as_many_fresh_processes(tiny_dir):
     """Workers share the CPU and each steps slower than one alone: `together` measures in that many processes."""
     import os

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -91,6 +92,7 @@ def test_merge_keeps_each_shards_environment_and_reports_the_difference(tmp_path
     assert runner.invoke(app, ["audit", str(tmp_path / "m"), "--verify-only"]).exit_code == 0
 
 
+@pytest.mark.slow  # a whole run or several: the slow tier (CI runs it)
 def test_two_local_workers_write_the_same_ledger_as_one(tmp_path, tiny_dir, items_file):
     from stagereplay.engine import proof
 

@@ -146,6 +146,7 @@ def test_bad_files_are_one_line_errors(tmp_path):
     assert read_rows(lines)[0] == read_rows(write_all_formats(MATH_ROWS, tmp_path)["jsonl"])[0]
 
 
+@pytest.mark.slow  # a whole run or several: the slow tier (CI runs it)
 def test_toy_items_as_parquet_and_save_to_disk_run_as_the_jsonl_does(tmp_path):
     """The same records (less the environment) and the same dataset hash from the toy's items as JSONL, Parquet
     and a save_to_disk folder; `audit --verify-only` checks the Parquet run's dataset, and sees it changed."""

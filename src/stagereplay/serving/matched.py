@@ -234,15 +234,154 @@ def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation,
     return arm
 
 
+@dataclass
+class _ItemArms:
+    """One item's arms as they are served: live's first request fixes stage 1 and the prefix; each method adds the
+    arms of one capability of the engine (`arms`) and the constructions live is compared with (`fresh`)."""
+
+    lm: LM
+    engine: ServingEngine
+    job: Job[ServingMatchedParams]
+    first: Live
+    stage1: list[int]
+    arms: list[dict[str, Any]]
+    fresh: list[str]
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self.job.item.prompt_ids)
+
+    @property
+    def prefix(self) -> list[int]:
+        return [*self.prompt, *self.stage1]
+
+    @property
+    def max_new(self) -> int:
+        return self.job.settings.decode.max_new_tokens
+
+    def served(self, name: str, construction: str, g: Generation, start: int = 0, live: Live | None = None) -> None:
+        s = self.job.settings
+        self.arms.append(served_arm(self.lm, self.engine.name, name, construction, g, start, self.max_new,
+                                    self.stage1, self.job.item, s.scorer, len(self.prompt)))
+        if live is not None:
+            self.arms[-1]["request"] = live.request
+            if live.state is not None:  # the boundary state's cache, as saved
+                self.arms[-1]["cache_fp"] = live.state.fingerprint
+
+    def quiet(self, replica: Callable[[], Live]) -> tuple[Live, bool]:
+        """live, prefix-cache (right after live: the blocks live filled) and oneshot, each with its replica (live's
+        asked again by `replica`); live's replica, and whether its stage 1 is live's."""
+        engine, prefix, max_new = self.engine, self.prefix, self.max_new
+        self.served("live", "live", self.first.generation, len(self.stage1), self.first)
+        self.served("prefix-cache", "prefix-cache", engine.generate(prefix, max_new, reuse=True))
+        again = replica()
+        replica_prefix_equal = again.end is not None and list(again.generation.tokens[: again.end + 1]) == self.stage1
+        if again.end is not None:
+            self.served("live#replica", "live", again.generation, again.end + 1, again)
+            self.served("prefix-cache#replica", "prefix-cache",
+                        engine.generate([*self.prompt, *again.generation.tokens[: again.end + 1]], max_new,
+                                        reuse=True))
+        for name in ("oneshot", "oneshot#replica"):
+            self.served(name, "oneshot", engine.generate(prefix, max_new, reuse=False))
+        return again, replica_prefix_equal
+
+    def restored(self, again: Live, replica_prefix_equal: bool) -> None:
+        """An engine that saves states: its saved boundary states restored and continued (`serving.restore`)."""
+        from stagereplay.serving.restore import restore_arms
+
+        engine = self.engine
+        if not isinstance(engine, SavesState):
+            return
+        s = self.job.settings
+
+        def arm(name: str, g: Generation, cache_fp: str) -> dict[str, Any]:
+            return arm_of(self.lm, name, name.split("#")[0], engine.name, g.tokens[: self.max_new],
+                          g.top[: self.max_new], self.stage1, self.job.item, s.scorer, cache_fp)
+
+        states = [self.first.state, again.state] if replica_prefix_equal else [self.first.state]
+        self.arms += restore_arms(engine, self.prefix, states, self.max_new, arm)
+        self.fresh += SavesState.ARMS
+
+    def slots(self) -> None:
+        """A server that restores slots, when asked for: live's slot saved and restored into another."""
+        engine, first = self.engine, self.first
+        if not (isinstance(engine, RestoresSlot) and engine.restores_slots):
+            return
+        for name in ("slot-restore", "slot-restore#replica"):
+            again_live, g, how = engine.slot_restore(self.prompt, first.max_tokens, self.prefix, self.max_new)
+            self.served(name, "slot-restore", g)
+            self.arms[-1]["slot"] = {**how, "live_equal": list(again_live.tokens) == list(first.generation.tokens),
+                                     "live_max_tokens": first.max_tokens}
+        self.fresh += RestoresSlot.ARMS
+
+    def loaded(self, rule: Any, size: int) -> None:
+        """A server under load, when asked for: live's request and oneshot's with other items' in flight."""
+        engine, traffic = self.engine, self.job.params.traffic
+        if not (traffic and isinstance(engine, ServesUnderLoad)):
+            return
+        loaded, seen = engine.generate_loaded(self.prompt, self.first.max_tokens, traffic)
+        loaded_end = stage1_end(loaded.tokens, rule.watch(), self.lm.eos, size)
+        if loaded_end is not None:
+            self.served("live@load", "live", loaded, loaded_end + 1)
+            self.arms[-1]["load"] = {**seen, "prefix_equal": list(loaded.tokens[: loaded_end + 1]) == self.stage1}
+            self.arms[-1]["request"] = self.first.request
+        loaded, seen = engine.generate_loaded(self.prefix, self.max_new, traffic)
+        self.served("oneshot@load", "oneshot", loaded)
+        self.arms[-1]["load"] = seen
+        self.fresh += list(LOADED)
+
+    def crossed(self) -> None:
+        """--cross: our engine prefills the engine's prefix in one forward and continues it."""
+        from stagereplay.experiments.precision_2x2 import fixed_state
+
+        cross, lm, s = self.job.params.arms.cross, self.lm, self.job.settings
+        if not cross:
+            return
+        state = fixed_state(self.job.item, self.prefix, s, lm)
+        for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):
+            built = lm.construct(state, "oneshot")
+            cont = lm.continue_from(built, s.decode)
+            self.arms.append(arm_of(lm, name, "oneshot", cross, cont.suffix,
+                                    hf_top_logprobs(cont.record, TOP_LOGPROBS), self.stage1, self.job.item, s.scorer,
+                                    built.fingerprint()))
+            del built, cont
+        self.fresh.append(f"{cross}-oneshot")
+
+    def payload(self, replica_prefix_equal: bool) -> Payload:
+        """The item's record: every arm, whether each was built as named (`serving.evidence`), the pairs compared
+        and their diagnostics."""
+        item, prompt, prefix, traffic = self.job.item, self.prompt, self.prefix, self.job.params.traffic
+        for arm in self.arms:
+            if "num_cached_tokens" in arm:
+                arm["took_place"] = took_place(arm, len(prompt), len(prefix))
+        by = {a["name"]: a for a in self.arms}
+        pairs = [("live", f) for f in self.fresh] + [(f, f"{f}#replica") for f in ("live", *self.fresh)]
+        pairs += [("oneshot", "oneshot@load")] if traffic else []
+        comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by}
+        end = len(self.stage1) - 1
+        payload = MatchedPayload.model_validate({  # the record's shape, checked where it is made
+            "status": "ok",
+            "prompt_ids": prompt,
+            "prefix_ids": prefix,
+            "boundary": len(prefix),
+            **(self.first.match or {}),  # a marker matched on text: whether it ended inside the boundary token
+            "answer": item.answer,
+            "replica_prefix_equal": replica_prefix_equal,
+            "arms": self.arms,
+            "comparisons": list(comparisons.values()),
+            "diagnostics": diagnostics(by, [("live", f) for f in self.fresh], comparisons),
+            **({"load_finding": load_finding(comparisons)} if traffic else {}),
+            "stage1_top": [[(int(t), float(v)) for t, v in step[:STAGE1_TOP]]
+                           for step in self.first.generation.top[: end + 1]],
+        })
+        return with_token_texts(self.lm, payload).as_payload()
+
+
 def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> Payload:
     """One item's arms on the serving engine (and ours with --cross hf); `lm` is our engine at the same
     precision: its tokenizer scores and finds the boundary, and it runs the cross arm."""
-    from stagereplay.experiments.precision_2x2 import fixed_state
-    from stagereplay.serving.restore import restore_arms
-
     item, s = job.item, job.settings
     engine = cached_engine(job.params.arms.engine, lm)
-    cross = job.params.arms.cross
     budget, max_new = s.decode.max_stage1_tokens, s.decode.max_new_tokens
     if budget is None:
         raise StageReplayError("a serving engine's live request needs a resolved stage-1 budget",
@@ -259,89 +398,16 @@ def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> Payload:
     first = request_live(send, rule, lm.eos, budget, max_new, saves=saves)
     if first.end is None:
         return no_boundary_payload(item, first.generation.tokens[:budget])
-    end = first.end
-    stage1 = first.generation.tokens[: end + 1]
-    prefix = [*prompt, *stage1]
-    size = [first.max_tokens - max_new]  # live's replicas ask for what live asked
-    arms: list[dict[str, Any]] = []
-
-    def served(name: str, construction: str, g: Generation, start: int = 0, live: Live | None = None) -> None:
-        arms.append(served_arm(lm, engine.name, name, construction, g, start, max_new, stage1, item, s.scorer,
-                               len(prompt)))
-        if live is not None:
-            arms[-1]["request"] = live.request
-            if live.state is not None:  # the boundary state's cache, as saved
-                arms[-1]["cache_fp"] = live.state.fingerprint
-
-    served("live", "live", first.generation, end + 1, first)
-    served("prefix-cache", "prefix-cache", engine.generate(prefix, max_new, reuse=True))
-    again = request_live(send, rule, lm.eos, budget, max_new, saves=saves, sizes=size)
-    replica_prefix_equal = again.end is not None and list(again.generation.tokens[: again.end + 1]) == list(stage1)
-    if again.end is not None:
-        served("live#replica", "live", again.generation, again.end + 1, again)
-        served("prefix-cache#replica", "prefix-cache",
-               engine.generate([*prompt, *again.generation.tokens[: again.end + 1]], max_new, reuse=True))
-    for name in ("oneshot", "oneshot#replica"):
-        served(name, "oneshot", engine.generate(prefix, max_new, reuse=False))
-    fresh = ["oneshot", "prefix-cache"]
-    if isinstance(engine, SavesState):
-        def restored(name: str, g: Generation, cache_fp: str) -> dict[str, Any]:
-            return arm_of(lm, name, name.split("#")[0], engine.name, g.tokens[:max_new], g.top[:max_new], stage1,
-                          item, s.scorer, cache_fp)
-
-        states = [first.state, again.state] if replica_prefix_equal else [first.state]
-        arms += restore_arms(engine, prefix, states, max_new, restored)
-        fresh += SavesState.ARMS
-    if isinstance(engine, RestoresSlot) and engine.restores_slots:  # a server's slot saved and restored
-        for name in ("slot-restore", "slot-restore#replica"):
-            again_live, g, how = engine.slot_restore(prompt, first.max_tokens, prefix, max_new)
-            served(name, "slot-restore", g)
-            arms[-1]["slot"] = {**how, "live_equal": list(again_live.tokens) == list(first.generation.tokens),
-                                "live_max_tokens": first.max_tokens}
-        fresh += RestoresSlot.ARMS
-    traffic = job.params.traffic
-    if traffic and isinstance(engine, ServesUnderLoad):  # the same requests with other items' in flight
-        loaded, seen = engine.generate_loaded(prompt, first.max_tokens, traffic)
-        loaded_end = stage1_end(loaded.tokens, rule.watch(), lm.eos, size[0])
-        if loaded_end is not None:
-            served("live@load", "live", loaded, loaded_end + 1)
-            arms[-1]["load"] = {**seen, "prefix_equal": list(loaded.tokens[: loaded_end + 1]) == list(stage1)}
-            arms[-1]["request"] = first.request
-        loaded, seen = engine.generate_loaded(prefix, max_new, traffic)
-        served("oneshot@load", "oneshot", loaded)
-        arms[-1]["load"] = seen
-        fresh += list(LOADED)
-    if cross:
-        state = fixed_state(item, prefix, s, lm)
-        for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):
-            built = lm.construct(state, "oneshot")
-            cont = lm.continue_from(built, s.decode)
-            arms.append(arm_of(lm, name, "oneshot", cross, cont.suffix, hf_top_logprobs(cont.record, TOP_LOGPROBS),
-                               stage1, item, s.scorer, built.fingerprint()))
-            del built, cont
-        fresh.append(f"{cross}-oneshot")
-    for arm in arms:  # whether the engine built each arm's state as its construction says (serving.evidence)
-        if "num_cached_tokens" in arm:
-            arm["took_place"] = took_place(arm, len(prompt), len(prefix))
-    by = {a["name"]: a for a in arms}
-    pairs = [("live", f) for f in fresh] + [(f, f"{f}#replica") for f in ("live", *fresh)]
-    pairs += [("oneshot", "oneshot@load")] if traffic else []
-    comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by}
-    payload = MatchedPayload.model_validate({  # the record's shape, checked where it is made
-        "status": "ok",
-        "prompt_ids": prompt,
-        "prefix_ids": prefix,
-        "boundary": len(prefix),
-        **(first.match or {}),  # a marker matched on text: whether it ended inside the boundary token
-        "answer": item.answer,
-        "replica_prefix_equal": replica_prefix_equal,
-        "arms": arms,
-        "comparisons": list(comparisons.values()),
-        "diagnostics": diagnostics(by, [("live", f) for f in fresh], comparisons),
-        **({"load_finding": load_finding(comparisons)} if traffic else {}),
-        "stage1_top": [[(int(t), float(v)) for t, v in step[:STAGE1_TOP]] for step in first.generation.top[: end + 1]],
-    })
-    return with_token_texts(lm, payload).as_payload()
+    size = first.max_tokens - max_new  # live's replicas ask for what live asked
+    item_arms = _ItemArms(lm, engine, job, first, list(first.generation.tokens[: first.end + 1]), [],
+                          ["oneshot", "prefix-cache"])
+    again, replica_prefix_equal = item_arms.quiet(
+        lambda: request_live(send, rule, lm.eos, budget, max_new, saves=saves, sizes=[size]))
+    item_arms.restored(again, replica_prefix_equal)
+    item_arms.slots()
+    item_arms.loaded(rule, size)
+    item_arms.crossed()
+    return item_arms.payload(replica_prefix_equal)
 
 
 def load_finding(comparisons: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
