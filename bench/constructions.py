@@ -10,7 +10,8 @@ MODEL: a model folder or a GGUF file (`toy`: the embedded toy, its own items and
 (`toy`: the toy task's). Each configuration runs `stagereplay matched ... <its flags> --out OUT/<name>` (resumed if
 there), then `stagereplay compare OUT/<first> OUT/<name> --out OUT/compare-<name>`. One line per configuration
 (printed, and written to OUT/table.md): within the run, live against each fresh construction (suffixes that differ,
-the median margin at the first divergence), its replicas, and against the first configuration: live trajectories
+the median margin at the first divergence), its replicas, what generate() did where it built live (tokens per
+step: above 1 where speculation accepted candidates), and against the first configuration: live trajectories
 equal, where the first divergences fall (stage 1, suffix, boundary), the median margin there on each side, live's
 correctness labels that differ, each side's accuracy and McNemar's p.
 """
@@ -43,7 +44,20 @@ def within(run: Path) -> str:
         margin = f", margin {at['median']:.3g}" if at.get("n") else ""
         parts.append(f"vs {m['construction']} {d['k']}/{d['n']}{margin}")
     live = results["matched"][0]["replica_exact"]["live"]
-    return f"replicas {live['k']}/{live['n']}; " + "; ".join(parts)
+    return f"replicas {live['k']}/{live['n']}; " + "; ".join(parts) + generated(run)
+
+
+def generated(run: Path) -> str:
+    """What generate() did for live where it built it (--speculate, --quantized-cache): its tokens and steps over all
+    items, from the records (each step is one forward; a step that accepted candidates added more than one)."""
+    tokens = steps = 0
+    for line in (run / "ledger.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        arms = record["payload"].get("arms", []) if record["kind"] == "item" else []
+        added = next(((a.get("generated") or {}).get("added") for a in arms if a["name"] == "live"), None)
+        if added:
+            tokens, steps = tokens + sum(added), steps + len(added)
+    return f"; live by generate(): {tokens} tokens in {steps} steps ({tokens / steps:.2f} a step)" if steps else ""
 
 
 def against(compare: Path) -> str:

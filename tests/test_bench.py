@@ -25,8 +25,8 @@ TINY: dict[str, tuple[list[str], str]] = {
     # Two named configurations of our engine on the toy, the second speculating and compared with the first.
     "constructions.py": (["toy", "toy", "{tmp}/out", "--n", "2", "--max-new-tokens", "4", "--config",
                           "plain=--construction oneshot,roundtrip:int8", "--config", "lookup=--speculate prompt-lookup:2"],
-                         r"^lookup \(\d+ s\): replicas \d+/2; vs oneshot \d+/2 \| against plain: trajectories equal \d+/2"
-                         r".*McNemar p [\d.]+$"),
+                         r"^lookup \(\d+ s\): replicas \d+/2; vs oneshot \d+/2; live by generate\(\): \d+ tokens in \d+ "
+                         r"steps \([\d.]+ a step\) \| against plain: trajectories equal \d+/2.*McNemar p [\d.]+$"),
     "decode.py": (["--models", "toy", "--tokens", "4", "--prompts", "1", "--repeats", "1"],
                   rf"^toy .* ours\s+{NUMBER} .* tokens == generate\(\): yes\s+graphs \d+$"),
     "gpu_check.py": (["model", "--device", "cpu", "--out", "{tmp}/out", "--model", "{tmp}/model"],
