@@ -13,7 +13,7 @@ from stagereplay.records.ledger import atomic_write
 from stagereplay.report.compare import BOUNDARY, STAGE1, SUFFIX
 from stagereplay.report.figures import ReportFigure, _png
 from stagereplay.report.html import render_html
-from stagereplay.report.render import fit_widths
+from stagereplay.report.render import fit_widths, markdown_tables
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -199,15 +199,8 @@ def compare_markdown(c: dict[str, Any], tables: list[Table]) -> str:
     lines += [f"- **{k}**: {v}" for k, v in header(c)]
     lines += [""] + [f"**{q}** {a[0].upper()}{a[1:]}\n" for q, a in compare_verdict(c)]
     lines += ["The figure is in `compare.html` beside this file.", ""]
-    for t in tables:
-        lines += [f"## {t.title}", "", _md_row(t.headers), _md_row(("---",) * len(t.headers))]
-        lines += [_md_row(row) for row in t.rows]
-        lines += ["", t.note, ""] if t.note else [""]
+    lines += markdown_tables(tables)
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _md_row(cells: tuple[str, ...]) -> str:
-    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
 def print_compare(c: dict[str, Any], console: Console | None = None) -> None:

@@ -26,11 +26,18 @@ def render_markdown(results: dict[str, Any], tables: list[Table]) -> str:
     said = verdict_text(results)
     lines += ["", "## Verdict", "", said] if said else []
     lines += ["", "Figures are in `report.html` beside this file.", ""]
+    lines += markdown_tables(tables)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def markdown_tables(tables: list[Table]) -> list[str]:
+    """Each table as a titled Markdown table, its note below it: the lines of report.md and compare.md."""
+    lines: list[str] = []
     for table in tables:
         lines += [f"## {table.title}", "", _md_row(table.headers), _md_row(("---",) * len(table.headers))]
         lines += [_md_row(row) for row in table.rows]
         lines += ["", table.note, ""] if table.note else [""]
-    return "\n".join(lines).rstrip() + "\n"
+    return lines
 
 
 def _md_row(cells: tuple[str, ...]) -> str:
