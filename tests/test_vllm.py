@@ -284,6 +284,16 @@ def test_an_fp8_cache_the_cpu_build_cannot_run_on_this_model_is_refused_naming_t
     assert "head_size divisible by 32" in line
 
 
+def test_a_block_size_the_cpu_attention_cannot_take_is_refused_naming_the_option(tmp_path):
+    """The CPU build's attention takes blocks of a multiple of 32: `--block-size 16` fails in vLLM's K/V set-up, and
+    one line names the option and what vLLM said (the control, 32, is every other run of this module)."""
+    result = runner.invoke(app, ["matched", "--engine", "vllm", "--n", "1", "--precision", "fp32", "--block-size", "16",
+                                 "--out", str(tmp_path / "run"), "--quiet"])
+    assert result.exit_code == 2, result.output
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error: ")]
+    assert line.startswith("error: vLLM cannot run --block-size 16 here (ValueError: No common block size for 16")
+
+
 def _narrow_toy(folder: Path) -> Path:
     """The toy's tokenizer on a random Qwen2 of head size 32 (2 layers, hidden 64, 2 heads): a model the CPU build's
     fp8 cache takes."""

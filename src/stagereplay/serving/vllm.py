@@ -35,10 +35,13 @@ from stagereplay.serving.seam import TOP_LOGPROBS, Draft, EngineConfig, EngineKi
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """The K/V cache types vLLM takes (`kv_cache_dtype`): auto is the model's dtype; fp8 is e4m3."""
-KNOB_WORDS = {"kv_cache_dtype": ("kv cache", "kv_cache", "fp8", "cache_dtype"),
+KNOB_WORDS = {"block_size": ("block size", "block_size"),
+              "kv_cache_dtype": ("kv cache", "kv_cache", "fp8", "cache_dtype"),
               "max_num_batched_tokens": ("batched_tokens", "max_num_batched"),
               "speculative_config": ("specul", "draft", "ngram", "eagle", "suffix", "mtp")}
 """What a vLLM error says when it is about each cache option (`refused` names the option)."""
+DEFAULT_BLOCK = 32
+"""Our default `block_size`: what the CPU build's attention takes (a multiple of 32)."""
 SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 """vLLM's counters of speculated tokens (drafted, accepted), which `LLM.get_metrics` reads with stats on."""
 ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE",
@@ -49,7 +52,7 @@ ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_T
 class VllmOptions(EngineOptions):
     """vLLM's settings (`--engine vllm`)."""
 
-    block_size: int = field(default=32, metadata={
+    block_size: int = field(default=DEFAULT_BLOCK, metadata={
         "help": "tokens per K/V block: the prefix cache reuses whole blocks, so it must be below the prefixes"})
     enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs or compilation"})
     kv_cache_gib: int = field(default=1, metadata={"help": "CPU K/V cache space in GiB (VLLM_CPU_KVCACHE_SPACE)"})
@@ -191,9 +194,10 @@ def load(config: EngineConfig, model_path: str, precision: str, threads: int, de
                        enforce_eager=options.enforce_eager, enable_prefix_caching=True, seed=config.seed,
                        max_num_seqs=1, **knobs, **kwargs)
     except Exception as e:  # vLLM raises what its backend cannot take as any of several types
-        if not knobs:
+        given = knobs | ({"block_size": options.block_size} if options.block_size != DEFAULT_BLOCK else {})
+        if not given:
             raise
-        raise refused(knobs, e) from e
+        raise refused(given, e) from e
     return VLLMEngine(llm, config, precision, {k: os.environ.get(k) for k in ENV})
 
 
