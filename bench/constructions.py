@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from server import draft_totals  # bench/ is on sys.path when this runs as a script
+
 
 def _median(values: list[float]) -> str:
     return f"{statistics.median(values):.3g}" if values else "-"
@@ -48,8 +50,10 @@ def within(run: Path) -> str:
 
 
 def generated(run: Path) -> str:
-    """What generate() did for live where it built it (--speculate, --quantized-cache): its tokens and steps over all
-    items, from the records (each step is one forward; a step that accepted candidates added more than one)."""
+    """What speculation did for live over all items, from the records: where generate() built it (--speculate,
+    --quantized-cache), its tokens and steps (each step one forward; a step that accepted candidates added more than
+    one); where a serving engine speculated (vLLM's --speculative-config), what its live requests drafted and
+    accepted."""
     tokens = steps = 0
     for line in (run / "ledger.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -57,7 +61,9 @@ def generated(run: Path) -> str:
         added = next(((a.get("generated") or {}).get("added") for a in arms if a["name"] == "live"), None)
         if added:
             tokens, steps = tokens + sum(added), steps + len(added)
-    return f"; live by generate(): {tokens} tokens in {steps} steps ({tokens / steps:.2f} a step)" if steps else ""
+    said = f"; live by generate(): {tokens} tokens in {steps} steps ({tokens / steps:.2f} a step)" if steps else ""
+    drafts = draft_totals(run)
+    return said + (f"; live drafted {drafts[0]}, accepted {drafts[1]}" if drafts else "")
 
 
 def against(compare: Path) -> str:
