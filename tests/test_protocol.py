@@ -135,7 +135,7 @@ def test_the_audit_reexecutes_the_units_of_one_model_setting_as_one_batch_of_job
     run_jobs = jobs.run_jobs
 
     def spy(config, work, units, ex, lm=None):
-        calls.append(((Path(config.path).parent.name, config.precision), {u.get("audit_unit") for u in units}))
+        calls.append(((Path(config.path).parent.name, config.precision), {u.params.experiment for u in units}))
         return run_jobs(config, work, units, ex, lm)
 
     monkeypatch.setattr(jobs, "run_jobs", spy)
