@@ -1,8 +1,9 @@
 """The forwards each engine operation makes, as lists of token counts (one entry per model forward).
 
-`LM.construct` feeds the spans of `construction_spans`, and the live loop and continuations make the forwards
-listed here, so an experiment's `forwards(...)` built from these functions counts what its item function runs;
-`stagereplay plan` adds them up (tests/test_plan.py checks the count against an instrumented run).
+`LM.construct` feeds the spans of `construction_spans` (each construction's own: engine.constructions), and the live
+loop and continuations make the forwards listed here, so an experiment's `forwards(...)` built from these functions
+counts what its item function runs; `stagereplay plan` adds them up (tests/test_plan.py checks the count against
+an instrumented run).
 
 A boundary state's prefix has T = prompt + stage 1 tokens; its cache covers T - 1 of them and the pending
 token P[T-1] is fed by the continuation, which then feeds every emitted token but the last:
@@ -14,21 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stagereplay.engine.constructions import parse_construction
+
 
 def construction_spans(construction: str, prompt_len: int, body_len: int) -> list[tuple[int, int]]:
-    """Half-open [start, stop) spans of P[0:body_len] that `construction` feeds, one forward each.
-
-    oneshot: the whole body; incremental: the prompt, then one token per forward (what live generation does);
-    chunked:<n>: n tokens at a time; retokenized: the re-encoded body in one forward (its length is the body's
-    when the IDs round-trip, which is what a plan assumes); roundtrip:<format>: incremental's, where it is built from
-    a fixed prefix (from a state that has its cache, such as live's, it makes none: `construct_forwards`).
-    """
-    if construction == "incremental" or construction.startswith("roundtrip:"):
-        return [(0, prompt_len), *((p, p + 1) for p in range(prompt_len, body_len))]
-    if construction.startswith("chunked:"):
-        n = int(construction.split(":")[1])
-        return [(s, min(s + n, body_len)) for s in range(0, body_len, n)]
-    return [(0, body_len)]  # oneshot, retokenized
+    """Half-open [start, stop) spans of P[0:body_len] that `construction` feeds, one forward each (its class in
+    engine.constructions says which)."""
+    return parse_construction(construction).spans(prompt_len, body_len)
 
 
 def live_forwards(prompt_len: int, stage1_len: int, suffix_len: int | None) -> list[int]:
@@ -45,9 +38,7 @@ def no_boundary_forwards(prompt_len: int, generated: int) -> list[int]:
 def construct_forwards(construction: str, prompt_len: int, prefix_len: int, from_cache: bool = False) -> list[int]:
     """The forwards of building a boundary state by `construction`; `from_cache`: from a state that holds its
     cache already (live's), which a round trip reuses."""
-    if from_cache and construction.startswith("roundtrip:"):
-        return []
-    return [stop - start for start, stop in construction_spans(construction, prompt_len, prefix_len - 1)]
+    return parse_construction(construction).forwards(prompt_len, prefix_len, from_cache)
 
 
 def continuation_forwards(suffix_len: int) -> list[int]:

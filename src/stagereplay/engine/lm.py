@@ -21,6 +21,7 @@ from typing import Any
 
 from stagereplay.engine.boundary import BoundaryRule
 from stagereplay.engine.cache import cache_fingerprint, clone_cache, new_cache
+from stagereplay.engine.constructions import Construction, parse_construction
 from stagereplay.engine.decode import (
     DecodeConfig,
     Sampler,
@@ -31,10 +32,7 @@ from stagereplay.engine.decode import (
     eos_ids,
     graphs_steps,
 )
-from stagereplay.engine.forwards import construction_spans
 from stagereplay.engine.generated import Generated
-from stagereplay.engine.kv_roundtrip import FORMATS as ROUNDTRIP_FORMATS
-from stagereplay.engine.kv_roundtrip import roundtrip_cache
 from stagereplay.engine.limits import model_context, stage1_budget, static_cache_len
 from stagereplay.engine.model import (
     ModelConfig,
@@ -69,16 +67,8 @@ def ids_fingerprint(ids: Sequence[int]) -> str:
 
 
 def check_construction(name: str) -> str:
-    base, _, n = name.partition(":")
-    if base in ("live", "incremental", "oneshot", "retokenized") and not n:
-        return name
-    if base == "chunked" and n.isdigit() and int(n) > 0:
-        return name
-    if base == "roundtrip" and n in ROUNDTRIP_FORMATS:
-        return name
-    raise StageReplayError(f"unknown construction {name!r}",
-                           "use live, incremental, oneshot, chunked:<n> (n > 0), retokenized or "
-                           f"roundtrip:<{'|'.join(ROUNDTRIP_FORMATS)}>")
+    """`name` if it spells a construction (engine.constructions), else a one-line refusal."""
+    return parse_construction(name).name
 
 
 @dataclass(frozen=True)
@@ -381,37 +371,23 @@ class LM:
 
     # -- constructions --------------------------------------------------------------------------------
 
-    def construct(self, state: BoundaryState, construction: str) -> BoundaryState:
-        """Build the boundary state for `state.prefix` afresh by `construction` (same seed, same prompt split)."""
-        name = check_construction(construction)
-        prefix, n_prompt = state.prefix, state.prompt_len
-        body = prefix[:-1]  # P[0:T-1]: what the cache must cover
-        cache_len = state.cache_len
-        roundtrip = None
-        if name == "live":
-            raise StageReplayError("the live construction comes only from live generation", "use lm.live(...)")
-        if name.startswith("roundtrip:"):  # the state's own K/V (live's), else incremental's, through a format
-            source = state if state.cache is not None else self.construct(state, "incremental")
-            cache = clone_cache(source.cache)
-            roundtrip_cache(cache, name.partition(":")[2])
-            return BoundaryState(prefix=tuple(prefix), prompt_len=n_prompt, construction=name, cache=cache,
-                                 seed=state.seed, cache_len=cache_len)
-        if name == "retokenized":  # the text route that stage-replay methods often take
-            text = self.tokenizer.decode(list(prefix), skip_special_tokens=False)
-            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-            roundtrip = ids == tuple(prefix)
-            if cache_len is not None:  # room for the same continuation after a prefix that re-encodes longer
-                cache_len += max(0, len(ids) - len(prefix))
-            prefix = ids
-            body = prefix[:-1]
-        self._prompt_hint = tuple(body[:n_prompt])
-        cache = self.new_cache(cache_len)
-        # oneshot: one forward; incremental: the same operations as live generation, the prompt in one forward,
-        # then one token per forward; chunked:<n>: n at a time (engine.forwards, which `stagereplay plan` counts).
-        for start, stop in construction_spans(name, n_prompt, len(body)):
+    def construct(self, state: BoundaryState, construction: str | Construction) -> BoundaryState:
+        """Build the boundary state for `state.prefix` afresh by `construction`, a name ("chunked:16") or its object
+        (engine.constructions), with the same seed and prompt split."""
+        made = parse_construction(construction) if isinstance(construction, str) else construction
+        built = made.build(self, state)
+        return BoundaryState(prefix=built.prefix, prompt_len=state.prompt_len, construction=made.name,
+                             cache=built.cache, seed=state.seed, roundtrip=built.roundtrip, cache_len=built.cache_len)
+
+    def prefill(self, body: Sequence[int], prompt_len: int, spans: Sequence[tuple[int, int]], length: int | None
+                ) -> Any:
+        """A new cache (a static one of `length` positions) with body[start:stop] fed at position `start`, one
+        forward per span: what a construction builds with (engine.constructions.Builder)."""
+        self._prompt_hint = tuple(body[:prompt_len])
+        cache = self.new_cache(length)
+        for start, stop in spans:
             self.stepper.forward(body[start:stop], cache, start)
-        return BoundaryState(prefix=tuple(prefix), prompt_len=n_prompt, construction=name, cache=cache,
-                             seed=state.seed, roundtrip=roundtrip, cache_len=cache_len)
+        return cache
 
     # -- continuation ---------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter
 
+from stagereplay.engine.constructions import parse_construction
 from stagereplay.engine.forwards import (
     Lengths,
     construct_forwards,
@@ -17,7 +18,7 @@ from stagereplay.engine.forwards import (
     no_boundary_forwards,
 )
 from stagereplay.engine.generated import Generated
-from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, check_construction
+from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
@@ -78,7 +79,7 @@ def constructions(given: str) -> tuple[str, ...]:
     """The fresh constructions of a comma list, each checked, none twice, live not among them."""
     cs = tuple(c.strip() for c in given.split(","))
     for c in cs:
-        if check_construction(c) == "live":
+        if not parse_construction(c).fixed_prefix:
             raise StageReplayError("live is what the constructions are set against", "drop live from --construction")
     if len(set(cs)) != len(cs):
         raise StageReplayError(f"--construction {given} names a construction twice", "name each once")

@@ -7,9 +7,10 @@ from typing import Any, ClassVar
 
 from pydantic import TypeAdapter
 
+from stagereplay.engine.constructions import parse_construction
 from stagereplay.engine.decode import derive_seed
 from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards
-from stagereplay.engine.lm import LM, BoundaryState, Continuation, check_construction
+from stagereplay.engine.lm import LM, BoundaryState, Continuation
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
@@ -172,9 +173,8 @@ def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:
 
 def check_fixed_constructions(constructions: tuple[str, ...]) -> None:
     """Constructions that rebuild a state from fixed token IDs (all but live, which only generation makes)."""
-    for c in constructions:
-        check_construction(c)
-    if "live" in constructions:
+    made = [parse_construction(c) for c in constructions]  # every name checked before live is refused
+    if not all(m.fixed_prefix for m in made):
         raise StageReplayError("live is not a fixed-prefix construction", "use incremental, oneshot, chunked:<n> "
                                                                           "or retokenized")
 

@@ -27,9 +27,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import TypeAdapter
 
+from stagereplay.engine.constructions import parse_construction
 from stagereplay.engine.decode import DecodeConfig, derive_seed
 from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards, live_forwards
-from stagereplay.engine.lm import LM, BoundaryState, NoBoundary, check_construction
+from stagereplay.engine.lm import LM, BoundaryState, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
@@ -80,7 +81,7 @@ class ResampleConfig:
             raise StageReplayError(f"--k must be at least 1, got {self.k}", "pass e.g. --k 32")
         if self.n is not None and self.n < 1:
             raise StageReplayError(f"--n must be at least 1, got {self.n}", "pass a positive --n")
-        if check_construction(self.construction) == "live":
+        if not parse_construction(self.construction).fixed_prefix:
             raise StageReplayError("the fresh side of resample cannot be live", "use e.g. --construction oneshot")
         self.sampling(1)  # temperature, top-p and top-k are checked where every sampler checks them
 

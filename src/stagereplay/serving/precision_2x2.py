@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from stagereplay.engine.constructions import Chunked, parse_construction
 from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
@@ -45,9 +46,12 @@ EXPERIMENT = "precision_2x2"
 
 
 def _chunk(construction: str) -> int | None:
-    """n of `chunked:<n>`, else None."""
-    kind, _, n = construction.partition(":")
-    return int(n) if kind == "chunked" and n.isdigit() and int(n) > 0 else None
+    """n of `chunked:<n>` (engine.constructions.Chunked), else None."""
+    try:
+        made = parse_construction(construction)
+    except StageReplayError:  # a serving arm's name, not a construction of ours
+        return None
+    return made.n if isinstance(made, Chunked) else None
 
 
 def check_serving_constructions(constructions: tuple[str, ...], arms: ServingArms) -> None:
