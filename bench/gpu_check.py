@@ -11,12 +11,18 @@ it is measured (a step that runs out of time leaves the rows before it and a row
    `tests/test_engine.py`, on the device (`STAGEREPLAY_TEST_DEVICE`);
 2. a random Qwen2 of Qwen2.5-7B's shape (28 layers, hidden 3584, 28/4 heads, the real 152,064-token
    vocabulary), drawn on the device and saved to a local directory (`random_model.py`; nothing downloaded);
-3. `stagereplay matched` on 2 of its items, with each cache of `--caches` (`--cache static`, `--cache
+3. batch-1 decode on the same shape (bench/gpu_decode.py, its own copy drawn on the device): ours and
+   generate(), each on a dynamic and a static cache, tokens/s against the floor, tokens checked against
+   generate()'s; one matched item's live arm profiled per cache (bench/step_profile.py: the step, the pick, the
+   step record, the rest; host reads and syncs per step); and `stagereplay plan` of the 14B paper
+   (docs/how-to/plan.md's command) at ours static's rate scaled to 14B's weight bytes (a step reads every weight
+   once: the rate of a bandwidth-bound step goes as 1 / weight bytes);
+4. `stagereplay matched` on 2 of its items, with each cache of `--caches` (`--cache static`, `--cache
    dynamic`): both arms and their replicas, cache fingerprints and diagnostics, in bf16. Rows: time (model
    load apart), decode steps per second, peak memory against `stagereplay plan`'s estimate for the run (weights
    + the most caches alive at once, at the run's measured lengths), exact replicas, fingerprints, diagnostics;
-4. the fixed-prefix 2x2 (incremental | oneshot x bf16 | fp32) on that run's items, the same rows;
-5. `matched --cache dynamic --batch 16` on 16 items, shorter ones (`Profile.batch_tokens`): the same rows, and
+5. the fixed-prefix 2x2 (incremental | oneshot x bf16 | fp32) on that run's items, the same rows;
+6. `matched --cache dynamic --batch 16` on 16 items, shorter ones (`Profile.batch_tokens`): the same rows, and
    whether a row's bits depend on its batch-mates; its steps/s are the 16 rows' together.
 
 Each step runs under its own budget plus what the steps before it left unused, and the budgets add up to the
@@ -64,6 +70,7 @@ class Profile:
     total: int  # what all steps may take together: at least the sum of the budgets of the steps that run
     batch_tokens: tuple[int, int]  # stage-1 and suffix tokens of the --batch 16 step's 16 items
     engine_tests: str  # pytest -k over tests/test_engine.py
+    decode_tokens: int  # tokens per call of the batch-1 decode step (and the profiled item's stage 1 + suffix)
 
     def budget(self, step: str) -> int:
         return self.budgets.get(step, self.budgets["matched"] if step.startswith("matched") else 0)
@@ -76,14 +83,17 @@ PROFILES = {
     # 43.8 s (18.8 decode steps/s, the proofs and loading apart), matched [dynamic] 98.0 s (8.2 steps/s), the
     # fp32 2x2 54.2 s; each process adds about 10 s of start-up. --batch 16 was stopped at 100 s on 16 items of
     # 96 + 48 tokens: its items here are 32 + 16 tokens, a third of that work, enough for a per-row cost.
-    # Steps that finish early leave their time to the later ones (--batch 16 comes last).
+    # Steps that finish early leave their time to the later ones (--batch 16 comes last). The batch-1 decode step
+    # draws its own 7B (seconds on the device) and makes 4 x 2 calls of 48 tokens and 2 profiled items: at the rates
+    # measured there (8 to 19 steps/s for ours, generate() about as fast) about 35 s.
     "cuda": Profile("qwen2.5-7b", 96, 48,
-                    {"gpu tests": 35, "engine tests": 60, "model": 50, "matched [static]": 55,
-                     "matched [dynamic]": 110, "matched": 110, "2x2": 65, "batch": 75},
-                    450, (32, 16), "live_loop_equals_generate or incremental_is_bit_exact"),  # every tiny arch.
-    "cpu": Profile("tiny", 8, 8, {"gpu tests": 120, "engine tests": 120, "model": 120, "matched": 120, "2x2": 120,
-                                  "batch": 120},
-                   840, (8, 8), "live_loop_equals_generate and qwen2-bf16"),
+                    {"gpu tests": 35, "engine tests": 40, "model": 45, "decode": 50, "matched [static]": 55,
+                     "matched [dynamic]": 85, "matched": 85, "2x2": 55, "batch": 70},
+                    450, (32, 16), "live_loop_equals_generate or incremental_is_bit_exact",  # every tiny arch.
+                    48),
+    "cpu": Profile("tiny", 8, 8, {"gpu tests": 120, "engine tests": 120, "model": 120, "decode": 120, "matched": 120,
+                                  "2x2": 120, "batch": 120},
+                   960, (8, 8), "live_loop_equals_generate and qwen2-bf16", 8),
 }
 
 
@@ -243,6 +253,51 @@ def step_2x2(a: argparse.Namespace) -> int:
     return 0
 
 
+def step_decode(a: argparse.Namespace) -> int:
+    """Batch-1 decode against the floor (bench/gpu_decode.py), a matched item's steps profiled, the 14B plan."""
+    import contextlib
+    import io
+
+    from gpu_decode import SHAPE_NAMES
+    from gpu_decode import main as gpu_decode
+    from random_model import config_only
+
+    from stagereplay.plan.stages import model_shape
+
+    profile = PROFILES["cuda" if a.device.startswith("cuda") else "cpu"]
+    shape = {v: k for k, v in SHAPE_NAMES.items()}[a.shape]
+    figures = a.out / "decode.json"
+    copy = ["--copy-mib", "2048" if a.device.startswith("cuda") else "64"]
+    gpu_decode(["--shape", shape, "--device", a.device, "--tokens", str(profile.decode_tokens), "--repeats", "1",
+                *copy, "--profile", "--json", str(figures)])
+    d = json.loads(figures.read_text())
+    floor = d["floor_s_per_token"]
+    cells = ", ".join(f"{m} {1 / s:.1f} ({times(s / floor)} floor)" for m, s in d["s_per_token"].items())
+    row(a.out, f"batch-1 decode, {shape}: tokens/s", f"{cells}; floor {1 / floor:.1f}")
+    row(a.out, "batch-1 decode: tokens == generate()",
+        ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in d["tokens_equal"].items()))
+    for kind, p in d["profile"].items():
+        device = "" if p["device_ms"] is None else f", device {p['device_ms']:.2f} ms"
+        syncs = "" if p["syncs"] is None or p["dtoh_copies"] is None else (
+            f", syncs {p['syncs']:.2f}, DtoH copies {p['dtoh_copies']:.2f}")
+        row(a.out, f"matched item's live steps [{kind}]: per step",
+            f"wall {p['wall_ms']:.2f} ms{device}; step {p['step_ms']:.2f}, pick {p['pick_ms']:.2f}, record "
+            f"{p['record_ms']:.2f}, other {p['other_ms']:.2f} ms; host reads {p['host_reads']:.2f}{syncs}")
+    # The 14B paper's plan (docs/how-to/plan.md), at ours static's rate scaled to 14B's weight bytes.
+    big = config_only("qwen2.5-14b", a.out / "plan-14b-config")
+    scale = d["weight_bytes"] / model_shape(big).weight_bytes("bf16")
+    rate = scale / d["s_per_token"]["ours static"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        cli(["plan", "--model", str(big), "--later-model", str(big), "--n", "200", "--prompt-tokens", "64",
+             "--stage1-tokens", "2048", "--suffix-tokens", "512", "--tokens-per-second", f"{rate:.2f}", "--device",
+             "cuda", "--divergent", "166", "--audit-sample", "20", "--cache", "static"])
+    total = [ln for ln in printed.getvalue().splitlines() if ln.startswith("total:")]
+    row(a.out, f"plan of the 14B paper at {rate:.2f} steps/s (ours static x {scale:.3f})",
+        total[0] if total else "no total line (see plan's output)")
+    return 0
+
+
 def step_model(a: argparse.Namespace) -> int:
     from gpu_decode import copy_bandwidth  # bench/ is on sys.path when this runs as a script
     from random_model import SHAPES, build
@@ -339,7 +394,7 @@ def step_all(a: argparse.Namespace) -> int:
     batch_lengths = ["--stage1", str(profile.batch_tokens[0]), "--suffix", str(profile.batch_tokens[1])]
     tests: list[tuple[str, list[str]]] = [
         ("gpu tests", gpu_tests), ("engine tests", [*pytest, "tests/test_engine.py", "-k", profile.engine_tests])]
-    steps = [("model", [*me, "model", *common])]
+    steps = [("model", [*me, "model", *common]), ("decode", [*me, "decode", *common])]
     steps += [(f"matched [{c}]", [*me, "matched", *common, *lengths, "--cache", c]) for c in caches]
     steps += [("2x2", [*me, "2x2", *common, *lengths])]
     steps += [("matched [dynamic, --batch 16]",
@@ -377,7 +432,7 @@ def step_all(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("step", choices=("all", "model", "matched", "2x2"))
+    p.add_argument("step", choices=("all", "model", "decode", "matched", "2x2"))
     p.add_argument("--device", default="cuda", help="cuda | cpu (a tiny shape)")
     p.add_argument("--out", type=Path, default=Path("gpu-out"), help="the table and the runs go here")
     p.add_argument("--model", type=Path, default=None,
@@ -397,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     # Not under OUT: OUT comes back from the GPU machine, 15 GB of weights must not.
     a.model = (a.model or Path(tempfile.gettempdir()) / f"gpu-check-{a.shape}").resolve()
     a.out.mkdir(parents=True, exist_ok=True)
-    step = {"all": step_all, "model": step_model, "matched": step_matched, "2x2": step_2x2}[a.step]
+    step = {"all": step_all, "model": step_model, "decode": step_decode, "matched": step_matched,
+            "2x2": step_2x2}[a.step]
     return step(a)
 
 

@@ -3,7 +3,9 @@
 # on one H200, model construction included; nothing is downloaded. Each step runs under its own time budget and
 # appends its rows to $OUT/gpu_check.txt as soon as they are measured (bench/gpu_check.py lists the steps):
 #   the gpu-marked tests and the tiny architectures' live == generate() tests on CUDA; a random Qwen2.5-7B-shaped
-#   model (152k vocabulary) drawn on the GPU; `matched` on 2 items with each cache of $CACHES (both arms,
+#   model (152k vocabulary) drawn on the GPU; batch-1 decode of ours and generate(), dynamic and static, against
+#   the bandwidth floor, a matched item's steps profiled, and the 14B paper's plan at the measured rate;
+#   `matched` on 2 items with each cache of $CACHES (both arms,
 #   replicas, fingerprints, diagnostics); the fp32 2x2 on those items. Rows: tokens/s, peak GPU memory against
 #   `stagereplay plan`'s estimate, whether replicas are exact.
 #

@@ -19,7 +19,9 @@ Tokens/s counts the emitted tokens over the whole call, prefill included. The fl
 beat at batch 1: reading every weight once, at the device's measured copy bandwidth (bytes read + written per
 second by a large `copy_`). `x floor` is each method's time per token over the floor's; the target on a GPU is
 within 2x. Each loop's tokens are checked against its generate() counterpart's. The last line is
-`ours static: X.XXx floor, tokens == generate(): yes|no`.
+`ours static: X.XXx floor, tokens == generate(): yes|no`. `--profile` then splits a matched item's steps on each
+cache into the forward, the pick, the step record and the rest, with host reads and syncs per step
+(bench/step_profile.py).
 """
 
 from __future__ import annotations
@@ -75,15 +77,20 @@ def timed(fn: Callable[[], list[int]], device: str, repeats: int) -> tuple[float
     return statistics.median(times), tokens
 
 
-def methods(model: Any, prompt: list[int], n: int, device: str) -> dict[str, Callable[[], list[int]]]:
-    import torch
-
+def our_lms(model: Any, device: str) -> dict[str, Any]:
+    """Our engine on `model`, one LM per cache kind."""
     from stagereplay.engine.lm import LM
     from stagereplay.engine.model import ModelConfig
 
     no_tokenizer = SimpleNamespace(eos_token_id=None)  # EOS comes from the model's generation config
-    ours = {kind: LM(model, no_tokenizer, ModelConfig(path="random", device=device, cache=kind))
+    return {kind: LM(model, no_tokenizer, ModelConfig(path="random", device=device, cache=kind))
             for kind in ("dynamic", "static")}
+
+
+def methods(model: Any, ours: dict[str, Any], prompt: list[int], n: int, device: str
+            ) -> dict[str, Callable[[], list[int]]]:
+    import torch
+
     ids = torch.tensor([prompt], device=device)
 
     def generate(**kw: Any) -> list[int]:
@@ -111,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--copy-mib", type=int, default=0, help="copy size for the bandwidth (default: 2048 on CUDA, 256)")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--profile", action="store_true",
+                   help="then profile a matched item's live arm on each cache (bench/step_profile.py): where a step's "
+                        "time goes, --tokens split between stage 1 and the suffix")
     args = p.parse_args(argv)
 
     import torch
@@ -129,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab = SHAPES[SHAPE_NAMES[args.shape]][5]
     prompt = [(7 * i + 11) % (vocab - 3) + 3 for i in range(args.prompt)]  # no special IDs
     rows, tokens = {}, {}
-    for name, fn in methods(model, prompt, args.tokens, args.device).items():
+    ours = our_lms(model, args.device)
+    for name, fn in methods(model, ours, prompt, args.tokens, args.device).items():
         seconds, tokens[name] = timed(fn, args.device, args.repeats)
         rows[name] = seconds / len(tokens[name])
     same = {kind: tokens[f"ours {kind}"] == tokens[f"generate {kind}"] for kind in ("dynamic", "static")}
@@ -144,10 +155,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{method:18}{1 / per:12.1f}{1e3 * per:11.3f}{per / floor:9.2f}")
     print(f"{'floor':18}{1 / floor:12.1f}{1e3 * floor:11.3f}{1.0:9.2f}")
     print(f"tokens == generate(): dynamic {'yes' if same['dynamic'] else 'no'}, static {'yes' if same['static'] else 'no'}")
+    profiles = {}
+    if args.profile:
+        from step_profile import line, profile_live
+
+        for kind, lm in ours.items():
+            profiles[kind] = profile_live(lm, prompt, args.tokens // 2, args.tokens - args.tokens // 2)
+            print(line(f"ours {kind}", profiles[kind]))
     if args.json:
         args.json.write_text(json.dumps({"shape": args.shape, "device": name, "weight_bytes": weight_bytes,
                                          "copy_bytes_per_s": bandwidth, "floor_s_per_token": floor,
-                                         "s_per_token": rows, "tokens_equal": same}, indent=2) + "\n")
+                                         "s_per_token": rows, "tokens_equal": same, "profile": profiles},
+                                        indent=2) + "\n")
     print(f"ours static: {rows['ours static'] / floor:.2f}x floor, tokens == generate(): "
           f"{'yes' if all(same.values()) else 'no'}")
     return 0

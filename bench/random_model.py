@@ -48,13 +48,9 @@ def make(shape: str, device: str, seed: int = 0, eos_out_of_reach: bool = False)
     `eos_out_of_reach`: EOS's output row is zero, so its logit (0) stays below the largest of the vocabulary's
     random ones and greedy decoding runs to its length limit (what a speed benchmark needs)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    layers, hidden, heads, kv, inter, vocab = SHAPES[shape]
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
+    config = config_of(shape)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -62,6 +58,23 @@ def make(shape: str, device: str, seed: int = 0, eos_out_of_reach: bool = False)
         with torch.no_grad():
             model.lm_head.weight[config.eos_token_id] = 0.0
     return model.eval()
+
+
+def config_of(shape: str) -> Any:
+    """The Qwen2Config of `shape`."""
+    from transformers import Qwen2Config
+
+    layers, hidden, heads, kv, inter, vocab = SHAPES[shape]
+    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def config_only(shape: str, out: Path) -> Path:
+    """A directory holding only `shape`'s config.json: what `stagereplay plan` reads (no weights)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config_of(shape).save_pretrained(out)
+    return out
 
 
 def build(shape: str, out: Path, device: str, seed: int = 0) -> Path:

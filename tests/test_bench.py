@@ -40,6 +40,9 @@ TINY: dict[str, tuple[list[str], str]] = {
     "gpu_wheels.sh": (["--dry-run"], r"^would download \d+ wheels into .*\.whl for CPython 3\.12 manylinux x86_64$"),
     "gpu_decode.py": (["--shape", "tiny", "--device", "cpu", "--tokens", "8", "--repeats", "1", "--copy-mib", "16"],
                       rf"^ours static: {NUMBER}x floor, tokens == generate\(\): yes$"),
+    "step_profile.py": (["--shape", "tiny", "--device", "cpu", "--stage1", "4", "--suffix", "4"],
+                        rf"^profile ours dynamic: \d+ steps; per step wall {NUMBER} ms; step {NUMBER}, pick {NUMBER}, "
+                        rf"record {NUMBER}, other -?{NUMBER} ms; host reads {NUMBER}$"),
     # Its data step only: the others need llama-cpp-python, which the llamacpp-marked tests run (tests/test_llamacpp.py).
     "llamacpp.py": (["data", "{tmp}/items.jsonl", "--n", "3"], r"^/.*/items\.jsonl$"),
     "row_costs.py": (["--rows", "1,2", "--keys", "8"],

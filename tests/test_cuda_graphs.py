@@ -27,20 +27,22 @@ def _cuda():
         pytest.fail("the gpu tests need a CUDA device (they run only with -m gpu)")
 
 
-def _proven(lm, prompt, n):
-    """The graphed step's proof (engine.proof), made before the steps below are logged: a proof made inside `_run`
-    (the stepper's guard asks for one at the first graphed step) would log its own steps as the run's."""
-    proof = lm.prove(prompt, len(prompt) + n)
+def _proven(lm, prompt, n, length=None):
+    """The graphed step's proof (engine.proof) on a static cache of `length` positions (None: generate()'s for n
+    new tokens), made before the steps below are logged: a proof made inside `_run` (the stepper's guard asks for
+    one at the first graphed step on a cache of a length no proof ran on) would log its own steps as the run's."""
+    proof = lm.prove(prompt, len(prompt) + n, length or len(prompt) + n - 1)
     assert proof is None or proof.equal, proof
 
 
-def _run(lm, prompt, n, graphs):
-    """Greedy decode of n tokens on a fresh static cache; every step's logits (fp32 copies) and the cache."""
+def _run(lm, prompt, n, graphs, length=None):
+    """Greedy decode of n tokens on a fresh static cache of `length` positions (None: generate()'s); every step's
+    logits (fp32 copies) and the cache."""
     saved = lm.stepper.graphs
     if not graphs:
         lm.stepper.graphs = None
     try:
-        cache = lm.new_cache(len(prompt) + n - 1)
+        cache = lm.new_cache(length or len(prompt) + n - 1)
         logged = []
         original = lm.stepper.forward
 
@@ -96,3 +98,21 @@ def test_graphed_live_equals_generate_static(tiny_dir, arch):
     # Negative control: the same comparison sees a nudged cache.
     last = layer_span(cache.layers[0])[1] - 1
     assert compare_caches(nudged(cache, 0, "v", (0, 0, last, 0)), generated_cache(ref)) != []
+
+
+def test_a_graph_is_proven_at_the_length_it_replays_at(tiny_dir):
+    """A graph replays the kernels recorded for its cache's length L, and a static forward's shapes follow L: a proof
+    at one length does not cover a graph on a cache of another. Control: the proof at the first length is asked
+    about the second and says no."""
+    lm = load(str(tiny_dir("qwen2")), precision="bf16", device="cuda", cache="static")
+    prompt, n = lm.tokenizer.encode(PROMPT), 24
+    short, longer = len(prompt) + n - 1, len(prompt) + n + 63
+    _proven(lm, prompt, n)
+    assert set(lm.proofs) == {short} and lm.proofs[short].allocated == short
+    assert not lm.proofs[short].covers(len(prompt) + 1, longer)  # the control: another length is not covered
+    _proven(lm, prompt, n, longer)
+    assert set(lm.proofs) == {short, longer} and lm.proofs[longer].equal
+    graphed_tokens, graphed, graphed_cache = _run(lm, prompt, n, graphs=True, length=longer)
+    eager_tokens, eager, eager_cache = _run(lm, prompt, n, graphs=False, length=longer)
+    assert graphed_tokens == eager_tokens and compare_caches(graphed_cache, eager_cache) == []
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(graphed, eager, strict=True))

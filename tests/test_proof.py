@@ -79,8 +79,8 @@ def test_no_fast_step_runs_at_a_position_no_proof_compared(tmp_path, fresh_proof
     fast_positions: list[tuple[int, int | None]] = []  # (position, the reach proven when it ran)
     original = Stepper.fast_at
 
-    def spying(self, past):
-        fast = original(self, past)
+    def spying(self, past, cache=None):
+        fast = original(self, past, cache)
         if fast and not self._proving:
             fast_positions.append((past, lm.proof.positions if lm.proof else None))
         return fast

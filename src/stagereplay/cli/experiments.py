@@ -124,7 +124,8 @@ def matched(
     speculative_config: SpeculativeConfig = None,
     static_len: Annotated[int | None, typer.Option("--static-len", help=(
         "with --cache static: positions each cache is allocated, where more than an item needs (the padded keys "
-        "change the attention's blocking: a setting to compare)"))] = None,
+        "change the attention's blocking: a setting to compare). On CUDA the default is the longest item's, one "
+        "length for all, so one proof covers the run's graphs"))] = None,
     speculate: Annotated[str | None, typer.Option("--speculate", help=(
         "live built by transformers' assisted generation: prompt-lookup:N | draft:PATH | self (the model as its own "
         "draft); the tokens each step added are recorded"))] = None,

@@ -93,7 +93,7 @@ def plan(
                          prompt_tokens=prompt_tokens, divergent=divergent, bridge_rows=rows, select=select,
                          sweep=sweep, later=later_model is not None or model is None, audit_sample=sample,
                          dedup=not no_dedup, workers=w, resample=resample, resample_items=resample_items,
-                         cache=cache, max_new_tokens=max_new_tokens, batch=batch)
+                         cache=cache, max_new_tokens=max_new_tokens, batch=batch, device=device)
         if row_ms is not None and not 0 <= row_ms < float("inf"):
             raise StageReplayError(f"--row-ms must be 0 or more, got {row_ms}", "pass e.g. --row-ms 2")
         rates = None

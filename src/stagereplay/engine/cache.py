@@ -59,6 +59,13 @@ def is_static(cache: Any) -> bool:
     return any(hasattr(layer, "max_cache_len") for layer in cache.layers)
 
 
+def allocated(cache: Any) -> int | None:
+    """A static cache's allocated positions L (its full-attention layers' `max_cache_len`; a sliding-window layer
+    holds min(W, L) rows), which a static forward's shapes follow; None for a dynamic cache."""
+    lengths = [int(layer.max_cache_len) for layer in cache.layers if hasattr(layer, "max_cache_len")]
+    return max(lengths) if lengths else None
+
+
 def held(layer: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(K, V, start): the layer's rows for the positions it holds, each [B, H_kv, T, D], and the absolute position
     of their row 0. Views, not copies: writing into them writes the cache.

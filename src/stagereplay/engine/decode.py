@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from stagereplay.engine.cache import allocated
 from stagereplay.engine.steps import widened
 from stagereplay.errors import StageReplayError
 
@@ -155,9 +156,10 @@ class Stepper:
     eagerly on the CPU, and with `graphs` (CUDA) through one CUDA graph per cache (engine.graphs), which
     replays the eager step's kernels, the token written into the graph by the device (`device_token`).
 
-    `guard(position)`, where set (an LM sets it: `LM.fast_step_at`), is asked before every fast single-token step
-    and answers whether that position is proven (engine.proof), proving it first where it can; a step it refuses
-    runs eagerly. Within `proving()` (a proof running this very stepper beside its anchor) it is not asked.
+    `guard(position, allocated)`, where set (an LM sets it: `LM.fast_step_at`), is asked before every fast
+    single-token step and answers whether that position is proven (engine.proof) on a cache of that allocation (a
+    graphed step's static length L, which its shapes follow; None for a captured step, whose cache is dynamic),
+    proving it first where it can; a step it refuses runs eagerly. Within `proving()` (a proof running this very stepper beside its anchor) it is not asked.
     """
 
     MIN_POSITIONS = 1024  # initial length of the positions buffer; it doubles when a sequence outgrows it
@@ -168,7 +170,7 @@ class Stepper:
         self.capture = capture and capture_available()
         self.eager_branches = True  # hold library switches at their eager values while tracing (EAGER_BRANCHES)
         self._captured: Any = None  # the compiled single-token step, made on first use
-        self.guard: Callable[[int], bool] | None = None  # may a fast step run at this position? (see above)
+        self.guard: Callable[[int, int | None], bool] | None = None  # may a fast step run here? (see above)
         self._proving = False
         self.graphs: Any = None  # engine.graphs.CudaGraphs: static-cache steps replayed as CUDA graphs
         if graphs and device.startswith("cuda"):
@@ -204,11 +206,13 @@ class Stepper:
         finally:
             self._proving = saved
 
-    def fast_at(self, past: int) -> bool:
-        """Whether the single-token step at `past` may take the fast path (captured or graphed)."""
+    def fast_at(self, past: int, cache: Any = None) -> bool:
+        """Whether the single-token step at `past` on `cache` may take the fast path (captured or graphed)."""
         if not self.capture and self.graphs is None:
             return False
-        return self._proving or self.guard is None or self.guard(past)
+        if self._proving or self.guard is None:
+            return True
+        return self.guard(past, allocated(cache) if self.graphs is not None and cache is not None else None)
 
     def forward(self, ids: Sequence[int], cache: Any, past: int, device_token: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -225,7 +229,7 @@ class Stepper:
                 return self._step(input_ids, self.positions(past, n), cache)
             if self._token is None:
                 self._token = torch.empty((1, 1), dtype=torch.long, device=self.device)
-            fast = self.fast_at(past)  # may prove further first, or turn the fast path off
+            fast = self.fast_at(past, cache)  # may prove further first, or turn the fast path off
             if self.graphs is not None and fast:
                 token = self._token.fill_(ids[0]) if device_token is None else device_token.view(1, 1)
                 logits = self.graphs.forward(cache, token, past)

@@ -54,6 +54,7 @@ from stagereplay.engine.proof import (
     proven,
     remember,
     report,
+    step_name,
 )
 from stagereplay.engine.steps import StepRecord
 from stagereplay.errors import StageReplayError
@@ -151,7 +152,8 @@ class LM:
         self.eos = eos_ids(generation_config, tokenizer)
         self.n_layers = int(model_config.get_text_config().num_hidden_layers)
         self.context = model_context(model_config)
-        self.proof: Proof | None = None  # the fast step's proof (engine.proof), once a run has needed it
+        self.proof: Proof | None = None  # the fast step's latest proof (engine.proof), once a run has needed it
+        self.proofs: dict[int | None, Proof] = {}  # its proofs by the static length they ran at (None: dynamic)
         self.batch_proof: BatchProof | None = None  # the batched step's (engine.proof.prove_batched)
         self.proof_store: ProofStore | None = None  # proofs kept per machine and setting (records.proofs)
         self.show_proofs = False  # say each proof as it runs (a command's own process, not --quiet)
@@ -161,29 +163,39 @@ class LM:
 
     # -- fast steps -------------------------------------------------------------------------------------
 
-    def prove(self, prompt: Sequence[int], reach: int) -> Proof | None:
+    def prove(self, prompt: Sequence[int], reach: int, allocated: int | None = None) -> Proof | None:
         """Prove the fast single-token step (captured by dynamo, or a CUDA graph) equal to the eager step from
-        `prompt` to at least position `reach`, now: a run's set-up before its first item (runs.make). Steps
-        past what is proven are proven as they come (`fast_step_at`), so `reach` need only be what the run is sure
-        to use. None where every step is eager anyway. The outcome goes into `determinism`, so every record's
-        environment carries it."""
+        `prompt` to at least position `reach`, now: a run's set-up before its first item (runs.make); a graphed step
+        on a static cache of `allocated` positions, the length the run's caches have (a proof holds for that length
+        only: engine.proof). Steps past what is proven are proven as they come (`fast_step_at`), so `reach` need
+        only be what the run is sure to use. None where every step is eager anyway. The outcome goes into
+        `determinism`, so every record's environment carries it."""
         self._proof_prompt = self._proof_prompt or tuple(prompt)
-        if self.proof is None:
-            self._adopt(proven(self.config))
-        if self._fast() and (self.proof is None or self.proof.positions < reach):
-            self._prove_to(reach, exact=True)
-        return self.proof
+        if allocated is not None and self.stepper.graphs is None:
+            allocated = None  # a captured step runs on dynamic caches only
+        if allocated is not None:
+            reach = min(reach, allocated)  # a static cache's steps reach no further than its rows
+        proof = self._proof(allocated)
+        if self._fast() and (proof is None or proof.positions < reach):
+            self._prove_to(reach, allocated, exact=True)
+        return self.proofs.get(allocated, self.proof)
 
-    def fast_step_at(self, past: int) -> bool:
-        """The stepper's guard (`Stepper.guard`): whether a fast step may run at position `past`. A position past
-        the proven reach is proven first (to `next_reach`); one below the proof's prompt, which the proof prefilled
-        rather than stepped, runs eagerly."""
-        if self.proof is None:
-            self._adopt(proven(self.config))
-        if self.proof is None or past >= self.proof.positions:
-            self._prove_to(past + 1)
-        assert self.proof is not None
-        return self.proof.equal and self.proof.covers(past)
+    def fast_step_at(self, past: int, allocated: int | None = None) -> bool:
+        """The stepper's guard (`Stepper.guard`): whether a fast step may run at position `past` on a cache of
+        `allocated` positions (None: dynamic). A position past the reach proven at that allocation is proven first
+        (to `next_reach`), as is an allocation no proof ran on; one below the proof's prompt, which the proof
+        prefilled rather than stepped, runs eagerly."""
+        proof = self._proof(allocated)
+        if proof is None or past >= proof.positions:
+            self._prove_to(past + 1, allocated)
+            proof = self.proofs[allocated]
+        return proof.equal and proof.covers(past, allocated)
+
+    def _proof(self, allocated: int | None) -> Proof | None:
+        """The proof at `allocated` this LM holds, or this process made on the same setting (engine.proof.proven)."""
+        if allocated not in self.proofs:
+            self._adopt(proven(self.config, allocated))
+        return self.proofs.get(allocated)
 
     def _fast(self) -> bool:
         return self.stepper.capture or self.stepper.graphs is not None
@@ -192,25 +204,28 @@ class LM:
         """Take `proof` as this LM's; a failed one turns the fast path off for good."""
         if proof is None:
             return
-        self.proof = proof
+        self.proof = self.proofs[proof.allocated] = proof
         if not proof.equal:
             self.stepper.capture, self.stepper.graphs = False, None
         self.determinism["fast_steps"] = proof.as_dict()
 
-    def _prove_to(self, needed: int, exact: bool = False) -> None:
-        """Prove the fast step to at least `needed` positions, or take a proof as far from the store (another
-        process's on this machine and setting). `exact`: `needed` is as far as the run goes (a count boundary's
-        reach), so prove that far (at least MIN_REACH); else double what is proven (`next_reach`)."""
-        stepper, earlier = self.stepper, self.proof
-        path = "cuda-graph" if stepper.graphs is not None else "captured"
+    def _prove_to(self, needed: int, allocated: int | None = None, exact: bool = False) -> None:
+        """Prove the fast step to at least `needed` positions on caches of `allocated` positions (None: dynamic),
+        or take a proof as far from the store (another process's on this machine and setting). `exact`: `needed` is
+        as far as the run goes (a count boundary's reach), so prove that far (at least MIN_REACH); else double what
+        is proven (`next_reach`). A static proof runs on a cache of `allocated` positions and reaches no further."""
+        stepper, earlier = self.stepper, self.proofs.get(allocated)
+        kind = "cuda-graph" if stepper.graphs is not None else "captured"
+        path = step_name(kind, allocated)  # what the store keeps one entry for
         prompt = self._proof_prompt or self._prompt_hint
-        reach = (min(max(needed, MIN_REACH), self.context) if exact
-                 else next_reach(needed, earlier.positions if earlier else 0, self.context))
+        limit = self.context if allocated is None else min(self.context, allocated)
+        reach = (min(max(needed, MIN_REACH), limit) if exact
+                 else next_reach(needed, earlier.positions if earlier else 0, limit))
         target = max(reach, len(prompt) + 1)
         store = self.proof_store
         with store.lock(path) if store is not None else nullcontext():
             stored = store.get(path) if store is not None else None
-            if store is not None and stored is not None and (not stored.equal or stored.covers(needed - 1)):
+            if store is not None and stored is not None and (not stored.equal or stored.covers(needed - 1, allocated)):
                 proof = replace(stored, reused=True)
                 self.say(f"{path} step proven on this machine before ({store.where(path)}): positions "
                          f"{proof.prompt}-{proof.positions}")
@@ -219,8 +234,8 @@ class LM:
                 label = (f"proving the {path} step on this model: {target} positions" if earlier is None else
                          f"proving the {path} step further: {earlier.positions} -> {target} positions")
                 with proof_progress(label, target - len(prompt), self.show_proofs) as advance:
-                    proof = prove_steps(path, stepper, anchor, lambda: self.new_cache(target), prompt, target,
-                                        advance)
+                    proof = prove_steps(kind, stepper, anchor, lambda: self.new_cache(allocated or target), prompt,
+                                        target, advance)
                 self.say(f"{label}: {'equal' if proof.equal else 'different'} ({proof.seconds:.1f} s)")
                 proof = replace(proof, seconds=round(proof.seconds + (earlier.seconds if earlier else 0.0), 3),
                                 extensions=earlier.extensions + 1 if earlier else 0,

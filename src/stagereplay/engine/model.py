@@ -40,7 +40,8 @@ class ModelConfig:
                 "may depend on the row count, never on its batch-mates, so it is part of the numbers"})
     static_len: int | None = field(default=None, metadata={
         "help": "with a static cache: positions to allocate per cache, when more than an item needs (None: what "
-                "generate(cache_implementation='static') allocates); the padded keys change the attention's blocking"})
+                "generate(cache_implementation='static') allocates; a run whose steps are CUDA graphs sets the longest "
+                "item's, runs.make.shared_static_len); the padded keys change the attention's blocking"})
     weights: bool = field(default=True, metadata={
         "help": "False: the config and tokenizer only, for a run whose every step a serving engine takes (the "
                 "server's model is its own; ours only tokenizes and scores). Not part of the numbers: never recorded"})

@@ -24,6 +24,13 @@ run goes on eagerly, exact and slower) and says so in one line; the outcome is r
 environment (`Proof.as_dict`). A proof is kept per machine and model setting (`LM.proof_store`,
 records.proofs), so the workers of a run, and later commands on the same setting, reuse it. Cost: two steps per
 position up to `reach` per proof (`schedule`, which `stagereplay plan` prices).
+
+A static cache's step is proven on a cache of the length it runs at. A static forward attends over all L allocated
+rows (masked), so its shapes, its kernels' blocking and on a CPU its bits follow L, and a CUDA graph replays the
+kernels it recorded for the L it was captured at: a proof on a cache of another length says nothing about them.
+So a proof records the static length it ran on (`Proof.allocated`), covers only steps on caches of that length,
+and a step on a cache of a length no proof ran on is proven at that length first (`LM.fast_step_at`). A run that
+replays graphs allocates one length for all its items (`runs.make.prepare`), so one proof covers all of them.
 """
 
 from __future__ import annotations
@@ -58,10 +65,17 @@ class Proof:
     extensions: int = 0  # earlier proofs of the same setting, each to a shorter reach, that this one extended
     key: str = ""  # the machine and model setting it holds for (records.proofs.proof_key); "" where unstored
     reused: bool = False  # taken from the store, made by another process (a worker, an earlier command)
+    allocated: int | None = None  # the static cache's allocated positions L the proof ran on; None: a dynamic cache
 
-    def covers(self, position: int) -> bool:
-        """Whether a single-token step at `position` was compared (the proof's prompt was prefilled, not stepped)."""
-        return self.prompt <= position < self.positions
+    @property
+    def name(self) -> str:
+        """The step proven, with the static length it was proven at: what the store keeps one entry for."""
+        return step_name(self.path, self.allocated)
+
+    def covers(self, position: int, allocated: int | None = None) -> bool:
+        """Whether a single-token step at `position` on a cache allocated for `allocated` positions (None: dynamic)
+        was compared: the same allocation, and a position stepped (the proof's prompt was prefilled, not stepped)."""
+        return self.allocated == allocated and self.prompt <= position < self.positions
 
     def as_dict(self) -> dict[str, Any]:
         """What a record's environment keeps: what was proven and its outcome. Not how far, from which prompt, by
@@ -76,15 +90,21 @@ class Proof:
         return asdict(self)
 
     def line(self) -> str:
+        at = "" if self.allocated is None else f" on a static cache of {self.allocated} positions"
         if self.equal:
-            return f"{self.path} steps equal the {self.anchor} steps bit for bit over {self.steps} steps"
-        return (f"{self.path} steps differ from the {self.anchor} steps at position {self.first_difference}: "
+            return f"{self.path} steps equal the {self.anchor} steps bit for bit over {self.steps} steps{at}"
+        return (f"{self.path} steps differ from the {self.anchor} steps at position {self.first_difference}{at}: "
                 f"running {self.anchor} steps (exact, slower)")
+
+
+def step_name(path: str, allocated: int | None) -> str:
+    """"captured", "cuda-graph" on a dynamic cache; "cuda-graph@L" on a static cache of L positions."""
+    return path if allocated is None else f"{path}@{allocated}"
 
 
 class ProofStore(Protocol):
     """Where one machine keeps the proofs of one model setting, for every process that runs it (records.proofs).
-    `path` names the fast step ("captured" or "cuda-graph")."""
+    `path` names the fast step and the static length it runs at (`step_name`: "captured", "cuda-graph@4096")."""
 
     def key(self, path: str) -> str:
         """What the proof holds for: the machine, its kernels, the code and the model setting, hashed."""
@@ -114,14 +134,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def prove_steps(path: str, fast: Stepper, anchor: Stepper, new_cache: Callable[[], Any], prompt: Sequence[int],
                 reach: int, advance: Callable[[int], None] | None = None) -> Proof:
-    """Run `fast` and `anchor` in lockstep from `prompt` to position `reach` (see the module docstring);
+    """Run `fast` and `anchor` in lockstep from `prompt` to position `reach` (see the module docstring), each on a
+    cache `new_cache()` makes (a static one of the length the proof holds for, recorded as `allocated`);
     `advance(1)` after each compared step (a progress bar)."""
     import torch
 
-    from stagereplay.engine.cache import clone_cache, compare_caches
+    from stagereplay.engine.cache import allocated, clone_cache, compare_caches
 
     started = time.perf_counter()
     ours, theirs = new_cache(), None
+    length = allocated(ours)
     logits = anchor.forward(list(prompt), ours, 0)
     theirs = clone_cache(ours)
     past, steps, first = len(prompt), 0, None
@@ -140,7 +162,7 @@ def prove_steps(path: str, fast: Stepper, anchor: Stepper, new_cache: Callable[[
     if first is None and compare_caches(ours, theirs):
         first = past
     return Proof(path, "eager", len(prompt), reach, steps, first is None, first,
-                 round(time.perf_counter() - started, 3))
+                 round(time.perf_counter() - started, 3), allocated=length)
 
 
 @contextmanager
@@ -195,29 +217,30 @@ def schedule(first: int, furthest: int, context: int) -> list[int]:
     return reaches
 
 
-_PROVEN: dict[tuple[Any, int], Proof] = {}
-"""This process's proofs by model setting and the model files' modification time: a model loaded again (the
-stages of a command, a test's second load) runs the same steps on the same kernels, and is not proven twice
-(other processes on this machine find them in the store, records.proofs)."""
+_PROVEN: dict[tuple[Any, int, int | None], Proof] = {}
+"""This process's proofs by model setting, the model files' modification time and the static length proven at: a
+model loaded again (the stages of a command, a test's second load) runs the same steps on the same kernels, and is
+not proven twice (other processes on this machine find them in the store, records.proofs)."""
 
 
-def _key(config: Any) -> tuple[Any, int]:
+def _key(config: Any, allocated: int | None) -> tuple[Any, int, int | None]:
     import os
 
     try:
         stamp = os.stat(config.path).st_mtime_ns
     except OSError:
         stamp = -1
-    return config, stamp
+    return config, stamp, allocated
 
 
-def proven(config: Any) -> Proof | None:
-    """The proof this process made for the model setting `config` (engine.model.ModelConfig), if any."""
-    return _PROVEN.get(_key(config))
+def proven(config: Any, allocated: int | None = None) -> Proof | None:
+    """The proof this process made for the model setting `config` (engine.model.ModelConfig) on caches of
+    `allocated` positions (None: dynamic), if any."""
+    return _PROVEN.get(_key(config, allocated))
 
 
 def remember(config: Any, proof: Proof) -> None:
-    _PROVEN[_key(config)] = proof
+    _PROVEN[_key(config, proof.allocated)] = proof
 
 
 @dataclass(frozen=True)

@@ -100,12 +100,17 @@ def proof_stages(cfg: PlanConfig, prompt: int, reach: int, context: int) -> list
     marker boundary the first proof is short and each later one doubles it as the items get further
     (`engine.proof.schedule`, to the longest sequence assumed); once per model setting (checkpoint, precision) and
     machine, whatever the workers (they share the store, records.proofs). One row per precision. A static cache's
-    CPU steps and fp32-compute's are eager: nothing to prove; batched steps are not captured (their check,
-    `LM.prove_batch`, costs a few dozen forwards, not counted)."""
+    steps on CUDA are graphs, proven on a cache of the run's one static length (runs.make.prepare), so no reach
+    passes the run's longest sequence; on a CPU they are eager, as are fp32-compute's: nothing to prove. Batched
+    steps are not captured (their check, `LM.prove_batch`, costs a few dozen forwards, not counted)."""
+    from stagereplay.engine.decode import graphs_steps
     from stagereplay.engine.proof import schedule
 
-    if cfg.cache != "dynamic" or cfg.batch > 1:
+    graphs = graphs_steps("bf16", cfg.cache, cfg.device)
+    if (cfg.cache != "dynamic" and not graphs) or cfg.batch > 1:
         return []
+    if graphs:
+        context = min(context, reach)
     settings = {("primary", "bf16"), *(("primary", p) for p in cfg.precisions)}
     if cfg.later:
         settings.add(("later", "bf16"))

@@ -106,6 +106,8 @@ class PlanConfig:
     max_new_tokens: int | None = field(default=None, metadata={
         "help": "the suffix budget a static cache is allocated for (at least suffix_tokens)"})
     batch: int = field(default=1, metadata={"help": "rows of a batched step (`paper --batch C`)"})
+    device: str = field(default="cpu", metadata={
+        "help": "where the run goes: a static cache's steps on CUDA are graphs, proven before they run"})
 
     def __post_init__(self) -> None:
         for name in ("n", "suffix_tokens", "stage1_tokens", "prompt_tokens", "bridge_rows", "workers",

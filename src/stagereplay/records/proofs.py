@@ -5,8 +5,9 @@ A proof holds for what chose the bits it compared: the machine and its kernels (
 pin ATen, oneDNN and MKL, the thread count), the code (torch, transformers, and this package's own source, hashed
 file by file, so an edit of the engine is a new key), the model setting (`ModelConfig`: path, precision,
 device, attention, cache kind, rows) and the model files as they are now (name, size and modification time of
-each), and the fast step itself (its kind and whether library switches are held at their eager values). All of it
-is hashed into the entry's key (`proof_key`); anything else is a new entry, proven afresh.
+each), and the fast step itself (its kind, the static length it runs at, and whether library switches are held at
+their eager values). All of it is hashed into the entry's key (`proof_key`); anything else is a new entry, proven
+afresh.
 
     ~/.cache/stagereplay/proofs/<key>.json     the proof as the last process to extend it left it
     ~/.cache/stagereplay/proofs/<key>.lock     held while one process proves (the others wait, then reuse)
@@ -64,7 +65,8 @@ def model_stamp(path: str) -> list[tuple[str, int, int]]:
 
 
 def proof_key(lm: LM, path: str) -> str:
-    """The key of `lm`'s proofs of the fast step `path` on this machine (see the module docstring)."""
+    """The key of `lm`'s proofs of the fast step `path` on this machine (see the module docstring): `path` is
+    engine.proof.step_name's, the step and the static length it runs at."""
     from stagereplay.engine.decode import EAGER_BRANCHES
 
     settings = {k: v for k, v in lm.determinism.items() if k not in ("fast_steps", "batch_check")}
@@ -116,7 +118,7 @@ class DirectoryStore:
         return proof if proof.key == self.key(path) else None
 
     def put(self, proof: Proof) -> None:
-        target = Path(self.where(proof.path))
+        target = Path(self.where(proof.name))
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**proof.stored(), "reused": False, "pid": os.getpid()}, sort_keys=True))
         os.replace(tmp, target)

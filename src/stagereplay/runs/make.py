@@ -14,7 +14,7 @@ from typing import Any
 from stagereplay.engine.boundary import BoundaryRule
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.generated import Generated
-from stagereplay.engine.limits import model_context
+from stagereplay.engine.limits import model_context, static_cache_len
 from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig, check_model_dir, resolve_attn_impl
 from stagereplay.errors import StageReplayError
@@ -117,6 +117,8 @@ def prepare(source: Source, ex: ExecConfig, quiet: bool = True, engine_context: 
     for item in items:
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
     source = fit_stage1(source, config, tokenizer, items, engine_context)
+    source = shared_static_len(source, items, context)
+    m = source.model
     if ex.workers == 1 and ex.executor == "local":  # else workers load their own replicas
         lm = cached_lm(m)
         determinism = lm.determinism
@@ -128,7 +130,8 @@ def prepare(source: Source, ex: ExecConfig, quiet: bool = True, engine_context: 
     elif lm is not None and steps:  # the fast step proven before any item uses it (engine.proof)
         attach_store(lm)
         lm.show_proofs = not quiet
-        lm.prove(*prove_reach(source, items))
+        prompt, reach = prove_reach(source, items)
+        lm.prove(prompt, reach, lm.cache_len(max(len(i.prompt_ids) for i in items), source.settings.decode))
         captured = lm.stepper.capture
     # Captured steps are the eager ones, bit for bit, where proven (once per machine and model setting: workers
     # reuse what the first to need it proved, records.proofs), and each record's environment says the outcome
@@ -137,6 +140,24 @@ def prepare(source: Source, ex: ExecConfig, quiet: bool = True, engine_context: 
     if graphs_steps(m.precision, m.cache, m.device):  # CUDA graphs replay the eager kernels (engine.graphs)
         determinism["cuda_graph_steps"] = True
     return source, lm, items, data_hash, determinism
+
+
+def shared_static_len(source: Source, items: list[Item], context: int) -> Source:
+    """`source` with one static length for every item where its steps are CUDA graphs and `--static-len` is not
+    given: the longest item's allocation (`engine.limits.static_cache_len`), frozen in the manifest.
+
+    A graph, and the proof that lets it run (engine.proof), hold for the static length they ran at: with each item
+    allocated its own length, every item would be proven afresh, two steps per position. One length makes one proof
+    cover the run. Each item's tokens stay generate()'s with the same static cache: generate(cache_implementation=
+    "static") with max_new_tokens = L - prompt + 1 (a static forward's bits follow L, so the length is recorded)."""
+    from stagereplay.engine.decode import graphs_steps
+
+    m, dc = source.model, source.settings.decode
+    if not items or not m.weights or m.static_len is not None or not graphs_steps(m.precision, m.cache, m.device):
+        return source
+    longest = max(len(i.prompt_ids) for i in items)
+    length = static_cache_len(longest, dc.max_stage1_tokens, dc.max_new_tokens, context)
+    return replace(source, model=replace(m, static_len=length))
 
 
 def prove_reach(source: Source, items: list[Item]) -> tuple[tuple[int, ...], int]:

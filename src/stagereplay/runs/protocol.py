@@ -122,10 +122,11 @@ def paper(out: str | Path, inputs: Inputs | None = None, protocol: PaperConfig |
         from stagereplay.toy import toy_checkpoint
 
         later_model = str(toy_checkpoint("later"))
-    later = ModelConfig(**{**asdict(source.model), "path": str(Path(later_model).resolve())}) if later_model else None
-    if later is not None:
-        check_model_dir(later.path)
+    if later_model is not None:
+        check_model_dir(str(Path(later_model).resolve()))
     source, lm, items, data_hash, determinism = prepare(source, ex, quiet)
+    # The later checkpoint runs as the primary does, on the same static length where one is shared.
+    later = ModelConfig(**{**asdict(source.model), "path": str(Path(later_model).resolve())}) if later_model else None
     print_header(source, quiet)
     extra = {"later": later.path} if later else {}
     manifest = new_manifest("paper", {"later_model": later.path if later else None,
