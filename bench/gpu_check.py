@@ -261,6 +261,7 @@ def step_decode(a: argparse.Namespace) -> int:
     from gpu_decode import SHAPE_NAMES
     from gpu_decode import main as gpu_decode
     from random_model import config_only
+    from step_profile import figures as profile_figures
 
     from stagereplay.plan.stages import model_shape
 
@@ -277,12 +278,7 @@ def step_decode(a: argparse.Namespace) -> int:
     row(a.out, "batch-1 decode: tokens == generate()",
         ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in d["tokens_equal"].items()))
     for kind, p in d["profile"].items():
-        device = "" if p["device_ms"] is None else f", device {p['device_ms']:.2f} ms"
-        syncs = "" if p["syncs"] is None or p["dtoh_copies"] is None else (
-            f", syncs {p['syncs']:.2f}, DtoH copies {p['dtoh_copies']:.2f}")
-        row(a.out, f"matched item's live steps [{kind}]: per step",
-            f"wall {p['wall_ms']:.2f} ms{device}; step {p['step_ms']:.2f}, pick {p['pick_ms']:.2f}, record "
-            f"{p['record_ms']:.2f}, other {p['other_ms']:.2f} ms; host reads {p['host_reads']:.2f}{syncs}")
+        row(a.out, f"matched item's live steps [{kind}]", profile_figures(p))
     # The 14B paper's plan (docs/how-to/plan.md), at ours static's rate scaled to 14B's weight bytes.
     big = config_only("qwen2.5-14b", a.out / "plan-14b-config")
     scale = d["weight_bytes"] / model_shape(big).weight_bytes("bf16")

@@ -108,13 +108,17 @@ def profile_live(lm: Any, prompt: Sequence[int], stage1: int, suffix: int) -> di
 
 
 def line(name: str, p: dict[str, Any]) -> str:
-    """`profile NAME: S steps, per step wall W ms, device D ms (P%), step ..., host reads R, syncs Y, DtoH C`."""
+    """`profile NAME: S steps; per step wall W ms, device D ms (P% of wall); step ...; host reads R, syncs Y, ...`."""
+    return f"profile {name}: {p['steps']} steps; {figures(p)}"
+
+
+def figures(p: dict[str, Any]) -> str:
+    """A profile's per-step figures (`profile_live`), as one line says them."""
     device = ("" if p["device_ms"] is None else
               f", device {p['device_ms']:.3f} ms ({100 * p['device_ms'] / p['wall_ms']:.0f}% of wall)")
     tail = "" if p["dtoh_copies"] is None else f", syncs {p['syncs']:.2f}, DtoH copies {p['dtoh_copies']:.2f}"
-    return (f"profile {name}: {p['steps']} steps; per step wall {p['wall_ms']:.3f} ms{device}; step "
-            f"{p['step_ms']:.3f}, pick {p['pick_ms']:.3f}, record {p['record_ms']:.3f}, other {p['other_ms']:.3f} ms; "
-            f"host reads {p['host_reads']:.2f}{tail}")
+    return (f"per step wall {p['wall_ms']:.3f} ms{device}; step {p['step_ms']:.3f}, pick {p['pick_ms']:.3f}, record "
+            f"{p['record_ms']:.3f}, other {p['other_ms']:.3f} ms; host reads {p['host_reads']:.2f}{tail}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

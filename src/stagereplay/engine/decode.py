@@ -159,7 +159,8 @@ class Stepper:
     `guard(position, allocated)`, where set (an LM sets it: `LM.fast_step_at`), is asked before every fast
     single-token step and answers whether that position is proven (engine.proof) on a cache of that allocation (a
     graphed step's static length L, which its shapes follow; None for a captured step, whose cache is dynamic),
-    proving it first where it can; a step it refuses runs eagerly. Within `proving()` (a proof running this very stepper beside its anchor) it is not asked.
+    proving it first where it can; a step it refuses runs eagerly. Within `proving()` (a proof running this very
+    stepper beside its anchor) it is not asked.
     """
 
     MIN_POSITIONS = 1024  # initial length of the positions buffer; it doubles when a sequence outgrows it

@@ -106,7 +106,7 @@ def proof_stages(cfg: PlanConfig, prompt: int, reach: int, context: int) -> list
     from stagereplay.engine.decode import graphs_steps
     from stagereplay.engine.proof import schedule
 
-    graphs = graphs_steps("bf16", cfg.cache, cfg.device)
+    graphs = graphs_steps("bf16", cfg.cache, cfg.device)  # per precision below: fp32-compute's steps stay eager
     if (cfg.cache != "dynamic" and not graphs) or cfg.batch > 1:
         return []
     if graphs:
