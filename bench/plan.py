@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options, before = {"decode": DecodeConfig(max_new_tokens=args.max_new_tokens)}, None
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         start = clock()
-        results = paper(out, Inputs(n=args.n, threads=args.threads, batch=1, **options), workers=1, quiet=True)
+        results = paper(out, Inputs.of(n=args.n, threads=args.threads, batch=1, **options), workers=1, quiet=True)
         wall = clock() - start
         decode.Stepper.forward = forward  # type: ignore[method-assign]
         lm_module.prove_steps = prove

@@ -16,15 +16,17 @@ from stagereplay.report.results import build_results
 
 
 def load(run: Path) -> tuple[list[Record], dict[str, Any]]:
+    """The chain, and the manifest as JSON to edit."""
     chain = [Record.model_validate_json(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
-    return chain, read_manifest(run)
+    return chain, read_manifest(run).as_json()
 
 
-def save(run: Path, chain: list[Record], manifest: dict[str, Any]) -> None:
+def save(run: Path, chain: list[Record], edited: dict[str, Any]) -> None:
     """Write the manifest, refresh each stage record from it, rebuild the chain from its identity hash, and
     rebuild results.json from the forged records."""
-    (run / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    stages = manifest.get("stages", {})
+    (run / "manifest.json").write_text(json.dumps(edited, indent=2) + "\n")
+    manifest = read_manifest(run)
+    stages = manifest.stages
     prev, lines, rebuilt = chain_start(manifest), [], []
     for i, r in enumerate(chain):
         update: dict[str, Any] = {"seq": i, "prev_hash": prev}

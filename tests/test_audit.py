@@ -84,7 +84,7 @@ def test_each_record_names_its_environment_recorded_in_full_before_it():
     assert "float32_matmul_precision" in kernels["reduced_precision"]  # and on CUDA, TF32 and the reductions
     items = [r for r in chain if r.kind == "item"]
     assert items and all(r.env in environments for r in items)
-    hashes = read_manifest(RUN)["config"]["model_hashes"]["primary"]
+    hashes = read_manifest(RUN).config.model_hashes["primary"]
     assert {"generation_config", "tokenizer_files"} <= set(hashes)
 
 
@@ -94,7 +94,7 @@ def test_stage_records_come_before_their_items():
     for r in chain:
         first_item.setdefault((r.kind, r.experiment, r.checkpoint), r.seq)
     stages = {(e, c): s for (k, e, c), s in first_item.items() if k == "stage"}
-    assert set(stages) == {tuple(n.split("/")) for n in read_manifest(RUN)["stages"]}
+    assert set(stages) == {tuple(n.split("/")) for n in read_manifest(RUN).stages}
     for (kind, e, c), seq in first_item.items():
         if kind == "item":
             assert stages[(e, c)] < seq

@@ -162,7 +162,7 @@ def test_matched_records_are_the_same_bits_in_any_order_subset_or_alone(tiny_dir
 
     def run(ids: list[int], name: str) -> dict[str, str]:
         out = tmp_path / name
-        matched(out, Inputs(model=str(tiny_dir(arch)), data=str(_data(tmp_path, items_file, ids, name)),
+        matched(out, Inputs.of(model=str(tiny_dir(arch)), data=str(_data(tmp_path, items_file, ids, name)),
                             boundary=After(6), decode=DecodeConfig(max_new_tokens=12), precision=precision,
                             batch=ROWS, cache=cache), quiet=True)
         return _payloads(out)
@@ -191,7 +191,7 @@ def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, 
     def run(rows: int) -> tuple[dict[str, str], dict]:
         release_models()
         out = tmp_path / f"b{rows}"
-        matched(out, Inputs(model=str(tiny_dir("qwen2")), data=str(data), boundary=After(6),
+        matched(out, Inputs.of(model=str(tiny_dir("qwen2")), data=str(data), boundary=After(6),
                             decode=DecodeConfig(max_new_tokens=12), precision=precision, batch=rows, cache=cache),
                 quiet=True)
         manifest = json.loads((out / "manifest.json").read_text())
@@ -225,7 +225,7 @@ def test_a_step_that_depends_on_its_batch_mates_is_refused_before_the_run(tiny_d
     assert not prove_batched(lm.model, ROWS, "cpu", prompts).invariant
     release_models()
     with pytest.raises(StageReplayError, match="depend on its batch-mates"):
-        matched(tmp_path / "out", Inputs(model=str(tiny_dir("qwen2")), data=str(items_file), n=3, boundary=After(6),
+        matched(tmp_path / "out", Inputs.of(model=str(tiny_dir("qwen2")), data=str(items_file), n=3, boundary=After(6),
                                          decode=DecodeConfig(max_new_tokens=8), precision="fp32", batch=ROWS),
                 quiet=True)
     assert not (tmp_path / "out").exists()
@@ -239,11 +239,11 @@ def _every_stage(out: Path, model: Path, data: Path, precision: str) -> dict[str
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.experiments.resample import ResampleConfig
     from stagereplay.experiments.transplant import TransplantConfig
-    from stagereplay.runs import Inputs, bridge, matched, precision_2x2, resample, transplant
+    from stagereplay.runs import BridgeOptions, Inputs, bridge, matched, precision_2x2, resample, transplant
 
-    matched(out, Inputs(model=str(model), data=str(data), boundary=After(6), decode=DecodeConfig(max_new_tokens=10),
+    matched(out, Inputs.of(model=str(model), data=str(data), boundary=After(6), decode=DecodeConfig(max_new_tokens=10),
                         precision=precision, batch=ROWS), quiet=True)
-    bridge(out, rows=5, quiet=True)
+    bridge(out, BridgeOptions(5), quiet=True)
     transplant(out, TransplantConfig(select="all-divergent"), quiet=True)
     precision_2x2(out, quiet=True)
     resample(out, ResampleConfig(k=2, n=5, precisions=("bf16", "fp32")), quiet=True)

@@ -202,19 +202,24 @@ def test_a_suffix_margin_comes_from_a_servers_top_logprobs_or_our_margins():
 def test_a_servers_settings_kernels_and_locations_are_told_apart():
     """Synthetic manifests of two server runs: an engine option and the server's cache type are settings and server
     fields; the URL and the model's path are locations; the server's instance (its task counter) is none of them."""
+    from stagereplay.records.manifest import Manifest
     from stagereplay.report.compare_manifests import RunSide, manifest_differences
 
-    def manifest(url: str, cache: str, tasks: int, threads: int) -> dict:
+    def manifest(url: str, cache: str, tasks: int, threads: int) -> Manifest:
         engine = {"name": "http", "seed": 0, "url": url, "concurrency": 4}
         server = {"engine": "http", "url": url, "server": {"server": "llama-server", "build": "b1", "n_ctx": 4096,
                                                            "model_path": f"/{url[-4:]}/m.gguf", "cache_type_k": cache},
                   "checked": {"greedy": True, "instance": {"tasks": tasks}}}
         env = {"device": "cpu", "machine": "x86_64", "packages": {"torch": "2"},
                "determinism": {"threads": threads}, "engine": server}
-        return {"config": {"model": {"path": f"/{url[-4:]}", "precision": "bf16"}, "engine": engine,
-                           "item_ids": ["q1"]},
-                "stages": {"matched/primary": {"engine": engine, "arms": ["oneshot", "prefix-cache"]}},
-                "environment": env}
+        model = {"path": f"/{url[-4:]}", "precision": "bf16"}
+        settings = {"boundary": "after:4", "decode": {"max_new_tokens": 8}, "scorer": "last-number"}
+        return Manifest.model_validate({
+            "schema_version": 2, "config": {"model": model, "engine": engine, "item_ids": ["q1"], "data": {},
+                                            "settings": settings, "dataset_hash": "h", "model_hashes": {}},
+            "stages": {"matched/primary": {"model": model, "settings": settings, "engine": engine,
+                                           "arms": ["oneshot", "prefix-cache"]}},
+            "environment": env})
 
     a = RunSide(Path("a"), manifest("http://h:8080", "f16", 10, 1), [])
     b = RunSide(Path("b"), manifest("http://h:8081", "q8_0", 99, 2), [])

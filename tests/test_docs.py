@@ -23,7 +23,9 @@ def _hook():
 
 
 def _leaves(group, path=("stagereplay",)):
-    for name, command in group.commands.items():
+    ctx = group.context_class(group, info_name=path[-1])
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
         if hasattr(command, "commands"):
             yield from _leaves(command, (*path, name))
         else:

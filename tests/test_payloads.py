@@ -36,7 +36,7 @@ def toy_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     runner = CliRunner()
     for args in (["matched", "--n", "4", "--precision", "bf16", "--max-new-tokens", "80", "--out", str(out)],
                  ["precision-2x2", str(out), "--precisions", "bf16"], ["bridge", str(out), "--rows", "1"],
-                 ["transplant", str(out), "--sweep", "layers"], ["resample", str(out), "--k", "2", "--n", "1"]):
+                 ["transplant", str(out), "--sweep"], ["resample", str(out), "--k", "2", "--n", "1"]):
         result = runner.invoke(app, [*args, "--quiet"])
         assert result.exit_code == 0, result.output
     return out
@@ -108,7 +108,7 @@ def test_verify_says_an_arm_that_is_not_one(toy_run):
     from stagereplay.audit.verify import claim_findings
 
     record = next(r for r in items(read_ledger(toy_run)) if r.experiment == "matched" and r.payload["status"] == "ok")
-    stage = read_manifest(toy_run)["stages"]["matched/primary"]
+    stage = read_manifest(toy_run).stages["matched/primary"]
     assert claim_findings(record, stage, record) == []
     forged = record.model_copy(update={"payload": _arm(record.payload, correct="yes")})
     found = [f["what"] for f in claim_findings(forged, stage, record)]

@@ -66,7 +66,7 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     mp.setattr(decode.Stepper, "forward", counting)
     mp.setattr(lm_module, "prove_steps", counted_proof)
     try:
-        results = paper(out, Inputs(model=str(tiny_dir("qwen2")), data=str(items_file), n=4, boundary=After(16),
+        results = paper(out, Inputs.of(model=str(tiny_dir("qwen2")), data=str(items_file), n=4, boundary=After(16),
                                     decode=DecodeConfig(max_new_tokens=48)),
                         PaperConfig(later_model=str(tiny_dir("qwen2")), audit_sample=2, resample=2, resample_items=2),
                         workers=1, quiet=True)
@@ -214,7 +214,7 @@ def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(
 
     out, _ = counted_run
     records = items(read_ledger(out))
-    stages = read_manifest(out)["stages"]
+    stages = read_manifest(out).stages
     matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}
     lm = load(str(tiny_dir("qwen2")))
     for experiment, work in (("precision_2x2", grid_item), ("transplant", transplant_item)):
@@ -398,12 +398,13 @@ def test_lengths_of_a_record(counted_run):
 
 def test_paper_command_and_plan_share_the_audit_sample_default():
     """`paper`'s --audit-sample default is the library's, which `plan` counts by default."""
-    import inspect
+    from typer.main import get_command
 
-    from stagereplay.cli import experiments
+    from stagereplay.cli import app
     from stagereplay.runs import protocol as paper
 
-    assert inspect.signature(experiments.paper).parameters["audit_sample"].default == paper.AUDIT_SAMPLE
+    command = get_command(app).get_command(None, "paper")
+    assert next(p.default for p in command.params if "--audit-sample" in p.opts) == paper.AUDIT_SAMPLE
     assert paper.PaperConfig().audit_sample == paper.AUDIT_SAMPLE
 
 

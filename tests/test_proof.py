@@ -122,17 +122,21 @@ def test_a_count_boundary_proves_to_its_reach_not_the_context(tiny_dir, items_fi
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.execution.config import ExecConfig
-    from stagereplay.runs.make import Inputs, prepare, prove_reach, resolve_source
+    from stagereplay.execution.models import cached_lm
+    from stagereplay.experiments.matched import Matched, MatchedOptions
+    from stagereplay.runs.inputs import Inputs
+    from stagereplay.runs.prepare import prepare, prove_reach
 
-    source = resolve_source(Inputs(str(tiny_dir("qwen2")), str(items_file), 4, boundary=After(6),
-                                   decode=DecodeConfig(max_new_tokens=8)))
-    source, lm, items, _, _ = prepare(source, ExecConfig(1, "local"))
-    assert lm is not None and lm.proof is not None
-    shortest, reach = prove_reach(source, items)
+    inputs = Inputs.of(model=str(tiny_dir("qwen2")), data=str(items_file), n=4, boundary=After(6),
+                       decode=DecodeConfig(max_new_tokens=8))
+    prepared = prepare("matched", inputs, Matched(), MatchedOptions(), ex=ExecConfig(1, "local"), quiet=True)
+    lm, items = cached_lm(prepared.model), list(prepared.items)
+    assert lm.proof is not None
+    shortest, reach = prove_reach(prepared.settings, items)
     assert len(shortest) == min(len(i.prompt_ids) for i in items)
     assert reach == max(len(i.prompt_ids) for i in items) + 6 + 8
     assert lm.proof.positions == max(reach, MIN_REACH) < lm.context
-    budget = source.stage1["budget"]
+    budget = prepared.stage1.budget
     assert max(len(i.prompt_ids) for i in items) + budget + 8 == lm.context  # what the old rule proved to
 
 

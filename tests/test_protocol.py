@@ -93,7 +93,7 @@ def test_transplant_selection_is_frozen_in_the_manifest(paper_run):
 
 def test_layer_sweep_finds_a_smallest_band(paper_run, tmp_path):
     run = _copy(paper_run, tmp_path)
-    result = runner.invoke(app, ["transplant", str(run), "--checkpoint", "later", "--sweep", "layers", "--quiet"])
+    result = runner.invoke(app, ["transplant", str(run), "--checkpoint", "later", "--sweep", "--quiet"])
     # The later checkpoint's all-divergent transplant already exists with another configuration: refused, named.
     assert result.exit_code == 2 and "config.sweep" in result.stderr
     fresh = tmp_path / "sweep"
@@ -105,7 +105,7 @@ def test_layer_sweep_finds_a_smallest_band(paper_run, tmp_path):
     (fresh / "manifest.json").write_text(json.dumps(manifest))
     chain, _ = load(fresh)
     save(fresh, [r for r in chain if r.experiment != "transplant"], manifest)
-    result = runner.invoke(app, ["transplant", str(fresh), "--sweep", "layers", "--select", "first:3", "--quiet"])
+    result = runner.invoke(app, ["transplant", str(fresh), "--sweep", "--select", "first:3", "--quiet"])
     assert result.exit_code == 0, result.output
     sweep = _results(fresh)["transplant"][0]["sweep"]
     assert sweep["n_layers"] == 4

@@ -35,7 +35,7 @@ def local_ray():
 
 
 def _matched(out, model, data, workers=1, executor="local", **inputs_given):
-    inputs = Inputs(model=str(model), data=str(data), n=6, boundary=After(8), decode=DecodeConfig(max_new_tokens=16),
+    inputs = Inputs.of(model=str(model), data=str(data), n=6, boundary=After(8), decode=DecodeConfig(max_new_tokens=16),
                     **inputs_given)
     return matched(out, inputs, ex=ExecConfig(workers, executor), quiet=True)
 

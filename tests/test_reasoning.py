@@ -270,30 +270,28 @@ def test_length_dependent_rope_is_warned_about_and_recorded(tiny_dir):
     from transformers import AutoConfig
 
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.engine.model import ModelConfig
     from stagereplay.experiments.jobs import ReplaySettings
-    from stagereplay.runs.make import Source, fit_stage1
-    from stagereplay.tasks import DataConfig, Item
+    from stagereplay.runs.prepare import fit_stage1
+    from stagereplay.tasks import Item
 
     path = tiny_dir("llama")
     config = AutoConfig.from_pretrained(path)
     tok = _tokenizer(path)
     items = [Item("a", tuple(range(5, 45)), "1")]
-    source = Source(ModelConfig(str(path)), DataConfig(), ReplaySettings("after:3", DecodeConfig(max_new_tokens=8)))
+    settings = ReplaySettings("after:3", DecodeConfig(max_new_tokens=8))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the default RoPE warns about nothing
-        plain = fit_stage1(source, config, tok, items)
-    assert plain.stage1["rope"]["type"] == "default"
+        _, plain = fit_stage1(settings, config, tok, items)
+    assert plain.rope.type == "default"
     config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
                               "long_factor": [2.0] * 8, "original_max_position_embeddings": 256}
     with pytest.warns(UserWarning, match="RoPE scaling 'longrope' changes its frequencies past 256 positions"):
-        scaled = fit_stage1(source, config, tok, items)
-    assert scaled.stage1["rope"] == {"type": "longrope", "original_context": 256, "length_dependent": True,
+        _, scaled = fit_stage1(settings, config, tok, items)
+    assert scaled.rope.as_json() == {"type": "longrope", "original_context": 256, "length_dependent": True,
                                      "may_change": True}
     # A budget that keeps every sequence within the original context: recorded, no warning.
-    short = replace(source, settings=replace(source.settings, decode=DecodeConfig(max_new_tokens=8,
-                                                                                   max_stage1_tokens=100)))
+    short = replace(settings, decode=DecodeConfig(max_new_tokens=8, max_stage1_tokens=100))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert fit_stage1(short, config, tok, items).stage1["rope"]["may_change"] is False
+        assert fit_stage1(short, config, tok, items)[1].rope.may_change is False
     assert rope_scaling(config).length_dependent

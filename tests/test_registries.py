@@ -1,6 +1,7 @@
-"""An experiment and a serving engine defined here, in the test, and registered here: each runs through execution,
+"""An experiment and a serving engine defined here, in the test, and registered here: each runs through its command,
 verify, the audit, plan and the report with no edit anywhere else. That is what the registries promise (adding one is
-one module and one registry line); the controls show the registries are what makes them known."""
+one module and one registry line, and its command comes from its typed options); the controls show the registries
+are what makes them known."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pytest
+from pydantic import Field
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -17,18 +19,29 @@ from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments import registry
 from stagereplay.experiments.arms import comparison
-from stagereplay.experiments.experiment import Experiment, Replay, Stage
+from stagereplay.experiments.experiment import Batch, Experiment, Replay
 from stagereplay.experiments.format import Table, as_rows, k_of_n
-from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
-from stagereplay.records.ledger import Record, open_run, read_manifest
+from stagereplay.experiments.jobs import Job, Params
+from stagereplay.records.ledger import Record, read_manifest
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.serving import engines
 from stagereplay.serving.seam import EngineConfig, EngineKind, EngineOptions, Generation
+from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
 
 runner = CliRunner()
 
 
-# -- an experiment: the greedy continuation of the prompt, twice from scratch ---------------------------------------
+# -- an experiment with its own command: the greedy continuation of the prompt, twice from scratch -------------------
+
+
+@dataclass(frozen=True)
+class TwiceOptions:
+    steps: int = field(default=6, metadata={"help": "tokens to continue each prompt by"})
+
+
+class TwiceStage(StageSection):
+    steps: int = Field(description="tokens continued")
 
 
 @dataclass(frozen=True)
@@ -51,31 +64,46 @@ def twice_item(lm: LM, job: Job[TwiceParams]) -> dict[str, Any]:
 
 
 class Twice(Experiment):
+    """The greedy continuation of each prompt, twice from scratch."""
+
     name: ClassVar[str] = "twice"
+    Stage: ClassVar[type[StageSection]] = TwiceStage
+    Options: ClassVar[type] = TwiceOptions
+    command: ClassVar[str] = "twice"
     label: ClassVar[str] = "twice"
+
+    def section(self, prepared, options: TwiceOptions, run) -> StageSection:
+        return TwiceStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                          steps=options.steps)
+
+    def batches(self, prepared, stage, run) -> list[Batch]:
+        items = [Item(r.item_id, tuple(r.payload["prompt_ids"]), r.payload["answer"]) for r in run.find(
+            "matched", prepared.checkpoint)]
+        return [Batch(prepared.model, [Job(i, prepared.settings, TwiceParams(self.stage_of(stage).steps))
+                                       for i in items])]
 
     def work(self, lm: LM, job: Job) -> dict[str, Any]:
         return twice_item(lm, job)
 
-    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:
-        return [(i, "") for i in config["item_ids"]]
+        return [(i, "") for i in config.item_ids]
 
-    def claims(self, record: Record, stage: Stage, matched: Record | None) -> list[str]:
+    def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
         arms = record.payload["arms"]
         return [] if len(arms) == 2 else ["twice: not two arms"]
 
     def replay_job(self, replay: Replay) -> Job:
-        return Job(replay.item, replay.settings, TwiceParams(replay.stage["steps"]))
+        return Job(replay.item, replay.settings, TwiceParams(self.stage_of(replay.stage).steps))
 
-    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         prompt = len(record.payload["prompt_ids"])
-        return [prompt, *[1] * (stage["steps"] - 1)] * 2
+        return [prompt, *[1] * (self.stage_of(stage).steps - 1)] * 2
 
-    def peak_caches(self, stage: Stage) -> int:
+    def peak_caches(self, stage: StageSection) -> int:
         return 1
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[dict[str, Any]]:
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[dict[str, Any]]:
         equal = sum(r.payload["comparisons"][0]["suffix_equal"] for r in records)
         return [{"checkpoint": checkpoint, "equal": equal, "n": len(records)}]
 
@@ -92,50 +120,30 @@ def twice():
 
 
 def _run_twice(out) -> None:
-    """A matched run of the toy, then the new experiment's stage in the same run, with the library's own loop."""
-    from stagereplay.engine.model import ModelConfig
-    from stagereplay.execution.config import ExecConfig
-    from stagereplay.runs import Inputs, matched
-    from stagereplay.runs.make import finish
-    from stagereplay.tasks import DataConfig, Item
-
-    matched(out, Inputs(n=3, decode=_decode()), quiet=True)
-    manifest = read_manifest(out)
-    stage = manifest["stages"]["matched/primary"]
-    model, settings = ModelConfig(**stage["model"]), ReplaySettings.from_dict(stage["settings"])
-    with open_run(out, manifest) as run:
-        run.begin_stage("twice/primary", {"model": model.as_dict(), "settings": settings.as_dict(), "steps": 6})
-        from stagereplay.engine.model import load_config_and_tokenizer
-        from stagereplay.tasks import load_items
-
-        items, _ = load_items(DataConfig(**manifest["config"]["data"]), load_config_and_tokenizer(model.path)[1])
-        jobs = [Job(Item(i.id, i.prompt_ids, i.answer), settings, TwiceParams(6)) for i in items]
-        execute(run, "twice", "primary", model, twice_item, jobs, ExecConfig(), None, True)
-        finish(run, quiet=True)
+    """A matched run of the toy, then the new experiment's stage in the same run, both through the command line."""
+    made = runner.invoke(app, ["matched", "--n", "3", "--max-new-tokens", "8", "--quiet", "--out", str(out)])
+    assert made.exit_code == 0, made.output
+    extended = runner.invoke(app, ["twice", str(out), "--steps", "5", "--quiet"])
+    assert extended.exit_code == 0, extended.output
 
 
-def _decode():
-    from stagereplay.engine.decode import DecodeConfig
-
-    return DecodeConfig(max_new_tokens=8)
-
-
-def test_an_experiment_registered_here_runs_verifies_audits_plans_and_reports(twice, tmp_path):
-    from stagereplay.audit.verify import verify_run
-    from stagereplay.plan.recorded import plan_run
-    from stagereplay.runs import audit
-
+def test_an_experiment_registered_here_runs_from_its_command_verifies_audits_plans_and_reports(twice, tmp_path):
     out = tmp_path / "run"
+    help_text = runner.invoke(app, ["twice", "--help"], env={"COLUMNS": "200"}).output
+    assert "--steps" in help_text and "tokens to continue each prompt by" in help_text and "twice options" in help_text
     _run_twice(out)
-    manifest = read_manifest(out)
-    checked = verify_run(out, manifest)
-    assert checked["reproduced"], checked["mismatches"]
+    assert read_manifest(out).stages["twice/primary"].as_stage(TwiceStage).steps == 5  # from its option, frozen
+    verified = runner.invoke(app, ["audit", str(out), "--verify-only"])
+    assert verified.exit_code == 0 and "ledger intact, bound and complete" in verified.output, verified.output
     results = json.loads((out / "results.json").read_text())
     assert results["twice"] == [{"checkpoint": "primary", "equal": 3, "n": 3}]
     assert "Twice (primary): the greedy continuation again" in (out / "report.md").read_text()
-    rows = {s.name: s for s in plan_run(out, audited=False)}
-    assert rows["twice/primary"].units == 3 and rows["twice/primary"].caches == 1
-    summary = audit(out)
+    planned = runner.invoke(app, ["plan", str(out)])
+    assert planned.exit_code == 0 and any(line.split()[:1] == ["twice/primary"] and line.split()[2] == "3"
+                                          for line in planned.output.splitlines()), planned.output
+    audited = runner.invoke(app, ["audit", str(out)])
+    assert audited.exit_code == 0, audited.output
+    summary = json.loads((out / "audit.json").read_text())
     assert summary["reproduced"], summary["mismatches"]
     assert summary["trajectories"]["n"] > 3 * 2  # the matched arms and the new experiment's, re-executed
 
@@ -152,13 +160,16 @@ def test_verify_finds_a_record_of_the_new_experiment_missing(twice, tmp_path):
     assert any("twice/primary: no record" in f["what"] for f in found), found
 
 
-def test_without_its_registry_line_a_run_of_it_is_refused_in_one_line(twice, tmp_path):
-    """The control: unregistered, the same run's report and audit refuse the stage by name, never skip it."""
+def test_without_its_registry_line_it_has_no_command_and_its_run_is_refused_in_one_line(twice, tmp_path):
+    """The control: unregistered, the command is unknown, and the run's report and audit refuse the stage by name,
+    never skip it."""
     from stagereplay.report.results import build_results
 
     out = tmp_path / "run"
     _run_twice(out)
     registry.unregister("twice")
+    unknown = runner.invoke(app, ["twice", str(out)])
+    assert unknown.exit_code == 2 and "No such command 'twice'" in unknown.output, unknown.output
     with pytest.raises(StageReplayError, match="unknown experiment 'twice'"):
         build_results(out, read_manifest(out), [])
     result = runner.invoke(app, ["audit", str(out), "--verify-only"])
@@ -171,6 +182,13 @@ def test_without_its_registry_line_a_run_of_it_is_refused_in_one_line(twice, tmp
 @dataclass(frozen=True)
 class EchoOptions(EngineOptions):
     stride: int = field(default=7, metadata={"help": "the next token is (last * stride + 3) mod the vocabulary"})
+
+
+@dataclass(frozen=True)
+class EchoOptionsWithOffset(EchoOptions):
+    """The echo engine's options with one more: what adding an option to an engine's options class takes."""
+
+    offset: int = field(default=3, metadata={"help": "what the echo adds after multiplying"})
 
 
 class EchoEngine:
@@ -188,8 +206,9 @@ class EchoEngine:
             while cached < min(len(self.held), len(ids) - 1) and self.held[cached] == ids[cached]:
                 cached += 1
         tokens, top, last = [], [], ids[-1]
+        offset = getattr(self.options, "offset", 3)
         for _ in range(max_tokens):
-            last = (last * self.options.stride + 3) % self.vocab
+            last = (last * self.options.stride + offset) % self.vocab
             tokens.append(last)
             top.append(((last, -0.1), ((last + 1) % self.vocab, -2.5)))
         self.held = ids + tokens[:-1]
@@ -224,19 +243,41 @@ def echo():
 
 
 def test_a_serving_engine_registered_here_runs_matched_audits_and_reports(echo, tmp_path):
-    from stagereplay.engine.boundary import After
-    from stagereplay.runs import Inputs, audit, matched, serving_arms
+    from stagereplay.runs import Boundary, Input, Inputs, Numerics, audit, engine_of, matched
+    from stagereplay.runs.inputs import DecodeConfig
 
     out = tmp_path / "run"
-    results = matched(out, Inputs(n=3, boundary=After(4), decode=_decode(), precision="fp32"),
-                      serving=serving_arms("echo", None, {"stride": 5}), quiet=True)
+    inputs = Inputs(Input(n=3), Boundary(after=4), DecodeConfig(max_new_tokens=8), Numerics(precision="fp32"))
+    results = matched(out, inputs, engine=engine_of("echo", None, {"stride": 5}), quiet=True)
     columns = {m["construction"]: m for m in results["matched"]}
     assert set(columns) == {"oneshot", "prefix-cache"} and all(m["engine"] == "echo" for m in columns.values())
     assert columns["prefix-cache"]["built"]["k"] == 3  # its counts say the hit reached decode-written positions
-    assert read_manifest(out)["stages"]["matched/primary"]["engine"] == {"name": "echo", "seed": 0, "stride": 5}
+    assert read_manifest(out).stages["matched/primary"].engine.as_json() == {"name": "echo", "seed": 0, "stride": 5}
     assert "echo primary: live vs oneshot" in (out / "report.md").read_text()
     summary = audit(out)
     assert summary["reproduced"], summary["mismatches"]
+
+
+def test_an_option_added_to_an_engines_options_class_is_on_the_command_line_and_in_the_manifest(
+        echo, tmp_path, monkeypatch):
+    """The option is declared once, as a field of the options class: the command line has it, in the engine's panel,
+    and the manifest records it where the engine's identity is (the run's config and the stage)."""
+    monkeypatch.setattr(EchoKind, "options", EchoOptionsWithOffset)
+    shown = runner.invoke(app, ["matched", "--help"], env={"COLUMNS": "200"}).output
+    assert "--offset" in shown and "what the echo adds after multiplying (default 3)" in shown, shown
+    assert "echo options" in shown
+    out = tmp_path / "run"
+    made = runner.invoke(app, ["matched", "--engine", "echo", "--offset", "11", "--n", "2", "--boundary-after", "4",
+                               "--max-new-tokens", "6", "--precision", "fp32", "--quiet", "--out", str(out)])
+    assert made.exit_code == 0, made.output
+    manifest = read_manifest(out)
+    assert manifest.config.engine.as_json() == {"name": "echo", "seed": 0, "stride": 7, "offset": 11}
+    assert manifest.stages["matched/primary"].engine.as_json()["offset"] == 11
+    # The control: the options class without the field has no such option.
+    monkeypatch.setattr(EchoKind, "options", EchoOptions)
+    result = runner.invoke(app, ["matched", "--engine", "echo", "--offset", "11", "--n", "1", "--out",
+                                 str(tmp_path / "again")])
+    assert result.exit_code == 2 and "No such option: --offset" in result.output, result.output
 
 
 def test_an_option_the_registered_engine_does_not_take_is_refused(echo, tmp_path):

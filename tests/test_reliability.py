@@ -20,6 +20,7 @@ from stagereplay.audit.reexecute import verify_ledger
 from stagereplay.cli import app
 from stagereplay.errors import StageReplayError
 from stagereplay.records.ledger import open_run
+from stagereplay.records.manifest import Manifest
 
 runner = CliRunner()
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -109,6 +110,15 @@ def test_second_writer_is_refused_with_the_holders_pid(tmp_path, tiny_dir, items
     assert len(_items(out)) == 10 and verify_ledger(out) == []
 
 
+def _manifest() -> Manifest:
+    """The smallest manifest a run can hold: what the lock and the manifest's landing are tested with."""
+    return Manifest.model_validate({
+        "schema_version": 2, "config": {
+            "model": {"path": "m", "precision": "fp32"}, "data": {"path": None, "n": 1},
+            "settings": {"boundary": "after:1", "decode": {"max_new_tokens": 1}, "scorer": "exact"},
+            "dataset_hash": "0" * 64, "item_ids": ["a"], "model_hashes": {}}})
+
+
 def _held_lock(run: Path) -> int:
     """Hold RUN/.lock as a writer does (flock on its own open file, its pid inside) and return the fd."""
     run.mkdir(exist_ok=True)
@@ -124,7 +134,7 @@ def test_a_writer_between_its_lock_and_its_manifest_is_named_not_called_foreign(
     fd = _held_lock(out)
     try:
         (out / ".manifest.json.x1y2.tmp").write_text("{")
-        with pytest.raises(StageReplayError, match="being written by process 4242"), open_run(out, {"config": {}}):
+        with pytest.raises(StageReplayError, match="being written by process 4242"), open_run(out, _manifest()):
             pass
     finally:
         os.close(fd)
@@ -135,11 +145,11 @@ def test_a_folder_of_other_files_is_refused_and_left_as_it_was(tmp_path):
     foreign = tmp_path / "notes"
     foreign.mkdir()
     (foreign / "todo.txt").write_text("x")
-    with pytest.raises(StageReplayError, match="exists and is not a stagereplay run"), open_run(foreign, {"config": {}}):
+    with pytest.raises(StageReplayError, match="exists and is not a stagereplay run"), open_run(foreign, _manifest()):
         pass
     assert [p.name for p in foreign.iterdir()] == ["todo.txt"]  # no lock file left in it
     (foreign / ".lock").write_text("")  # a lock file does not make other files a run's
-    with pytest.raises(StageReplayError, match="exists and is not a stagereplay run"), open_run(foreign, {"config": {}}):
+    with pytest.raises(StageReplayError, match="exists and is not a stagereplay run"), open_run(foreign, _manifest()):
         pass
 
 
@@ -148,9 +158,9 @@ def test_a_writer_killed_before_its_manifest_landed_leaves_a_folder_that_opens_a
     out.mkdir()
     (out / ".lock").write_text("999999")
     (out / ".manifest.json.x1y2.tmp").write_text("{")
-    with open_run(out, {"config": {"n": 1}}) as run:
+    with open_run(out, _manifest()) as run:
         assert run.records == []
-    assert json.loads((out / "manifest.json").read_text()) == {"config": {"n": 1}}
+    assert json.loads((out / "manifest.json").read_text()) == _manifest().as_json()
 
 
 def test_different_configuration_into_an_existing_run_names_the_fields(tmp_path, tiny_dir, items_file, reference):

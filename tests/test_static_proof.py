@@ -112,26 +112,24 @@ def test_a_proof_made_at_another_length_is_not_reused(tiny_dir):
 def test_a_graph_run_allocates_one_length_for_every_item_and_plan_prices_its_proof(tiny_dir):
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.limits import static_cache_len
-    from stagereplay.experiments.jobs import ReplaySettings
     from stagereplay.plan.paper import proof_stages
     from stagereplay.plan.stages import PlanConfig
-    from stagereplay.runs.make import Source, shared_static_len
-    from stagereplay.tasks import DataConfig, Item
+    from stagereplay.runs.prepare import shared_static_len
+    from stagereplay.tasks import Item
 
     items = [Item(id=f"q{k}", prompt_ids=tuple(range(1, 4 + 3 * k)), answer="1") for k in range(3)]
     dc = DecodeConfig(max_new_tokens=16, max_stage1_tokens=32)
 
-    def source(**model):
+    def model(**settings):
         from stagereplay.engine.model import ModelConfig
 
-        return Source(ModelConfig(path=str(tiny_dir("qwen2")), **{"cache": "static", **model}), DataConfig(),
-                      ReplaySettings(boundary="after:8", decode=dc))
+        return ModelConfig(path=str(tiny_dir("qwen2")), **{"cache": "static", **settings})
 
-    gpu = shared_static_len(source(device="cuda"), items, 512).model.static_len
+    gpu = shared_static_len(model(device="cuda"), dc, items, 512).static_len
     assert gpu == static_cache_len(len(items[-1].prompt_ids), 32, 16, 512)  # the longest item's allocation
-    assert shared_static_len(source(device="cpu"), items, 512).model.static_len is None  # eager: nothing proven
-    assert shared_static_len(source(device="cuda", static_len=300), items, 512).model.static_len == 300
-    assert shared_static_len(source(device="cuda", precision="fp32-compute"), items, 512).model.static_len is None
+    assert shared_static_len(model(device="cpu"), dc, items, 512).static_len is None  # eager: nothing proven
+    assert shared_static_len(model(device="cuda", static_len=300), dc, items, 512).static_len == 300
+    assert shared_static_len(model(device="cuda", precision="fp32-compute"), dc, items, 512).static_len is None
 
     rows = proof_stages(PlanConfig(cache="static", device="cuda", precisions=("bf16",), later=False), 20, 100, 4096)
     assert [r.name for r in rows] == ["proof@bf16"] and max(r.positions for r in rows) <= 100

@@ -339,9 +339,10 @@ def test_default_run_takes_a_reasoning_models_path(tmp_path: Path, monkeypatch: 
 
     # Without a model, the audit checks the toy's items by the same hash: other rows are another dataset.
     from stagereplay.audit.verify import dataset_findings
+    from stagereplay.records.ledger import read_manifest
     from stagereplay.tasks import toy
 
-    manifest = json.loads((tmp_path / "default" / "manifest.json").read_text())
+    manifest = read_manifest(tmp_path / "default")
     assert dataset_findings(manifest) == []
     real = toy.toy_jsonl
     monkeypatch.setattr(toy, "toy_jsonl", lambda n, seed: real(n, seed + 1))

@@ -24,7 +24,8 @@ def _cell(text: str) -> str:
 def _commands(group: Any, ctx: Any) -> list[tuple[Any, Any]]:
     """(command, its context) for every leaf command, depth first, in the order `--help` lists them."""
     out = []
-    for name, command in group.commands.items():
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
         sub = command.context_class(command, info_name=name, parent=ctx)
         if hasattr(command, "commands"):
             out += _commands(command, sub)

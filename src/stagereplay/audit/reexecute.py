@@ -11,7 +11,7 @@ re-executed records. The model-free checks (chain, binding, completeness, deriva
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,13 +22,14 @@ from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.experiment import Replay
 from stagereplay.experiments.jobs import Job, Params
-from stagereplay.experiments.registry import experiment
+from stagereplay.experiments.registry import experiment, of_stage, starts_run
 from stagereplay.records.kernels import NOT_RECORDED, describe, kernel_differences
 from stagereplay.records.ledger import Record, diff_fields, items
-from stagereplay.records.manifest import Stage, binds, stage_name
+from stagereplay.records.manifest import Manifest, RunConfig, StageSection, binds, stage_name
 from stagereplay.records.provenance import environment, model_hashes
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
+from stagereplay.serving.runs import stage_engine
 from stagereplay.tasks import DataConfig, Item, load_items
 
 __all__ = ["AuditConfig", "audit_run", "compare_payloads", "exit_code", "verify_ledger"]
@@ -40,7 +41,7 @@ def verify_ledger(run_dir: Path) -> list[dict[str, Any]]:
     from stagereplay.records.ledger import chain_problems, read_manifest
     from stagereplay.records.manifest import binding_problems, chain_start
 
-    manifest = read_manifest(run_dir) if (run_dir / "manifest.json").exists() else {}
+    manifest = read_manifest(run_dir) if (run_dir / "manifest.json").exists() else None
     chain, problems = read_chain(run_dir)
     return problems + chain_problems(chain, chain_start(manifest)) + binding_problems(manifest, chain)
 
@@ -78,12 +79,12 @@ def compare_payloads(item_id: str, recorded: dict[str, Any], again: dict[str, An
     return t_ok, len(rec_arms), c_ok, len(rec_c), mismatches
 
 
-def _replay(record: Record, stages: dict[str, Stage], item: Item,
-            matched: dict[tuple[str, str], dict[str, Any]]) -> Replay:
-    """What re-executing `record` needs: its stage and the item's matched record at its checkpoint."""
-    key = (record.checkpoint, record.item_id)
-    return Replay(record, stages[stage_name(record)], item, stages.get(f"matched/{record.checkpoint}"),
-                  matched.get(key))
+def _replay(record: Record, stages: Mapping[str, StageSection], item: Item,
+            first: dict[tuple[str, str], tuple[str, dict[str, Any]]]) -> Replay:
+    """What re-executing `record` needs: its stage, and the item's record of the stage that made the run at its
+    checkpoint (`first`: by checkpoint and item, that stage's name and the payload)."""
+    origin, payload = first.get((record.checkpoint, record.item_id), ("", None))
+    return Replay(record, stages[stage_name(record)], item, stages.get(origin), payload)
 
 
 def _unit_work(lm: Any, job: Job) -> dict[str, Any]:
@@ -108,32 +109,30 @@ class Unit(Params):
         return self.params.part
 
 
-def _unit_model(record: Record, stage: Stage) -> ModelConfig:
-    """The model settings a unit re-executes under: its stage's, at the unit's precision where it has one."""
-    model = ModelConfig(**stage["model"])
-    if "engine" in stage:  # a serving engine's stage: our model as its run loaded it
-        from stagereplay.serving.matched import arms_of
-
-        model = arms_of(stage).our_model(model)
+def _unit_model(record: Record, stage: StageSection) -> ModelConfig:
+    """The model settings a unit re-executes under: its stage's as its engine loads ours, at the unit's precision
+    where it has one."""
+    model = stage_engine(stage).model(stage.model.config())
     return model.with_precision(record.part) if experiment(record.experiment).per_precision else model
 
 
-def input_findings(manifest: dict[str, Any], data_hash: str, item_ids: list[str],
+def input_findings(manifest: Manifest, data_hash: str, item_ids: list[str],
                    checked: frozenset[str] = frozenset()) -> list[dict[str, str]]:
     """The files at the manifest's paths must be the ones the run bound by hash: each stage's model
     (config, weights, tokenizer, generation config) and the dataset, whose items (this shard's) must be the
     manifest's item ids. A path is only where to look. `checked`: checkpoints a relocation already checked."""
-    bound = manifest["config"].get("model_hashes", {})
-    want = shard_items(item_ids, parse_shard(manifest["config"].get("shard")))
-    have = manifest["config"].get("item_ids", [])
+    config = manifest.config
+    bound = config.model_hashes
+    want = shard_items(item_ids, parse_shard(config.shard))
+    have = config.item_ids
     findings = [{"item_id": i, "what": "config.item_ids lacks an item of the dataset"} for i in want if i not in have]
     findings += [{"item_id": i, "what": "config.item_ids holds an item the dataset lacks"} for i in have if i not in want]
-    if data_hash != manifest["config"].get("dataset_hash"):
-        findings.append({"item_id": "", "what": f"the data at {manifest['config']['data'].get('path')} is not the "
+    if data_hash != config.dataset_hash:
+        findings.append({"item_id": "", "what": f"the data at {config.data.path} is not the "
                                                 "run's dataset (dataset_hash differs)"})
     seen: dict[str, str] = {}
-    for name, stage in manifest.get("stages", {}).items():
-        checkpoint, path = name.partition("/")[2], stage["model"]["path"]
+    for name, stage in manifest.stages.items():
+        checkpoint, path = name.partition("/")[2], stage.model.path
         if seen.get(checkpoint) == path or checkpoint not in bound or checkpoint in checked:
             continue
         seen[checkpoint] = path
@@ -190,7 +189,7 @@ class _Tally:
     elsewhere: list[tuple[Record, str, bool]] = field(default_factory=list)
 
 
-def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex: ExecConfig,
+def audit_run(run_dir: Path, manifest: Manifest, records: list[Record], ex: ExecConfig,
               quiet: bool = False, stored_results: bool = True, config: AuditConfig | None = None,
               relocated: list[dict[str, str]] | None = None, server: str | None = None) -> dict[str, Any]:
     """Check what needs no model (`verify.verify_run`), then compare the environment each record was computed
@@ -208,7 +207,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     config = config or AuditConfig()
     checked = verify_run(run_dir, manifest, stored_results)
     tally = _Tally([{**m, "kind": "integrity"} for m in checked["mismatches"]])
-    stages = manifest.get("stages", {})
+    stages: Mapping[str, StageSection] = manifest.stages
     if server is not None:  # the run's server, moved (--url)
         from stagereplay.serving.replay import at_server
 
@@ -217,7 +216,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     records = items(records)
     other, env_summary = _other_kernels(run_dir, manifest, stages, records)
     by_id = _items(manifest, relocated, tally)
-    chosen = sample_units(_declared(stages, manifest["config"], records), config)
+    chosen = sample_units(_declared(stages, manifest.config, records), config)
     _reexecute(chosen, stages, records, by_id, ex, quiet, binds(manifest), other, tally)
     again_records = [tally.again.get(r.seq, r) for r in records]  # a sample: the rest as recorded
     recorded, rebuilt = (comparable_results(build_results(run_dir, manifest, rs)) for rs in (records, again_records))
@@ -227,7 +226,7 @@ def audit_run(run_dir: Path, manifest: dict[str, Any], records: list[Record], ex
     return _summary(records, checked, tally, env_summary, chosen, config, relocated)
 
 
-def _other_kernels(run_dir: Path, manifest: dict[str, Any], stages: dict[str, Stage], records: list[Record]
+def _other_kernels(run_dir: Path, manifest: Manifest, stages: Mapping[str, StageSection], records: list[Record]
                    ) -> tuple[set[int], dict[str, Any]]:
     """The records computed under other kernels than this machine's (their seqs), and the summary of the
     differences (said on stderr): a difference there is "not reproduced here", not an integrity finding."""
@@ -237,8 +236,8 @@ def _other_kernels(run_dir: Path, manifest: dict[str, Any], stages: dict[str, St
 
     chain, _ = read_chain(run_dir)
     environments = {r.env: r.payload for r in chain if r.kind == "environment"}
-    model = manifest["config"]["model"]
-    here = environment(model["device"], set_determinism(model["threads"], model["device"]))
+    model = manifest.config.model
+    here = environment(model.device, set_determinism(model.threads, model.device))
     build = engine_build_here(stages)  # a serving engine that records its build: this machine's, to compare
     if build is not None:
         here = {**here, "engine": {"build": build}}
@@ -252,20 +251,21 @@ def _other_kernels(run_dir: Path, manifest: dict[str, Any], stages: dict[str, St
     return {r.seq for r in other}, {**{k: v for k, v in env_summary.items() if k != "first"}, **said}
 
 
-def _items(manifest: dict[str, Any], relocated: list[dict[str, str]] | None, tally: _Tally) -> dict[str, Item]:
+def _items(manifest: Manifest, relocated: list[dict[str, str]] | None, tally: _Tally) -> dict[str, Item]:
     """The run's items from its data as it is here, by id; what differs from what the run bound is a finding."""
     from stagereplay.engine.model import load_config_and_tokenizer
 
-    run_config = manifest["config"]
-    _, tokenizer = load_config_and_tokenizer(run_config["model"]["path"])  # the weights load where jobs run
-    loaded, data_hash = load_items(DataConfig(**run_config["data"]), tokenizer)
+    run_config = manifest.config
+    _, tokenizer = load_config_and_tokenizer(run_config.model.path)  # the weights load where jobs run
+    loaded, data_hash = load_items(DataConfig(**run_config.data.declared()), tokenizer)
     moved = frozenset(m["input"].split()[0] for m in relocated or [] if m["input"].endswith("model"))
     tally.mismatches += [{**m, "kind": "integrity"}
                          for m in input_findings(manifest, data_hash, [i.id for i in loaded], moved)]
     return {i.id: i for i in loaded}
 
 
-def _declared(stages: dict[str, Stage], config: dict[str, Any], records: list[Record]) -> dict[str, list[Record]]:
+def _declared(stages: Mapping[str, StageSection], config: RunConfig, records: list[Record]
+              ) -> dict[str, list[Record]]:
     """Per stage, its records of the units the manifest declares, once each (a missing, extra or duplicated record
     is verify's finding)."""
     from stagereplay.audit.verify import expected_units
@@ -281,7 +281,7 @@ def _declared(stages: dict[str, Stage], config: dict[str, Any], records: list[Re
     return by_stage
 
 
-def _reexecute(chosen: dict[str, list[Record]], stages: dict[str, Stage], records: list[Record],
+def _reexecute(chosen: dict[str, list[Record]], stages: Mapping[str, StageSection], records: list[Record],
                by_id: dict[str, Item], ex: ExecConfig, quiet: bool, bound: bool, other: set[int],
                tally: _Tally) -> None:
     """Re-execute the chosen units, grouped by the model settings that run them, whatever their stage: one batch of
@@ -290,23 +290,24 @@ def _reexecute(chosen: dict[str, list[Record]], stages: dict[str, Stage], record
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from stagereplay.execution.executors import run_jobs
-    from stagereplay.serving.experiments import experiment_for
 
-    matched = {(r.checkpoint, r.item_id): r.payload for r in records if r.experiment == "matched"}
+    first = {(r.checkpoint, r.item_id): (stage_name(r), r.payload) for r in records if starts_run(r.experiment)}
     groups: dict[tuple[ModelConfig, str], list[Record]] = {}
     for r in (r for rs in chosen.values() for r in rs):
         stage = stages[stage_name(r)]
-        groups.setdefault((_unit_model(r, stage), stage_name(r) if "engine" in stage else ""), []).append(r)
+        served = stage.engine is not None  # a serving engine's stage runs alone, in its engine
+        groups.setdefault((_unit_model(r, stage), stage_name(r) if served else ""), []).append(r)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), disable=quiet) as bar:
         task = bar.add_task("audit", total=sum(len(g) for g in groups.values()))
         for (model, engine), group in sorted(groups.items(), key=lambda g: (g[0][0].path, g[0][0].precision, g[0][1])):
             tally.mismatches += [{"item_id": r.item_id, "what": f"{experiment(r.experiment).where(r)}: item is not "
                                   "in the manifest's dataset", "kind": "integrity"} for r in group if r.item_id not in by_id]
             todo = [r for r in group if r.item_id in by_id]
-            jobs = [experiment_for(stage_name(r), stages[stage_name(r)]).replay_job(
-                _replay(r, stages, by_id[r.item_id], matched)) for r in todo]
+            jobs = [stage_engine(stages[stage_name(r)]).replay_job(experiment(r.experiment),
+                                                                   _replay(r, stages, by_id[r.item_id], first))
+                    for r in todo]
             if engine:
-                work = experiment_for(engine, stages[engine]).work
+                work = stage_engine(stages[engine]).work(of_stage(engine))
             else:
                 work = _unit_work
                 jobs = [replace(job, params=Unit(r.experiment, job.params)) for job, r in zip(jobs, todo, strict=True)]

@@ -12,15 +12,15 @@ audit records what moved in its result (`relocated`).
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from stagereplay.engine.gguf import is_gguf
 from stagereplay.engine.model import check_model_dir
 from stagereplay.errors import StageReplayError
 from stagereplay.records.ledger import diff_fields
+from stagereplay.records.manifest import Manifest
 from stagereplay.records.provenance import model_hashes
 from stagereplay.tasks.sources import HF_PREFIX, dataset_at
 
@@ -31,12 +31,18 @@ FLAGS = {"primary": "--model", "later": "--later-model"}
 class Relocation:
     """Where the run's inputs are now (None: where the manifest says, or the embedded toy's)."""
 
-    model: str | None = None
-    later_model: str | None = None
-    data: str | None = None
-    server: str | None = None
-    """A running server's address now (`--url`), for a run on a server: the chain binds the recorded one,
-    so it replaces it only where the audit re-executes (`serving.replay.at_server`)."""
+    panel: ClassVar[str] = "Inputs that moved"
+
+    model: str | None = field(default=None, metadata={"flag": "--model", "help": (
+        "where the run's primary model is now, if it moved (checked against the run's hashes)")})
+    later_model: str | None = field(default=None, metadata={"flag": "--later-model", "help": (
+        "where the run's later model is now, if it moved (checked against the run's hashes)")})
+    data: str | None = field(default=None, metadata={"flag": "--data", "help": (
+        "where the run's data file is now, if it moved (checked against the run's dataset hash)")})
+    server: str | None = field(default=None, metadata={"flag": "--url", "help": (
+        "where the run's server is now, if it moved (--engine http runs; its build and model are compared with the "
+        "recorded ones): the chain binds the recorded address, so this one replaces it only where the audit "
+        "re-executes (`serving.replay.at_server`)")})
 
     def given(self, checkpoint: str) -> str | None:
         return {"primary": self.model, "later": self.later_model}.get(checkpoint)
@@ -81,27 +87,27 @@ def _toy_match(checkpoint: str, bound: dict[str, Any]) -> str | None:
     return str(path) if path.is_dir() and not diff_fields(bound, model_hashes(path)) else None
 
 
-def _model_paths(manifest: dict[str, Any]) -> dict[str, str]:
+def _model_paths(manifest: Manifest) -> dict[str, str]:
     """Each checkpoint's recorded location: the configuration's, else its first stage's."""
-    config = manifest.get("config", {})
-    paths = {"primary": config.get("model", {}).get("path")}
-    if config.get("later_model"):
-        paths["later"] = config["later_model"]
-    for name, stage in manifest.get("stages", {}).items():
-        paths.setdefault(name.partition("/")[2], stage.get("model", {}).get("path"))
+    config = manifest.config
+    paths: dict[str, str | None] = {"primary": config.model.path}
+    if config.later_model:
+        paths["later"] = config.later_model
+    for name, stage in manifest.stages.items():
+        paths.setdefault(name.partition("/")[2], stage.model.path)
     return {k: v for k, v in paths.items() if v}
 
 
-def relocate(manifest: dict[str, Any], where: Relocation, need_inputs: bool = True
-             ) -> tuple[dict[str, Any], list[dict[str, str]]]:
+def relocate(manifest: Manifest, where: Relocation, need_inputs: bool = True
+             ) -> tuple[Manifest, list[dict[str, str]]]:
     """The manifest with its inputs' locations replaced by where they are now, and what moved.
 
     Every given location is checked against the bound hashes first, and refused with one line naming the
     hash that differs. An input missing from its recorded path and not given is refused when
     `need_inputs` (the full audit, an experiment that extends the run); `--verify-only` needs none."""
-    out = copy.deepcopy(manifest)
-    config = out.get("config", {})
-    bound = config.get("model_hashes", {})
+    out = manifest
+    config = manifest.config
+    bound = config.model_hashes
     moved: list[dict[str, str]] = []
     for checkpoint, recorded in _model_paths(manifest).items():
         given = where.given(checkpoint)
@@ -120,34 +126,35 @@ def relocate(manifest: dict[str, Any], where: Relocation, need_inputs: bool = Tr
                                            "(checked against the run's hashes)")
                 continue
             here, how = toy, "the embedded toy checkpoint, hashes match"
-        _set_model_path(out, checkpoint, recorded, here)
+        out = _with_model_path(out, checkpoint, recorded, here)
         moved.append({"input": f"{checkpoint} model", "recorded": recorded, "here": here, "how": how})
-    data = config.get("data", {})
-    recorded_data = data.get("path")
+    data = config.data
+    recorded_data = data.path
     if where.data is not None:
         here = where.data if where.data.startswith(HF_PREFIX) else str(Path(where.data).resolve())
-        found = dataset_at(here, data.get("columns"))
+        found = dataset_at(here, data.columns)
         if found is None:
             raise StageReplayError(f"--data {here} not found", "pass the data the run was made with")
-        if found[1] != config.get("dataset_hash"):
+        if found[1] != config.dataset_hash:
             raise StageReplayError(f"--data {here} is not the run's dataset: its dataset_hash differs "
-                                   f"({_short(config.get('dataset_hash'))} recorded, {_short(found[1])} here)",
+                                   f"({_short(config.dataset_hash)} recorded, {_short(found[1])} here)",
                                    "pass the data the run was made with")
-        data["path"] = here
+        out = out.updated(config=out.config.updated(data=data.updated(path=here)))
         moved.append({"input": "data", "recorded": recorded_data or "the toy task", "here": here,
                       "how": "--data, dataset hash matches"})
-    elif recorded_data and need_inputs and dataset_at(recorded_data, data.get("columns")) is None:
+    elif recorded_data and need_inputs and dataset_at(recorded_data, data.columns) is None:
         raise StageReplayError(f"the run's data is not at {recorded_data}",
                                "pass --data PATH where it is now (checked against the run's dataset_hash)")
     return out, moved
 
 
-def _set_model_path(manifest: dict[str, Any], checkpoint: str, recorded: str, here: str) -> None:
-    config = manifest["config"]
-    if checkpoint == "primary" and config.get("model", {}).get("path") == recorded:
-        config["model"]["path"] = here
-    if checkpoint == "later" and config.get("later_model") == recorded:
-        config["later_model"] = here
-    for name, stage in manifest.get("stages", {}).items():
-        if name.partition("/")[2] == checkpoint:
-            stage["model"]["path"] = here
+def _with_model_path(manifest: Manifest, checkpoint: str, recorded: str, here: str) -> Manifest:
+    """`manifest` with the model of `checkpoint` at `here` wherever it was recorded at `recorded`."""
+    config = manifest.config
+    if checkpoint == "primary" and config.model.path == recorded:
+        config = config.updated(model=config.model.updated(path=here))
+    if checkpoint == "later" and config.later_model == recorded:
+        config = config.updated(later_model=here)
+    stages = {name: stage.updated(model=stage.model.updated(path=here)) if name.partition("/")[2] == checkpoint
+              else stage for name, stage in manifest.stages.items()}
+    return manifest.updated(config=config, stages=stages)

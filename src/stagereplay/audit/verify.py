@@ -27,7 +27,9 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments import registry
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
 from stagereplay.records.manifest import (
-    Stage,
+    Manifest,
+    RunConfig,
+    StageSection,
     binding_problems,
     binds,
     bound_config,
@@ -65,7 +67,7 @@ def read_chain(run_dir: Path) -> tuple[list[Record], list[dict[str, Any]]]:
     return records, problems
 
 
-def verify_run(run_dir: Path, manifest: dict[str, Any], stored_results: bool = True) -> dict[str, Any]:
+def verify_run(run_dir: Path, manifest: Manifest, stored_results: bool = True) -> dict[str, Any]:
     """Chain, binding, completeness and every derivable claim; `reproduced` is False on any finding.
     `stored_results=False` leaves out results.json (a run about to rewrite it)."""
     chain, broken = read_chain(run_dir)
@@ -75,8 +77,8 @@ def verify_run(run_dir: Path, manifest: dict[str, Any], stored_results: bool = T
     if not broken:  # a broken chain is the finding; what it says is not to be trusted or derived from
         findings += _guarded("", "the manifest", lambda: dataset_findings(manifest) + stage_model_findings(manifest))
         findings += _guarded("", "the ledger", lambda: completeness(manifest, records))
-        stages = manifest.get("stages", {})
-        matched = {(r.checkpoint, r.item_id): r for r in records if r.experiment == "matched"}
+        stages = manifest.stages
+        matched = {(r.checkpoint, r.item_id): r for r in records if registry.starts_run(r.experiment)}
         for r in records:
             stage = stages.get(stage_name(r))
             if stage is not None:
@@ -98,43 +100,43 @@ def _guarded(item: str, where: str, check: Callable[[], list[dict[str, str]]]) -
         return [{"item_id": item, "what": f"{where}: malformed ({type(exc).__name__}: {exc})"}]
 
 
-def dataset_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
+def dataset_findings(manifest: Manifest) -> list[dict[str, str]]:
     """The item ids are what the dataset gives, and the dataset is the run's (its hash), read without a model:
     the data's ids (first `n`, this shard's) when it is at its location, in any format (`tasks.sources`); the
     toy task's rows, which are generated and hashed (`tasks.toy.toy_data_hash`) as a file's bytes are."""
-    config = manifest.get("config", {})
-    data, ids = config.get("data", {}), list(config.get("item_ids", []))
-    shard = parse_shard(config.get("shard"))
+    config = manifest.config
+    data, ids = config.data, list(config.item_ids)
+    shard = parse_shard(config.shard)
     findings = []
-    if data.get("path") is None:
+    if data.path is None:
         from stagereplay.tasks.toy import HELDOUT_SEED, toy_data_hash, toy_rows
 
-        n = data.get("n") or 200
-        if toy_data_hash(n, HELDOUT_SEED) != config.get("dataset_hash"):
+        n = data.n or 200
+        if toy_data_hash(n, HELDOUT_SEED) != config.dataset_hash:
             findings.append({"item_id": "", "what": "the toy task's items are not the run's dataset "
                                                     "(dataset_hash differs)"})
         want = shard_items([row["id"] for row in toy_rows(n, HELDOUT_SEED)], shard)
     else:
-        path = data["path"]
-        found = dataset_at(path, data.get("columns"))  # any format (tasks.sources); None: not at hand here
+        path = data.path
+        found = dataset_at(path, data.columns)  # any format (tasks.sources); None: not at hand here
         if found is None:
             return []  # a location only; the full audit reads the data where it is given
-        if found[1] != config.get("dataset_hash"):
+        if found[1] != config.dataset_hash:
             findings.append({"item_id": "", "what": f"the data at {path} is not the run's dataset "
                                                     "(dataset_hash differs)"})
         rows = [r.id for r in found[0]]
-        want = shard_items(rows[: data.get("n") or len(rows)], shard)
+        want = shard_items(rows[: data.n or len(rows)], shard)
     findings += [{"item_id": i, "what": "config.item_ids lacks an item of the dataset"} for i in want if i not in ids]
     findings += [{"item_id": i, "what": "config.item_ids holds an item the dataset lacks"} for i in ids if i not in want]
     return findings
 
 
-def stage_model_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
+def stage_model_findings(manifest: Manifest) -> list[dict[str, str]]:
     """Every stage runs the run's model settings (precision, device, threads, attention); only the path (the
     checkpoint) may differ, and a 2x2 stage's precisions are its parts."""
-    model = bound_config(manifest.get("config", {})).get("model", {})
+    model = bound_config(manifest.config).get("model", {})
     findings = []
-    for name, stage in manifest.get("stages", {}).items():
+    for name, stage in manifest.stages.items():
         differ = diff_fields(model, bound_stage(stage).get("model", {}))
         if differ:
             findings.append({"item_id": "", "what": f"stage {name}: model {', '.join(differ)} differs from the "
@@ -142,16 +144,16 @@ def stage_model_findings(manifest: dict[str, Any]) -> list[dict[str, str]]:
     return findings
 
 
-def expected_units(name: str, stage: Stage, config: dict[str, Any], records: list[Record]
+def expected_units(name: str, stage: StageSection, config: RunConfig, records: list[Record]
                    ) -> list[tuple[str, str]]:
     """The (item id, part) units a declared stage names, as its experiment says (`Experiment.units`)."""
     experiment, _, checkpoint = name.partition("/")
     return registry.experiment(experiment).units(checkpoint, stage, config, records)
 
 
-def completeness(manifest: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
+def completeness(manifest: Manifest, records: list[Record]) -> list[dict[str, str]]:
     """A missing, extra or duplicated record, per declared stage; a record of a stage the manifest lacks."""
-    stages, config = manifest.get("stages", {}), manifest.get("config", {})
+    stages, config = manifest.stages, manifest.config
     findings: list[dict[str, str]] = []
     counts = Counter((stage_name(r), r.item_id, r.part) for r in records)
     for name, item, _ in counts:
@@ -176,7 +178,7 @@ def completeness(manifest: dict[str, Any], records: list[Record]) -> list[dict[s
     return findings
 
 
-def claim_findings(record: Record, stage: Stage, matched: Record | None, schema_2: bool = True
+def claim_findings(record: Record, stage: StageSection, matched: Record | None, schema_2: bool = True
                    ) -> list[dict[str, str]]:
     """Every field of one item record that follows from its other fields (and its matched record), checked.
     Schema 1 fingerprinted fewer comparison fields (`schema_2=False`)."""
@@ -207,10 +209,10 @@ def claim_findings(record: Record, stage: Stage, matched: Record | None, schema_
     return [{"item_id": item, "what": f"{where} {b}"} for b in bad]
 
 
-def _arm_claims(record: Record, stage: Stage) -> list[str]:
+def _arm_claims(record: Record, stage: StageSection) -> list[str]:
     p = record.payload
-    scorer = scorer_by_name(stage["settings"]["scorer"])
-    precision = record.part or stage["model"]["precision"]
+    scorer = scorer_by_name(stage.settings.scorer)
+    precision = record.part or stage.model.precision
     bad = []
     for raw in p.get("arms", []):
         try:
@@ -221,7 +223,7 @@ def _arm_claims(record: Record, stage: Stage) -> list[str]:
         if a.suffix_fp != ids_fingerprint(a.suffix_ids):
             bad.append(f"arm {a.name}: suffix_fp is not the fingerprint of its suffix_ids")
         if isinstance(a, Arm) and a.correct != bool(scorer(a.text, p.get("answer", ""))):  # a draw keeps no text
-            bad.append(f"arm {a.name}: correct is not what scorer {stage['settings']['scorer']} gives its text")
+            bad.append(f"arm {a.name}: correct is not what scorer {stage.settings.scorer} gives its text")
         if a.precision != precision:
             bad.append(f"arm {a.name}: precision {a.precision} is not the stage's {precision}")
     return bad
@@ -248,7 +250,7 @@ def _same_as_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
     return bad
 
 
-def results_findings(run_dir: Path, manifest: dict[str, Any], records: list[Record]) -> list[dict[str, str]]:
+def results_findings(run_dir: Path, manifest: Manifest, records: list[Record]) -> list[dict[str, str]]:
     """Every field of results.json must be what the ledger gives (less its time stamp, the last audit and the
     models' locations)."""
     path = run_dir / "results.json"

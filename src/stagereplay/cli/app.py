@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import typer
@@ -18,10 +18,31 @@ except ImportError:  # an older typer on the real click
 
 from stagereplay.errors import StageReplayError
 
+COMMANDS: list[Callable[[], Mapping[str, tuple[Callable[..., Any], str | None]]]] = []
+"""Sources of commands made when the command line is read (`cli.experiments`: one per registered experiment), each
+giving {name: (the command's function, its help)}: a command registered after import has its command too."""
+
 
 class OneLineErrors(TyperGroup):
     """Click's usage errors (a value of the wrong type, a missing or unknown option or command) as the one
-    `error: <problem>; <fix>` line and exit code 2 of every other bad input, not a usage box."""
+    `error: <problem>; <fix>` line and exit code 2 of every other bad input, not a usage box; and the commands
+    `COMMANDS` make, listed first."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        made = [name for source in COMMANDS for name in source()]
+        return [*made, *(n for n in super().list_commands(ctx) if n not in made)]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        from typer.main import get_command_from_info
+        from typer.models import CommandInfo
+
+        for source in COMMANDS:
+            made = source()
+            if cmd_name in made:
+                fn, help_text = made[cmd_name]
+                return get_command_from_info(CommandInfo(name=cmd_name, callback=fn, help=help_text),
+                                             pretty_exceptions_short=True, rich_markup_mode="rich")
+        return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: Any) -> Any:  # typer's vendored click.Context
         try:

@@ -2,41 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from stagereplay.cli.app import app, guarded
-from stagereplay.cli.options import (
-    Executor,
-    MovedData,
-    MovedLater,
-    MovedModel,
-    MovedServer,
-    Quiet,
-    RunDir,
-    Workers,
-    relocation,
-)
+from stagereplay.cli.groups import Group, command, run_dir_argument
+from stagereplay.cli.options import quiet_option
 from stagereplay.errors import StageReplayError
 
 
-@app.command()
-def audit(
-    run_dir: RunDir,
-    verify_only: Annotated[bool, typer.Option("--verify-only", help="check the ledger's integrity only")] = False,
-    sample: Annotated[int | None, typer.Option("--sample", help=(
-        "re-execute a seeded sample of N units per stage (every record is still verified)"))] = None,
-    seed: Annotated[int, typer.Option("--seed", help="seed of the --sample")] = 0,
-    model: MovedModel = None,
-    later_model: MovedLater = None,
-    data: MovedData = None,
-    url: MovedServer = None,
-    workers: Workers = 1,
-    executor: Executor = "local",
-    quiet: Quiet = False,
-) -> None:
+def _audit(on: Any, config: Any, run_dir: Path, verify_only: bool, quiet: bool) -> None:
     """Re-execute a run from its manifest and ledger. Exit 0: every record reproduced; 1: an integrity finding
     (tampering or a broken run, whatever the machine); 3: integrity holds, but units were not reproduced
     under this machine's other kernels (the first line names the fields that differ)."""
@@ -44,11 +22,9 @@ def audit(
     def go() -> None:
         from stagereplay.audit.reexecute import exit_code
         from stagereplay.report.audit_lines import finding_lines, verdict_line
-        from stagereplay.runs import AuditConfig, ExecConfig, Extension
         from stagereplay.runs import audit as run
 
-        on = Extension(ex=ExecConfig(workers, executor), where=relocation(model, later_model, data, url))
-        res = run(run_dir, AuditConfig(sample, seed), verify_only, on, quiet)
+        res = run(run_dir, config, verify_only, on, quiet)
         line = (res.get("environment") or {}).get("line")
         if line:  # why units may not reproduce here: the kernels that made them are not this machine's
             typer.echo(line, err=True)
@@ -77,6 +53,20 @@ def audit(
 
     guarded(go)
 
+
+def _audit_command() -> Any:
+    from stagereplay.audit.reexecute import AuditConfig
+    from stagereplay.runs.extend import Extension
+
+    verify_only = inspect.Parameter("verify_only", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                                    default=typer.Option(False, "--verify-only", help="check the ledger's integrity "
+                                                                                      "only", rich_help_panel="Audit"))
+    return command(_audit, [Group(AuditConfig, "config", panel="Audit"),
+                            Group(Extension, "on", hide=frozenset({"checkpoint"}))], [verify_only, quiet_option()],
+                   arguments=[run_dir_argument()])
+
+
+app.command("audit")(_audit_command())
 
 
 @app.command()

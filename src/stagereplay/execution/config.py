@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from stagereplay.errors import StageReplayError
 
@@ -19,11 +19,13 @@ EXECUTORS = ("local", "ray")
 class ExecConfig:
     """How many processes and which backend."""
 
-    workers: int = 1
-    executor: str = "local"
-    isolated: bool = False
-    """Jobs in a worker process even at one worker: native code that crashes (a serving engine's library) takes
-    the worker down, not the run, which then says so in one line and resumes from the item."""
+    panel: ClassVar[str] = "Execution"
+
+    workers: int = field(default=1, metadata={"help": "local worker processes (or Ray actors)"})
+    executor: str = field(default="local", metadata={"help": "local | ray"})
+    isolated: bool = field(default=False, metadata={"cli": False, "help": (
+        "jobs in a worker process even at one worker: native code that crashes (a serving engine's library) takes "
+        "the worker down, not the run, which then says so in one line and resumes from the item")})
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -91,17 +91,17 @@ def pin(caps: Mapping[str, str], strict: bool = True) -> bool:
     return True
 
 
-def recorded_caps(manifest: Mapping[str, Any]) -> dict[str, str]:
-    """The kernel variables set in the environment a run's manifest recorded."""
-    env = ((manifest.get("environment") or {}).get("kernels") or {}).get("cpu") or {}
+def recorded_caps(environment: Mapping[str, Any]) -> dict[str, str]:
+    """The kernel variables set in the environment a run's manifest recorded (records.provenance.environment)."""
+    env = (environment.get("kernels") or {}).get("cpu") or {}
     return {k: str(v) for k, v in (env.get("env") or {}).items() if v}
 
 
-def follow_run(manifest: Mapping[str, Any]) -> bool:
+def follow_run(environment: Mapping[str, Any]) -> bool:
     """Compute under the kernel variables a run recorded, where this process can still choose: torch not loaded
     and no kernel variable set by the user (whose choice stands; the audit names any difference). Returns whether
     the run's variables hold here."""
-    caps = recorded_caps(manifest)
+    caps = recorded_caps(environment)
     if user_caps() or not caps:
         return user_caps() == caps
     return pin(caps, strict=False)

@@ -11,7 +11,7 @@ from stagereplay.engine.forwards import Lengths
 from stagereplay.engine.lm import LM, BoundaryState, Continuation
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.ledger import sha256_json
-from stagereplay.records.manifest import Stage
+from stagereplay.records.manifest import StageSection
 from stagereplay.records.payloads import (
     Arm,
     Comparison,
@@ -40,7 +40,7 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
     return arm if state.roundtrip is None else arm.model_copy(update={"roundtrip": state.roundtrip})
 
 
-def matched_arms(stage: Stage, matched_stage: Stage | None, matched: dict[str, Any] | None,
+def matched_arms(stage: StageSection, matched_stage: StageSection | None, matched: dict[str, Any] | None,
                  precision: str | None = None) -> dict[str, dict[str, Any]]:
     """By name, the arms of an item's matched record that `stage` may carry over instead of decoding them again:
     those of a record that reached its boundary, when `stage` runs the matched stage's model (at `precision`, by
@@ -48,8 +48,8 @@ def matched_arms(stage: Stage, matched_stage: Stage | None, matched: dict[str, A
     that the cache an arm continues from is the recorded one, its item function checks (`cache_fp`)."""
     if matched_stage is None or matched is None or matched.get("status") != "ok":
         return {}
-    model = {**stage["model"], "precision": precision} if precision else dict(stage["model"])
-    if dict(matched_stage["model"]) != model or matched_stage["settings"] != stage["settings"]:
+    model = {**stage.model.as_json(), **({"precision": precision} if precision else {})}
+    if matched_stage.model.as_json() != model or matched_stage.settings.as_json() != stage.settings.as_json():
         return {}
     return {a.get("name"): a for a in matched.get("arms", [])}
 

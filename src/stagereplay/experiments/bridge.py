@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter
 
@@ -16,15 +16,15 @@ from stagereplay.engine.forwards import (
     no_boundary_forwards,
 )
 from stagereplay.engine.lm import LM, NoBoundary
-from stagereplay.engine.model import ModelConfig
-from stagereplay.execution.config import ExecConfig
+from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import arm_record, compare, no_boundary, record_lengths
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage, matched_ok
+from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
 from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, yes_no
-from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
-from stagereplay.experiments.precision_2x2 import fixed_prefixes
+from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.matched import fixed_prefixes, matched_ok
 from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import (
     BitDifference,
     BridgePayload,
@@ -32,6 +32,9 @@ from stagereplay.records.payloads import (
     NoBoundaryPayload,
     Payload,
 )
+
+if TYPE_CHECKING:
+    from stagereplay.experiments.prepared import PreparedRun
 
 EXPERIMENT = "bridge"
 PAYLOAD: TypeAdapter[BridgePayload | NoBoundaryPayload] = TypeAdapter(
@@ -78,14 +81,6 @@ def forwards(n: Lengths) -> list[int]:
         return no_boundary_forwards(n.prompt, n.generated)
     return (live_forwards(n.prompt, n.stage1, n.of("live")) + construct_forwards("incremental", n.prompt, n.prefix)
             + continuation_forwards(n.of("incremental")))
-
-
-def run_bridge(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, rows: int,
-               ex: ExecConfig, quiet: bool = False) -> None:
-    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": model.as_dict(), "settings": settings.as_dict(),
-                                                  "rows": rows})
-    jobs = [Job(item, settings, BridgeParams(tuple(prefix))) for item, prefix in fixed_prefixes(run, checkpoint)]
-    execute(run, EXPERIMENT, checkpoint, model, bridge_item, jobs[:rows], ex, None, quiet)
 
 
 # -- what verify checks, results.json and the report -------------------------------------------------------------
@@ -141,35 +136,70 @@ def bridge_tables(bridge: dict[str, Any]) -> list[Table]:
     return tables
 
 
+@dataclass(frozen=True)
+class BridgeOptions:
+    """The bridge's own option: how many rows."""
+
+    rows: int = field(default=12, metadata={"help": "items to compare (the first that reached the boundary)"})
+
+    def __post_init__(self) -> None:
+        if self.rows < 1:
+            raise StageReplayError(f"--rows must be at least 1, got {self.rows}", "pass a positive --rows")
+
+
+class BridgeStage(StageSection):
+    """The bridge's frozen section."""
+
+    rows: int = Field(description="items compared: the first that reached the boundary")
+
+
 class Bridge(Experiment):
-    """Incremental prefill against the retained live cache, bitwise, layer by layer (`bridge_item`)."""
+    """Incremental vs live boundary caches, bitwise, layer by layer, K and V, and their suffixes."""
 
     name: ClassVar[str] = EXPERIMENT
+    Stage: ClassVar[type[StageSection]] = BridgeStage
+    Options: ClassVar[type] = BridgeOptions
+    command: ClassVar[str] = "bridge"
     label: ClassVar[str] = "bridge"
     many: ClassVar[bool] = False
     replays_diagnostics: ClassVar[bool] = True
 
+    def section(self, prepared: PreparedRun, options: BridgeOptions, run: Run) -> StageSection:
+        return BridgeStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                           rows=options.rows)
+
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        rows = self.stage_of(stage).rows
+        jobs = [Job(item, prepared.settings, BridgeParams(tuple(prefix)))
+                for item, prefix in fixed_prefixes(run, prepared.checkpoint)]
+        return [Batch(prepared.model, jobs[:rows])]
+
+    def exit_code(self, results: dict[str, Any]) -> int:
+        """1 where a row's caches are not bit-exact: the bridge's claim failed."""
+        bridge = results[EXPERIMENT]
+        return int(bridge["cache_bit_exact"] != bridge["rows"])
+
     def work(self, lm: LM, job: Job) -> Payload:
         return bridge_item(lm, job)
 
-    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:
         """The first `rows` prefixes of its matched run."""
-        return [(i, "") for i in matched_ok(records, checkpoint)[: stage.get("rows", 0)]]
+        return [(i, "") for i in matched_ok(records, checkpoint)[: self.stage_of(stage).rows]]
 
-    def claims(self, record: Record, stage: Stage, matched: Record | None) -> list[str]:
+    def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
         return bridge_claims(record.payload, matched) if record.payload.get("status") == "ok" else []
 
     def replay_job(self, replay: Replay) -> Job:
         return Job(replay.item, replay.settings, BridgeParams(tuple(replay.prefix or ())))
 
-    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         return forwards(record_lengths(record.payload))
 
-    def peak_caches(self, stage: Stage) -> int:
+    def peak_caches(self, stage: StageSection) -> int:
         return 3  # live's, incremental's, and a continuation's
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
         return [summarize_bridge(records, checkpoint)]
 
     def tables(self, results: Any) -> list[Table]:

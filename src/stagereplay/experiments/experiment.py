@@ -1,8 +1,13 @@
-"""What an experiment is, for everything that runs, checks, prices or reports it: one typed object per
-experiment, found by name in the registry (`experiments.registry`).
+"""What an experiment is, for everything that makes, checks, prices or reports a run: one typed object per experiment,
+found by name in the registry (`experiments.registry`).
 
 An experiment declares
 
+    Stage                    its frozen section of the manifest (a `StageSection` with its own fields)
+    Options                  its own options (a frozen dataclass: its command's options come from its fields)
+    check(model, opts)       what it refuses before anything loads
+    section(prepared, opts)  the section it freezes before its first item, from the prepared run and its options
+    batches(prepared, stage) its jobs, one batch per model setting (a precision), from the frozen section
     work(lm, job)            its item function: one item's record payload, pure in (model, job)
     units(...)               the (item id, part) units a declared stage of it names: what `verify` expects
     claims(...)              what its records claim beyond the arms and comparisons every record has (`verify`)
@@ -12,50 +17,43 @@ An experiment declares
     summarize(...)           its section(s) of results.json, from its records
     tables(sections)         the report's tables of those sections
 
-Its typed configuration and per-item job parameters (`Params`), and the function that runs it into a run
-directory, live in its module beside it. Nothing outside an experiment's module names the experiment: a stage of
-the manifest (`<experiment>/<checkpoint>`) finds its experiment in the registry, and a name the registry does not
-know is refused in one line.
+and `run(run, prepared, options)` makes its stage of a run the same way for every experiment and engine: the engine
+of the prepared run (`experiments.prepared.RunEngine`: ours, or a serving engine) gives the section, the batches and
+the item function, and the loop appends a record per job not yet in the ledger. Nothing outside an experiment's
+module names the experiment: a stage of the manifest (`<experiment>/<checkpoint>`) finds its experiment in the
+registry, and a name the registry does not know is refused in one line.
 """
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from stagereplay.engine.model import ModelConfig
+from stagereplay.execution.config import Work
+from stagereplay.execution.executors import run_jobs
 from stagereplay.experiments.format import Table
-from stagereplay.experiments.jobs import Job, ReplaySettings
-from stagereplay.records.ledger import Record
-from stagereplay.records.manifest import Stage
+from stagereplay.experiments.jobs import Batch, Job, Replay, with_environment
+from stagereplay.experiments.prepared import PreparedRun
+from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import RunConfig, StageSection
 from stagereplay.records.payloads import Payload
-from stagereplay.tasks.base import Item
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
+
+__all__ = ["Batch", "Experiment", "NoOptions", "Replay", "Section", "append_jobs"]
 
 Section = dict[str, Any]
 """One section of results.json: what an experiment's summary says of one stage (or one arm or precision of it)."""
 
 
 @dataclass(frozen=True)
-class Replay:
-    """What re-executing one recorded unit needs: the record, its stage, the item, and the matched record of the
-    item at the same checkpoint (the prefix other experiments start from, the arms they carry over)."""
-
-    record: Record
-    stage: Stage
-    item: Item
-    matched_stage: Stage | None
-    matched: Payload | None
-
-    @property
-    def settings(self) -> ReplaySettings:
-        return ReplaySettings.from_dict(self.stage["settings"])
-
-    @property
-    def prefix(self) -> list[int] | None:
-        return None if self.matched is None else self.matched.get("prefix_ids")
+class NoOptions:
+    """An experiment without options of its own."""
 
 
 class Experiment(ABC):
@@ -63,6 +61,14 @@ class Experiment(ABC):
 
     name: ClassVar[str]
     """The ledger's `experiment` field and the first half of a stage's name."""
+    Stage: ClassVar[type[StageSection]] = StageSection
+    """Its frozen section of the manifest."""
+    Options: ClassVar[type] = NoOptions
+    """Its own options: a frozen dataclass, each field with its `help` (its command's options come from them)."""
+    command: ClassVar[str] = ""
+    """Its command's name ('' : it has none): `stagereplay <command>`."""
+    starts_run: ClassVar[bool] = False
+    """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
     per_precision: ClassVar[bool] = False
     """Whether a unit's `part` is the precision it ran at (a stage crossing precisions)."""
     label: ClassVar[str] = ""
@@ -74,21 +80,59 @@ class Experiment(ABC):
     replays_diagnostics: ClassVar[bool] = False
     """Whether its diagnostics decode an arm again to a pair's first divergent step (`plan.recorded`)."""
 
+    # -- making its stage of a run --------------------------------------------------------------------------
+
+    def check(self, model: ModelConfig, options: Any) -> None:  # noqa: B027  # most experiments check nothing here
+        """Refuse in one line, before anything loads, options it cannot run with `model`."""
+
+    @abstractmethod
+    def section(self, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
+        """Its frozen section (`Stage`) from the prepared run and its options; `run` holds the records it starts
+        from (a transplant's selection is made from them before any outcome exists)."""
+
+    @abstractmethod
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        """Its jobs, from its section as the manifest holds it (as the audit will read it)."""
+
+    def identity(self, options: Any) -> dict[str, Any]:
+        """What of its options the identity of a run it makes records (`manifest.config`): every field."""
+        return json.loads(json.dumps(asdict(options)))
+
+    def check_outcome(self, results: dict[str, Any], prepared: PreparedRun) -> None:  # noqa: B027  # most accept any
+        """Refuse in one line, once its records are kept, an outcome that says the run was set up wrong."""
+
+    def exit_code(self, results: dict[str, Any]) -> int:
+        """Its command's exit code for these results (0: nothing to flag)."""
+        return 0
+
+    def run(self, run: Run, prepared: PreparedRun, options: Any) -> None:
+        """Make (or resume) its stage at the prepared run's checkpoint: freeze the section the prepared run's engine
+        gives, then append a record for every job not yet in the ledger."""
+        engine = prepared.engine
+        section = engine.section(self, prepared, options, run)
+        stage = run.begin_stage(f"{self.name}/{prepared.checkpoint}", section)
+        with engine.failures():
+            for batch in engine.batches(self, prepared, stage, run):
+                append_jobs(run, self.name, prepared.checkpoint, batch, engine.work(self),
+                            engine.exec_config(self, prepared.ex), prepared.quiet, engine.env_work(self))
+
+    # -- what verify, the audit, plan and the report ask of it ---------------------------------------------
+
     @abstractmethod
     def work(self, lm: LM, job: Job) -> Payload:
         """One item's record payload."""
 
     @abstractmethod
-    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:
-        """The (item id, part) units its stage at `checkpoint` names, from the manifest's `config` and the records
-        it starts from."""
+        """The (item id, part) units its stage at `checkpoint` names, from the run's `config` and the records it
+        starts from."""
 
-    def claims(self, record: Record, stage: Stage, matched: Record | None) -> list[str]:
+    def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
         """What one of its records claims that follows from its other fields, checked: the problems found."""
         return []
 
-    def stage_findings(self, name: str, stage: Stage, records: list[Record]) -> list[dict[str, str]]:
+    def stage_findings(self, name: str, stage: StageSection, records: list[Record]) -> list[dict[str, str]]:
         """What its stage's frozen section claims that follows from the records (a selection from its rule)."""
         return []
 
@@ -97,15 +141,15 @@ class Experiment(ABC):
         """The job that re-executes one recorded unit."""
 
     @abstractmethod
-    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         """The token counts of the forwards one recorded unit made (None: its lengths are not recorded)."""
 
     @abstractmethod
-    def peak_caches(self, stage: Stage) -> int:
+    def peak_caches(self, stage: StageSection) -> int:
         """The most K/V caches one item holds at once."""
 
     @abstractmethod
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
         """Its sections of results.json from one stage's records (one, or one per arm or precision)."""
 
     @abstractmethod
@@ -122,9 +166,27 @@ class Experiment(ABC):
         part = record.part if self.per_precision else ""
         return f"{record.experiment}/{record.checkpoint}{'@' + part if part else ''}"
 
+    def stage_of(self, section: StageSection) -> Any:
+        """A section of its stage as its own model (`Stage`)."""
+        return section.as_stage(self.Stage)
 
-def matched_ok(records: list[Record], checkpoint: str) -> list[str]:
-    """The item ids whose matched record at `checkpoint` reached its boundary, in ledger order: the prefixes the
-    experiments after matched start from."""
-    return [r.item_id for r in records if r.experiment == "matched" and r.checkpoint == checkpoint
-            and r.payload.get("status") == "ok"]
+
+def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: Work, ex: Any, quiet: bool,
+                env_work: Work | None = None) -> None:
+    """Run every job of `batch` not yet in the ledger, appending records in job order with the environment that
+    computed each, under a progress bar. `env_work` returns a job's payload and environment itself (a serving
+    engine adds its own to the environment); by default `work`'s payload gets `with_environment`'s."""
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    model, jobs = batch.model, batch.jobs
+    pending = [j for j in jobs if not run.done(experiment, checkpoint, j.item.id, j.part)]
+    label = f"{experiment} [{checkpoint}]" + (f" {model.precision}" if model.precision else "")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  disable=quiet, transient=False) as bar:
+        # The description is rich markup: escaped, "[primary]" is shown, not taken for a style.
+        task = bar.add_task(escape(label), total=len(jobs), completed=len(jobs) - len(pending))
+        done = run_jobs(model, env_work or partial(with_environment, work), pending, ex)
+        for job, out in zip(pending, done, strict=False):
+            run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
+            bar.advance(task)

@@ -1,24 +1,26 @@
-"""An experiment's jobs: the settings every item job shares, the job, and the loop that runs the jobs not yet in
-the ledger (with the environment that computed each) under a progress bar."""
+"""An experiment's jobs: the settings every item job shares, the job and its parameters, a batch of jobs under one model
+setting, what re-executing a recorded unit needs (`Replay`), and the environment a job's record carries."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from stagereplay.engine.boundary import BoundaryRule, parse_boundary
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
-from stagereplay.execution.config import ExecConfig, Work
-from stagereplay.execution.executors import run_jobs
-from stagereplay.records.ledger import Run
+from stagereplay.execution.config import Work
 from stagereplay.records.proofs import attach_store
 from stagereplay.records.provenance import environment
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
+
+if TYPE_CHECKING:
+    from stagereplay.records.ledger import Record
+    from stagereplay.records.manifest import SettingsSection, StageSection
+    from stagereplay.records.payloads import Payload
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,16 @@ class ReplaySettings:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def section(self) -> SettingsSection:
+        """The settings as the manifest records them."""
+        from stagereplay.records.manifest import SettingsSection
+
+        return SettingsSection.model_validate(self.as_dict())
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ReplaySettings:
-        """The settings as a manifest stage records them (`as_dict`)."""
-        return cls(d["boundary"], DecodeConfig(**d["decode"]), d["scorer"])
+    def of(cls, section: SettingsSection) -> ReplaySettings:
+        """The settings as a manifest records them, with the defaults a run made before a field existed lacks."""
+        return cls(section.boundary, DecodeConfig(**section.decode.declared()), section.scorer)
 
 
 @dataclass(frozen=True)
@@ -71,28 +79,36 @@ class Job(Generic[P]):
         return self.params.part
 
 
+@dataclass(frozen=True)
+class Batch:
+    """Jobs that run under one model setting (a stage crossing precisions has one batch per precision)."""
+
+    model: ModelConfig
+    jobs: Sequence[Job]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What re-executing one recorded unit needs: the record, its stage, the item, and the first stage's record of
+    the item at the same checkpoint (the prefix other experiments start from, the arms they carry over)."""
+
+    record: Record
+    stage: StageSection
+    item: Item
+    matched_stage: StageSection | None
+    matched: Payload | None
+
+    @property
+    def settings(self) -> ReplaySettings:
+        return ReplaySettings.of(self.stage.settings)
+
+    @property
+    def prefix(self) -> list[int] | None:
+        return None if self.matched is None else self.matched.get("prefix_ids")
+
+
 def with_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
     """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one). The
     process keeps and reuses its fast step's proofs in this machine's store (records.proofs)."""
     attach_store(lm)
     return {"payload": work(lm, job), "environment": environment(lm.config.device, lm.determinism)}
-
-
-def execute(run: Run, experiment: str, checkpoint: str, model: ModelConfig, work: Work, jobs: Sequence[Job],
-            ex: ExecConfig, lm: LM | None = None, quiet: bool = False, env_work: Work | None = None) -> None:
-    """Run every job not yet in the ledger, appending records in job order with the environment that
-    computed each, with a progress bar. `env_work` returns a job's payload and environment itself (a serving
-    engine adds its own to the environment); by default `work`'s payload gets `with_environment`'s."""
-    from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    pending = [j for j in jobs if not run.done(experiment, checkpoint, j.item.id, j.part)]
-    label = f"{experiment} [{checkpoint}]" + (f" {model.precision}" if model.precision else "")
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  disable=quiet, transient=False) as bar:
-        # The description is rich markup: escaped, "[primary]" is shown, not taken for a style.
-        task = bar.add_task(escape(label), total=len(jobs), completed=len(jobs) - len(pending))
-        done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, lm)
-        for job, out in zip(pending, done, strict=False):
-            run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
-            bar.advance(task)

@@ -3,9 +3,9 @@ with an exact replica from scratch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter
 
@@ -21,7 +21,6 @@ from stagereplay.engine.generated import Generated
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import (
     arm_record,
     compare,
@@ -31,13 +30,17 @@ from stagereplay.experiments.arms import (
 )
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.diagnostics_summary import summarize_pair
-from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage
+from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
 from stagereplay.experiments.format import NA, Table, as_rows, count_of, k_of_n, p_value, pct, points
-from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
+from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.stats import mcnemar_exact, paired_bootstrap_ci
 from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, Payload
-from stagereplay.tasks import DataConfig
+from stagereplay.tasks.base import Item
+
+if TYPE_CHECKING:
+    from stagereplay.experiments.prepared import PreparedRun
 
 EXPERIMENT = "matched"
 STAGE1_TOP = 2
@@ -49,30 +52,34 @@ PAYLOAD: TypeAdapter[MatchedPayload | NoBoundaryPayload] = TypeAdapter(
 
 
 @dataclass(frozen=True)
-class MatchedConfig:
-    """One matched experiment at one checkpoint."""
+class MatchedOptions:
+    """Matched's own options: the fresh constructions set against live, and how live is built."""
 
-    model: ModelConfig
-    settings: ReplaySettings
-    data: DataConfig = field(default_factory=DataConfig)
-    construction: str = field(default="oneshot", metadata={
-        "help": "the fresh construction set against live, or several, comma-separated (oneshot,chunked:16,...)"})
-    checkpoint: str = field(default="primary", metadata={"help": "name of this model in the run"})
-    bootstrap_seed: int = field(default=0, metadata={"help": "seed of the paired bootstrap"})
-    n_resamples: int = field(default=10_000, metadata={"help": "bootstrap resamples"})
-    generated: Generated = field(default_factory=Generated, metadata={
-        "help": "live (and its replica) built by transformers' generate() with speculation or a quantized cache"})
+    construction: str = field(default="oneshot", metadata={"help": (
+        "oneshot | incremental | chunked:<n> | retokenized | roundtrip:fp8-e4m3|fp8-e5m2|int8 (live's K/V through that "
+        "format and back), or several, comma-separated: each is set against live")})
+    speculate: str | None = field(default=None, metadata={"help": (
+        "live built by transformers' assisted generation: prompt-lookup:N | draft:PATH | self (the model as its own "
+        "draft); the tokens each step added are recorded")})
+    quantized_cache: str | None = field(default=None, metadata={"help": (
+        "live built with transformers' quantized K/V cache: quanto:2|4 | hqq:1|2|3|4|8 | fp8")})
 
     def __post_init__(self) -> None:
         constructions(self.construction)
+        self.generated()  # a bad --speculate or --quantized-cache fails here, before anything loads
 
-    def stage(self) -> dict[str, Any]:
-        """The stage's frozen section: `construction` is the first fresh construction (the one later stages set
-        against live), `arms` every one where there are several."""
-        cs = constructions(self.construction)
-        return {"model": self.model.as_dict(), "settings": self.settings.as_dict(), "construction": cs[0],
-                **({"arms": list(cs)} if len(cs) > 1 else {}),
-                **({"generate": self.generated.as_dict()} if self.generated else {})}
+    def generated(self) -> Generated:
+        return Generated(self.speculate or "", self.quantized_cache or "")
+
+
+class MatchedStage(StageSection):
+    """Matched's frozen section."""
+
+    construction: str = Field(description="the first fresh construction set against live (the one later stages "
+                                          "set against live); a serving engine's run: oneshot")
+    arms: list[str] | None = Field(None, description="every arm set against live, where there are several")
+    generate: dict[str, str] | None = Field(None, description="live built by transformers' generate() with an "
+                                                              "option: which (engine.generated)")
 
 
 def constructions(given: str) -> tuple[str, ...]:
@@ -171,18 +178,36 @@ def forwards(n: Lengths, construction: str = "oneshot") -> list[int]:
     return out
 
 
-def stage_constructions(stage: Stage) -> str:
+def stage_constructions(stage: MatchedStage) -> str:
     """A matched stage's fresh constructions as the comma list its jobs take."""
-    return ",".join(stage.get("arms", [stage["construction"]]))
+    return ",".join(stage.arms or [stage.construction])
 
 
-def run_matched(run: Run, config: MatchedConfig, items: list[Any], ex: ExecConfig, lm: LM | None = None,
-                quiet: bool = False) -> None:
-    """Append a matched record for every item not yet in the ledger."""
-    stage = f"{EXPERIMENT}/{config.checkpoint}"
-    run.begin_stage(stage, config.stage())
-    jobs = [Job(item, config.settings, MatchedParams(config.construction, config.generated)) for item in items]
-    execute(run, EXPERIMENT, config.checkpoint, config.model, matched_item, jobs, ex, lm, quiet)
+def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:
+    """The items of the matched run at `checkpoint` that reached their boundary, with their prefixes: what the
+    experiments after matched start from."""
+    out = []
+    for r in run.find(EXPERIMENT, checkpoint):
+        p = r.payload
+        if p["status"] == "ok":
+            out.append((Item(r.item_id, tuple(p["prompt_ids"]), p["answer"]), p["prefix_ids"]))
+    return out
+
+
+def matched_ok(records: list[Record], checkpoint: str) -> list[str]:
+    """The item ids whose matched record at `checkpoint` reached its boundary, in ledger order."""
+    return [r.item_id for r in records if r.experiment == EXPERIMENT and r.checkpoint == checkpoint
+            and r.payload.get("status") == "ok"]
+
+
+def matched_stage(stages: Mapping[str, StageSection], checkpoint: str) -> StageSection | None:
+    """The matched stage at `checkpoint`, where the run has one."""
+    return stages.get(f"{EXPERIMENT}/{checkpoint}")
+
+
+def matched_records(run: Run, checkpoint: str) -> dict[str, Payload]:
+    """The matched payloads at `checkpoint`, by item id."""
+    return {r.item_id: r.payload for r in run.find(EXPERIMENT, checkpoint)}
 
 
 # -- results.json and the report ---------------------------------------------------------------------------------
@@ -383,38 +408,78 @@ def _spread(values: list[Any]) -> str:
 
 
 class Matched(Experiment):
-    """Live vs a fresh construction of the same token IDs, each with an exact replica (`matched_item`)."""
+    """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
     name: ClassVar[str] = EXPERIMENT
+    Stage: ClassVar[type[StageSection]] = MatchedStage
+    Options: ClassVar[type] = MatchedOptions
+    command: ClassVar[str] = "matched"
+    starts_run: ClassVar[bool] = True
     replays_diagnostics: ClassVar[bool] = True
+
+    def check(self, model: ModelConfig, options: MatchedOptions) -> None:
+        generated = options.generated()
+        if generated:
+            generated.check(model.cache, model.batch)
+
+    def identity(self, options: MatchedOptions) -> dict[str, Any]:
+        generated = options.generated()
+        return {"construction": options.construction, **({"generate": generated.as_dict()} if generated else {})}
+
+    def check_outcome(self, results: dict[str, Any], prepared: PreparedRun) -> None:
+        """Every item missing its boundary means the rule is wrong: the records are kept, but the command fails."""
+        summary, settings = results[EXPERIMENT][0], prepared.settings
+        if summary["n"] and not summary["n_boundary"]:
+            raise StageReplayError(
+                f"no item reached the boundary {settings.boundary} within {settings.decode.max_stage1_tokens} "
+                f"stage-1 tokens ({summary['n']} recorded as no_boundary)",
+                "check the boundary rule against the model's output, or raise --max-stage1-tokens",
+            )
+
+    def section(self, prepared: PreparedRun, options: MatchedOptions, run: Run) -> StageSection:
+        """`construction` is the first fresh construction (the one later stages set against live), `arms` every one
+        where there are several."""
+        cs, generated = constructions(options.construction), options.generated()
+        return MatchedStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                            construction=cs[0], **({"arms": list(cs)} if len(cs) > 1 else {}),
+                            **({"generate": generated.as_dict()} if generated else {}))
+
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        own: MatchedStage = self.stage_of(stage)
+        params = MatchedParams(stage_constructions(own), Generated(**(own.generate or {})))
+        return [Batch(prepared.model, [Job(item, prepared.settings, params) for item in prepared.items])]
 
     def work(self, lm: LM, job: Job) -> Payload:
         return matched_item(lm, job)
 
-    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:
         """Every item id of the run."""
-        return [(i, "") for i in config.get("item_ids", [])]
+        return [(i, "") for i in config.item_ids]
 
     def replay_job(self, replay: Replay) -> Job:
-        via = Generated(**replay.stage.get("generate", {}))
-        return Job(replay.item, replay.settings, MatchedParams(stage_constructions(replay.stage), via))
+        own: MatchedStage = self.stage_of(replay.stage)
+        return Job(replay.item, replay.settings, MatchedParams(stage_constructions(own),
+                                                               Generated(**(own.generate or {}))))
 
-    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
-        if stage.get("generate"):
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        own: MatchedStage = self.stage_of(stage)
+        if own.generate:
             return None  # live's forwards were transformers' generate()'s, speculation's chunks included
-        return forwards(record_lengths(record.payload), stage_constructions(stage))
+        return forwards(record_lengths(record.payload), stage_constructions(own))
 
-    def peak_caches(self, stage: Stage) -> int:
+    def peak_caches(self, stage: StageSection) -> int:
         """live's and each fresh construction's boundary states, a replica's state and its continuation's."""
-        return 3 + len(stage.get("arms", [stage.get("construction")]))
+        own: MatchedStage = self.stage_of(stage)
+        return 3 + len(own.arms or [own.construction])
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
         """One section per arm set against live: the construction, or a serving engine's arms (one column each)."""
+        own: MatchedStage = self.stage_of(stage)
         out = []
-        for construction in stage.get("arms", [stage["construction"]]):
-            summary = summarize_matched(records, construction, checkpoint, stage["model"]["precision"])
-            out.append({"engine": stage["engine"]["name"], **summary} if "engine" in stage else summary)
+        for construction in own.arms or [own.construction]:
+            summary = summarize_matched(records, construction, checkpoint, own.model.precision)
+            out.append({"engine": own.engine.name, **summary} if own.engine is not None else summary)
         return out
 
     def tables(self, results: Any) -> list[Table]:
@@ -423,4 +488,3 @@ class Matched(Experiment):
     def diagnosed(self, results: Any) -> list[tuple[str, Section, dict[str, int]]]:
         return [(f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}", m, m["suffix_disagreements"])
                 for m in results or [] if m.get("margins") is not None]
-

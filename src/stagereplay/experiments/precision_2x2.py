@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import TypeAdapter
+from pydantic import Field, TypeAdapter
 
 from stagereplay.engine.constructions import parse_construction
 from stagereplay.engine.decode import derive_seed
@@ -13,7 +13,6 @@ from stagereplay.engine.forwards import Lengths, construct_forwards, continuatio
 from stagereplay.engine.lm import LM, BoundaryState, Continuation
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import (
     arm_record,
     carried_arm,
@@ -24,15 +23,30 @@ from stagereplay.experiments.arms import (
 )
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.diagnostics_summary import summarize_pair
-from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage, matched_ok
+from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
 from stagereplay.experiments.format import NA, Table, as_rows, interval, k_of_n, pct, wilson_or_given
-from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
+from stagereplay.experiments.jobs import Job, Params, ReplaySettings
+from stagereplay.experiments.matched import (
+    EXPERIMENT as MATCHED,
+)
+from stagereplay.experiments.matched import (
+    MatchedStage,
+    fixed_prefixes,
+    matched_ok,
+    matched_records,
+    matched_stage,
+)
 from stagereplay.experiments.stats import first_divergence, wilson_interval
 from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, Payload
 from stagereplay.tasks.base import Item
 
+if TYPE_CHECKING:
+    from stagereplay.experiments.prepared import PreparedRun
+
 EXPERIMENT = "precision_2x2"
+DEFAULT_CONSTRUCTIONS = ("incremental", "oneshot")
 PAYLOAD: TypeAdapter[GridPayload] = TypeAdapter(GridPayload)
 """A 2x2 record's payload (`records.payloads`), a serving run's too."""
 
@@ -43,6 +57,24 @@ def fixed_state(item: Item, prefix: list[int], settings: ReplaySettings, lm: LM)
     return BoundaryState(prefix=tuple(prefix), prompt_len=len(item.prompt_ids), construction="fixed", cache=None,
                          seed=derive_seed(settings.decode.seed, item.id, "suffix"),
                          cache_len=lm.cache_len(len(item.prompt_ids), settings.decode))
+
+
+@dataclass(frozen=True)
+class GridOptions:
+    """The 2x2's own options: the constructions crossed with the precisions."""
+
+    constructions: tuple[str, ...] = field(default=(), metadata={"help": (
+        "comma list (default: incremental,oneshot; on a serving engine's run its arms, e.g. oneshot,prefix-cache"
+        "[,hf-oneshot])")})
+    precisions: tuple[str, ...] = field(default=("bf16", "fp32"), metadata={
+        "help": "comma list of bf16, fp16, fp32, fp32-compute"})
+
+
+class GridStage(StageSection):
+    """The 2x2's frozen section."""
+
+    constructions: list[str] = Field(description="the constructions crossed with precision")
+    precisions: list[str] = Field(description="the precisions, each a part of every item's unit")
 
 
 Carried = tuple[tuple[str, str, dict[str, Any], list[Any]], ...]
@@ -143,7 +175,7 @@ feeds the prompt in one forward, then one token per forward, as live generation 
 the carried arm's cache fingerprint checks item by item)."""
 
 
-def reused_arms(grid_stage: Stage, matched_stage: Stage | None, matched: dict[str, Any],
+def reused_arms(grid_stage: GridStage, matched_stage: StageSection | None, matched: dict[str, Any],
                 checkpoint: str, precision: str) -> Carried:
     """(construction, `matched/<checkpoint>:<arm>`, that arm, its step margins) for each construction of the 2x2
     at `precision` that would repeat an arm of the matched record: the same model at the same precision, the
@@ -154,21 +186,12 @@ def reused_arms(grid_stage: Stage, matched_stage: Stage | None, matched: dict[st
     if not arms:
         return ()
     assert matched_stage is not None
-    sources = {matched_stage["construction"]: matched_stage["construction"], **CARRIED_FROM}
+    own = matched_stage.as_stage(MatchedStage).construction
+    sources = {own: own, **CARRIED_FROM}
     margins = (matched.get("diagnostics") or {}).get("margins", {})
-    return tuple((c, f"matched/{checkpoint}:{sources[c]}", arms[sources[c]], margins[sources[c]])
-                 for c in grid_stage["constructions"] if c in sources and sources[c] in arms
+    return tuple((c, f"{MATCHED}/{checkpoint}:{sources[c]}", arms[sources[c]], margins[sources[c]])
+                 for c in grid_stage.constructions if c in sources and sources[c] in arms
                  and sources[c] in margins)
-
-
-def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:
-    """The items of the matched run that reached their boundary, with their prefixes."""
-    out = []
-    for r in run.find("matched", checkpoint):
-        p = r.payload
-        if p["status"] == "ok":
-            out.append((Item(r.item_id, tuple(p["prompt_ids"]), p["answer"]), p["prefix_ids"]))
-    return out
 
 
 def check_fixed_constructions(constructions: tuple[str, ...]) -> None:
@@ -179,28 +202,11 @@ def check_fixed_constructions(constructions: tuple[str, ...]) -> None:
                                                                           "or retokenized")
 
 
-def run_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str,
-            constructions: tuple[str, ...], precisions: tuple[str, ...], ex: ExecConfig, quiet: bool = False) -> None:
-    check_fixed_constructions(constructions)
-    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": model.as_dict(), "settings": settings.as_dict(),
-                                                  "constructions": list(constructions),
-                                                  "precisions": list(precisions)})
-    stage = run.manifest["stages"][f"{EXPERIMENT}/{checkpoint}"]  # as JSON gives it back, as the audit reads it
-    fixed = fixed_prefixes(run, checkpoint)
-    matched_stage = run.manifest.get("stages", {}).get(f"matched/{checkpoint}")
-    matched = {r.item_id: r.payload for r in run.find("matched", checkpoint)}
-    for precision in precisions:
-        jobs = [Job(item, settings, GridParams(tuple(prefix), constructions, precision,
-                                               reused_arms(stage, matched_stage, matched[item.id], checkpoint, precision)))
-                for item, prefix in fixed]
-        execute(run, EXPERIMENT, checkpoint, model.with_precision(precision), grid_item, jobs, ex, None, quiet)
-
-
 # -- results.json and the report ---------------------------------------------------------------------------------
 
 
-def summarize_2x2(records: list[Record], stage: Stage, checkpoint: str) -> Section:
-    constructions, precisions = stage["constructions"], stage["precisions"]
+def summarize_2x2(records: list[Record], stage: GridStage, checkpoint: str) -> Section:
+    constructions, precisions = stage.constructions, stage.precisions
     cells, disagreements = [], []
     for precision in precisions:
         mine = [r for r in records if r.part == precision]
@@ -292,39 +298,66 @@ def grid_lengths(payload: dict[str, Any]) -> Lengths:
 
 
 class PrecisionGrid(Experiment):
-    """The matched run's prefixes held fixed, construction crossed with precision (`grid_item`)."""
+    """Hold the run's prefixes fixed; cross construction with precision."""
 
     name: ClassVar[str] = EXPERIMENT
-    label: ClassVar[str] = "2x2"
-    fixed_prefix: ClassVar[bool] = True
+    Stage: ClassVar[type[StageSection]] = GridStage
+    Options: ClassVar[type] = GridOptions
+    command: ClassVar[str] = "precision-2x2"
     per_precision: ClassVar[bool] = True
+    label: ClassVar[str] = "2x2"
     many: ClassVar[bool] = False
+    fixed_prefix: ClassVar[bool] = True
     replays_diagnostics: ClassVar[bool] = True
+
+    def check(self, model: ModelConfig, options: GridOptions) -> None:
+        check_fixed_constructions(options.constructions or DEFAULT_CONSTRUCTIONS)
+        for p in options.precisions:
+            model.with_precision(p)  # validates the name before anything runs
+
+    def section(self, prepared: PreparedRun, options: GridOptions, run: Run) -> StageSection:
+        return GridStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                         constructions=list(options.constructions or DEFAULT_CONSTRUCTIONS),
+                         precisions=list(options.precisions))
+
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        own: GridStage = self.stage_of(stage)
+        checkpoint, constructions = prepared.checkpoint, tuple(own.constructions)
+        fixed = fixed_prefixes(run, checkpoint)
+        first = matched_stage(run.manifest.stages, checkpoint)
+        matched = matched_records(run, checkpoint)
+        return [Batch(prepared.model.with_precision(precision),
+                      [Job(item, prepared.settings, GridParams(tuple(prefix), constructions, precision,
+                                                              reused_arms(own, first, matched[item.id], checkpoint,
+                                                                          precision)))
+                       for item, prefix in fixed])
+                for precision in own.precisions]
 
     def work(self, lm: LM, job: Job) -> Payload:
         return grid_item(lm, job)
 
-    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:
         """Every prefix of its matched run, at each precision."""
         ok = matched_ok(records, checkpoint)
-        return [(i, p) for p in stage.get("precisions", []) for i in ok]
+        return [(i, p) for p in self.stage_of(stage).precisions for i in ok]
 
     def replay_job(self, replay: Replay) -> Job:
         checkpoint, part = replay.record.checkpoint, replay.record.part
-        reuse = () if replay.matched is None else reused_arms(replay.stage, replay.matched_stage, replay.matched,
+        own: GridStage = self.stage_of(replay.stage)
+        reuse = () if replay.matched is None else reused_arms(own, replay.matched_stage, replay.matched,
                                                               checkpoint, part)
         return Job(replay.item, replay.settings, GridParams(tuple(replay.prefix or ()),
-                                                            tuple(replay.stage["constructions"]), part, reuse))
+                                                            tuple(own.constructions), part, reuse))
 
-    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
-        return forwards(grid_lengths(record.payload), tuple(stage["constructions"]), record.part)
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        return forwards(grid_lengths(record.payload), tuple(self.stage_of(stage).constructions), record.part)
 
-    def peak_caches(self, stage: Stage) -> int:
-        return len(stage.get("constructions", ())) + 1  # every construction's state, and one continuation's
+    def peak_caches(self, stage: StageSection) -> int:
+        return len(self.stage_of(stage).constructions) + 1  # every construction's state, and one continuation's
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
-        return [summarize_2x2(records, stage, checkpoint)]
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
+        return [summarize_2x2(records, self.stage_of(stage), checkpoint)]
 
     def tables(self, results: Any) -> list[Table]:
         return precision_2x2_tables(results) if results else []

@@ -44,6 +44,12 @@ def unregister(name: str) -> None:
     EXPERIMENTS.pop(name, None)
 
 
+def starts_run(name: str) -> bool:
+    """Whether the experiment called `name` makes runs (its records hold the prefixes later stages start from)."""
+    e = EXPERIMENTS.get(name)
+    return e is not None and e.starts_run
+
+
 def all_experiments() -> Iterator[Experiment]:
     """Every known experiment, in the report's order."""
     yield from list(EXPERIMENTS.values())

@@ -22,10 +22,10 @@ record, so the audit re-executes and checks every one, and the export gives one 
 from __future__ import annotations
 
 import zlib
-from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import TypeAdapter
+from pydantic import Field, TypeAdapter
 
 from stagereplay.engine.constructions import parse_construction
 from stagereplay.engine.decode import DecodeConfig, derive_seed
@@ -33,12 +33,12 @@ from stagereplay.engine.forwards import Lengths, construct_forwards, continuatio
 from stagereplay.engine.lm import LM, BoundaryState, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import record_lengths
-from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage
+from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
 from stagereplay.experiments.format import NA, Table, k_of_n, points
-from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
-from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
+from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.matched import fixed_prefixes
+from stagereplay.experiments.precision_2x2 import fixed_state
 from stagereplay.experiments.stats import (
     MONTE_CARLO_TABLES,
     TWO_SAMPLE_TEST,
@@ -48,8 +48,12 @@ from stagereplay.experiments.stats import (
     two_sample_answer_test,
 )
 from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Draw, Payload, ResamplePayload
 from stagereplay.tasks.scoring import answer_extractor, scorer_by_name
+
+if TYPE_CHECKING:
+    from stagereplay.experiments.prepared import PreparedRun
 
 EXPERIMENT = "resample"
 PAYLOAD: TypeAdapter[ResamplePayload] = TypeAdapter(ResamplePayload)
@@ -176,29 +180,19 @@ def resample_item(lm: LM, job: Job[ResampleParams]) -> Payload:
     return payload("ok", len(live.prefix), draws).as_payload()
 
 
-def resample_params(stage: Stage, precision: str, prefix: list[int] | None) -> ResampleParams:
+class ResampleStage(StageSection):
+    """Resample's frozen section: the sampling settings, the seed rule and the items, frozen before the first draw."""
+
+    config: ResampleConfig = Field(description="the draws: K, sampling, the fresh construction, the seed")
+    precisions: list[str] = Field(description="the precisions drawn at, each a part of every item's unit")
+    items: list[str] = Field(description="the items drawn on (the first that reached the boundary)")
+    seeds: dict[str, Any] = Field(description="the seed rule: base, rule and streams")
+
+
+def resample_params(stage: ResampleStage, precision: str, prefix: list[int] | None) -> ResampleParams:
     """A resample job's parameters, from its frozen stage: shared by the run and its audit."""
-    live_source = "live" if precision == stage["model"]["precision"] else "incremental"
-    config = ResampleConfig(**stage["config"])
-    return ResampleParams(tuple(prefix or ()), config, precision, live_source)
-
-
-def run_resample(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, cfg: ResampleConfig,
-                 ex: ExecConfig, quiet: bool = False) -> None:
-    """Append a resample record per selected item and precision not yet in the ledger."""
-    precisions = cfg.precisions or (model.precision,)
-    for p in precisions:
-        model.with_precision(p)  # validates the name before anything runs
-    fixed = fixed_prefixes(run, checkpoint)[: cfg.n]
-    # Frozen before the first draw: the sampling settings, the seed rule and the items.
-    stage = {"model": model.as_dict(), "settings": settings.as_dict(), "config": asdict(cfg),
-             "precisions": list(precisions), "items": [item.id for item, _ in fixed],
-             "seeds": {"base": cfg.seed, "rule": SEED_RULE, "streams": STREAMS}}
-    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", stage)
-    stage = run.manifest["stages"][f"{EXPERIMENT}/{checkpoint}"]
-    for p in precisions:
-        jobs = [Job(item, settings, resample_params(stage, p, prefix)) for item, prefix in fixed]
-        execute(run, EXPERIMENT, checkpoint, model.with_precision(p), resample_item, jobs, ex, None, quiet)
+    live_source = "live" if precision == stage.model.precision else "incremental"
+    return ResampleParams(tuple(prefix or ()), stage.config, precision, live_source)
 
 
 # -- results.json and the report ---------------------------------------------------------------------------------
@@ -221,12 +215,12 @@ def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
     return {"estimate": sum(a) / len(a) - sum(b) / len(b), "ci": [lo, hi]}
 
 
-def summarize_resample(records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
+def summarize_resample(records: list[Record], stage: ResampleStage, checkpoint: str) -> list[Section]:
     """One entry per precision: coupled differences, independent answer distributions, the accuracy bias."""
-    cfg = stage["config"]
-    fresh = cfg["construction"]
+    cfg = stage.config
+    fresh = cfg.construction
     out = []
-    for precision in stage["precisions"]:
+    for precision in stage.precisions:
         mine = [r for r in records if r.part == precision]
         ok = [r for r in mine if r.payload["status"] == "ok"]
         coupled = {"draws": 0, "replica_differ": 0, "fresh_differ": 0, "answer_differ": 0, "label_differ": 0}
@@ -252,8 +246,8 @@ def summarize_resample(records: list[Record], stage: Stage, checkpoint: str) -> 
         bias = _mean_ci(acc_live, acc_fresh)
         out.append({
             "checkpoint": checkpoint, "precision": precision, "construction": fresh,
-            "k": cfg["k"], "temperature": cfg["temperature"], "top_p": cfg["top_p"], "top_k": cfg["top_k"],
-            "seed": cfg["seed"], "n_items": len(ok), "n_not_reproduced": len(mine) - len(ok),
+            "k": cfg.k, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+            "seed": cfg.seed, "n_items": len(ok), "n_not_reproduced": len(mine) - len(ok),
             "live_source": ok[0].payload["live_source"] if ok else None,
             "items": [r.item_id for r in ok],
             "coupled": coupled,
@@ -340,36 +334,60 @@ def resample_tables(entries: list[dict[str, Any]]) -> list[Table]:
 
 
 class Resample(Experiment):
-    """K seeded draws from each boundary state: coupled and independent designs (`resample_item`)."""
+    """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
 
     name: ClassVar[str] = EXPERIMENT
+    Stage: ClassVar[type[StageSection]] = ResampleStage
+    Options: ClassVar[type] = ResampleConfig
+    command: ClassVar[str] = "resample"
     label: ClassVar[str] = "resample"
     fixed_prefix: ClassVar[bool] = True
     per_precision: ClassVar[bool] = True
 
+    def check(self, model: ModelConfig, options: ResampleConfig) -> None:
+        for p in options.precisions:
+            model.with_precision(p)  # validates the name before anything runs
+
+    def section(self, prepared: PreparedRun, options: ResampleConfig, run: Run) -> StageSection:
+        """Frozen before the first draw: the sampling settings, the seed rule and the items."""
+        fixed = fixed_prefixes(run, prepared.checkpoint)[: options.n]
+        return ResampleStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                             config=options, precisions=list(options.precisions or (prepared.model.precision,)),
+                             items=[item.id for item, _ in fixed],
+                             seeds={"base": options.seed, "rule": SEED_RULE, "streams": STREAMS})
+
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        own: ResampleStage = self.stage_of(stage)
+        fixed = [(item, prefix) for item, prefix in fixed_prefixes(run, prepared.checkpoint) if item.id in own.items]
+        return [Batch(prepared.model.with_precision(p),
+                      [Job(item, prepared.settings, resample_params(own, p, prefix)) for item, prefix in fixed])
+                for p in own.precisions]
+
     def work(self, lm: LM, job: Job) -> Payload:
         return resample_item(lm, job)
 
-    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:
         """Its frozen items, at each precision."""
-        return [(i, p) for p in stage.get("precisions", []) for i in stage.get("items", [])]
+        own: ResampleStage = self.stage_of(stage)
+        return [(i, p) for p in own.precisions for i in own.items]
 
     def replay_job(self, replay: Replay) -> Job:
-        return Job(replay.item, replay.settings, resample_params(replay.stage, replay.record.part, replay.prefix))
+        return Job(replay.item, replay.settings, resample_params(self.stage_of(replay.stage), replay.record.part,
+                                                                 replay.prefix))
 
-    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         if record.payload.get("status") != "ok":
             return None  # live generation no longer reached the prefix: how far it went is not recorded
-        source = resample_params(stage, record.part, None).live_source
-        return forwards(record_lengths(record.payload), stage["config"]["k"], stage["config"]["construction"], source)
+        own: ResampleStage = self.stage_of(stage)
+        source = resample_params(own, record.part, None).live_source
+        return forwards(record_lengths(record.payload), own.config.k, own.config.construction, source)
 
-    def peak_caches(self, stage: Stage) -> int:
+    def peak_caches(self, stage: StageSection) -> int:
         return 4  # live's, its replica's and the fresh state, and a draw's continuation
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
-        return summarize_resample(records, stage, checkpoint)
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
+        return summarize_resample(records, self.stage_of(stage), checkpoint)
 
     def tables(self, results: Any) -> list[Table]:
         return resample_tables(results) if results else []
-

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 from stagereplay.errors import StageReplayError
-from stagereplay.records.ledger import Record, Run
+from stagereplay.records.ledger import Record
 from stagereplay.tasks.base import Item
 
 
@@ -48,8 +48,8 @@ def divergent_ids(matched: list[Record], construction: str) -> list[str]:
     return out
 
 
-def divergent_items(run: Run, checkpoint: str, construction: str) -> list[tuple[Item, list[int]]]:
-    matched = run.find("matched", checkpoint)
+def divergent_items(matched: list[Record], construction: str) -> list[tuple[Item, list[int]]]:
+    """The divergent items of the matched records (in ledger order), with their prefixes."""
     divergent = set(divergent_ids(matched, construction))
     return [(Item(r.item_id, tuple(r.payload["prompt_ids"]), r.payload["answer"]), r.payload["prefix_ids"])
             for r in matched if r.item_id in divergent]

@@ -7,8 +7,8 @@ selected items are frozen in the manifest before the first transplant runs: that
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, ClassVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter
 
@@ -17,14 +17,16 @@ from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms, record_lengths
-from stagereplay.experiments.experiment import Experiment, Replay, Section, Stage
+from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
 from stagereplay.experiments.format import NA, Table, as_rows, bound, k_of_n, slug, wilson_or_given
-from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
+from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.matched import EXPERIMENT as MATCHED
+from stagereplay.experiments.matched import MatchedStage, matched_records, matched_stage
 from stagereplay.experiments.selection import divergent_ids, divergent_items, parse_selection, select
 from stagereplay.experiments.stats import first_divergence, wilson_interval
 from stagereplay.records.ledger import Record, Run, diff_fields
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import (
     Arm,
     BandKind,
@@ -36,6 +38,9 @@ from stagereplay.records.payloads import (
     TransplantPayload,
 )
 
+if TYPE_CHECKING:
+    from stagereplay.experiments.prepared import PreparedRun
+
 EXPERIMENT = "transplant"
 PAYLOAD: TypeAdapter[TransplantPayload | PrefixNotReproducedPayload] = TypeAdapter(
     Annotated[TransplantPayload | PrefixNotReproducedPayload, Field(discriminator="status")])
@@ -46,12 +51,14 @@ PAYLOAD: TypeAdapter[TransplantPayload | PrefixNotReproducedPayload] = TypeAdapt
 class TransplantConfig:
     """What to swap and for which items."""
 
-    construction: str = field(default="oneshot", metadata={"help": "the fresh arm (as in the matched run)"})
+    construction: str | None = field(default=None, metadata={
+        "help": "the fresh arm (None: the matched run's construction)", "cli": False})
     layers: str = field(default="all", metadata={"help": "all | none | A-B,C,..."})
     kv: str = field(default="kv", metadata={"help": "k | v | kv"})
     positions: str | None = field(default=None, metadata={"help": "A:B sequence positions (half-open)"})
     select: str = field(default="all-divergent", metadata={"help": "all-divergent | first:K | random:K:SEED"})
-    sweep: bool = field(default=False, metadata={"help": "also every single layer and bottom/top band"})
+    sweep: bool = field(default=False, metadata={"help": "also every single layer, and every band from the bottom "
+                                                           "and from the top"})
 
     def __post_init__(self) -> None:
         if self.kv not in ("k", "v", "kv"):
@@ -66,6 +73,11 @@ class TransplantConfig:
             if start >= stop:
                 raise StageReplayError(f"--positions {self.positions!r} selects no position",
                                        "use A:B with A < B, e.g. 0:64")
+
+    @property
+    def fresh(self) -> str:
+        """The fresh arm (resolved to the matched run's construction when the stage is frozen)."""
+        return self.construction or "oneshot"
 
     def check_layers(self, n_layers: int) -> None:
         """The layers exist in a model of `n_layers` layers (checked before any run directory changes)."""
@@ -126,8 +138,8 @@ def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
     if live is None:
         return PrefixNotReproducedPayload(status="prefix_not_reproduced", prompt_ids=list(item.prompt_ids),
                                           answer=item.answer, arms=[], comparisons=[]).as_payload()
-    fresh = lm.construct(live, cfg.construction)
-    states = {"live": live, cfg.construction: fresh}
+    fresh = lm.construct(live, cfg.fresh)
+    states = {"live": live, cfg.fresh: fresh}
     own: dict[str, Continuation] = {}
     arms: list[Arm] = []
     for name, state in states.items():
@@ -145,7 +157,7 @@ def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
         own[name] = suffix
         arms.append(arm_record(lm, name, state, suffix, live.stage1, item, s.scorer, cache_fp=fp))
     positions = parse_positions(cfg.positions, len(live.prefix) - 1) if cfg.positions else None
-    pairs = [("live", cfg.construction), (cfg.construction, "live")]  # (donor, recipient)
+    pairs = [("live", cfg.fresh), (cfg.fresh, "live")]  # (donor, recipient)
 
     def run_spec(layers: tuple[int, ...], arm_prefix: str | None) -> dict[str, Outcome]:
         """Outcome per direction; the continuations become arms when `arm_prefix` is given (not for sweeps)."""
@@ -163,7 +175,7 @@ def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
              for kind, layers in sweep_bands(lm.n_layers)] if cfg.sweep else None
     return TransplantPayload(
         status="ok", prompt_ids=list(item.prompt_ids), prefix_ids=list(live.prefix), boundary=len(live.prefix),
-        answer=item.answer, baseline_diverges=own["live"].suffix != own[cfg.construction].suffix,
+        answer=item.answer, baseline_diverges=own["live"].suffix != own[cfg.fresh].suffix,
         directions=directions, control=control, arms=arms, comparisons=[],
         **({"sweep": sweep} if sweep is not None else {}),  # absent without --sweep
     ).as_payload()
@@ -174,7 +186,7 @@ def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
     construction with its own (neither suffix where it is carried over from matched: `n.looks`), then one
     continuation per direction (transplant and control) and, with a sweep, per direction of each of the
     3 x `n_layers` bands (sweep continuations are not recorded: `n.suffix`)."""
-    c, carried = cfg.construction, dict(n.looks)
+    c, carried = cfg.fresh, dict(n.looks)
     out = live_forwards(n.prompt, n.stage1 or 0, None if "live" in carried else n.of("live"))
     out += construct_forwards(c, n.prompt, n.prefix, from_cache=True)
     out += continuation_forwards(carried.get(c, n.of(c)))
@@ -185,7 +197,7 @@ def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
     return out
 
 
-def reused_arms(stage: Stage, matched_stage: Stage | None, matched: dict[str, Any] | None,
+def reused_arms(stage: TransplantStage, matched_stage: StageSection | None, matched: dict[str, Any] | None,
                 checkpoint: str) -> tuple[tuple[str, str, dict[str, Any]], ...]:
     """(arm, `matched/<checkpoint>:<arm>`, that arm) for the transplant's own arms that the matched record of the
     item already decoded: live, and the fresh construction when it is the matched run's, on the same model at the
@@ -194,9 +206,9 @@ def reused_arms(stage: Stage, matched_stage: Stage | None, matched: dict[str, An
     if not arms:
         return ()
     assert matched_stage is not None
-    names = ["live"] + ([stage["config"]["construction"]]
-                        if stage["config"]["construction"] == matched_stage["construction"] else [])
-    return tuple((name, f"matched/{checkpoint}:{name}", arms[name]) for name in names if name in arms)
+    construction = stage.config.fresh
+    names = ["live"] + ([construction] if construction == matched_stage.as_stage(MatchedStage).construction else [])
+    return tuple((name, f"{MATCHED}/{checkpoint}:{name}", arms[name]) for name in names if name in arms)
 
 
 def check_selection(model: ModelConfig, cfg: TransplantConfig, prefixes: list[list[int]]) -> None:
@@ -215,23 +227,6 @@ def check_selection(model: ModelConfig, cfg: TransplantConfig, prefixes: list[li
     for prefix in prefixes:
         length = len(prefix) - 1
         check_positions(parse_positions(cfg.positions, length), layers, held_spans(windows, length))
-
-
-def run_transplant(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, cfg: TransplantConfig,
-                   ex: ExecConfig, quiet: bool = False) -> None:
-    candidates = divergent_items(run, checkpoint, cfg.construction)
-    chosen = set(select([i.id for i, _ in candidates], cfg.select))
-    check_selection(model, cfg, [prefix for item, prefix in candidates if item.id in chosen])
-    # Frozen before any transplant outcome exists: the rule and the items it picked.
-    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {"model": model.as_dict(), "settings": settings.as_dict(),
-                                                  "config": asdict(cfg), "selected": sorted(chosen)})
-    stage = run.manifest["stages"][f"{EXPERIMENT}/{checkpoint}"]  # as JSON gives it back, as the audit reads it
-    matched_stage = run.manifest.get("stages", {}).get(f"matched/{checkpoint}")
-    matched = {r.item_id: r.payload for r in run.find("matched", checkpoint)}
-    jobs = [Job(item, settings, TransplantParams(tuple(prefix), cfg, reused_arms(stage, matched_stage,
-                                                                           matched.get(item.id), checkpoint)))
-            for item, prefix in candidates if item.id in chosen]
-    execute(run, EXPERIMENT, checkpoint, model, transplant_item, jobs, ex, None, quiet)
 
 
 # -- what verify checks, results.json and the report -------------------------------------------------------------
@@ -254,15 +249,15 @@ def transplant_claims(p: dict[str, Any], construction: str) -> list[str]:
     return bad
 
 
-def selection_findings(name: str, stage: Stage, records: list[Record]) -> list[dict[str, str]]:
+def selection_findings(name: str, stage: TransplantStage, records: list[Record]) -> list[dict[str, str]]:
     """The frozen selection must be what its rule picks from the matched run's divergent items."""
     checkpoint = name.partition("/")[2]
-    rule, construction = stage["config"]["select"], stage["config"]["construction"]
-    matched = [r for r in records if r.experiment == "matched" and r.checkpoint == checkpoint]
+    rule, construction = stage.config.select, stage.config.fresh
+    matched = [r for r in records if r.experiment == MATCHED and r.checkpoint == checkpoint]
     picked = sorted(select(divergent_ids(matched, construction), rule))
-    if picked == sorted(stage.get("selected", [])):
+    if picked == sorted(stage.selected):
         return []
-    changed = sorted(set(picked) ^ set(stage.get("selected", [])))
+    changed = sorted(set(picked) ^ set(stage.selected))
     return [{"item_id": i, "what": f"{name}: selected is not what rule {rule} picks from the matched records"}
             for i in changed]
 
@@ -279,18 +274,18 @@ def _directions(records: list[Record], key: str) -> list[dict[str, Any]]:
     return out
 
 
-def summarize_transplant(records: list[Record], stage: Stage, checkpoint: str) -> Section:
-    cfg = stage["config"]
+def summarize_transplant(records: list[Record], stage: TransplantStage, checkpoint: str) -> Section:
+    cfg = stage.config
     ok = [r for r in records if r.payload["status"] == "ok"]
     summary: dict[str, Any] = {
-        "checkpoint": checkpoint, "selection": cfg["select"], "layers": cfg["layers"], "kv": cfg["kv"],
-        "positions": cfg["positions"], "n_items": len(ok), "n_selected": len(stage["selected"]),
+        "checkpoint": checkpoint, "selection": cfg.select, "layers": cfg.layers, "kv": cfg.kv,
+        "positions": cfg.positions, "n_items": len(ok), "n_selected": len(stage.selected),
         "n_not_reproduced": len(records) - len(ok),
         "directions": _directions(ok, "directions"),
         "control": {"layers": "none", "directions": _directions(ok, "control")},
         "sweep": None,
     }
-    if cfg.get("sweep") and ok:
+    if cfg.sweep and ok:
         bands = ok[0].payload["sweep"]
         n_layers = max(max(b["layers"]) for b in bands) + 1
         rows: list[dict[str, Any]] = []
@@ -387,57 +382,96 @@ def _layers(layers: list[int] | None, n_layers: Any) -> str:
     return f"layers {span} ({len(layers)} of {n_layers})"
 
 
+class TransplantStage(StageSection):
+    """The transplant's frozen section: what is swapped, the rule, and the items it picked, frozen before any
+    outcome exists."""
+
+    config: TransplantConfig = Field(description="what is swapped, for which items (its construction resolved)")
+    selected: list[str] = Field(description="the items the rule picked from the matched run's divergent ones")
+
+
 class Transplant(Experiment):
-    """K/V swapped between the live and the fresh boundary states, both directions (`transplant_item`)."""
+    """Swap K/V between live and fresh boundary states of divergent items, both directions, and continue."""
 
     name: ClassVar[str] = EXPERIMENT
+    Stage: ClassVar[type[StageSection]] = TransplantStage
+    Options: ClassVar[type] = TransplantConfig
+    command: ClassVar[str] = "transplant"
     label: ClassVar[str] = "transplant"
     fixed_prefix: ClassVar[bool] = True
+
+    def check(self, model: ModelConfig, options: TransplantConfig) -> None:
+        from stagereplay.engine.model import load_config_and_tokenizer
+
+        hf_config, _ = load_config_and_tokenizer(model.path)
+        options.check_layers(hf_config.get_text_config().num_hidden_layers)
+
+    def section(self, prepared: PreparedRun, options: TransplantConfig, run: Run) -> StageSection:
+        """The selection is made here, from the matched run's divergent items, and frozen with the rule."""
+        first = matched_stage(run.manifest.stages, prepared.checkpoint)
+        construction = options.construction or (first.as_stage(MatchedStage).construction if first else "oneshot")
+        cfg = replace(options, construction=construction)
+        candidates = divergent_items(run.find(MATCHED, prepared.checkpoint), construction)
+        chosen = set(select([i.id for i, _ in candidates], cfg.select))
+        check_selection(prepared.model, cfg, [prefix for item, prefix in candidates if item.id in chosen])
+        return TransplantStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                               config=cfg, selected=sorted(chosen))
+
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        own: TransplantStage = self.stage_of(stage)
+        checkpoint, chosen = prepared.checkpoint, set(own.selected)
+        first, matched = matched_stage(run.manifest.stages, checkpoint), matched_records(run, checkpoint)
+        candidates = divergent_items(run.find(MATCHED, checkpoint), own.config.fresh)
+        return [Batch(prepared.model, [
+            Job(item, prepared.settings, TransplantParams(tuple(prefix), own.config,
+                                                          reused_arms(own, first, matched.get(item.id), checkpoint)))
+            for item, prefix in candidates if item.id in chosen])]
 
     def work(self, lm: LM, job: Job) -> Payload:
         return transplant_item(lm, job)
 
-    def units(self, checkpoint: str, stage: Stage, config: dict[str, Any], records: list[Record]
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:
         """Its frozen selection."""
-        return [(i, "") for i in stage.get("selected", [])]
+        return [(i, "") for i in self.stage_of(stage).selected]
 
-    def claims(self, record: Record, stage: Stage, matched: Record | None) -> list[str]:
+    def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
         if record.payload.get("status") != "ok":
             return []
-        return transplant_claims(record.payload, stage["config"]["construction"])
+        return transplant_claims(record.payload, self.stage_of(stage).config.fresh)
 
-    def stage_findings(self, name: str, stage: Stage, records: list[Record]) -> list[dict[str, str]]:
-        return selection_findings(name, stage, records)
+    def stage_findings(self, name: str, stage: StageSection, records: list[Record]) -> list[dict[str, str]]:
+        return selection_findings(name, self.stage_of(stage), records)
 
     def replay_job(self, replay: Replay) -> Job:
-        reuse = reused_arms(replay.stage, replay.matched_stage, replay.matched, replay.record.checkpoint)
-        return Job(replay.item, replay.settings, TransplantParams(tuple(replay.prefix or ()),
-                                                                  TransplantConfig(**replay.stage["config"]), reuse))
+        own: TransplantStage = self.stage_of(replay.stage)
+        reuse = reused_arms(own, replay.matched_stage, replay.matched, replay.record.checkpoint)
+        return Job(replay.item, replay.settings, TransplantParams(tuple(replay.prefix or ()), own.config, reuse))
 
-    def unit_forwards(self, record: Record, stage: Stage) -> list[int] | None:
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         p = record.payload
         if p.get("status") != "ok":
             return None  # its prefix was not reproduced: how far live went is not recorded
+        own: TransplantStage = self.stage_of(stage)
         n = record_lengths(p)
-        suffix = stage["settings"]["decode"]["max_new_tokens"]  # sweep continuations are not recorded
+        suffix = own.settings.decode.max_new_tokens  # sweep continuations are not recorded
         carried = tuple((a["name"], 0) for a in p.get("arms", []) if a.get("same_as"))  # own suffixes not decoded
-        return forwards(Lengths(n.prompt, n.stage1, suffix, n.arms, looks=carried),
-                        TransplantConfig(**stage["config"]), _model_layers(stage))
+        return forwards(Lengths(n.prompt, n.stage1, suffix, n.arms, looks=carried), own.config,
+                        _model_layers(own))
 
-    def peak_caches(self, stage: Stage) -> int:
+    def peak_caches(self, stage: StageSection) -> int:
         return 4  # both boundary states, a transplanted one and its continuation's
 
-    def summarize(self, records: list[Record], stage: Stage, checkpoint: str) -> list[Section]:
-        return [summarize_transplant(records, stage, checkpoint)]
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
+        return [summarize_transplant(records, self.stage_of(stage), checkpoint)]
 
     def tables(self, results: Any) -> list[Table]:
         return [table for section in results or [] for table in transplant_tables(section)]
 
 
-def _model_layers(stage: Stage) -> int:
+def _model_layers(stage: StageSection) -> int:
     from pathlib import Path
 
     from stagereplay.engine.model import load_checked_config
 
-    return int(load_checked_config(Path(stage["model"]["path"])).get_text_config().num_hidden_layers)
+    return int(load_checked_config(Path(stage.model.path)).get_text_config().num_hidden_layers)

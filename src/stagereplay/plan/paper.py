@@ -29,7 +29,15 @@ from stagereplay.errors import StageReplayError
 from stagereplay.execution.kernels import check_kernels, choose, follow_run, pin
 from stagereplay.plan.rates import Rates, calibrate
 from stagereplay.plan.recorded import plan_run, run_cache
-from stagereplay.plan.stages import PlanConfig, Shape, StagePlan, allocate, model_shape, new_stage
+from stagereplay.plan.stages import (
+    PlanConfig,
+    Shape,
+    StagePlan,
+    allocate,
+    model_shape,
+    new_stage,
+    planned_stage,
+)
 from stagereplay.records.ledger import read_manifest
 
 
@@ -45,7 +53,8 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
     stages: list[StagePlan] = []
 
     def stage(name: str, precision: str, todo: Sequence[tuple[Lengths, list[int]]]) -> None:
-        st = new_stage(name, precision, {"constructions": list(cfg.constructions)})
+        st = new_stage(name, precision, planned_stage(name, constructions=list(cfg.constructions),
+                                                      construction="oneshot"))
         for lengths, fw in todo:
             st.add(fw, lengths.prefix + n)
         stages.append(st)
@@ -54,7 +63,7 @@ def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: in
         kind, k, _ = parse_selection(rule)
         t = TransplantConfig(select=rule, sweep=cfg.sweep and checkpoint == "primary")
         chosen = units[: divergent if kind == "all" else min(k, divergent)]
-        carried = (("live", 0), (t.construction, 0)) if cfg.dedup else ()  # own suffixes: the matched run's
+        carried = (("live", 0), (t.fresh, 0)) if cfg.dedup else ()  # own suffixes: the matched run's
         stage(f"transplant/{checkpoint}", "bf16", [(u, transplant.forwards(replace(u, looks=carried), t, shape.layers))
                                                    for u in chosen])
 
@@ -195,8 +204,8 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
             raise StageReplayError(f"no run in {run} (manifest.json missing)", "pass a run directory, or no RUN")
         manifest = read_manifest(run)
         if calibrate_on is not None:
-            follow_run(manifest)
-        model = manifest["config"]["model"]["path"]
+            follow_run(manifest.environment)
+        model = manifest.config.model.path
     elif calibrate_on is not None:
         pin(choose(kernels, toy=model is None, device=calibrate_on["device"]))
     if model is None:
@@ -215,7 +224,7 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
         if cache == "static":
             max_new = max(cfg.max_new_tokens or 0, cfg.suffix_tokens)  # no suffix outgrows its budget
             allocate(stages, prompts, max_stage1_tokens, max_new, shape.context)
-    batch = cfg.batch if run is None else int(manifest["config"]["model"].get("batch", 1))
+    batch = cfg.batch if run is None else manifest.config.model.batch
     for st in stages:
         st.rows = 1 if st.name.startswith("proof@") else batch  # a proof steps one item at a time
     if calibrate_on is not None:

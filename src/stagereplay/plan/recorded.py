@@ -11,7 +11,7 @@ from typing import Any
 from stagereplay.experiments.arms import record_lengths
 from stagereplay.plan.stages import StagePlan, allocate, new_stage
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
-from stagereplay.records.manifest import Stage
+from stagereplay.records.manifest import Manifest, StageSection
 
 
 def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = True) -> list[StagePlan]:
@@ -21,7 +21,7 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
     from stagereplay.audit.reexecute import AuditConfig, sample_units
 
     manifest = read_manifest(run_dir)
-    stages_cfg = manifest.get("stages", {})
+    stages_cfg = manifest.stages
     plans: dict[str, StagePlan] = {}
     units: dict[str, list[Record]] = {}  # per stage, as the audit groups them, in ledger order
     made: dict[int, tuple[str, list[int], int]] = {}  # record seq -> (row, forwards, longest sequence)
@@ -36,20 +36,20 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
         if counted is None:
             continue
         row, fw, longest = counted
-        precision = r.part or stage["model"]["precision"]
+        precision = r.part or stage.model.precision
         plan = plans.setdefault(row, new_stage(row, precision, stage))
         plan.add(fw, longest)
         units.setdefault(name, []).append(r)
         made[r.seq] = counted
     out = list(plans.values())
-    config = manifest["config"]
+    config = manifest.config
     if run_cache(manifest) == "static":  # every cache is allocated whole: priced at the longest allocation
         from stagereplay.engine.limits import model_context
         from stagereplay.engine.model import load_checked_config
 
-        decode = config["settings"]["decode"]
-        allocate(out, prompts, decode.get("max_stage1_tokens"), decode["max_new_tokens"],
-                 model_context(load_checked_config(Path(config["model"]["path"]))), config["model"].get("static_len"))
+        decode = config.settings.decode
+        allocate(out, prompts, decode.max_stage1_tokens, decode.max_new_tokens,
+                 model_context(load_checked_config(Path(config.model.path))), config.model.static_len)
     if not audited:
         return out
     if audit_sample is None:
@@ -70,20 +70,21 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
     return out + list(audits.values())
 
 
-def run_cache(manifest: dict[str, Any]) -> str:
+def run_cache(manifest: Manifest) -> str:
     """The cache kind a run ran on (a run from before `--cache` ran on a dynamic cache)."""
-    return str(manifest["config"]["model"].get("cache", "dynamic"))
+    return manifest.config.model.cache
 
 
-def unit_forwards(r: Record, stage: Stage) -> tuple[str, list[int], int] | None:
+def unit_forwards(r: Record, stage: StageSection) -> tuple[str, list[int], int] | None:
     """(its plan row, the forwards its item function made, its longest sequence) for one item record, from its
     measured lengths, as its experiment counts them (`Experiment.unit_forwards`); None for a unit whose lengths
     are not recorded, or whose forwards are not our engine's."""
-    from stagereplay.serving.experiments import experiment_for
+    from stagereplay.experiments.registry import of_stage
+    from stagereplay.serving.runs import stage_engine
 
     name = f"{r.experiment}/{r.checkpoint}"
-    experiment = experiment_for(name, stage)
-    fw = experiment.unit_forwards(r, stage)
+    experiment = of_stage(name)
+    fw = stage_engine(stage).unit_forwards(experiment, r, stage)
     if fw is None:
         return None
     if experiment.per_precision:

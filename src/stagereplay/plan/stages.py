@@ -17,7 +17,7 @@ from typing import Any
 from stagereplay.engine.limits import static_cache_len
 from stagereplay.engine.model import check_cache
 from stagereplay.errors import StageReplayError
-from stagereplay.records.manifest import Stage
+from stagereplay.records.manifest import StageSection
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 4}  # a cache element at each precision
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 2}  # fp32-compute keeps 16-bit weights
@@ -164,12 +164,20 @@ class StagePlan:
         return sum(k * v for k, v in self.sizes.items() if k > 1)
 
 
-def new_stage(name: str, precision: str, stage: Stage) -> StagePlan:
+def new_stage(name: str, precision: str, stage: StageSection) -> StagePlan:
     """A plan row for the manifest stage `name` (`<experiment>/<checkpoint>`, `@precision` for a per-precision
     row), holding as many caches as its experiment's items hold at once (`Experiment.peak_caches`)."""
-    from stagereplay.serving.experiments import experiment_for
+    from stagereplay.experiments.registry import of_stage
 
-    return StagePlan(name, precision, caches=experiment_for(name.split("@")[0], stage).peak_caches(stage))
+    return StagePlan(name, precision, caches=of_stage(name.split("@")[0]).peak_caches(stage))
+
+
+def planned_stage(name: str, **fields: Any) -> StageSection:
+    """A stage of `name`'s experiment not yet made, with the `fields` a plan assumes (its constructions)."""
+    from stagereplay.experiments.registry import of_stage
+
+    kind = of_stage(name.split("@")[0]).Stage
+    return kind.model_construct(**{k: v for k, v in fields.items() if k in kind.model_fields})
 
 
 def allocate(stages: list[StagePlan], prompts: Iterable[int], max_stage1: int | None, max_new: int,

@@ -25,8 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from stagereplay.errors import StageReplayError
-from stagereplay.records.manifest import binding_problems, bound_stage, chain_start
+from stagereplay.records.manifest import Manifest, StageSection, binding_problems, bound_stage, chain_start
 from stagereplay.records.record import (
     GENESIS,
     SCHEMA_VERSION,
@@ -38,7 +40,7 @@ from stagereplay.records.record import (
     sha256_json,
 )
 
-__all__ = ["GENESIS", "SCHEMA_VERSION", "Record", "Run", "atomic_output", "atomic_write", "canonical_json",
+__all__ = ["GENESIS", "SCHEMA_VERSION", "Manifest", "Record", "Run", "StageSection", "atomic_output", "atomic_write", "canonical_json",
            "chain_problems", "diff_fields", "open_run", "parse_record", "read_ledger", "read_manifest",
            "sha256_json"]
 MANIFEST, LEDGER, LOCK, RESULTS = "manifest.json", "ledger.jsonl", ".lock", "results.json"
@@ -82,7 +84,7 @@ def read_ledger(run_dir: Path, *, strict: bool = True) -> list[Record]:
     complete = lines[:-1]  # the part after the last newline is either empty or torn
     records = [parse_record(line, i + 1, path) for i, line in enumerate(complete)]
     if strict:
-        manifest = read_manifest(run_dir) if (run_dir / MANIFEST).exists() else {}
+        manifest = read_manifest(run_dir) if (run_dir / MANIFEST).exists() else None
         problems = chain_problems(records, chain_start(manifest)) or binding_problems(manifest, records)
         if problems:
             first = problems[0]
@@ -96,23 +98,35 @@ def items(chain: list[Record]) -> list[Record]:
     return [r for r in chain if r.kind == "item"]
 
 
-def read_manifest(run_dir: Path) -> dict[str, Any]:
+def read_manifest(run_dir: Path) -> Manifest:
+    """The run's manifest as its model; one line naming the problem when it is not one (unreadable, not JSON, a
+    newer schema, a field of the wrong type)."""
     path = run_dir / MANIFEST
     if not path.exists():
         raise StageReplayError(f"no manifest.json in {run_dir}", "point at a run directory made by stagereplay")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise StageReplayError(f"{path} is not valid JSON", "restore the manifest from a copy") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("config", {}), dict):
+    if not isinstance(raw, dict) or not isinstance(raw.get("config", {}), dict):
         raise StageReplayError(f"{path} is not a stagereplay manifest", "restore the manifest from a copy")
-    version = manifest.get("schema_version", 0)
+    version = raw.get("schema_version", 0)
     if not isinstance(version, int):
         raise StageReplayError(f"{path} has no valid schema_version", "restore the manifest from a copy")
     if version > SCHEMA_VERSION:
         raise StageReplayError(f"{path} has manifest schema_version {version}, newer than {SCHEMA_VERSION}",
                                "upgrade stagereplay to read it")
-    return manifest
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise StageReplayError(f"{path} is not a stagereplay manifest ({where}: {first['msg']})",
+                               "restore the manifest from a copy") from None
+
+
+def write_manifest(run_dir: Path, manifest: Manifest) -> None:
+    atomic_write(run_dir / MANIFEST, manifest.write())
 
 
 class Run:
@@ -120,7 +134,7 @@ class Run:
 
     `chain` is every record in file order; `records` only the items (what experiments and reports read)."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], chain: list[Record]):
+    def __init__(self, path: Path, manifest: Manifest, chain: list[Record]):
         self.path = path
         self.manifest = manifest
         self.chain = chain
@@ -133,26 +147,27 @@ class Run:
     def last_hash(self) -> str:
         return self.chain[-1].hash if self.chain else chain_start(self.manifest)
 
-    def begin_stage(self, name: str, config: dict[str, Any]) -> None:
-        """Freeze one experiment's configuration in the manifest and the chain before its first record, or
-        check that it is unchanged."""
-        stages = self.manifest.setdefault("stages", {})
-        config = json.loads(json.dumps(config))  # normalise tuples etc. to what JSON will give back
-        if name in stages:
-            differ = diff_fields(stages[name], config)
+    def begin_stage(self, name: str, section: StageSection) -> StageSection:
+        """Freeze one experiment's section in the manifest and the chain before its first record, or check that it
+        is unchanged. Returns the section as the manifest holds it (as a later reader, the audit, reads it)."""
+        written = StageSection.model_validate(section.as_json())  # normalised as JSON gives it back
+        held = self.manifest.stage(name)
+        if held is not None:
+            differ = diff_fields(held.as_json(), written.as_json())
             if differ:
                 raise StageReplayError(
                     f"{self.path} already holds a {name} run with a different configuration ({', '.join(differ)})",
                     "use the same options to resume, or a new --out",
                 )
         else:
-            stages[name] = config
-            atomic_write(self.path / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
+            self.manifest = self.manifest.with_stage(name, written)
+            write_manifest(self.path, self.manifest)
         experiment, _, checkpoint = name.partition("/")
         if (experiment, checkpoint) not in self._staged:
             # Also after a kill between the manifest's write and this record's: the resumed run adds it.
-            self._write("stage", experiment, checkpoint, "", "", bound_stage(config), "")
+            self._write("stage", experiment, checkpoint, "", "", bound_stage(written), "")
             self._staged.add((experiment, checkpoint))
+        return self.manifest.stages[name]
 
     def done(self, experiment: str, checkpoint: str, item_id: str, part: str = "") -> bool:
         return (experiment, checkpoint, item_id, part) in self._keys
@@ -238,7 +253,7 @@ def _set_aside_torn_tail(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def open_run(path: Path, manifest: dict[str, Any], identity: tuple[str, ...] = ("config",), extend: bool = True
+def open_run(path: Path, manifest: Manifest, identity: tuple[str, ...] = ("config",), extend: bool = True
              ) -> Iterator[Run]:
     """Create or resume a run directory under a lock.
 
@@ -267,18 +282,19 @@ def open_run(path: Path, manifest: dict[str, Any], identity: tuple[str, ...] = (
         fd = _lock(path)
         if (path / MANIFEST).exists():
             existing = read_manifest(path)
-            differ = [f for key in identity for f in diff_fields(existing.get(key), manifest.get(key), f"{key}.")]
+            mine, theirs = existing.as_json(), manifest.as_json()
+            differ = [f for key in identity for f in diff_fields(mine.get(key), theirs.get(key), f"{key}.")]
             if differ:
                 raise StageReplayError(f"{path} holds a run with a different configuration ({', '.join(differ)})",
                                        "use the same options to resume, or a new --out")
-            version = existing.get("schema_version", 0)
+            version = existing.schema_version
             if extend and version < SCHEMA_VERSION:
                 raise StageReplayError(f"{path} is a run of ledger schema {version}, which this stagereplay audits "
                                        "but does not extend", "start a new run with another --out")
             _set_aside_torn_tail(path)
             run = Run(path, existing, read_ledger(path))
         else:
-            atomic_write(path / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+            write_manifest(path, manifest)
             run = Run(path, manifest, [])
         yield run
     except BaseException:

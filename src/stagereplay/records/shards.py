@@ -10,7 +10,6 @@ names each shard's environments (`shard_environments`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from stagereplay.records.ledger import (
     read_ledger,
     read_manifest,
 )
-from stagereplay.records.manifest import bound_config, bound_stage
+from stagereplay.records.manifest import Manifest, bound_config, bound_stage
 
 
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
@@ -44,18 +43,18 @@ def shard_items(items: list[Any], shard: tuple[int, int] | None) -> list[Any]:
     return items[i::n]
 
 
-def _identity(manifest: dict[str, Any]) -> dict[str, Any]:
+def _identity(manifest: Manifest) -> dict[str, Any]:
     """What shards of one run share: the bound configuration less the shard and its items, and the stages."""
-    config = bound_config(manifest.get("config", {}))
+    config = bound_config(manifest.config)
     config.pop("shard", None)
     config.pop("item_ids", None)
-    stages = {name: bound_stage(stage) for name, stage in manifest.get("stages", {}).items()}
-    return {"schema_version": manifest.get("schema_version"), "config": config, "stages": stages}
+    stages = {name: bound_stage(stage) for name, stage in manifest.stages.items()}
+    return {"schema_version": manifest.schema_version, "config": config, "stages": stages}
 
 
-def environment_notes(manifest: dict[str, Any]) -> list[str]:
+def environment_notes(manifest: Manifest) -> list[str]:
     """One line per shard when the shards of a merged run were computed in different environments."""
-    envs = manifest.get("shard_environments", {})
+    envs = manifest.shard_environments or {}
     if len({tuple(v) for v in envs.values()}) <= 1:
         return []
     return [f"shard {spec} was computed in environment {', '.join(h[:12] for h in hashes)}"
@@ -70,8 +69,8 @@ def merge_runs(shards: list[Path], out: Path) -> Path:
         raise StageReplayError("no shard directories given", "pass the --out folders of every shard")
     manifests = [read_manifest(p) for p in shards]
     for path, m in zip(shards, manifests, strict=True):
-        if m.get("schema_version") != SCHEMA_VERSION:
-            raise StageReplayError(f"shard {path} has ledger schema {m.get('schema_version')}, not {SCHEMA_VERSION}",
+        if m.schema_version != SCHEMA_VERSION:
+            raise StageReplayError(f"shard {path} has ledger schema {m.schema_version}, not {SCHEMA_VERSION}",
                                    "merge it with the stagereplay that made it")
     base = _identity(manifests[0])
     for path, m in zip(shards[1:], manifests[1:], strict=True):
@@ -83,7 +82,7 @@ def merge_runs(shards: list[Path], out: Path) -> Path:
         if differ:
             raise StageReplayError(f"shard {path} was made with a different configuration ({', '.join(differ)})",
                                    "merge only shards of one command")
-    specs = [m["config"].get("shard") for m in manifests]
+    specs = [m.config.shard for m in manifests]
     if None in specs:
         raise StageReplayError(f"{shards[specs.index(None)]} is not a shard (no --shard in its manifest)",
                                "merge only runs made with --shard I/N")
@@ -96,25 +95,26 @@ def merge_runs(shards: list[Path], out: Path) -> Path:
     by_index = {i: m for (i, _), m in zip(parsed, manifests, strict=True)}
     # Dataset order: shard i holds items i, i+N, i+2N, ...
     order: list[str] = []
-    lists = [by_index[i]["config"]["item_ids"] for i in range(n_shards)]
+    lists = [by_index[i].config.item_ids for i in range(n_shards)]
     for j in range(max(len(x) for x in lists)):
         order += [x[j] for x in lists if j < len(x)]
     position = {item: k for k, item in enumerate(order)}
-    stage_order = list(manifests[0].get("stages", {}))
+    stage_order = list(manifests[0].stages)
     chains = [read_ledger(path) for path in shards]
     environments = {r.env: r.payload for chain in chains for r in chain if r.kind == "environment"}
     records: list[Record] = [r for chain in chains for r in items(chain)]
     records.sort(key=lambda r: (stage_order.index(f"{r.experiment}/{r.checkpoint}"), r.part, position[r.item_id]))
-    manifest = json.loads(json.dumps(manifests[0]))
-    manifest["config"].pop("shard")
-    manifest["config"]["item_ids"] = order
-    manifest["merged_from"] = [str(p) for p in shards]
-    manifest["shard_environments"] = {spec: sorted({r.env for r in items(chain)})
-                                      for spec, chain in zip(specs, chains, strict=True)}
+    first = manifests[0].as_json()
+    config = {k: v for k, v in first["config"].items() if k != "shard"}
+    manifest = Manifest.model_validate({
+        **first, "config": {**config, "item_ids": order}, "stages": {},
+        "merged_from": [str(p) for p in shards],
+        "shard_environments": {spec: sorted({r.env for r in items(chain)})
+                               for spec, chain in zip(specs, chains, strict=True)}})
     if out.exists():
         raise StageReplayError(f"--out {out} already exists", "merge into a new folder")
-    with open_run(out, {**manifest, "stages": {}}) as run:
-        for name, stage in manifests[0].get("stages", {}).items():
+    with open_run(out, manifest) as run:
+        for name, stage in manifests[0].stages.items():
             run.begin_stage(name, stage)
         for r in records:
             run.append(r.experiment, r.checkpoint, r.item_id, r.payload, r.part, environments.get(r.env))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.experiments.stats import first_divergence, mcnemar_exact, paired_bootstrap_ci
 from stagereplay.report.compare_manifests import RunSide, check_comparable, manifest_differences
 
@@ -46,7 +47,7 @@ def build_comparison(a: RunSide, b: RunSide, checkpoint: str = "primary") -> dic
     check_comparable(a, b, checkpoint)
     ra = {r.item_id: r.payload for r in a.matched(checkpoint)}
     rb = {r.item_id: r.payload for r in b.matched(checkpoint)}
-    ids = [i for i in a.manifest["config"]["item_ids"] if i in ra and i in rb]
+    ids = [i for i in a.manifest.config.item_ids if i in ra and i in rb]
     items = [compare_item(i, ra[i], rb[i]) for i in ids]
     names_a = list(dict.fromkeys(n for p in ra.values() for n in _arm_names(p)))
     names_b = list(dict.fromkeys(n for p in rb.values() for n in _arm_names(p)))
@@ -67,11 +68,12 @@ def build_comparison(a: RunSide, b: RunSide, checkpoint: str = "primary") -> dic
 def _run(side: RunSide, checkpoint: str) -> dict[str, Any]:
     """What names a run in the report: its folder, the command and when, and the matched stage's model settings."""
     m = side.manifest
-    stage = (m.get("stages") or {}).get(f"matched/{checkpoint}") or {}
-    model = stage.get("model") or m.get("config", {}).get("model") or {}
-    return {"path": str(side.path), "command": m.get("command"), "created": m.get("created"),
-            "tool_version": m.get("tool_version"), "precision": model.get("precision"),
-            "engine": (stage.get("engine") or {}).get("name", "ours"), "construction": stage.get("construction")}
+    stage = m.stage(f"{MATCHED}/{checkpoint}")
+    model = stage.model if stage is not None else m.config.model
+    return {"path": str(side.path), "command": m.command, "created": m.created, "tool_version": m.tool_version,
+            "precision": model.precision,
+            "engine": stage.engine.name if stage is not None and stage.engine is not None else "ours",
+            "construction": stage.extras().get("construction") if stage is not None else None}
 
 
 def _arm(payload: dict[str, Any], name: str) -> dict[str, Any] | None:

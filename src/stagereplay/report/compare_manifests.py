@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.records.kernels import kernel_differences
 from stagereplay.records.ledger import Record, diff_fields
+from stagereplay.records.manifest import Manifest
 
 MODEL_KEYS = ("config", "weights", "gguf")
 """The `config.model_hashes.<checkpoint>` fields that identify a model's weights and architecture
@@ -43,22 +45,22 @@ class RunSide:
     """One run as `compare` reads it: its folder, manifest and whole chain (items, stage and environment records)."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     chain: list[Record]
 
     def matched(self, checkpoint: str) -> list[Record]:
         """Its matched item records at `checkpoint`, in ledger order."""
-        return [r for r in self.chain if r.kind == "item" and r.experiment == "matched" and r.checkpoint == checkpoint]
+        return [r for r in self.chain if r.kind == "item" and r.experiment == MATCHED and r.checkpoint == checkpoint]
 
     def checkpoints(self) -> list[str]:
-        return sorted({r.checkpoint for r in self.chain if r.kind == "item" and r.experiment == "matched"})
+        return sorted({r.checkpoint for r in self.chain if r.kind == "item" and r.experiment == MATCHED})
 
     def environment(self, checkpoint: str) -> dict[str, Any]:
         """The environment of the process that computed its first matched record at `checkpoint` (the manifest's
         where none is named), with the serving engine's identity from the manifest (only it records that)."""
         envs = {r.env: r.payload for r in self.chain if r.kind == "environment"}
         first = next((envs[r.env] for r in self.matched(checkpoint) if r.env in envs), None)
-        manifest_env = self.manifest.get("environment") or {}
+        manifest_env = self.manifest.environment
         env = dict(first if first is not None else manifest_env)
         if "engine" in manifest_env:
             env["engine"] = manifest_env["engine"]
@@ -89,20 +91,20 @@ def check_comparable(a: RunSide, b: RunSide, checkpoint: str) -> None:
     if tokenizer:
         raise StageReplayError(f"{a.path} and {b.path} ran different tokenizers at checkpoint {checkpoint}",
                                "compare runs of one model and tokenizer: token IDs of two tokenizers do not compare")
-    ca, cb = a.manifest.get("config", {}), b.manifest.get("config", {})
-    ia, ib = list(ca.get("item_ids", [])), list(cb.get("item_ids", []))
+    ca, cb = a.manifest.config, b.manifest.config
+    ia, ib = list(ca.item_ids), list(cb.item_ids)
     if ia != ib:
         common = len(set(ia) & set(ib))
         raise StageReplayError(f"{a.path} ran {len(ia)} items and {b.path} {len(ib)}, {common} of them in common "
                                "(config.item_ids differ)",
                                "compare runs of the same items: the same --data and --n (and no --shard)")
-    if ca.get("dataset_hash") != cb.get("dataset_hash"):
+    if ca.dataset_hash != cb.dataset_hash:
         raise StageReplayError(f"{a.path} and {b.path} ran items of different datasets (config.dataset_hash "
                                "differs)", "compare runs of the same data file")
 
 
 def _hashes(side: RunSide, checkpoint: str) -> dict[str, Any]:
-    hashes = (side.manifest.get("config", {}).get("model_hashes") or {}).get(checkpoint)
+    hashes = side.manifest.config.model_hashes.get(checkpoint)
     if not isinstance(hashes, dict) or not hashes:
         raise StageReplayError(f"{side.path} records no model hashes for checkpoint {checkpoint}",
                                "compare runs whose manifests name their models (config.model_hashes)")
@@ -127,7 +129,7 @@ def manifest_differences(a: RunSide, b: RunSide, checkpoint: str) -> dict[str, l
         groups["locations" if _is_location(name) else "server"].append(field)
     groups["kernels"] = [{"field": name, "a": va, "b": vb} for name, va, vb in kernel_differences(ea, eb)
                          if name != SERVER_IN_KERNELS]
-    rest_a, rest_b = ({"tool_version": m.manifest.get("tool_version"), **_drop(e, ("engine", "kernels"))}
+    rest_a, rest_b = ({"tool_version": m.manifest.tool_version, **_drop(e, ("engine", "kernels"))}
                       for m, e in ((a, ea), (b, eb)))
     for name in diff_fields(rest_a, rest_b):
         if name not in KERNELS_OUTSIDE:
@@ -138,9 +140,10 @@ def manifest_differences(a: RunSide, b: RunSide, checkpoint: str) -> dict[str, l
 def _settings(side: RunSide, checkpoint: str) -> dict[str, Any]:
     """The config less its identity, and the matched stage's section: each key the config does not hold with the
     same value, under `stages.matched/<checkpoint>`."""
-    config = {k: v for k, v in (side.manifest.get("config") or {}).items() if k not in IDENTITY}
-    name = f"matched/{checkpoint}"
-    stage = (side.manifest.get("stages") or {}).get(name) or {}
+    config = {k: v for k, v in side.manifest.config.as_json().items() if k not in IDENTITY}
+    name = f"{MATCHED}/{checkpoint}"
+    section = side.manifest.stage(name)
+    stage = section.as_json() if section is not None else {}
     own = {k: v for k, v in stage.items() if config.get(k) != v}
     return {"config": config, **({"stages": {name: own}} if own else {})}
 

@@ -8,30 +8,31 @@ from typing import Any
 
 from stagereplay.experiments.registry import all_experiments, of_stage
 from stagereplay.records.ledger import Record
+from stagereplay.records.manifest import Manifest
 from stagereplay.records.provenance import now
 
 RESULTS_VERSION = 1
 AUDIT_FILE = "audit.json"
 
 
-def build_results(run_dir: Path, manifest: dict[str, Any], records: list[Record]) -> dict[str, Any]:
+def build_results(run_dir: Path, manifest: Manifest, records: list[Record]) -> dict[str, Any]:
     """Each declared stage's sections, as its experiment summarises its records (an experiment of a list of sections
     gets one per stage, arm or precision; one of a single section the last stage's), and the last audit."""
-    config = manifest.get("config", {})
+    config = manifest.config
     results: dict[str, Any] = {
         "schema_version": RESULTS_VERSION,
         "run": {
-            "model": config.get("model", {}).get("path"),
-            "later_model": config.get("later_model"),
-            "precision": config.get("model", {}).get("precision"),
-            "n_items": len(config.get("item_ids", [])),
+            "model": config.model.path,
+            "later_model": config.later_model,
+            "precision": config.model.precision,
+            "n_items": len(config.item_ids),
             "created": now(),
-            "tool_version": manifest.get("tool_version"),
+            "tool_version": manifest.tool_version,
         },
         **{e.name: [] if e.many else None for e in all_experiments()},
         "audit": None,
     }
-    for name, stage in manifest.get("stages", {}).items():
+    for name, stage in manifest.stages.items():
         experiment = of_stage(name)
         checkpoint = name.partition("/")[2]
         mine = [r for r in records if r.experiment == experiment.name and r.checkpoint == checkpoint]

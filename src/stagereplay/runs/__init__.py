@@ -1,28 +1,72 @@
 """The library entry points the CLI wraps; each makes or extends a run directory and returns its results. Each
 takes typed configs, built by the CLI or in a notebook:
 
-    matched(out, Inputs(...), construction, ExecConfig(...), shard, serving_arms(...))   (runs/make.py)
-    precision_2x2(run_dir, constructions, precisions, Extension(...))                      (runs/extend.py)
-    bridge(run_dir, rows, Extension(...))
-    transplant(run_dir, TransplantConfig(...), Extension(...))
-    resample(run_dir, ResampleConfig(...), Extension(...))
+    make_run(out, experiment, options, Inputs(...), engine, ExecConfig(...))   a run from a model and items
+    extend(run_dir, experiment, options, Extension(...))                        another stage of a run
+    matched(out, Inputs(...), MatchedOptions(...), engine, ExecConfig(...))     (make_run of matched)
+    precision_2x2 / bridge / transplant / resample(run_dir, options, Extension(...))   (extend of each)
     audit(run_dir, AuditConfig(...), verify_only, Extension(...))
-    merge(shards, out)                                                                      join `--shard I/N` runs
-    paper(out, Inputs(...), PaperConfig(...))                                               (runs/protocol.py)
-    compare(run_a, run_b, out, checkpoint)                                                  (runs/compare.py)
+    merge(shards, out)                                                          join `--shard I/N` runs
+    paper(out, Inputs(...), PaperConfig(...))                                   (runs/protocol.py)
+    compare(run_a, run_b, out, checkpoint)                                      (runs/compare.py)
+
+`engine_of("vllm", cross, options)` is a serving engine's `RunEngine` (ours: `engine_of("hf")`).
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 from stagereplay.audit.reexecute import AuditConfig
 from stagereplay.audit.relocate import Relocation
+from stagereplay.engine.decode import DecodeConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.resample import ResampleConfig
-from stagereplay.experiments.transplant import TransplantConfig
+from stagereplay.experiments.bridge import Bridge, BridgeOptions
+from stagereplay.experiments.matched import Matched, MatchedOptions
+from stagereplay.experiments.precision_2x2 import GridOptions, PrecisionGrid
+from stagereplay.experiments.prepared import OURS, RunEngine
+from stagereplay.experiments.resample import Resample, ResampleConfig
+from stagereplay.experiments.transplant import Transplant, TransplantConfig
 from stagereplay.runs.compare import compare
-from stagereplay.runs.extend import Extension, audit, bridge, merge, precision_2x2, resample, transplant
-from stagereplay.runs.make import Inputs, matched
+from stagereplay.runs.extend import Extension, audit, extend, merge
+from stagereplay.runs.inputs import Boundary, EngineChoice, Input, Inputs, Numerics
+from stagereplay.runs.make import make_run
 from stagereplay.runs.protocol import PaperConfig, paper
-from stagereplay.serving.matched import serving_arms
+from stagereplay.serving.runs import engine_of
 
-__all__ = ["AuditConfig", "ExecConfig", "Extension", "Inputs", "PaperConfig", "Relocation", "ResampleConfig",
-           "TransplantConfig", "audit", "bridge", "compare", "matched", "merge", "paper", "precision_2x2", "resample",
-           "serving_arms", "transplant"]
+
+def matched(out: str | Path, inputs: Inputs | None = None, options: MatchedOptions | None = None,
+            engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
+    return make_run(out, Matched(), options, inputs, engine, ex, quiet)
+
+
+def precision_2x2(run_dir: str | Path, options: GridOptions | None = None, on: Extension | None = None,
+                  quiet: bool = False) -> dict[str, Any]:
+    """Hold the matched run's prefixes fixed; cross construction with precision."""
+    return extend(run_dir, PrecisionGrid(), options, on, quiet)
+
+
+def bridge(run_dir: str | Path, options: BridgeOptions | None = None, on: Extension | None = None,
+           quiet: bool = False) -> dict[str, Any]:
+    """Incremental vs live boundary caches, bitwise, on the first rows that reached the boundary."""
+    return extend(run_dir, Bridge(), options, on, quiet)
+
+
+def transplant(run_dir: str | Path, config: TransplantConfig | None = None, on: Extension | None = None,
+               quiet: bool = False) -> dict[str, Any]:
+    """Swap K/V between live and fresh boundary states of the selected divergent items, both directions."""
+    return extend(run_dir, Transplant(), config, on, quiet)
+
+
+def resample(run_dir: str | Path, config: ResampleConfig | None = None, on: Extension | None = None,
+             quiet: bool = False) -> dict[str, Any]:
+    """K seeded draws from the live, live-replica and fresh boundary states of each item."""
+    return extend(run_dir, Resample(), config, on, quiet)
+
+
+__all__ = ["AuditConfig", "Boundary", "BridgeOptions", "DecodeConfig", "EngineChoice", "ExecConfig", "Extension",
+           "GridOptions", "Input", "Inputs", "MatchedOptions", "Numerics", "PaperConfig", "Relocation",
+           "ResampleConfig", "TransplantConfig", "audit", "bridge", "compare", "engine_of", "extend", "make_run",
+           "matched", "merge", "paper", "precision_2x2", "resample", "transplant"]

@@ -426,6 +426,7 @@ class HttpKind(EngineKind):
     """A running server, over HTTP (`--engine http --url URL`)."""
 
     name: ClassVar[str] = "http"
+    title: ClassVar[str] = "http (a running server)"
     options: ClassVar[type[EngineOptions]] = HttpOptions
     engine: ClassVar[type] = HttpEngine
 

@@ -332,6 +332,7 @@ class LlamaCppKind(EngineKind):
     """llama.cpp in this process, through llama-cpp-python (`--engine llama.cpp --model FILE.gguf`)."""
 
     name: ClassVar[str] = "llama.cpp"
+    title: ClassVar[str] = "llama.cpp"
     options: ClassVar[type[EngineOptions]] = LlamaCppOptions
     engine: ClassVar[type] = LlamaCppEngine
     isolated: ClassVar[bool] = True  # its native code may crash: the items run in a worker process

@@ -34,20 +34,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 from stagereplay.engine.boundary import stage1_end
 from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import ExecConfig, Work
-from stagereplay.execution.local import WorkerDied
+from stagereplay.execution.config import Work
 from stagereplay.experiments.arms import comparison, no_boundary_payload, with_token_texts
-from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
+from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import STAGE1_TOP
 from stagereplay.records.ledger import Run
-from stagereplay.records.manifest import Stage
+from stagereplay.records.manifest import StageSection
 from stagereplay.records.payloads import MatchedPayload, Payload
 from stagereplay.records.provenance import environment
 from stagereplay.serving.engines import ENGINES, OURS, config_from_dict, engine_config, kind_of
@@ -65,7 +63,6 @@ from stagereplay.serving.seam import (
     ServesUnderLoad,
     ServingEngine,
 )
-from stagereplay.tasks import DataConfig
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
 
@@ -153,9 +150,17 @@ def serving_arms(engine: str, cross: str | None = None, options: Mapping[str, An
     return ServingArms(engine_config(engine, options), cross or "")
 
 
-def arms_of(stage: Stage) -> ServingArms:
-    """The arms a manifest stage declares."""
-    return ServingArms(config_from_dict(stage["engine"]), stage.get("cross", ""))
+def check_serving_precision(arms: ServingArms, precision: str) -> None:
+    """A serving engine runs the precisions it has a dtype for: not our fp32-compute."""
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise StageReplayError(f"--engine {arms.engine.name} does not run precision {precision}",
+                               "use bf16, fp16 or fp32")
+
+
+def arms_of(stage: StageSection) -> ServingArms:
+    """The arms a manifest stage that names an engine declares."""
+    assert stage.engine is not None
+    return ServingArms(config_from_dict(stage.engine.as_json()), stage.cross or "")
 
 
 # One engine per process, as one model per process in `execution.local`: two precisions load one after the other.
@@ -443,7 +448,7 @@ REQUESTS_PER_ITEM = 6
 """Completions a server's matched item sends at least (live, prefix-cache and oneshot, each with its replica)."""
 
 
-def _note_resume(run: Run, done: Sequence[Any], engine: Restarts) -> None:
+def note_resume(run: Run, done: Sequence[Any], engine: Restarts) -> None:
     """Tell an engine that restarts (a server) how the process that made the last record saw it, and how many items
     that process recorded since; say so when it restarted (its prefix cache is then cold, which the records from
     here on also say, in their environment's `engine.resumed`)."""
@@ -457,26 +462,3 @@ def _note_resume(run: Run, done: Sequence[Any], engine: Restarts) -> None:
     if restarted:
         log.info(f"note: the server at {engine.address} restarted since item {last.item_id} was recorded: its "
                  "caches are cold (the records from here on say so)")
-
-
-def run_serving_matched(run: Run, model: ModelConfig, settings: ReplaySettings, data: DataConfig, arms: ServingArms,
-                        items: list[Item], lm: LM | None, checkpoint: str = "primary", quiet: bool = False) -> None:
-    """Append a serving matched record for every item not yet in the ledger (in this process: one engine)."""
-
-    run.begin_stage(f"matched/{checkpoint}", {
-        "model": model.as_dict(), "settings": settings.as_dict(), "construction": "oneshot",
-        "engine": arms.engine.as_dict(), "cross": arms.cross, "arms": list(arms.fresh)})
-    done = run.find("matched", checkpoint)
-    if done and lm is not None:  # a resumed run: has the engine restarted since (a server)?
-        engine = cached_engine(arms.engine, lm)
-        if isinstance(engine, Restarts):
-            _note_resume(run, done, engine)
-    jobs = [Job(item, settings, ServingMatchedParams(arms, arms.traffic(items, i))) for i, item in enumerate(items)]
-    # An engine of native code that may crash runs in a worker process: a crash there ends in one line, and the run
-    # resumes.
-    isolated = arms.kind.isolated
-    try:
-        execute(run, "matched", checkpoint, model, serving_matched_item, jobs, ExecConfig(isolated=isolated),
-                None if isolated else lm, quiet, env_work=partial(with_engine_environment, serving_matched_item))
-    except WorkerDied as e:
-        raise arms.kind.crashed(arms.engine, e.problem) from e

@@ -17,18 +17,14 @@ Per item and precision p, in one engine at p (and ours at p for the cross arm):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from stagereplay.engine.constructions import Chunked, parse_construction
 from stagereplay.engine.lm import LM
-from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.arms import comparison, with_token_texts
-from stagereplay.experiments.jobs import Job, Params, ReplaySettings, execute
-from stagereplay.experiments.precision_2x2 import fixed_prefixes, fixed_state
-from stagereplay.records.ledger import Run
+from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.precision_2x2 import fixed_state
 from stagereplay.records.payloads import GridPayload, Payload
 from stagereplay.serving.evidence import took_place
 from stagereplay.serving.matched import (
@@ -38,7 +34,6 @@ from stagereplay.serving.matched import (
     diagnostics,
     hf_top_logprobs,
     served_arm,
-    with_engine_environment,
 )
 from stagereplay.serving.seam import TOP_LOGPROBS, PrefillsInChunks, SavesState
 
@@ -121,17 +116,3 @@ def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> Payload:
         "answer": item.answer, "arms": arms, "comparisons": list(comparisons.values()),
         "diagnostics": diagnostics(by, pairs, comparisons)})
     return with_token_texts(lm, payload).as_payload()
-
-
-def run_serving_2x2(run: Run, model: ModelConfig, settings: ReplaySettings, checkpoint: str, arms: ServingArms,
-                    constructions: tuple[str, ...], precisions: tuple[str, ...], quiet: bool = False) -> None:
-    check_serving_constructions(constructions, arms)
-    run.begin_stage(f"{EXPERIMENT}/{checkpoint}", {
-        "model": model.as_dict(), "settings": settings.as_dict(), "constructions": list(constructions),
-        "precisions": list(precisions), "engine": arms.engine.as_dict(), "cross": arms.cross})
-    fixed = fixed_prefixes(run, checkpoint)
-    for precision in precisions:
-        jobs = [Job(item, settings, ServingGridParams(tuple(prefix), constructions, precision, arms))
-                for item, prefix in fixed]
-        execute(run, EXPERIMENT, checkpoint, model.with_precision(precision), serving_grid_item, jobs, ExecConfig(),
-                None, quiet, env_work=partial(with_engine_environment, serving_grid_item))

@@ -1,43 +1,45 @@
-"""What the audit needs of a serving engine's run besides its experiments (`serving.experiments`): the engine's
+"""What the audit needs of a serving engine's run besides its experiments (`serving.runs`): the engine's
 build as installed here, the server of a run that moved, and the arms one request at a time cannot re-execute
 (under load)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.records.manifest import Stage
+from stagereplay.records.manifest import EngineSection, StageSection
 from stagereplay.serving.engines import config_from_dict, kind_of
 from stagereplay.serving.http import public_url
 from stagereplay.serving.matched import LOADED
 
 
-def engine_build_here(stages: dict[str, Stage]) -> dict[str, Any] | None:
+def engine_build_here(stages: Mapping[str, StageSection]) -> dict[str, Any] | None:
     """The build of the serving engine a run's stages name, as it is here (llama.cpp's installed build, the
     server's at its address; the audit compares it as it compares torch's kernels), or None where no stage names an
     engine that records one."""
     for stage in stages.values():
-        if "engine" in stage:
-            config = config_from_dict(stage["engine"])
+        if stage.engine is not None:
+            config = config_from_dict(stage.engine.as_json())
             build = kind_of(config.name).build(config)
             if build is not None:
                 return build
     return None
 
 
-def at_server(stages: dict[str, Stage], url: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
+def at_server(stages: Mapping[str, StageSection], url: str
+              ) -> tuple[dict[str, StageSection], list[dict[str, str]]]:
     """The stages with the engine of each stage that has an address (a server) at `url` instead of its recorded one
     (in memory: the chain binds the recorded one), and what moved, for the audit's notes."""
     out, moved = dict(stages), []
     for name, stage in stages.items():
-        if "engine" not in stage:
+        if stage.engine is None:
             continue
-        config = config_from_dict(stage["engine"])
+        config = config_from_dict(stage.engine.as_json())
         there = kind_of(config.name).at_address(config, url)
         if there is not None:
-            out[name] = {**stage, "engine": there.as_dict()}
-            moved.append({"input": f"{name} server", "recorded": stage["engine"].get("url", ""),
+            out[name] = stage.updated(engine=EngineSection.model_validate(there.as_dict()))
+            moved.append({"input": f"{name} server", "recorded": stage.engine.extras().get("url", ""),
                           "here": public_url(url), "how": "--url; its build and model are compared with the "
                                                           "recorded ones"})
     if not moved:

@@ -226,6 +226,8 @@ class EngineKind(ABC):
     and the arms its capabilities add to a matched run."""
 
     name: ClassVar[str]
+    title: ClassVar[str] = ""
+    """How the command line's help names its panel of options ('' : its name)."""
     options: ClassVar[type[EngineOptions]]
     engine: ClassVar[type]
     """The class `load` returns: its capability mixins say which arms it runs."""

@@ -218,6 +218,7 @@ class VllmKind(EngineKind):
     """vLLM in this process (`--engine vllm`)."""
 
     name: ClassVar[str] = "vllm"
+    title: ClassVar[str] = "vLLM"
     options: ClassVar[type[EngineOptions]] = VllmOptions
     engine: ClassVar[type] = VLLMEngine
 

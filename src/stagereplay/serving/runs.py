@@ -1,0 +1,241 @@
+"""A serving engine as a run uses it (`experiments.prepared.RunEngine`): the experiments it builds arms for, each
+with its own section, batches and item function, and a one-line refusal for the others.
+
+    matched         live, oneshot and prefix-cache (and what the engine's capabilities add), each with a replica,
+                    in the engine; `--cross hf` replays its prefixes in ours (`serving.matched`)
+    precision_2x2   its arms on the matched run's prefixes crossed with precision (`serving.precision_2x2`)
+
+An experiment that needs the cache itself (fingerprints, the bridge, a transplant, draws from a boundary state) is
+refused: the engine exposes no cache. A stage that names an engine (`StageSection.engine`) is run, re-executed and
+priced through `stage_engine`, the one place that tells a serving stage from one of ours.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.model import ModelConfig
+from stagereplay.errors import StageReplayError
+from stagereplay.execution.config import ExecConfig, Work
+from stagereplay.execution.local import WorkerDied
+from stagereplay.experiments.experiment import Batch, Experiment, Replay
+from stagereplay.experiments.jobs import Job
+from stagereplay.experiments.matched import Matched, MatchedOptions, MatchedStage, fixed_prefixes
+from stagereplay.experiments.precision_2x2 import GridOptions, GridStage, PrecisionGrid
+from stagereplay.experiments.prepared import OURS, PreparedRun, RunEngine, Runnable
+from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import EngineSection, ModelSection, StageSection
+from stagereplay.serving.engines import config_from_dict
+from stagereplay.serving.matched import (
+    ServingArms,
+    ServingMatchedParams,
+    cached_engine,
+    check_serving_precision,
+    note_resume,
+    serving_arms,
+    serving_matched_item,
+    with_engine_environment,
+)
+from stagereplay.serving.precision_2x2 import (
+    ServingGridParams,
+    check_serving_constructions,
+    serving_grid_item,
+)
+from stagereplay.serving.seam import Restarts, refuse_cache_access
+
+log = logging.getLogger(__name__)
+
+
+class Served(ABC):
+    """How a serving engine runs one experiment."""
+
+    work: Work
+
+    def check(self, arms: ServingArms, model: ModelConfig, options: Any) -> None:  # noqa: B027  # nothing by default
+        """Refuse in one line, before anything loads, what the engine cannot run of it."""
+
+    @abstractmethod
+    def section(self, arms: ServingArms, prepared: PreparedRun, options: Any, run: Run) -> StageSection: ...
+
+    @abstractmethod
+    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]: ...
+
+    @abstractmethod
+    def replay_job(self, arms: ServingArms, replay: Replay) -> Job: ...
+
+    def exec_config(self, arms: ServingArms) -> ExecConfig:
+        return ExecConfig()
+
+
+class ServedMatched(Served):
+    """Matched in the engine (`serving.matched.serving_matched_item`)."""
+
+    work = staticmethod(serving_matched_item)
+
+    def check(self, arms: ServingArms, model: ModelConfig, options: MatchedOptions) -> None:
+        engine = arms.engine.name
+        if options.construction != "oneshot":
+            raise StageReplayError(f"--construction {options.construction} is our engine's; --engine {engine} runs "
+                                   "oneshot and prefix-cache", "drop --construction")
+        if options.generated():
+            raise StageReplayError(f"{options.generated().describe()} builds live in our engine, through transformers",
+                                   "a serving engine's own option is its own: drop --speculate/--quantized-cache")
+
+    def section(self, arms: ServingArms, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
+        return MatchedStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                            construction="oneshot", engine=EngineSection.model_validate(arms.engine.as_dict()),
+                            cross=arms.cross, arms=list(arms.fresh))
+
+    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        """Every item with the prompts of the items in flight around its under-load arms. A resumed run asks an
+        engine that restarts (a server) whether it did since the last record (its caches are then cold)."""
+        done = run.find(Matched.name, prepared.checkpoint)
+        if done:
+            from stagereplay.execution.models import cached_lm
+
+            engine = cached_engine(arms.engine, cached_lm(prepared.model))
+            if isinstance(engine, Restarts):
+                note_resume(run, done, engine)
+        items = list(prepared.items)
+        return [Batch(prepared.model, [Job(item, prepared.settings, ServingMatchedParams(arms, arms.traffic(items, i)))
+                                       for i, item in enumerate(items)])]
+
+    def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
+        """One request at a time: the under-load arms are not re-executed (`serving.replay.replayable`)."""
+        return Job(replay.item, replay.settings, ServingMatchedParams(arms))
+
+    def exec_config(self, arms: ServingArms) -> ExecConfig:
+        # An engine of native code that may crash runs in a worker process: a crash there ends in one line, and the
+        # run resumes.
+        return ExecConfig(isolated=arms.kind.isolated)
+
+
+class ServedGrid(Served):
+    """The 2x2 in the engine on the matched run's prefixes (`serving.precision_2x2.serving_grid_item`)."""
+
+    work = staticmethod(serving_grid_item)
+
+    def check(self, arms: ServingArms, model: ModelConfig, options: GridOptions) -> None:
+        check_serving_constructions(options.constructions or arms.grid, arms)
+        for p in options.precisions:
+            check_serving_precision(arms, p)
+
+    def section(self, arms: ServingArms, prepared: PreparedRun, options: GridOptions, run: Run) -> StageSection:
+        return GridStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                         constructions=list(options.constructions or arms.grid), precisions=list(options.precisions),
+                         engine=EngineSection.model_validate(arms.engine.as_dict()), cross=arms.cross)
+
+    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        own = stage.as_stage(GridStage)
+        fixed = fixed_prefixes(run, prepared.checkpoint)
+        return [Batch(prepared.model.with_precision(p),
+                      [Job(item, prepared.settings, ServingGridParams(tuple(prefix), tuple(own.constructions), p, arms))
+                       for item, prefix in fixed])
+                for p in own.precisions]
+
+    def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
+        own = replay.stage.as_stage(GridStage)
+        return Job(replay.item, replay.settings, ServingGridParams(
+            tuple(replay.prefix or ()), tuple(own.constructions), replay.record.part, arms))
+
+
+SERVED: dict[type[Experiment], Served] = {Matched: ServedMatched(), PrecisionGrid: ServedGrid()}
+"""The experiments a serving engine runs, by their class."""
+
+
+@dataclass(frozen=True)
+class ServingRun(RunEngine):
+    """A serving engine with the arms of a run (`ServingArms`), as `experiments.prepared.RunEngine`."""
+
+    arms: ServingArms
+
+    @property
+    def name(self) -> str:
+        return self.arms.engine.name
+
+    def served(self, experiment: Runnable) -> Served:
+        for kind, served in SERVED.items():
+            if isinstance(experiment, kind):
+                return served
+        raise refuse_cache_access(self.name, f"{experiment.command or experiment.name}")
+
+    def model(self, model: ModelConfig) -> ModelConfig:
+        return self.arms.our_model(model)
+
+    def run_options(self) -> dict[str, Any]:
+        return {"engine": self.arms.engine.as_dict(), "cross": self.arms.cross}
+
+    def check(self, experiment: Runnable, model: ModelConfig, options: Any) -> None:
+        served = self.served(experiment)
+        served.check(self.arms, model, options)
+        check_serving_precision(self.arms, model.precision)
+        self.arms.kind.require()
+
+    def check_source(self, model: str | None) -> None:
+        self.arms.kind.check_model(model)
+
+    def context(self) -> tuple[int, str] | None:
+        return self.arms.kind.context(self.arms.engine)  # a request must fit the engine's context too
+
+    def check_run(self, ex: ExecConfig, decode: DecodeConfig) -> None:
+        if ex.workers != 1 or ex.executor != "local":
+            raise StageReplayError(f"--engine {self.name} runs in this process", "pass --workers 1 --executor local")
+        if decode.sample:
+            raise StageReplayError(f"--engine {self.name} runs greedy: its sampler is not ours, so draws would not "
+                                   "compare across engines", "drop --sample")
+
+    def section(self, experiment: Runnable, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
+        return self.served(experiment).section(self.arms, prepared, options, run)
+
+    def batches(self, experiment: Runnable, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        return self.served(experiment).batches(self.arms, prepared, stage, run)
+
+    def work(self, experiment: Runnable) -> Work:
+        return self.served(experiment).work
+
+    def env_work(self, experiment: Runnable) -> Work | None:
+        return partial(with_engine_environment, self.served(experiment).work)
+
+    def exec_config(self, experiment: Runnable, ex: ExecConfig) -> ExecConfig:
+        return self.served(experiment).exec_config(self.arms)
+
+    @contextmanager
+    def failures(self) -> Iterator[None]:
+        """A worker whose native code died ends in the engine's one line (the run resumes from the item)."""
+        try:
+            yield
+        except WorkerDied as e:
+            raise self.arms.kind.crashed(self.arms.engine, e.problem) from e
+
+    def identity(self, model: ModelConfig) -> dict[str, Any]:
+        """The engine's version and settings as it runs them, frozen in the manifest before the first item."""
+        from stagereplay.execution.models import cached_lm
+
+        return cached_engine(self.arms.engine, cached_lm(model)).settings()
+
+    def replay_job(self, experiment: Runnable, replay: Replay) -> Job:
+        return self.served(experiment).replay_job(self.arms, replay)
+
+    def unit_forwards(self, experiment: Runnable, record: Record, stage: StageSection) -> list[int] | None:
+        return None  # the engine's forwards are its own (a --cross arm's are ours, but not counted apart)
+
+
+def engine_of(name: str, cross: str | None = None, options: Mapping[str, Any] | None = None) -> RunEngine:
+    """The engine called `name` with the options given for it: ours for `hf`, else the serving engine's run; an
+    option the engine does not take, or a cross arm on our own engine, is refused in one line."""
+    arms = serving_arms(name, cross, options)
+    return OURS if arms is None else ServingRun(arms)
+
+
+def stage_engine(stage: StageSection) -> RunEngine:
+    """The engine a recorded stage ran on: ours, or the serving engine it names."""
+    if stage.engine is None:
+        return OURS
+    return ServingRun(ServingArms(config_from_dict(stage.engine.as_json()), stage.cross or ""))
