@@ -9,8 +9,9 @@ are compared with `generate(do_sample=False)`'s. Seeded and bounded (hypothesis,
 same sweep on every machine; which kernels it meets is the machine's (tests/test_capture_sweep.py runs it under
 this CPU's native kernels and under portable ones).
 
-`python tests/capture_sweep.py N [--bug]` runs N cases and prints one line per case and a summary line
-(`--bug` reintroduces the bug the sweep exists for: library switches not held at their eager values).
+`python tests/capture_sweep.py N [--bug] [--planted]` runs N cases and prints one line per case and a summary
+line (`--bug` reintroduces the bug the sweep exists for: library switches not held at their eager values;
+`--planted` adds a switch of the same kind that moves values, `planted_switch`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -140,8 +143,41 @@ def case_sdpa(case: Case) -> bool:
     return not (case.arch == "gemma2" or (case.arch == "gemma3" and case.softcap))
 
 
-def check(case: Case, bug: bool = False) -> dict[str, Any]:
-    """Run one case: the proof (captured vs eager at every position) and live tokens vs generate()."""
+@contextmanager
+def planted_switch() -> Iterator[None]:
+    """Within: a library switch of the kind the sweep exists for, planted in the models' SDPA attention. While dynamo
+    traces it, where transformers' own switch acts (a single query token with a mask, grouped K/V heads), it returns
+    the attention doubled; eagerly it is the library's own attention.
+
+    The real switch (the query's heads packed eagerly, the K/V heads repeated when traced) computes the same numbers
+    through other kernels, whose bits differ on some CPUs and dtypes and not on others. This one moves the values,
+    so whatever compares the captured step with the eager one must see it on any CPU: the negative controls of the
+    sweep and of the proof use it."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def switched(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+        out, weights = real(module, query, key, value, attention_mask, **kwargs)
+        grouped = getattr(module, "num_key_value_groups", 1) > 1
+        if torch.compiler.is_compiling() and query.shape[2] == 1 and attention_mask is not None and grouped:
+            out = out * 2
+        return out, weights
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = switched  # this mapping's own entry, read by every model's attention
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = real
+
+
+def check(case: Case, bug: bool = False, planted: bool = False) -> dict[str, Any]:
+    """Run one case: the proof (captured vs eager at every position) and live tokens vs generate(); with `bug`, the
+    library switches not held; with `planted`, within `planted_switch`."""
+    if planted:
+        with planted_switch():
+            return check(case, bug)
     import torch
 
     from stagereplay.engine.cache import new_cache
@@ -166,9 +202,10 @@ def check(case: Case, bug: bool = False) -> dict[str, Any]:
             "live_equals_generate": live == reference, "triggers": case.triggers()}
 
 
-def sweep(n: int, bug: bool = False, seed: int = 0, only_switch: bool = False) -> list[tuple[Case, dict[str, Any]]]:
-    """`n` cases drawn by hypothesis from a fixed seed, each checked; every outcome returned (none raised).
-    `only_switch`: only fp32 cases that reach the switch (`Case.triggers`), where the bug shows at every step."""
+def sweep(n: int, bug: bool = False, seed: int = 0, only_switch: bool = False, planted: bool = False
+          ) -> list[tuple[Case, dict[str, Any]]]:
+    """`n` cases drawn by hypothesis from a fixed seed, each checked (`check`); every outcome returned (none
+    raised). `only_switch`: only fp32 cases that reach the switch (`Case.triggers`)."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
@@ -179,7 +216,7 @@ def sweep(n: int, bug: bool = False, seed: int = 0, only_switch: bool = False) -
               suppress_health_check=list(HealthCheck))
     @given(cases().filter(lambda c: c.triggers() and c.precision == "fp32") if only_switch else cases())
     def run(case: Case) -> None:
-        out.append((case, check(case, bug)))
+        out.append((case, check(case, bug, planted)))
 
     run()
     return out
@@ -189,7 +226,7 @@ def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     bug = "--bug" in sys.argv
     started = time.perf_counter()
-    results = sweep(n, bug)
+    results = sweep(n, bug, planted="--planted" in sys.argv)
     for case, result in results:
         print(json.dumps({**asdict(case), **result}))
     bad = sum(not r["equal"] or not r["live_equals_generate"] for _, r in results)

@@ -4,7 +4,10 @@ Checked on every tiny architecture (sliding windows shorter than the sequence in
 the batched step row by row (together, alone, in another slot), whole runs' item payloads across item orders,
 subsets and items run alone, and every experiment of `paper`. Under portable kernels a row's bits do not depend
 on the row count either, so there the batched step equals the batch-1 step, which checks the per-row attention
-and masks themselves. Negative control: a batch whose attention is padded across rows, as a naive batch pads it.
+and masks themselves. Negative controls, each failing on any CPU: a batch whose attention is padded across rows
+with the padding attended (a naive batch that forgets its mask), whose rows move with their batch-mates by value;
+and a batched step that leaves batch 1's bits (each row's attention doubled), which the check before a run must
+call so.
 """
 
 from __future__ import annotations
@@ -110,20 +113,40 @@ def test_under_portable_kernels_the_batched_step_is_the_batch_1_step(tiny_dir):
     assert "differ: []" in out.stdout, out.stdout
 
 
+ROWS_ATTENTION = batch._rows_attention  # the batched step's own, kept before any test replaces it
+
+
 def _padded_attention(module, query, key, value, attention_mask, **kwargs):
-    """What a naive batch does: every row's K/V padded to the longest row and attended in one call."""
+    """What a naive batch gets wrong: every row's K/V padded to the longest row's and attended in one call, the
+    padding attended too (its mask forgotten). A row then weighs `longest - own` zero keys beside its own, so it
+    moves with its longest batch-mate by value, on any kernel. (Padding masked out would move a row only through
+    the kernel's blocking over the padded length, which on some CPUs and dtypes moves no bit.)"""
     step = batch._current[-1]
-    kvs = step.kv[module.layer_idx]
+    layer = module.layer_idx
+    kvs = step.kv[layer]
     longest = max(kv[0].shape[-2] for kv in kvs if kv is not None)
     keys, values, masks = [], [], []
-    for q, kv in zip(query, kvs, strict=True):
+    for i, (q, kv) in enumerate(zip(query, kvs, strict=True)):
         k, v = kv if kv is not None else (torch.zeros_like(q[None, :1].expand(1, key.shape[1], 1, -1)),) * 2
+        own = step.masks[i][step.sliding[layer]] if kv is not None else None  # [1, 1, 1, T], or None: every key
+        if own is None:
+            own = torch.ones(k.shape[-2], dtype=torch.bool)
+        else:  # a boolean mask, or an additive one (0 where a key is attended)
+            own = own.reshape(-1) if own.dtype == torch.bool else own.reshape(-1) == 0
         pad = longest - k.shape[-2]
         keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
         values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-        masks.append(torch.arange(longest) >= pad)
+        masks.append(torch.cat([torch.ones(pad, dtype=torch.bool), own]))
     mask = torch.stack(masks)[:, None, None, :]
     return step.attention(module)(module, query, torch.cat(keys), torch.cat(values), mask, **kwargs)
+
+
+def _doubled_attention(module, query, key, value, attention_mask, **kwargs):
+    """A batched step whose rows leave batch 1's bits but not each other's: each row's own attention (the batched
+    step's), its output doubled. Row by row, so a row is the same bits whatever its batch-mates; other values than
+    batch 1's, on any kernel."""
+    out, weights = ROWS_ATTENTION(module, query, key, value, attention_mask, **kwargs)
+    return out * 2, weights
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -172,40 +195,62 @@ def test_matched_records_are_the_same_bits_in_any_order_subset_or_alone(tiny_dir
     assert {k: v for k, v in forward.items() if k.startswith("q003/")} == alone
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, items_file, tmp_path, precision,
-                                                                      cache, caplog):
-    """The answer said (logged) and recorded before a batched run predicts it: records equal to --batch 1's
-    exactly when the check found the batched step equal to the batch-1 step on this model (fp32 on MKL: they
-    differ; bf16 on portable kernels: they do not; native bf16: either, by CPU)."""
-    import logging
-
+def _matched_at(rows: int, tiny_dir, data: Path, tmp_path: Path, precision: str, cache: str) -> tuple[dict, dict]:
+    """matched at --batch `rows` on four items: each item record's payload, and the manifest."""
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.execution.models import release_models
     from stagereplay.runs import Inputs, matched
 
+    release_models()
+    out = tmp_path / f"b{rows}"
+    matched(out, Inputs.of(model=str(tiny_dir("qwen2")), data=str(data), boundary=After(6),
+                        decode=DecodeConfig(max_new_tokens=12), precision=precision, batch=rows, cache=cache),
+            quiet=True)
+    return _payloads(out), json.loads((out / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_check_before_a_run_says_whether_batching_changes_any_bit(tiny_dir, items_file, tmp_path, precision,
+                                                                      cache, caplog):
+    """The answer said (logged) and recorded before a batched run predicts it: records equal to --batch 1's
+    exactly when the check found the batched step equal to the batch-1 step on this model. Which answer a setting
+    gets is the kernels' (fp32 on MKL has differed on the CPUs tried, bf16 on portable kernels has not; native
+    bf16: either, by CPU); the test below plants the answer "differs" on any CPU."""
+    import logging
+
     data = _data(tmp_path, items_file, [0, 1, 2, 3], "items")
-
-    def run(rows: int) -> tuple[dict[str, str], dict]:
-        release_models()
-        out = tmp_path / f"b{rows}"
-        matched(out, Inputs.of(model=str(tiny_dir("qwen2")), data=str(data), boundary=After(6),
-                            decode=DecodeConfig(max_new_tokens=12), precision=precision, batch=rows, cache=cache),
-                quiet=True)
-        manifest = json.loads((out / "manifest.json").read_text())
-        return _payloads(out), manifest
-
     caplog.set_level(logging.INFO, logger="stagereplay")
-    one, _ = run(1)
-    four, manifest = run(4)
+    one, _ = _matched_at(1, tiny_dir, data, tmp_path, precision, cache)
+    four, manifest = _matched_at(4, tiny_dir, data, tmp_path, precision, cache)
     check = manifest["environment"]["determinism"]["batch_check"]
     assert check["invariant"] and check["rows"] == 4
     assert "--batch 4: each row's bits are independent of its batch-mates" in caplog.text
     assert (one == four) == check["equals_batch_1"]
-    if precision == "fp32":
-        assert one != four  # MKL's fp32 linears follow the row count: the outcome where batching moves bits
+
+
+def test_the_check_says_when_batching_moves_bits_and_the_records_move(tiny_dir, items_file, tmp_path, monkeypatch,
+                                                                       caplog):
+    """Negative control of the answer "batching changes no bit", on any CPU: a batched step whose rows are the
+    same bits whatever their batch-mates but not batch 1's (each row's attention doubled) runs, the check says it
+    differs from batch 1, and the records do."""
+    import logging
+
+    data = _data(tmp_path, items_file, [0, 1, 2, 3], "items")
+    caplog.set_level(logging.INFO, logger="stagereplay")
+    monkeypatch.setattr(batch, "_rows_attention", _doubled_attention)
+    try:
+        one, _ = _matched_at(1, tiny_dir, data, tmp_path, "bf16", "dynamic")
+        four, manifest = _matched_at(4, tiny_dir, data, tmp_path, "bf16", "dynamic")
+    finally:
+        from stagereplay.execution.models import release_models
+
+        release_models()  # no later test gets a model loaded while the batched step was doubled
+    check = manifest["environment"]["determinism"]["batch_check"]
+    assert check["invariant"] and not check["equals_batch_1"]
+    assert "but differ from --batch 1's here" in caplog.text
+    assert one != four
 
 
 def test_a_step_that_depends_on_its_batch_mates_is_refused_before_the_run(tiny_dir, items_file, tmp_path,
@@ -276,9 +321,10 @@ def test_every_stage_records_the_same_bits_in_any_order_subset_or_alone(tiny_dir
 
 def test_negative_control_records_of_a_batch_padded_across_rows_depend_on_the_batch(tiny_dir, items_file, tmp_path,
                                                                                     monkeypatch):
-    """The comparison above, with attention padded across rows as a naive batch pads it and the check before the
-    run switched off (it would refuse the run): an item's records are other bytes with batch-mates than alone, or
-    the run stops where a divergent step's batch-1 replay (the diagnostics) fails to reproduce the batched one."""
+    """The comparison above, with attention padded across rows and the padding attended (`_padded_attention`) and
+    the check before the run switched off (it would refuse the run): an item's records are other bytes with
+    batch-mates than alone, or the run stops where a divergent step's batch-1 replay (the diagnostics) fails to
+    reproduce the batched one."""
     from stagereplay.engine.lm import LM
     from stagereplay.execution.models import release_models
 

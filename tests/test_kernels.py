@@ -151,8 +151,11 @@ def test_the_recorded_mkl_branch_is_the_one_mkl_runs_not_the_one_asked_for():
 def test_extending_and_auditing_a_run_follow_its_kernels(toy_runs, tmp_path):
     """A fresh process that extends the run computes under its variables, and its audit reproduces every
     record whatever this machine's own kernels are; with other variables set by the user, the audit names them
-    and exits 3 (the user's choice stands)."""
+    and exits 3 (the user's choice stands: a token forged in one record is a unit not reproduced under other
+    kernels, on any CPU, where under the run's own it would be tampering, exit 1)."""
     import shutil
+
+    from forge import plant_token
 
     run = Path(shutil.copytree(toy_runs["auto"], tmp_path / "run"))
     done = _cli("bridge", str(run), "--rows", "1", "--quiet")
@@ -161,6 +164,9 @@ def test_extending_and_auditing_a_run_follow_its_kernels(toy_runs, tmp_path):
     done = _cli("audit", str(run), "--quiet")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "audit: every record reproduced" in done.stdout
-    other = _cli("audit", str(run), "--quiet", env={"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    forged = tmp_path / "forged"
+    plant_token(run, forged, 0)
+    other = _cli("audit", str(forged), "--quiet", env={"ATEN_CPU_CAPABILITY": "default",
+                                                      "ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert other.returncode == 3, other.stdout + other.stderr
     assert other.stderr.startswith("environment: this machine's kernels differ from the run's")

@@ -96,17 +96,20 @@ def test_no_fast_step_runs_at_a_position_no_proof_compared(tmp_path, fresh_proof
 
 
 def test_a_difference_past_the_first_reach_is_caught_by_the_extension(tmp_path, fresh_proofs, caplog):
-    """Negative control: the bug reintroduced on a model whose window fills only past the first reach: the first
-    proof passes, the extension sees the difference at its first differing position, capture goes off in one
-    line, and the tokens are still generate()'s."""
+    """Negative control: a library switch of the bug's kind that moves values where a sliding window is full
+    (`planted_switch`, seen on any CPU), on a model whose window fills only past the first reach: the first proof
+    passes, the extension sees the difference at its first differing position, capture goes off in one line, and
+    the tokens are still generate()'s."""
+    from capture_sweep import planted_switch
+
     window = MIN_REACH + MIN_REACH // 2
     lm = _load(_window_model(tmp_path, window), "fp32")
-    lm.stepper.eager_branches = False
     prompt = lm.tokenizer.encode("What is 3+4?")
     caplog.set_level(logging.WARNING, logger="stagereplay")
-    lm.generate(prompt, MIN_REACH - len(prompt))
-    assert lm.proof.equal and lm.proof.positions == MIN_REACH and lm.stepper.capture
-    tokens = lm.generate(prompt, 2 * MIN_REACH - len(prompt))
+    with planted_switch():
+        lm.generate(prompt, MIN_REACH - len(prompt))
+        assert lm.proof.equal and lm.proof.positions == MIN_REACH and lm.stepper.capture
+        tokens = lm.generate(prompt, 2 * MIN_REACH - len(prompt))
     assert not lm.proof.equal and lm.proof.extensions == 1
     assert MIN_REACH <= lm.proof.first_difference < 2 * MIN_REACH
     assert not lm.stepper.capture

@@ -1,29 +1,38 @@
 """The static-cache path (`--cache static`): its identity anchor is generate(cache_implementation="static").
 
-Properties, each with a negative control that fails when the property is switched off:
-- the loop's tokens, every step's logits and the final cache equal generate(static)'s bit for bit on every tiny
-  architecture (sliding windows shorter than the sequence included), and a wrong max_cache_len is seen;
-- live generation with a stage boundary equals generate(static) sized for the live loop's longest output;
+Properties, each with a negative control that fails when the property is switched off, on every CPU:
+- the loop's tokens, every step's logits, the final cache and the cache's allocated length equal generate(static)'s
+  bit for bit on every tiny architecture (sliding windows shorter than the sequence included); one ulp in a step's
+  logits or in the cache is seen, and so is a cache allocated for another length: by its length, which is
+  structure. Whether the logits move with the length too is the attention kernel's affair (its blocking over the
+  allocated rows), so it is probed on this machine's kernel rather than assumed;
+- live generation with a stage boundary equals generate(static) sized for the live loop's longest output, its
+  allocated length included;
 - fingerprints, comparisons and transplants read only the positions a layer holds: a static cache and a
   dynamic one holding the same values have the same digests, whatever the unwritten rows contain;
-- replicas, the bridge and transplants are bit-exact on static caches; a run records its cache kind and the
-  audit re-executes a static run clean.
+- replicas, the bridge and transplants are bit-exact on static caches; a run records its cache kind, and the
+  audit re-executes a static run on static caches of the lengths the run allocated.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
-from conftest import attn_for
+from conftest import attn_for, generated_cache
 from tiny import ARCHS, make_config
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
 from stagereplay.engine.boundary import After
 from stagereplay.engine.cache import (
+    allocated,
     cache_fingerprints,
     compare_caches,
     held,
@@ -33,25 +42,93 @@ from stagereplay.engine.cache import (
     nudged,
 )
 from stagereplay.engine.decode import DecodeConfig
-from stagereplay.engine.lm import load
+from stagereplay.engine.lm import LM, load
 from stagereplay.engine.transplant import TransplantSpec, transplant
 from stagereplay.errors import StageReplayError
 
 PROMPT = "Q: what is 12+7? Think.\n"
 STATIC_ARCHS = (*ARCHS, "mistral-sw")  # mistral-sw: every layer a sliding window of 8
-LENGTH_SEEN = ("qwen2", "llama", "qwen3", "mistral", "gemma3")
-"""Where a wrong static cache length moves the logits, so the bitwise comparisons see it: the models whose
-default attention is SDPA, whose CPU kernel sums a row's keys in blocks over the allocated length L. Not Gemma 2
-(eager attention only: in bf16 its masked rows add exact zeros; in fp32 the matmul's blocking may move them, the
-BLAS's choice rather than a property to lean on), nor mistral-sw (every layer holds its window of 8, not L)."""
+EXTRA = 64
+"""How many positions more the wrong-length controls allocate."""
 
 
-def _length_seen(lm, arch) -> bool:
-    """Whether the wrong-length controls apply to this model, checked against LENGTH_SEEN: a change in the
-    attention transformers picks fails here rather than silently switching a control off."""
-    applies = lm.config.attn_impl == "sdpa" and arch != "mistral-sw"
-    assert applies == (arch in LENGTH_SEEN), (arch, lm.config.attn_impl)
-    return applies
+@dataclass(frozen=True)
+class Decoded:
+    """A greedy decode on a static cache: its tokens, every step's logits ([V] each, fp32) and the cache it ran on."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+    cache: Any
+
+
+def _generated(out: Any, prompt_len: int, steps: int | None = None) -> Decoded:
+    """generate()'s output (return_dict_in_generate, output_logits) as a Decoded, cut to its first `steps` steps."""
+    tokens = out.sequences[0, prompt_len:].tolist()[:steps]
+    return Decoded(tokens, [t[0] for t in out.logits[:steps]], generated_cache(out))
+
+
+def _differences(a: Decoded, b: Decoded, contents: bool = True) -> list[str]:
+    """What tells two decodes apart, bit for bit: "tokens", "logits", "cache" (the positions its layers hold; only
+    with `contents`, for two caches at the same step) and "allocated length" (`engine.cache.allocated`: the rows a
+    static forward's shapes follow). Empty: the same decode."""
+    same_logits = len(a.logits) == len(b.logits) and all(
+        torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a.logits, b.logits, strict=True))
+    found = {"tokens": a.tokens != b.tokens, "logits": not same_logits,
+             "cache": contents and compare_caches(a.cache, b.cache) != [],
+             "allocated length": allocated(a.cache) != allocated(b.cache)}
+    return [name for name, differs in found.items() if differs]
+
+
+def _nudged_logits(logits: list[torch.Tensor], step: int = 0) -> list[torch.Tensor]:
+    """The same steps' logits, one element of one step moved by one unit in the last place."""
+    moved = logits[step].clone()
+    moved.view(torch.int32)[0] += 1
+    return [moved if k == step else t for k, t in enumerate(logits)]
+
+
+@contextmanager
+def _attention_calls() -> Iterator[list[tuple]]:
+    """Within: every SDPA call the model makes is kept as (query, key, value, mask, keywords), its tensors copied (a
+    static cache's K/V are the cache's own tensors, written by the next step)."""
+    calls: list = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def keep(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.clone(), key.clone(), value.clone(), None if attn_mask is None else attn_mask.clone(),
+                      kwargs))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = keep
+    try:
+        yield calls
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+def _kernel_follows_length(calls: list, length: int) -> bool:
+    """Whether this machine's SDPA kernel gives any of a decode's attention calls other bits on a cache allocated
+    EXTRA positions longer. Each call over a full-attention static layer (its keys: `length` rows, the unwritten
+    ones masked) runs again with EXTRA more key rows, zeros and masked, as a longer cache's unwritten rows are; a
+    sliding layer holds its window whatever the length, and is left as it is.
+
+    Whether the padded rows move a bit is the kernel's blocking over the rows it is given, which differs by CPU,
+    dtype and length: on an AMD EPYC (Zen 3, AVX2) no call of a bf16 Qwen2 decode of PROMPT moved, nor of a bf16
+    Gemma 3, while fp32 ones of both did. Where no call moves, the longer cache's decode is this one bit for bit
+    but for its length: SDPA is the only operation that reads the unwritten rows. Where some call moves, the
+    logits usually do, not always (a moved attention row can round away before the logits), so nothing is
+    claimed of them there."""
+    for query, key, value, mask, kwargs in calls:
+        if key.shape[-2] != length or mask is None:
+            continue
+        rows = (*key.shape[:-2], EXTRA, key.shape[-1])
+        masked = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+        longer = (torch.cat([key, key.new_zeros(rows)], -2), torch.cat([value, value.new_zeros(rows)], -2),
+                  torch.cat([mask, mask.new_full((*mask.shape[:-1], EXTRA), masked)], -1))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if not torch.equal(sdpa(query, key, value, attn_mask=mask, **kwargs),
+                           sdpa(query, *longer[:2], attn_mask=longer[2], **kwargs)):
+            return True
+    return False
 
 
 def _generate_static(lm, prompt, n, max_cache_len=None):
@@ -80,31 +157,39 @@ def _logged(lm):
     return logged, caches
 
 
-def _bitwise(a, b):
-    return len(a) == len(b) and all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=False))
+def _longer_is_seen(lm: LM, arch: str, calls: list, length: int, seen: list[str]) -> None:
+    """The wrong-length control: what tells a decode on a cache allocated EXTRA positions longer from ours."""
+    if arch == "mistral-sw":  # every layer holds its window of 8 whatever the length: the same cache, the same bits
+        assert seen == []
+        return
+    assert "allocated length" in seen, "a wrong max_cache_len must be seen"
+    if lm.config.attn_impl == "sdpa" and not _kernel_follows_length(calls, length):
+        assert seen == ["allocated length"]  # this machine's kernel does not see the length: only the length can
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("arch", STATIC_ARCHS)
 def test_static_loop_equals_generate_static_bitwise(tiny_dir, arch, precision):
-    """lm.generate on a static cache: generate(cache_implementation="static")'s tokens, logits and cache, bitwise."""
+    """lm.generate on a static cache: generate(cache_implementation="static")'s tokens, every step's logits, final
+    cache and allocated length, bitwise."""
     lm = load(str(tiny_dir(arch)), precision=precision, attn_impl=attn_for(arch), cache="static")
     prompt, n = lm.tokenizer.encode(PROMPT), 24  # prompt + 24 > the sliding window of 8
-    ref = _generate_static(lm, prompt, n)
+    length = len(prompt) + n - 1  # what generate() allocates for n new tokens
+    ref = _generated(_generate_static(lm, prompt, n), len(prompt))
     logged, caches = _logged(lm)
-    tokens = lm.generate(prompt, n)
-    assert tokens == ref.sequences[0, len(prompt):].tolist()
-    assert _bitwise(logged, [t[0] for t in ref.logits])
-    cache = caches[0]
-    assert is_static(cache) and all(c is cache for c in caches)
-    assert compare_caches(cache, ref.cache) == []
-    # Negative controls: one ulp in the cache is seen; so is a cache allocated for another length, where the
-    # attention kernel depends on the allocated length (LENGTH_SEEN).
-    pos = layer_span(cache.layers[0])[1] - 1
-    assert compare_caches(nudged(cache, 0, "k", (0, 0, pos, 0)), ref.cache) != []
-    if _length_seen(lm, arch):
-        wrong = _generate_static(lm, prompt, n, max_cache_len=len(prompt) + n - 1 + 64)
-        assert not _bitwise(logged, [t[0] for t in wrong.logits]), "a wrong max_cache_len must move the logits"
+    with _attention_calls() as calls:
+        tokens = lm.generate(prompt, n)
+    ours = Decoded(tokens, logged, caches[0])
+    assert is_static(ours.cache) and all(c is ours.cache for c in caches)
+    assert _differences(ours, ref) == []
+    assert allocated(ours.cache) == (8 if arch == "mistral-sw" else length)  # a sliding layer holds min(W, L) rows
+    # Negative controls, each seen whatever the kernels: one ulp in one step's logits, one ulp in the cache, and
+    # a cache allocated for another length.
+    assert _differences(ours, replace(ref, logits=_nudged_logits(ref.logits))) == ["logits"]
+    pos = layer_span(ours.cache.layers[0])[1] - 1
+    assert _differences(replace(ours, cache=nudged(ours.cache, 0, "k", (0, 0, pos, 0))), ref) == ["cache"]
+    wrong = _generated(_generate_static(lm, prompt, n, max_cache_len=length + EXTRA), len(prompt))
+    _longer_is_seen(lm, arch, calls, length, _differences(ours, wrong))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
@@ -113,17 +198,18 @@ def test_live_equals_generate_static_and_replicas_bridge_and_transplant_are_exac
     prompt = lm.tokenizer.encode(PROMPT)
     dc = DecodeConfig(max_new_tokens=12, max_stage1_tokens=14)
     logged, _ = _logged(lm)
-    live = lm.live(prompt, After(10), dc)
-    live_logits = list(logged)
+    with _attention_calls() as calls:
+        live = lm.live(prompt, After(10), dc)
     assert live.cache_len == len(prompt) + 14 + 12 - 1 and is_static(live.cache)
-    # The live loop's numbers are generate(static)'s for the longest output it may emit (budget + suffix).
-    ref = _generate_static(lm, prompt, 14 + 12)
-    emitted = [*live.stage1, *live.live_suffix.suffix]
-    assert emitted == ref.sequences[0, len(prompt):len(prompt) + len(emitted)].tolist()
-    assert _bitwise(live_logits, [t[0] for t in ref.logits[: len(live_logits)]])
-    if _length_seen(lm, arch):  # negative control: sized for another length, the numbers move
-        longer = _generate_static(lm, prompt, 14 + 12, max_cache_len=live.cache_len + 64)
-        assert not _bitwise(live_logits, [t[0] for t in longer.logits[: len(live_logits)]])
+    # The live loop's numbers are generate(static)'s for the longest output it may emit (budget + suffix), on a
+    # cache of the same allocated length.
+    ours = Decoded([*live.stage1, *live.live_suffix.suffix], list(logged), live.cache)
+    ref = _generated(_generate_static(lm, prompt, 14 + 12), len(prompt), len(ours.logits))
+    assert _differences(ours, ref, contents=False) == [] and allocated(live.cache) == live.cache_len
+    # Negative control: sized for another length, the comparison sees it.
+    longer = _generate_static(lm, prompt, 14 + 12, max_cache_len=live.cache_len + EXTRA)
+    _longer_is_seen(lm, arch, calls, live.cache_len,
+                    _differences(ours, _generated(longer, len(prompt), len(ours.logits)), contents=False))
     # Replica and bridge: the same operations on a fresh static cache of the same length, bit for bit.
     replica = lm.live(prompt, After(10), dc)
     assert compare_caches(live.cache, replica.cache) == [] and replica.live_suffix.suffix == live.live_suffix.suffix
@@ -180,7 +266,7 @@ def test_static_and_dynamic_caches_of_the_same_values_have_the_same_digests(arch
     assert cache_fingerprints(moved)[0] != cache_fingerprints(dynamic)[0] and compare_caches(moved, dynamic) != []
 
 
-def test_cache_kind_is_checked_recorded_and_a_static_run_audits_clean(tmp_path, tiny_dir, items_file):
+def test_cache_kind_is_checked_recorded_and_a_static_run_audits_clean(tmp_path, tiny_dir, items_file, monkeypatch):
     runner = CliRunner()
     bad = runner.invoke(app, ["matched", "--model", str(tiny_dir("qwen2")), "--data", str(items_file), "--out",
                               str(tmp_path / "bad"), "--quiet", "--cache", "paged"])
@@ -195,29 +281,39 @@ def test_cache_kind_is_checked_recorded_and_a_static_run_audits_clean(tmp_path, 
         runs[kind] = out
     manifest = json.loads((runs["static"] / "manifest.json").read_text())
     assert manifest["config"]["model"]["cache"] == "static"
+    records = [json.loads(line) for line in (runs["static"] / "ledger.jsonl").read_text().splitlines()]
+    assert all(a["cache_fp"] for r in records if r["kind"] == "item" for a in r["payload"]["arms"])
+    lm = load(str(tiny_dir("qwen2")), cache="static")
+    dc = DecodeConfig(max_new_tokens=10, max_stage1_tokens=manifest["config"]["stage1"]["budget"])  # the run's
+    lengths = {lm.cache_len(len(r["payload"]["prompt_ids"]), dc) for r in records if r["kind"] == "item"}
+
+    # The audit re-executes the static run clean, on static caches of the lengths the run allocated (LM.cache_len
+    # of each item's prompt): what each cache an audit makes was allocated for is kept (None: a dynamic one).
+    made: list[int | None] = []
+    real = LM.new_cache
+
+    def spy(self, length):
+        cache = real(self, length)
+        made.append(allocated(cache))
+        return cache
+
+    monkeypatch.setattr(LM, "new_cache", spy)
     audit = runner.invoke(app, ["audit", str(runs["static"]), "--quiet"])
     assert audit.exit_code == 0, audit.output
     assert "trajectories reproduced" in audit.output
-
-    def fingerprints(run):
-        records = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
-        return [a["cache_fp"] for r in records if r["kind"] == "item" for a in r["payload"]["arms"]]
-
-    # Negative control: the two kinds give different caches here (SDPA over L padded rows vs over T), so a clean
-    # audit of the static run is one that re-executed it on a static cache.
-    assert all(fingerprints(runs["static"])) and fingerprints(runs["static"]) != fingerprints(runs["dynamic"])
+    assert made and set(made) == lengths
+    # Negative control: the dynamic run's audit makes dynamic caches, which the same record tells apart on any CPU
+    # (the two kinds' fingerprints may or may not differ: SDPA over L masked rows vs over T is the kernel's affair).
+    made.clear()
+    audit = runner.invoke(app, ["audit", str(runs["dynamic"]), "--quiet"])
+    assert audit.exit_code == 0, audit.output
+    assert made and set(made) == {None}
+    monkeypatch.undo()
 
     # `plan RUN` prices a static run's caches at what the engine allocated (LM.cache_len of the longest prompt),
     # not at the positions filled; a dynamic run's at the longest sequence (negative control: no static line).
-    from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.engine.lm import load
-
-    lm = load(str(tiny_dir("qwen2")), cache="static")
-    prompts = [len(r["payload"]["prompt_ids"]) for r in map(json.loads, (runs["static"] / "ledger.jsonl").open())
-               if r["kind"] == "item"]
-    allocated = max(lm.cache_len(p, DecodeConfig(max_new_tokens=10)) for p in prompts)
     planned = runner.invoke(app, ["plan", str(runs["static"])])
     assert planned.exit_code == 0, planned.output
-    assert f"static caches: each allocated for prompt + stage-1 budget + max new tokens - 1 positions, {allocated} " \
-           "at the longest prompt" in planned.output
+    assert f"static caches: each allocated for prompt + stage-1 budget + max new tokens - 1 positions, " \
+           f"{max(lengths)} at the longest prompt" in planned.output
     assert "static caches" not in runner.invoke(app, ["plan", str(runs["dynamic"])]).output
