@@ -13,7 +13,7 @@ item functions do (a prefill per item, then single-token steps):
   depend on its batch-mates, and says whether they equal batch 1's (the `check` column).
 
 The script asserts that every C's tokens are the batch-1 tokens wherever the check says batching changes no bit.
-Models: `toy` (the embedded checkpoint), `50m` and `vocab152k` (random Qwen2s of bench/random_model.py's shapes,
+Models: `toy` (the embedded checkpoint), `50m` and `vocab152k` (random Qwen2s of bench/common.py's shapes,
 EOS out of reach so every item decodes its full length).
 """
 
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from common import save_random_model
 
 
 def load_model(name: str, precision: str, threads: int, scratch: Path) -> Any:
@@ -36,15 +37,9 @@ def load_model(name: str, precision: str, threads: int, scratch: Path) -> Any:
         from stagereplay.toy import toy_checkpoint
 
         return load(str(toy_checkpoint("primary")), precision=precision, threads=threads)
-    sys.path.insert(0, str(Path(__file__).parent))
-    import random_model
-
     path = scratch / name
     if not path.exists():
-        model = random_model.make(name, "cpu", eos_out_of_reach=True)
-        path.mkdir(parents=True)
-        model.save_pretrained(path)
-        random_model.save_tokenizer(path, model.config.vocab_size)
+        save_random_model(name, path, "cpu", eos_out_of_reach=True)
     return load(str(path), precision=precision, threads=threads)
 
 

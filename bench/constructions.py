@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server import draft_totals  # bench/ is on sys.path when this runs as a script
+from common import draft_totals
 
 
 def _median(values: list[float]) -> str:

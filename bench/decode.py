@@ -19,7 +19,8 @@ would end, as a trained model does, so no loop that stops at EOS could match it.
 
 Models: `toy` is the embedded toy checkpoint (or `--model DIR`), skipped with a message when missing;
 `50m` is a randomly initialised Qwen2 of about 50M parameters (hidden 512, 8 layers, 8 query / 2 KV heads,
-SwiGLU 1536, vocab 28k, bf16 weights) built by `random_model.py` (its `50m` shape) in a temporary directory.
+SwiGLU 1536, vocab 28k, bf16 weights), the `50m` shape of bench/common.py (what `random_model.py --shape 50m`
+saves), built in a temporary directory.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import random
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from common import clock, random_prompts, save_random_model, sync
 
 METHODS = ("ours", "eager", "generate", "floor")
 
@@ -43,11 +44,6 @@ def toy_prompts(lm: Any, n: int) -> list[list[int]]:
     from stagereplay.tasks.toy import HELDOUT_SEED, toy_items
 
     return [list(item.prompt_ids) for item in toy_items(n, HELDOUT_SEED, lm.tokenizer)]
-
-
-def random_prompts(lm: Any, n: int, length: int = 32, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, int(lm.model.config.vocab_size)) for _ in range(length)] for _ in range(n)]
 
 
 def run_ours(lm: Any, prompt: Sequence[int], n: int) -> list[int]:
@@ -103,13 +99,6 @@ RUNNERS: dict[str, Callable[[Any, Sequence[int], int], list[int]]] = {
 }
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
     import torch._dynamo
 
@@ -123,7 +112,8 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, An
     if gen_config.pad_token_id is None:
         gen_config.pad_token_id = lm.tokenizer.pad_token_id
     lm.bench_gen_config = gen_config
-    prompts = toy_prompts(lm, args.prompts) if name == "toy" else random_prompts(lm, args.prompts)
+    prompts = (toy_prompts(lm, args.prompts) if name == "toy" else
+               random_prompts(int(lm.model.config.vocab_size), args.prompts))
     n = args.tokens
     # Warm-up, and the tokens of each method; the floor makes as many forwards as the loop made per prompt.
     outputs = {m: [run_ours(lm, p, n) for p in prompts] for m in ("ours",)}
@@ -136,16 +126,16 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> dict[str, An
         assert p_ours == p_gen == p_eager, f"{name}: our tokens differ from generate()'s"
     # Wall time by default; `--clock cpu` counts this process's CPU time, steadier on a shared machine
     # (meaningful with one thread on CPU only).
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    timer = clock(args.clock)
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     for _ in range(args.repeats):
         for method, runner in RUNNERS.items():  # interleaved, so drift hits every method alike
             sync(args.device)
-            t0 = clock()
+            t0 = timer()
             for p, limit in zip(prompts, budget[method], strict=True):
                 runner(lm, p, limit)
             sync(args.device)
-            times[method].append(clock() - t0)
+            times[method].append(timer() - t0)
     total = sum(counts)
     tps = {m: total / statistics.median(ts) for m, ts in times.items()}
     params = sum(p.numel() for p in lm.model.parameters())
@@ -232,9 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"toy   skipped: no checkpoint at {path} (train it, or pass --model DIR)")
                     continue
             else:
-                from random_model import build  # bench/ is on sys.path when this runs as a script
-
-                path = build("50m", Path(tmp) / "qwen2-50m", args.device)
+                path = save_random_model("50m", Path(tmp) / "qwen2-50m", args.device)
             results.append(bench_model(name, path, args))
             print_row(results[-1])
     if args.json:

@@ -28,7 +28,7 @@ it is measured (a step that runs out of time leaves the rows before it and a row
 Each step runs under its own budget plus what the steps before it left unused, and the budgets add up to the
 profile's total, so `all` ends within it whatever a step does. The model step also measures the bandwidth floor:
 the model's weight bytes (`stagereplay plan`'s, from the safetensors headers) over the device's copy bandwidth
-(`gpu_decode.copy_bandwidth`), the time a batch-1 step cannot beat. It ends with one line:
+(bench/common.py's `copy_bandwidth`), the time a batch-1 step cannot beat. It ends with one line:
 
     gpu check: K/N steps done in S s; replicas exact: yes|NO|not measured; decode steps/s against a floor of F:
     static X (Tx floor), dynamic Y (Tx floor), dynamic --batch 16 Z (Tx floor)
@@ -52,6 +52,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from common import (
+    SHAPES,
+    SHORT_NAMES,
+    arithmetic_items,
+    config_only,
+    copy_bandwidth,
+    profile_figures,
+    save_random_model,
+)
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -254,23 +264,23 @@ def step_2x2(a: argparse.Namespace) -> int:
 
 
 def step_decode(a: argparse.Namespace) -> int:
-    """Batch-1 decode against the floor (bench/gpu_decode.py), a matched item's steps profiled, the 14B plan."""
+    """Batch-1 decode against the floor (bench/gpu_decode.py, run as its own command), a matched item's steps
+    profiled, the 14B plan."""
     import contextlib
     import io
-
-    from gpu_decode import SHAPE_NAMES
-    from gpu_decode import main as gpu_decode
-    from random_model import config_only
-    from step_profile import figures as profile_figures
 
     from stagereplay.plan.stages import model_shape
 
     profile = PROFILES["cuda" if a.device.startswith("cuda") else "cpu"]
-    shape = {v: k for k, v in SHAPE_NAMES.items()}[a.shape]
+    shape = {v: k for k, v in SHORT_NAMES.items()}[a.shape]
     figures = a.out / "decode.json"
     copy = ["--copy-mib", "2048" if a.device.startswith("cuda") else "64"]
-    gpu_decode(["--shape", shape, "--device", a.device, "--tokens", str(profile.decode_tokens), "--repeats", "1",
-                *copy, "--profile", "--json", str(figures)])
+    # Its table goes to this step's output; its figures come back in the JSON.
+    done = subprocess.run([sys.executable, str(BENCH / "gpu_decode.py"), "--shape", shape, "--device", a.device,
+                           "--tokens", str(profile.decode_tokens), "--repeats", "1", *copy, "--profile", "--json",
+                           str(figures)], cwd=ROOT)
+    if done.returncode != 0:
+        return done.returncode
     d = json.loads(figures.read_text())
     floor = d["floor_s_per_token"]
     cells = ", ".join(f"{m} {1 / s:.1f} ({times(s / floor)} floor)" for m, s in d["s_per_token"].items())
@@ -295,15 +305,13 @@ def step_decode(a: argparse.Namespace) -> int:
 
 
 def step_model(a: argparse.Namespace) -> int:
-    from gpu_decode import copy_bandwidth  # bench/ is on sys.path when this runs as a script
-    from random_model import SHAPES, build
-
     from stagereplay.plan.stages import model_shape
 
     t = time.perf_counter()
-    build(a.shape, a.model, a.device)
-    layers, hidden, heads, kv, _, vocab = SHAPES[a.shape]
-    row(a.out, f"random {a.shape} ({layers} layers, hidden {hidden}, {heads}/{kv} heads, vocab {vocab})",
+    save_random_model(a.shape, a.model, a.device)  # what `random_model.py --shape SHAPE --out MODEL` saves
+    arithmetic_items(a.model / "items.jsonl")
+    s = SHAPES[a.shape]
+    row(a.out, f"random {a.shape} ({s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} heads, vocab {s.vocab})",
         f"drawn on {a.device} and saved in {time.perf_counter() - t:.1f} s")
     weights = model_shape(a.model).weight_bytes("bf16")
     bandwidth = copy_bandwidth(a.device, 2048 if a.device.startswith("cuda") else 64)

@@ -4,7 +4,7 @@
     python bench/gpu_decode.py --shape 7b --device cuda
     python bench/gpu_decode.py --shape tiny --device cpu      # the smoke run (tests/test_bench.py)
 
-A random bf16 Qwen2 of the shape (bench/random_model.py: Qwen2.5-7B's or -14B's layers, widths and 152k
+A random bf16 Qwen2 of the shape (bench/common.py's builder: Qwen2.5-7B's or -14B's layers, widths and 152k
 vocabulary) is made on `--device`; nothing is downloaded or saved. From one prompt of `--prompt` tokens each
 method emits `--tokens` greedy tokens (EOS is out of reach, so every run is that long), `--repeats` times after
 one warm-up run (which captures what is captured); the median is reported:
@@ -21,7 +21,7 @@ second by a large `copy_`). `x floor` is each method's time per token over the f
 within 2x. Each loop's tokens are checked against its generate() counterpart's. The last line is
 `ours static: X.XXx floor, tokens == generate(): yes|no`. `--profile` then splits a matched item's steps on each
 cache into the forward, the pick, the step record and the rest, with host reads and syncs per step
-(bench/step_profile.py).
+(bench/step_profile.py's figures).
 """
 
 from __future__ import annotations
@@ -33,58 +33,32 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-SHAPE_NAMES = {"7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "50m": "50m", "tiny": "tiny"}
-
-
-def sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: str, mib: int, repeats: int = 5) -> float:
-    """Bytes per second a large device-to-device `copy_` moves (each byte read once and written once)."""
-    import torch
-
-    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
-    src.fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm up
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return 2 * src.numel() / min(times)
+from common import (
+    SHAPES,
+    SHORT_NAMES,
+    bare_lm,
+    copy_bandwidth,
+    device_seconds,
+    fixed_prompt,
+    profile_line,
+    profile_live,
+    random_model,
+    sync,
+)
 
 
 def timed(fn: Callable[[], list[int]], device: str, repeats: int) -> tuple[float, list[int]]:
     """Median seconds of `repeats` calls after one warm-up call, and the tokens the last call emitted."""
-    tokens = fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        tokens = fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
+    fn()
+    times, tokens = device_seconds(fn, device, repeats)
     return statistics.median(times), tokens
 
 
 def our_lms(model: Any, device: str) -> dict[str, Any]:
     """Our engine on `model`, one LM per cache kind."""
-    from stagereplay.engine.lm import LM
-    from stagereplay.engine.model import ModelConfig
-
-    no_tokenizer = SimpleNamespace(eos_token_id=None)  # EOS comes from the model's generation config
-    return {kind: LM(model, no_tokenizer, ModelConfig(path="random", device=device, cache=kind))
-            for kind in ("dynamic", "static")}
+    return {kind: bare_lm(model, device, kind) for kind in ("dynamic", "static")}
 
 
 def methods(model: Any, ours: dict[str, Any], prompt: list[int], n: int, device: str
@@ -110,7 +84,7 @@ def methods(model: Any, ours: dict[str, Any], prompt: list[int], n: int, device:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPE_NAMES), default="14b")
+    p.add_argument("--shape", choices=sorted(SHORT_NAMES), default="14b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt", type=int, default=32)
@@ -124,20 +98,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from random_model import SHAPES, make  # bench/ is on sys.path when this runs as a script
 
     from stagereplay.engine.model import set_determinism
 
     set_determinism(args.threads, args.device)
     t = time.perf_counter()
-    model = make(SHAPE_NAMES[args.shape], args.device, eos_out_of_reach=True)
+    model = random_model(SHORT_NAMES[args.shape], args.device, eos_out_of_reach=True)
     sync(args.device)
     built = time.perf_counter() - t
     weight_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
     bandwidth = copy_bandwidth(args.device, args.copy_mib or (2048 if args.device.startswith("cuda") else 256))
     floor = weight_bytes / bandwidth  # seconds per token
-    vocab = SHAPES[SHAPE_NAMES[args.shape]][5]
-    prompt = [(7 * i + 11) % (vocab - 3) + 3 for i in range(args.prompt)]  # no special IDs
+    prompt = fixed_prompt(SHAPES[SHORT_NAMES[args.shape]].vocab, args.prompt)
     rows, tokens = {}, {}
     ours = our_lms(model, args.device)
     for name, fn in methods(model, ours, prompt, args.tokens, args.device).items():
@@ -157,11 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"tokens == generate(): dynamic {'yes' if same['dynamic'] else 'no'}, static {'yes' if same['static'] else 'no'}")
     profiles = {}
     if args.profile:
-        from step_profile import line, profile_live
-
         for kind, lm in ours.items():
             profiles[kind] = profile_live(lm, prompt, args.tokens // 2, args.tokens - args.tokens // 2)
-            print(line(f"ours {kind}", profiles[kind]))
+            print(profile_line(f"ours {kind}", profiles[kind]))
     if args.json:
         args.json.write_text(json.dumps({"shape": args.shape, "device": name, "weight_bytes": weight_bytes,
                                          "copy_bytes_per_s": bandwidth, "floor_s_per_token": floor,

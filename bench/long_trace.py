@@ -34,30 +34,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-LAYERS, KV_HEADS, HEAD_DIM = 28, 2, 128  # DeepSeek-R1-Distill-Qwen-1.5B's cache shape
-HIDDEN, HEADS, MLP, VOCAB = 256, 2, 512, 1024
+from common import SHAPES, rss_mib, save_random_model, think_items
 
-
-def build(out: Path, seed: int = 0) -> Path:
-    """Save the random model, its tokenizer (every ID decodes) with EOS out of reach."""
-    import torch
-    from random_model import save_tokenizer  # bench/ is on sys.path when this runs as a script
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-        model.lm_head.weight[2] = 0.0  # EOS logit 0, below the largest of 1023 random ones: suffixes run full length
-    model.to(torch.bfloat16).save_pretrained(out)
-    save_tokenizer(out, VOCAB)
-    return out
+SHAPE = SHAPES["r1-cache"]  # DeepSeek-R1-Distill-Qwen-1.5B's cache shape on a narrow decoder
+LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = SHAPE.layers, SHAPE.kv_heads, SHAPE.head_dim, SHAPE.hidden
 
 
 class Clock:
@@ -124,11 +104,6 @@ def warm_up(model: Path, args: argparse.Namespace, clock: Clock) -> None:
     clock.calls.clear()
 
 
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--items", type=int, default=4)
@@ -152,10 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     clock, streamed = Clock(), [0]
     instrument(clock, streamed)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build(Path(tmp) / "model")
-        data = Path(tmp) / "items.jsonl"
-        data.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"Q: {10 + i}+{20 + i}=? Think.\n",
-                                            "answer": str(30 + 2 * i)}) + "\n" for i in range(args.items)))
+        # EOS's logit 0 stays below the largest of 1023 random ones: every suffix runs its full length.
+        model = save_random_model("r1-cache", Path(tmp) / "model", eos_out_of_reach=True)
+        data = think_items(Path(tmp) / "items.jsonl", args.items)
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
         warm_up(model, args, clock)
         start = time.perf_counter()

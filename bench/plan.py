@@ -24,12 +24,13 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from common import SCALE_RUNS, clock, save_random_model, think_items
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -48,20 +49,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def scale_workload(kind: str, tmp: Path, n: int) -> tuple[str, dict[str, Any], Any]:
     """bench/scale.py's model and items: (the model path, paper's options, the PlanConfig of a plan before
     the run, whose divergence is filled in afterwards)."""
-    import scale  # bench/ is on sys.path when this runs as a script
-
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.plan.stages import PlanConfig
 
-    shape = dict(scale.FULL if kind == "full" else scale.TINY)
-    model = scale.build(tmp / "model", shape)
-    data = tmp / "items.jsonl"
-    data.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"Q: {10 + i}+{20 + i}=? Think.\n",
-                                        "answer": str(30 + 2 * i)}) + "\n" for i in range(n)))
-    options = {"model": str(model), "data": str(data), "boundary": After(shape["stage1"]),
-               "decode": DecodeConfig(max_new_tokens=shape["suffix"], max_stage1_tokens=shape["stage1"])}
-    before = PlanConfig(n=n, suffix_tokens=shape["suffix"], stage1_tokens=shape["stage1"], later=False)
+    run = SCALE_RUNS[kind]
+    model = save_random_model(run.shape, tmp / "model", eos_out_of_reach=True)
+    data = think_items(tmp / "items.jsonl", n)
+    options = {"model": str(model), "data": str(data), "boundary": After(run.stage1),
+               "decode": DecodeConfig(max_new_tokens=run.suffix, max_stage1_tokens=run.stage1)}
+    before = PlanConfig(n=n, suffix_tokens=run.suffix, stage1_tokens=run.stage1, later=False)
     return str(model), options, before
 
 
@@ -104,15 +101,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             model = str(toy_checkpoint("primary"))
             options, before = {"decode": DecodeConfig(max_new_tokens=args.max_new_tokens)}, None
-        clock = time.process_time if args.clock == "cpu" else time.perf_counter
-        start = clock()
+        timer = clock(args.clock)
+        start = timer()
         results = paper(out, Inputs.of(n=args.n, threads=args.threads, batch=1, **options), workers=1, quiet=True)
-        wall = clock() - start
+        wall = timer() - start
         decode.Stepper.forward = forward  # type: ignore[method-assign]
         lm_module.prove_steps = prove
         stages = plan_run(out)
         shape = model_shape(model)
-        rates = calibrate(model, sorted({s.precision for s in stages}), threads=args.threads, clock=clock)
+        rates = calibrate(model, sorted({s.precision for s in stages}), threads=args.threads, clock=timer)
         if before is not None:
             divergent = results["matched"][0]["suffix_disagreements"]["k"]
             before = replace(before, divergent=divergent)

@@ -5,8 +5,9 @@
 
 Per item the live boundary state is built once, then three ways of producing the same K sampled continuations
 (seeds 0..K-1, temperature 0.6, top-p 0.95) are timed. The model: the embedded toy (its marker boundary, short
-prefixes), a checkpoint (`--model`), or a random Qwen2 of `bench/random_model.py`'s shapes (`--shape`) whose
-boundary comes `--prefix` tokens after a random 32-token prompt, as a long reasoning trace would:
+prefixes), a checkpoint (`--model`), or a random Qwen2 of bench/common.py's shapes (`--shape`, as
+`random_model.py` saves it) whose boundary comes `--prefix` tokens after a random 32-token prompt, as a long
+reasoning trace would:
 
 - `draw`: `lm.continue_from(state, dc, seed)`, what `stagereplay resample` does: clone the snapshot's cache,
   feed the pending token, decode. K decodes from one snapshot, no prefill.
@@ -29,11 +30,13 @@ import sys
 import time
 from typing import Any
 
+from common import random_prompts, save_random_model
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded toy)")
-    ap.add_argument("--shape", default=None, help="a random model of bench/random_model.py's shapes, e.g. 50m")
+    ap.add_argument("--shape", default=None, help="a random model of bench/common.py's shapes, e.g. 50m")
     ap.add_argument("--prefix", type=int, default=1024, help="stage-1 tokens with --shape")
     ap.add_argument("--new-tokens", type=int, default=128, help="suffix limit per draw")
     ap.add_argument("--items", type=int, default=8)
@@ -44,7 +47,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
 
-    import random
     import tempfile
     from pathlib import Path
 
@@ -57,14 +59,9 @@ def main(argv: list[str] | None = None) -> None:
 
     tmp = tempfile.TemporaryDirectory()
     if args.shape:
-        sys.path.insert(0, str(Path(__file__).parent))
-        import random_model
-
-        lm = load(str(random_model.build(args.shape, Path(tmp.name) / args.shape, args.device)), args.precision,
+        lm = load(str(save_random_model(args.shape, Path(tmp.name) / args.shape, args.device)), args.precision,
                   args.device, args.threads)
-        rng = random.Random(0)
-        vocab = int(lm.model.config.vocab_size)
-        prompts: list[Any] = [[rng.randrange(4, vocab) for _ in range(32)] for _ in range(args.items)]
+        prompts: list[Any] = random_prompts(int(lm.model.config.vocab_size), args.items)
         rule: Any = After(args.prefix)
         stage1 = DecodeConfig(max_stage1_tokens=args.prefix)
     else:

@@ -41,33 +41,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-FULL = {"vocab": 151_936, "layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "mlp": 512, "context": 8192,
-        "stage1": 1024, "suffix": 512, "items": 2}
-TINY = {"vocab": 4096, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "mlp": 128, "context": 512,
-        "stage1": 24, "suffix": 12, "items": 2}
+from common import SCALE_RUNS, SHAPES, rss_mib, save_random_model, think_items
+
 PER_ITEM = 4  # the most K/V caches one matched item holds at once (tests/test_cache_count.py)
 
 
-def build(out: Path, shape: dict[str, int], seed: int = 0) -> Path:
-    """Save the random model and a tokenizer over every ID, with EOS out of reach."""
-    import torch
-    from random_model import save_tokenizer  # bench/ is on sys.path when this runs as a script
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["mlp"],
-                         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                         num_key_value_heads=shape["kv_heads"], max_position_embeddings=shape["context"],
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-        model.lm_head.weight[2] = 0.0  # EOS logit 0, below the largest random one: suffixes run full length
-    model.to(torch.bfloat16).save_pretrained(out)
-    save_tokenizer(out, shape["vocab"])
-    return out
+def workload(kind: str) -> dict[str, int]:
+    """The shape and the lengths of a run (`full` or `tiny`, bench/common.py's SCALE_RUNS), as the figures say them."""
+    run = SCALE_RUNS[kind]
+    s = SHAPES[run.shape]
+    return {"vocab": s.vocab, "layers": s.layers, "hidden": s.hidden, "heads": s.heads, "kv_heads": s.kv_heads,
+            "mlp": s.intermediate, "context": s.context, "stage1": run.stage1, "suffix": run.suffix,
+            "items": run.items}
 
 
 class CacheCount:
@@ -141,11 +126,6 @@ def kept_bytes(cont: Any) -> int:
     return total
 
 
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
 def reset_peak() -> bool:
     """Reset the kernel's RSS high-water mark (VmHWM) to the current RSS; False where that is not allowed."""
     try:
@@ -173,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1, help="items stepping together (--batch C)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
-    shape = dict(TINY if args.tiny else FULL)
+    kind = "tiny" if args.tiny else "full"
+    shape = workload(kind)
     shape["items"] = args.items or (2 * args.batch if args.batch > 1 else shape["items"])
 
     import torch
@@ -193,10 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logits.wrap_continue(lm_module.LM)
     logits.wrap_item(matched_module, "matched_item")
     with tempfile.TemporaryDirectory() as tmp:
-        model = build(Path(tmp) / "model", shape)
-        data = Path(tmp) / "items.jsonl"
-        data.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"Q: {10 + i}+{20 + i}=? Think.\n",
-                                            "answer": str(30 + 2 * i)}) + "\n" for i in range(shape["items"])))
+        # EOS's logit 0 stays below the largest random one: every suffix runs its full length.
+        model = save_random_model(SCALE_RUNS[kind].shape, Path(tmp) / "model", eos_out_of_reach=True)
+        data = think_items(Path(tmp) / "items.jsonl", shape["items"])
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
         # The floor: the model the run will reuse (one per process), loaded, its decode step captured.
         lm = cached_lm(ModelConfig(path=str(model.resolve()), precision="bf16", device="cpu", threads=1))

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common import draft_totals
+
 
 @dataclass(frozen=True)
 class Config:
@@ -150,21 +152,6 @@ def row(run: Path) -> tuple[str, dict[str, str]]:
         parts.append(f"live drafted {drafted[0]}, accepted {drafted[1]}")
     cells["live drafted / accepted"] = "-" if drafted is None else f"{drafted[0]} / {drafted[1]}"
     return f"live replica exact {live['k']}/{live['n']}; " + "; ".join(parts), cells
-
-
-def draft_totals(run: Path) -> tuple[int, int] | None:
-    """Tokens speculation drafted and accepted over the run's live requests (None: no arm says it speculated)."""
-    totals, seen = [0, 0], False
-    for line in (run / "ledger.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["kind"] != "item":
-            continue
-        for arm in record["payload"].get("arms", []):
-            if arm["name"] == "live" and arm.get("draft") is not None:
-                seen = True
-                totals[0] += arm["draft"]["drafted"]
-                totals[1] += arm["draft"]["accepted"]
-    return (totals[0], totals[1]) if seen else None
 
 
 def against(first: str, comparison: dict[str, Any]) -> tuple[str, dict[str, str]]:

@@ -2,11 +2,14 @@
 
 Each script is run as the README runs it (a subprocess, its own flags) with the tiny arguments of `TINY`,
 and its last line must parse as that script's summary line. A new script in bench/ fails
-`test_every_bench_script_has_a_smoke_run` until it gets its row here.
+`test_every_bench_script_has_a_smoke_run` until it gets its row here, and
+`test_every_bench_script_is_in_the_readme` until bench/README.md has its section. The scripts share code through
+one module, bench/common.py, never by importing each other (`test_no_script_imports_another`).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -16,6 +19,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+SHARED = "common.py"
+"""The helpers the scripts share: imported by them, run by none of its own."""
 
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 # script: (tiny arguments, with {tmp} for a scratch directory; the regex its last line must match)
@@ -77,7 +82,65 @@ TINY: dict[str, tuple[list[str], str]] = {
 
 
 def scripts() -> list[str]:
-    return sorted(p.name for p in [*BENCH.glob("*.py"), *BENCH.glob("*.sh")])
+    return sorted(p.name for p in [*BENCH.glob("*.py"), *BENCH.glob("*.sh")] if p.name != SHARED)
+
+
+def imported_scripts(source: str) -> set[str]:
+    """The bench scripts (module names, no `.py`) that `source` imports, at module level or inside a function."""
+    names = {s.removesuffix(".py") for s in scripts() if s.endswith(".py")}
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & names
+
+
+def test_no_script_imports_another() -> None:
+    """A script imports bench/common.py, never another script, so no circle can form between them."""
+    offenders = {p.name: sorted(imported_scripts(p.read_text())) for p in sorted(BENCH.glob("*.py"))}
+    assert offenders, f"no Python files in {BENCH}"
+    assert not {k: v for k, v in offenders.items() if v}, f"bench modules importing a script: {offenders}"
+
+
+def test_imported_scripts_sees_an_import_of_a_script() -> None:
+    """Negative control: the check above finds a script imported at the top or inside a function."""
+    assert imported_scripts("from gpu_decode import SHAPE_NAMES\n") == {"gpu_decode"}
+    assert imported_scripts("def f():\n    import random_model\n    import torch\n") == {"random_model"}
+    assert imported_scripts("from common import sync\nimport json\n") == set()
+
+
+def undocumented(readme: str) -> list[str]:
+    """Scripts (and the shared module) without a `## ` section in `readme` that names them, or, for a script, with no
+    command line in it that runs them (`python bench/NAME` or `bash bench/NAME`)."""
+    sections = {}
+    for part in readme.split("\n## ")[1:]:
+        heading, _, body = part.partition("\n")
+        for name in re.findall(r"`([\w.]+\.(?:py|sh))`", heading):
+            sections[name] = body
+    missing = []
+    for name in [*scripts(), SHARED]:
+        body = sections.get(name)
+        run = rf"^(?:[A-Z]+=\S+ )*(?:python|bash) bench/{re.escape(name)}\b"
+        if body is None or (name != SHARED and not re.search(run, body, re.MULTILINE)):
+            missing.append(name)
+    return missing
+
+
+def test_every_bench_script_is_in_the_readme() -> None:
+    readme = (BENCH / "README.md").read_text()
+    assert undocumented(readme) == [], "bench/README.md lacks a section (with the command that runs it) for these"
+
+
+def test_undocumented_sees_a_missing_section() -> None:
+    """Negative control: dropping a script's section, or the command from it, is caught."""
+    readme = (BENCH / "README.md").read_text()
+    start = readme.index("\n## `batch.py`")
+    end = readme.index("\n## ", start + 1)
+    assert undocumented(readme[:start] + readme[end:]) == ["batch.py"]
+    commandless = readme[:start] + "\n## `batch.py`: no command\n\nProse only.\n" + readme[end:]
+    assert undocumented(commandless) == ["batch.py"]
 
 
 def test_every_bench_script_has_a_smoke_run() -> None:
