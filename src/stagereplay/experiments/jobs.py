@@ -15,7 +15,7 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.executors import run_jobs
 from stagereplay.records.ledger import Run
-from stagereplay.records.proofs import attach_store
+from stagereplay.records.proofs import machine_store
 from stagereplay.records.provenance import environment
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
@@ -72,9 +72,7 @@ class Job(Generic[P]):
 
 
 def with_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
-    """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one). The
-    process keeps and reuses its fast step's proofs in this machine's store (records.proofs)."""
-    attach_store(lm)
+    """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one)."""
     return {"payload": work(lm, job), "environment": environment(lm.config.device, lm.determinism)}
 
 
@@ -92,7 +90,7 @@ def execute(run: Run, experiment: str, checkpoint: str, model: ModelConfig, work
                   disable=quiet, transient=False) as bar:
         # The description is rich markup: escaped, "[primary]" is shown, not taken for a style.
         task = bar.add_task(escape(label), total=len(jobs), completed=len(jobs) - len(pending))
-        done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, lm)
+        done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, lm, machine_store)
         for job, out in zip(pending, done, strict=False):
             run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
             bar.advance(task)

@@ -23,7 +23,7 @@ from stagereplay.execution.kernels import choose, pin
 from stagereplay.execution.local import cached_lm, check_worker_devices
 from stagereplay.experiments.jobs import ReplaySettings
 from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run
-from stagereplay.records.proofs import attach_store
+from stagereplay.records.proofs import machine_store
 from stagereplay.records.provenance import environment, model_hashes, now, package_versions
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.serving.matched import ServingArms
@@ -120,7 +120,7 @@ def prepare(source: Source, ex: ExecConfig, quiet: bool = True, engine_context: 
     source = shared_static_len(source, items, context)
     m = source.model
     if ex.workers == 1 and ex.executor == "local":  # else workers load their own replicas
-        lm = cached_lm(m)
+        lm = cached_lm(m, machine_store=machine_store)
         determinism = lm.determinism
     captured = captures_steps(m.precision, m.cache) and m.batch == 1 and m.weights
     steps = lm is not None and bool(items) and m.weights  # our engine steps this run's items here
@@ -128,11 +128,10 @@ def prepare(source: Source, ex: ExecConfig, quiet: bool = True, engine_context: 
         lm.prove_batch([i.prompt_ids for i in items[:3]])
         determinism = {**determinism, "batch_check": lm.determinism["batch_check"]}
     elif lm is not None and steps:  # the fast step proven before any item uses it (engine.proof)
-        attach_store(lm)
-        lm.show_proofs = not quiet
+        lm.prover.show = not quiet
         prompt, reach = prove_reach(source, items)
         lm.prove(prompt, reach, lm.cache_len(max(len(i.prompt_ids) for i in items), source.settings.decode))
-        captured = lm.stepper.capture
+        captured, determinism = lm.stepper.capture, lm.determinism  # with the proof's outcome (fast_steps)
     # Captured steps are the eager ones, bit for bit, where proven (once per machine and model setting: workers
     # reuse what the first to need it proved, records.proofs), and each record's environment says the outcome
     # (`fast_steps`); the manifest says whether they were on.
@@ -164,7 +163,7 @@ def prove_reach(source: Source, items: list[Item]) -> tuple[tuple[int, ...], int
     """What to prove before the first item: from the shortest prompt (every item steps from its own prompt on, so
     from there every step is covered) to where the items are sure to go. A count boundary fixes stage 1, so that
     is the longest prompt + stage 1 + the suffix budget; a marker ends it where nobody knows yet, so the proof
-    starts short and is extended as the items get further (`LM.fast_step_at`)."""
+    starts short and is extended as the items get further (`Prover.guard`)."""
     from stagereplay.engine.boundary import After, parse_boundary
 
     dc = source.settings.decode
