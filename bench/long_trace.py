@@ -69,12 +69,12 @@ class Clock:
 
 def instrument(clock: Clock, streamed: list[int]) -> None:
     """Time forwards, fingerprints, clones, ledger writes and the item loop; count bytes sent to the hasher."""
-    from stagereplay.engine import cache, decode, lm
+    from stagereplay.engine import cache, decode, lm, prover
     from stagereplay.experiments import matched
     from stagereplay.records import ledger
 
     clock.wrap(decode.Stepper, "forward", "forwards")
-    clock.wrap(lm, "prove_steps", "proof")  # before the items, and apart from them (engine.proof)
+    clock.wrap(prover, "prove_steps", "proof")  # before the items, and apart from them (engine.proof)
     clock.wrap(cache, "cache_fingerprint", "fingerprints")
     clock.wrap(lm, "cache_fingerprint", "fingerprints")  # lm.py binds the name at import
     clock.wrap(lm, "clone_cache", "clones")

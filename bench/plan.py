@@ -74,16 +74,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stagereplay.toy import toy_checkpoint
 
     args.n = args.n or (2 if args.scale else 4)
-    from stagereplay.engine import lm as lm_module
+    from stagereplay.engine import prover
 
     sizes: Counter[int] = Counter()
     proofs: Counter[int] = Counter()  # the forwards proving the captured step: a process's set-up, not a unit's
     proving = [False]
-    forward, prove = decode.Stepper.forward, lm_module.prove_steps
+    forward, prove = decode.Stepper.forward, prover.prove_steps
 
-    def counted(self: Any, ids: Sequence[int], cache: Any, past: int) -> Any:
+    def counted(self: Any, ids: Sequence[int], cache: Any, past: int, **kwargs: Any) -> Any:
         (proofs if proving[0] else sizes)[len(ids)] += 1
-        return forward(self, ids, cache, past)
+        return forward(self, ids, cache, past, **kwargs)
 
     def counted_proof(*a: Any, **k: Any) -> Any:
         proving[0] = True
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             proving[0] = False
 
     decode.Stepper.forward = counted  # type: ignore[method-assign]  # a counting wrapper of the same method
-    lm_module.prove_steps = counted_proof  # type: ignore[assignment]  # the same function, its forwards counted apart
+    prover.prove_steps = counted_proof  # type: ignore[assignment]  # the same function, its forwards counted apart
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         if args.scale:
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = paper(out, Inputs.of(n=args.n, threads=args.threads, batch=1, **options), workers=1, quiet=True)
         wall = timer() - start
         decode.Stepper.forward = forward  # type: ignore[method-assign]
-        lm_module.prove_steps = prove
+        prover.prove_steps = prove
         stages = plan_run(out)
         shape = model_shape(model)
         rates = calibrate(model, sorted({s.precision for s in stages}), threads=args.threads, clock=timer)

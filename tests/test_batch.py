@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -329,7 +330,7 @@ def test_negative_control_records_of_a_batch_padded_across_rows_depend_on_the_ba
     from stagereplay.execution.models import release_models
 
     def unchecked(lm: LM, prompts: object) -> None:
-        lm.determinism["batch_check"] = {"skipped": True}
+        lm.prover.batch_proof = SimpleNamespace(as_dict=lambda: {"skipped": True})  # what the environment records
 
     monkeypatch.setattr(batch, "_rows_attention", _padded_attention)
     monkeypatch.setattr(LM, "prove_batch", unchecked)

@@ -81,7 +81,8 @@ def test_a_run_proves_its_captured_step_and_records_it(tmp_path):
     assert lm.generate(prompt, 40) == _generate(lm, prompt, 40)
     assert lm.determinism["fast_steps"] == {"path": "captured", "anchor": "eager", "equal": True,
                                             "first_difference": None}
-    assert lm.proof is not None and lm.proof.positions >= len(prompt) + 40  # every position the call reaches
+    proof = lm.prover.proof
+    assert proof is not None and proof.positions >= len(prompt) + 40  # every position the call reaches
     assert lm.stepper.capture
 
 
@@ -91,11 +92,11 @@ def test_a_step_that_differs_is_caught_and_the_run_goes_on_eagerly(tmp_path, cap
     still equals generate()."""
     import logging
 
-    from stagereplay.engine import proof as proofs
+    from stagereplay.engine.proof_stores import IN_PROCESS
 
     path = _window_model(tmp_path)
     caplog.set_level(logging.INFO, logger="stagereplay")
-    proofs._PROVEN.clear()
+    IN_PROCESS.clear()
     lm = load(str(path), precision="fp32")
     prompt = lm.tokenizer.encode("What is 3+4?")
     with planted_switch():
@@ -106,4 +107,4 @@ def test_a_step_that_differs_is_caught_and_the_run_goes_on_eagerly(tmp_path, cap
     (said,) = [r for r in caplog.records if r.name.startswith("stagereplay")]
     assert said.levelno == logging.WARNING and "captured steps differ from the eager steps" in said.getMessage()
     assert tokens == _generate(lm, prompt, 40)
-    proofs._PROVEN.clear()  # the failed proof is this model's in this process only
+    IN_PROCESS.clear()  # the failed proof is this model's in this process only

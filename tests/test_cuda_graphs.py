@@ -46,8 +46,8 @@ def _run(lm, prompt, n, graphs, length=None):
         logged = []
         original = lm.stepper.forward
 
-        def keep(ids, c, past, device_token=None):
-            logged.append(original(ids, c, past, device_token=device_token).float().clone())
+        def keep(ids, c, past, device_token=None, prompt=()):
+            logged.append(original(ids, c, past, device_token=device_token, prompt=prompt).float().clone())
             return logged[-1]
 
         lm.stepper.forward = keep
@@ -108,10 +108,10 @@ def test_a_graph_is_proven_at_the_length_it_replays_at(tiny_dir):
     prompt, n = lm.tokenizer.encode(PROMPT), 24
     short, longer = len(prompt) + n - 1, len(prompt) + n + 63
     _proven(lm, prompt, n)
-    assert set(lm.proofs) == {short} and lm.proofs[short].allocated == short
-    assert not lm.proofs[short].covers(len(prompt) + 1, longer)  # the control: another length is not covered
+    assert set(lm.prover.proofs) == {short} and lm.prover.proofs[short].allocated == short
+    assert not lm.prover.proofs[short].covers(len(prompt) + 1, longer)  # the control: another length is not covered
     _proven(lm, prompt, n, longer)
-    assert set(lm.proofs) == {short, longer} and lm.proofs[longer].equal
+    assert set(lm.prover.proofs) == {short, longer} and lm.prover.proofs[longer].equal
     graphed_tokens, graphed, graphed_cache = _run(lm, prompt, n, graphs=True, length=longer)
     eager_tokens, eager, eager_cache = _run(lm, prompt, n, graphs=False, length=longer)
     assert graphed_tokens == eager_tokens and compare_caches(graphed_cache, eager_cache) == []

@@ -107,8 +107,8 @@ def test_logits_and_cache_equal_generate_bitwise(tiny_dir, arch, precision):
     stepper = lm.stepper
     original = stepper.forward
 
-    def keep(ids, c, past):
-        logged.append(original(ids, c, past).float())
+    def keep(ids, c, past, **kwargs):
+        logged.append(original(ids, c, past, **kwargs).float())
         return logged[-1]
 
     stepper.forward = keep  # type: ignore[method-assign]

@@ -108,14 +108,15 @@ def test_a_server_run_proves_our_step_only_when_our_engine_steps(tokenizer, tmp_
     """Without --cross our engine only tokenizes and scores, so nothing is proven before the items (on a 14B model
     the proof would be minutes of nothing); with --cross hf it continues the server's prefixes, and is proven."""
     from stagereplay.engine import lm as lm_module
-    from stagereplay.engine import proof
+    from stagereplay.engine import prover
+    from stagereplay.engine.proof_stores import IN_PROCESS
     from stagereplay.execution import models
 
     models._LMS.clear()
-    proof._PROVEN.clear()
+    IN_PROCESS.clear()
     proofs = []
-    real = lm_module.prove_steps
-    monkeypatch.setattr(lm_module, "prove_steps", lambda *a, **k: proofs.append(1) or real(*a, **k))
+    real = prover.prove_steps
+    monkeypatch.setattr(prover, "prove_steps", lambda *a, **k: proofs.append(1) or real(*a, **k))
     loaded = []
     full, bare = lm_module.load, lm_module.load_without_weights
     monkeypatch.setattr(lm_module, "load", lambda *a, **k: loaded.append("weights") or full(*a, **k))

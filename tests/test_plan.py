@@ -36,8 +36,8 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     2 units per stage) with every model forward counted by its token count. Stage 1 and the suffixes are long
     enough that bf16 live and one-shot suffixes diverge on some items on every CPU tried (AVX2, AVX-512, AMX;
     with 6 + 8 tokens none did on an AVX-512-BF16 EPYC), which the transplant and carry-over tests need."""
-    from stagereplay.engine import lm as lm_module
-    from stagereplay.engine import proof
+    from stagereplay.engine import proof, prover
+    from stagereplay.engine.proof_stores import IN_PROCESS
     from stagereplay.execution import models
     from stagereplay.runs import Inputs, PaperConfig, paper
 
@@ -46,9 +46,9 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     forward = decode.Stepper.forward
     prove = proof.prove_steps
 
-    def counting(self, ids, cache, past):
+    def counting(self, ids, cache, past, **kwargs):
         (proving[-1] if proving and proving[-1]["open"] else sizes)[len(ids)] += 1
-        return forward(self, ids, cache, past)
+        return forward(self, ids, cache, past, **kwargs)
 
     def counted_proof(*args, **kwargs):
         proving.append(Counter(open=1))
@@ -61,10 +61,10 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
     # As a fresh process starts: no model loaded (an earlier test's, proven to its own reach, would be reused) and
     # no proof made.
     models._LMS.clear()
-    proof._PROVEN.clear()
+    IN_PROCESS.clear()
     mp = pytest.MonkeyPatch()
     mp.setattr(decode.Stepper, "forward", counting)
-    mp.setattr(lm_module, "prove_steps", counted_proof)
+    mp.setattr(prover, "prove_steps", counted_proof)
     try:
         results = paper(out, Inputs.of(model=str(tiny_dir("qwen2")), data=str(items_file), n=4, boundary=After(16),
                                     decode=DecodeConfig(max_new_tokens=48)),
@@ -249,8 +249,8 @@ def test_construction_spans_are_the_forwards_construct_makes(tiny_dir, monkeypat
     state = lm.live(lm.tokenizer.encode("Q: 1+2? Think.\n"), After(9), keep_going=False)
     seen: list[int] = []
     forward = decode.Stepper.forward
-    monkeypatch.setattr(decode.Stepper, "forward", lambda self, ids, c, p: seen.append(len(ids)) or forward(
-        self, ids, c, p))
+    monkeypatch.setattr(decode.Stepper, "forward", lambda self, ids, c, p, **k: seen.append(len(ids)) or forward(
+        self, ids, c, p, **k))
     for c in ("oneshot", "incremental", "chunked:4", "retokenized"):
         seen.clear()
         built = lm.construct(state, c)  # retokenized: of the re-encoded prefix's length (the plan assumes a round trip)

@@ -1,20 +1,24 @@
 """The proof of the fast step costs what a run uses (engine.proof): it reaches as far as the run's items go,
 extended by doubling as they go further, never past them to the context; a fast step never runs at a position no
-proof compared; a machine keeps its proofs for every process of the same setting (records.proofs). Each with a
-negative control."""
+proof compared; a model keeps its proofs in the store it is given, this process's memory before this machine's
+folder, which keeps them for every process of the same setting (records.proofs). Each with a negative control."""
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from stagereplay.engine import proof as proofs
+from stagereplay.engine import prover
 from stagereplay.engine.decode import Stepper, capture_available
 from stagereplay.engine.lm import load
-from stagereplay.engine.proof import MIN_REACH, next_reach, schedule
+from stagereplay.engine.model import ModelConfig
+from stagereplay.engine.proof import MIN_REACH, Proof, next_reach, schedule
+from stagereplay.engine.proof_stores import IN_PROCESS, FastStep, Layered, MemoryStore, layered
 
 pytestmark = pytest.mark.skipif(not capture_available(), reason="dynamo is unsupported or disabled here")
 
@@ -26,9 +30,9 @@ def _window_model(tmp_path: Path, window: int) -> Path:
     return save_window_model(tmp_path / f"gemma3-w{window}", window)
 
 
-def _load(path: Path, precision: str):
+def _load(path: Path, precision: str, **kwargs):
     """The model, set to run every generation to its length (a random model may emit EOS early)."""
-    lm = load(str(path), precision=precision)
+    lm = load(str(path), precision=precision, **kwargs)
     lm.model.generation_config.eos_token_id = None
     lm.eos = frozenset()
     return lm
@@ -42,9 +46,23 @@ def _generate(lm, prompt, n):
 
 @pytest.fixture
 def fresh_proofs():
-    proofs._PROVEN.clear()
+    IN_PROCESS.clear()
     yield
-    proofs._PROVEN.clear()
+    IN_PROCESS.clear()
+
+
+@pytest.fixture
+def counted_proofs(monkeypatch) -> list[int]:
+    """The reach of every proof made (engine.proof.prove_steps's `reach`), in order."""
+    calls: list[int] = []
+    prove = prover.prove_steps
+
+    def counted(*args, **kwargs):
+        calls.append(args[5])
+        return prove(*args, **kwargs)
+
+    monkeypatch.setattr(prover, "prove_steps", counted)
+    return calls
 
 
 def test_the_reaches_double_and_stay_within_twice_the_furthest_position():
@@ -63,12 +81,12 @@ def test_a_run_proves_as_far_as_its_items_go_extending_as_they_go(tmp_path, fres
     lm = _load(_window_model(tmp_path, 6), "bf16")
     prompt = lm.tokenizer.encode("What is 3+4?")
     lm.generate(prompt, MIN_REACH - len(prompt))
-    assert lm.proof is not None and (lm.proof.positions, lm.proof.extensions) == (MIN_REACH, 0)
-    assert lm.proof.steps == MIN_REACH - len(prompt)
+    assert lm.prover.proof is not None and (lm.prover.proof.positions, lm.prover.proof.extensions) == (MIN_REACH, 0)
+    assert lm.prover.proof.steps == MIN_REACH - len(prompt)
     lm.generate(prompt, MIN_REACH)  # past the first reach: one extension, to twice it
-    assert (lm.proof.positions, lm.proof.extensions) == (2 * MIN_REACH, 1) and lm.proof.equal
+    assert (lm.prover.proof.positions, lm.prover.proof.extensions) == (2 * MIN_REACH, 1) and lm.prover.proof.equal
     lm.generate(prompt, 6 * MIN_REACH)  # to 4 and then 8 times it
-    assert (lm.proof.positions, lm.proof.extensions) == (8 * MIN_REACH, 3) and lm.proof.equal
+    assert (lm.prover.proof.positions, lm.prover.proof.extensions) == (8 * MIN_REACH, 3) and lm.prover.proof.equal
     assert lm.stepper.capture
 
 
@@ -79,10 +97,10 @@ def test_no_fast_step_runs_at_a_position_no_proof_compared(tmp_path, fresh_proof
     fast_positions: list[tuple[int, int | None]] = []  # (position, the reach proven when it ran)
     original = Stepper.fast_at
 
-    def spying(self, past, cache=None):
-        fast = original(self, past, cache)
+    def spying(self, past, cache=None, prompt=()):
+        fast = original(self, past, cache, prompt)
         if fast and not self._proving:
-            fast_positions.append((past, lm.proof.positions if lm.proof else None))
+            fast_positions.append((past, lm.prover.proof.positions if lm.prover.proof else None))
         return fast
 
     monkeypatch.setattr(Stepper, "fast_at", spying)
@@ -108,12 +126,12 @@ def test_a_difference_past_the_first_reach_is_caught_by_the_extension(tmp_path, 
     caplog.set_level(logging.WARNING, logger="stagereplay")
     with planted_switch():
         lm.generate(prompt, MIN_REACH - len(prompt))
-        assert lm.proof.equal and lm.proof.positions == MIN_REACH and lm.stepper.capture
+        assert lm.prover.proof.equal and lm.prover.proof.positions == MIN_REACH and lm.stepper.capture
         tokens = lm.generate(prompt, 2 * MIN_REACH - len(prompt))
-    assert not lm.proof.equal and lm.proof.extensions == 1
-    assert MIN_REACH <= lm.proof.first_difference < 2 * MIN_REACH
+    assert not lm.prover.proof.equal and lm.prover.proof.extensions == 1
+    assert MIN_REACH <= lm.prover.proof.first_difference < 2 * MIN_REACH
     assert not lm.stepper.capture
-    assert lm.determinism["fast_steps"]["first_difference"] == lm.proof.first_difference
+    assert lm.determinism["fast_steps"]["first_difference"] == lm.prover.proof.first_difference
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(said) == 1 and "captured steps differ from the eager steps" in said[0], said
     assert tokens == _generate(lm, prompt, 2 * MIN_REACH - len(prompt))
@@ -134,56 +152,147 @@ def test_a_count_boundary_proves_to_its_reach_not_the_context(tiny_dir, items_fi
                        decode=DecodeConfig(max_new_tokens=8))
     prepared = prepare("matched", inputs, Matched(), MatchedOptions(), ex=ExecConfig(1, "local"), quiet=True)
     lm, items = cached_lm(prepared.model), list(prepared.items)
-    assert lm.proof is not None
+    assert lm.prover.proof is not None
     shortest, reach = prove_reach(prepared.settings, items)
     assert len(shortest) == min(len(i.prompt_ids) for i in items)
     assert reach == max(len(i.prompt_ids) for i in items) + 6 + 8
-    assert lm.proof.positions == max(reach, MIN_REACH) < lm.context
+    assert lm.prover.proof.positions == max(reach, MIN_REACH) < lm.context
     budget = prepared.stage1.budget
     assert max(len(i.prompt_ids) for i in items) + budget + 8 == lm.context  # what the old rule proved to
 
 
-def test_a_machine_proves_a_setting_once_and_every_process_reuses_it(tmp_path, fresh_proofs, monkeypatch):
-    """A second process (here: the in-process memo cleared, the model loaded again) takes the stored proof and
-    proves nothing; a setting that differs (switches not held eager, as a bug would) is proven afresh."""
-    from stagereplay.records.proofs import DirectoryStore, attach_store
+def test_a_machine_proves_a_setting_once_and_every_process_reuses_it(tmp_path, fresh_proofs, monkeypatch,
+                                                                    counted_proofs):
+    """A second process (here: a model loaded again with a memory of its own, before the same folder) takes the
+    stored proof and proves nothing; a setting that differs (switches not held eager, as a bug would) is proven
+    afresh."""
+    from stagereplay.records.proofs import DirectoryStore, machine_store
 
     monkeypatch.setenv("STAGEREPLAY_PROOFS", str(tmp_path / "proofs"))
     path = _window_model(tmp_path, 6)
-    calls: list[int] = []
-    prove = proofs.prove_steps
-
-    def counted(*args, **kwargs):
-        calls.append(args[5])
-        return prove(*args, **kwargs)
-
-    from stagereplay.engine import lm as lm_module
-
-    monkeypatch.setattr(lm_module, "prove_steps", counted)
+    calls = counted_proofs
 
     def fresh_lm():
-        proofs._PROVEN.clear()
-        lm = _load(path, "bf16")
-        attach_store(lm)
-        assert isinstance(lm.proof_store, DirectoryStore)
+        lm = _load(path, "bf16", proofs=layered(MemoryStore(), machine_store()))
+        assert isinstance(lm.prover.store, Layered) and isinstance(lm.prover.store.stores[1], DirectoryStore)
         return lm
 
     first = fresh_lm()
     prompt = first.tokenizer.encode("What is 3+4?")
     first.generate(prompt, MIN_REACH)
-    assert calls == [MIN_REACH, 2 * MIN_REACH] and not first.proof.reused
+    assert calls == [MIN_REACH, 2 * MIN_REACH] and not first.prover.proof.reused
     stored = list((tmp_path / "proofs").glob("*.json"))
-    assert len(stored) == 1 and first.proof.key == stored[0].stem
+    assert len(stored) == 1 and first.prover.proof.key == stored[0].stem
 
     second = fresh_lm()
     tokens = second.generate(prompt, MIN_REACH)
     assert calls == [MIN_REACH, 2 * MIN_REACH]  # nothing proven again
-    assert second.proof.reused and second.proof.positions == 2 * MIN_REACH
+    assert second.prover.proof.reused and second.prover.proof.positions == 2 * MIN_REACH
     assert second.determinism["fast_steps"] == first.determinism["fast_steps"]  # records the same bytes
     assert tokens == first.generate(prompt, MIN_REACH)
 
     third = fresh_lm()
     third.stepper.eager_branches = False  # another step: another key
     third.generate(prompt, MIN_REACH - len(prompt))
-    assert calls == [MIN_REACH, 2 * MIN_REACH, MIN_REACH] and not third.proof.reused
+    assert calls == [MIN_REACH, 2 * MIN_REACH, MIN_REACH] and not third.prover.proof.reused
     assert len(list((tmp_path / "proofs").glob("*.json"))) == 2
+
+
+class SpyStore:
+    """A stand-in store (engine.proof_stores.ProofStore): keeps proofs in a dict, stamps them with its own key and
+    notes every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.kept: dict[FastStep, Proof] = {}
+
+    def lock(self, step):
+        self.calls.append(("lock", step.name))
+        return nullcontext()
+
+    def get(self, step):
+        self.calls.append(("get", step.name))
+        return self.kept.get(step)
+
+    def put(self, step, proof):
+        self.calls.append(("put", step.name))
+        self.kept[step] = replace(proof, key="spy")
+        return self.kept[step]
+
+    def where(self, step):
+        return "the spy"
+
+
+def test_a_model_keeps_its_proofs_in_the_store_it_is_given(tmp_path, fresh_proofs, counted_proofs):
+    """The store passed to `load` is asked before a proof and keeps it, and what it kept is the model's proof; a
+    second model given the same store takes it and proves nothing. This process's memory is not asked: it is the
+    store of a model given none."""
+    path, spy = _window_model(tmp_path, 6), SpyStore()
+    lm = _load(path, "bf16", proofs=spy)
+    assert lm.prover.store is spy
+    prompt = lm.tokenizer.encode("What is 3+4?")
+    lm.generate(prompt, MIN_REACH - len(prompt))
+    assert spy.calls == [("get", "captured"), ("lock", "captured"), ("get", "captured"), ("put", "captured")]
+    (step,) = spy.kept
+    assert step.model == lm.config and step.eager_branches and dict(step.settings) == lm.settings
+    assert lm.prover.proof is spy.kept[step] and lm.prover.proof.key == "spy"
+    assert IN_PROCESS.get(step) is None
+    again = _load(path, "bf16", proofs=spy)
+    again.generate(prompt, MIN_REACH - len(prompt))
+    assert counted_proofs == [MIN_REACH] and again.prover.proof is spy.kept[step]
+    # The control: a model given no store keeps its proof in this process's memory, and the spy hears nothing.
+    heard = len(spy.calls)
+    _load(path, "bf16").generate(prompt, MIN_REACH - len(prompt))
+    assert counted_proofs == [MIN_REACH, MIN_REACH] and len(spy.calls) == heard and IN_PROCESS.get(step) is not None
+
+
+def test_this_process_memory_is_a_store_layered_before_the_machine_one(tmp_path, fresh_proofs, counted_proofs):
+    """A model the process loads (execution.models.cached_lm) keeps its proofs in this process's memory, layered
+    before the store found for the machine: loaded again, with nothing on the machine, it proves nothing; the
+    negative control forgets the memory, as a fresh process starts, and proves again."""
+    from stagereplay.execution.models import cached_lm, release_models
+
+    config = ModelConfig(path=str(_window_model(tmp_path, 6)), precision="bf16")
+    machine = SpyStore()
+
+    def loaded(store: SpyStore):
+        release_models()
+        lm = cached_lm(config, machine_store=lambda: store)
+        lm.eos = frozenset()  # every generation runs to its length
+        return lm
+
+    lm = loaded(machine)
+    assert isinstance(lm.prover.store, Layered) and lm.prover.store.stores == (IN_PROCESS, machine)
+    prompt = lm.tokenizer.encode("What is 3+4?")
+    lm.generate(prompt, MIN_REACH - len(prompt))
+    (step,) = machine.kept
+    assert IN_PROCESS.get(step) is lm.prover.proof and lm.prover.proof.key == "spy"  # kept in both, the machine's key
+    empty = SpyStore()
+    again = loaded(empty)
+    again.generate(prompt, MIN_REACH - len(prompt))
+    assert counted_proofs == [MIN_REACH] and again.prover.proof is lm.prover.proof
+    assert ("get", "captured") in empty.calls and not empty.kept  # the machine's store was asked, and had nothing
+    IN_PROCESS.clear()
+    loaded(SpyStore()).generate(prompt, MIN_REACH - len(prompt))
+    assert counted_proofs == [MIN_REACH, MIN_REACH]
+    release_models()
+
+
+def test_layered_stores_take_the_furthest_proof_and_keep_it_in_front():
+    """Another process may have proven further than this one's memory holds: a lookup takes the furthest proof of
+    the layers (a failed one before any) and keeps it in the layers before the one that had it; a proof is kept in
+    every layer, the outermost first, and carries what that layer made of it (its key)."""
+    step = FastStep.of(ModelConfig(path="nowhere"), {"threads": 1}, "captured", True)
+    short, long = (Proof("captured", "eager", 4, n, n - 4, True, None, 0.0) for n in (64, 128))
+    front, back = MemoryStore(), SpyStore()
+    both = Layered(front, back)
+    assert both.get(step) is None
+    front.put(step, short)
+    back.kept[step] = long
+    assert both.get(step) is long and front.get(step) is long
+    failed = replace(short, positions=70, equal=False, first_difference=66)
+    back.kept[step] = failed
+    assert both.get(step) is failed and front.get(step) is failed  # a difference anywhere ends the fast path
+    kept = both.put(step, short)
+    assert kept.key == "spy" and front.get(step) is kept and back.kept[step] == kept
+    assert layered(front, None) is front  # no machine store (STAGEREPLAY_PROOFS=off): the memory alone

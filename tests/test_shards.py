@@ -94,12 +94,12 @@ def test_merge_keeps_each_shards_environment_and_reports_the_difference(tmp_path
 
 @pytest.mark.slow  # a whole run or several: the slow tier (CI runs it)
 def test_two_local_workers_write_the_same_ledger_as_one(tmp_path, tiny_dir, items_file):
-    from stagereplay.engine import proof
+    from stagereplay.engine.proof_stores import IN_PROCESS
 
     model = tiny_dir("qwen2")
     # This process proves the model afresh, as the two workers do: a proof an earlier test left here would be
     # reused, and how far it reached is in the environment record.
-    proof._PROVEN.clear()
+    IN_PROCESS.clear()
     one = _matched(model, items_file, tmp_path / "one")
     two = _matched(model, items_file, tmp_path / "two", "--workers", "2")
     assert (two / "ledger.jsonl").read_bytes() == (one / "ledger.jsonl").read_bytes()

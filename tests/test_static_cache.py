@@ -148,9 +148,9 @@ def _logged(lm):
     logged, caches = [], []
     original = lm.stepper.forward
 
-    def keep(ids, c, past):
+    def keep(ids, c, past, **kwargs):
         caches.append(c)
-        logged.append(original(ids, c, past).float())
+        logged.append(original(ids, c, past, **kwargs).float())
         return logged[-1]
 
     lm.stepper.forward = keep

@@ -15,6 +15,7 @@ from stagereplay.engine import decode as decode_module
 from stagereplay.engine import proof as proofs
 from stagereplay.engine.cache import allocated
 from stagereplay.engine.lm import load
+from stagereplay.engine.proof_stores import IN_PROCESS
 
 
 class LengthBound:
@@ -38,9 +39,9 @@ class LengthBound:
 
 @pytest.fixture(autouse=True)
 def fresh_proofs():
-    proofs._PROVEN.clear()
+    IN_PROCESS.clear()
     yield
-    proofs._PROVEN.clear()
+    IN_PROCESS.clear()
 
 
 def _static(tiny_dir, bad: int | None):
@@ -65,7 +66,7 @@ def test_a_graphed_step_is_proven_on_a_cache_of_the_length_it_runs_at(tiny_dir):
     lm = _static(tiny_dir, bad=None)
     tokens = lm.generate(PROMPT, N)
     assert tokens == _eager(tiny_dir, PROMPT, N)
-    proof = lm.proofs[LENGTH]
+    proof = lm.prover.proofs[LENGTH]
     assert proof.equal and proof.allocated == LENGTH and proof.name == f"cuda-graph@{LENGTH}"
     assert proof.covers(len(PROMPT) + 1, LENGTH) and not proof.covers(len(PROMPT) + 1, LENGTH + 1)
     assert not proof.covers(len(PROMPT) + 1, None)  # nor a dynamic cache's step
@@ -74,13 +75,13 @@ def test_a_graphed_step_is_proven_on_a_cache_of_the_length_it_runs_at(tiny_dir):
     # A second length is proven at that length before its first fast step; the first proof does not cover it.
     longer = [*PROMPT, 7]
     assert lm.generate(longer, N) == _eager(tiny_dir, longer, N)
-    assert set(lm.proofs) == {LENGTH, LENGTH + 1} and lm.proofs[LENGTH + 1].allocated == LENGTH + 1
+    assert set(lm.prover.proofs) == {LENGTH, LENGTH + 1} and lm.prover.proofs[LENGTH + 1].allocated == LENGTH + 1
 
 
 def test_a_step_that_differs_at_the_run_length_is_caught_there_and_the_run_stays_exact(tiny_dir):
     lm = _static(tiny_dir, bad=LENGTH)
     assert lm.generate(PROMPT, N) == _eager(tiny_dir, PROMPT, N)
-    proof = lm.proofs[LENGTH]
+    proof = lm.prover.proofs[LENGTH]
     assert not proof.equal and proof.allocated == LENGTH and proof.first_difference == len(PROMPT)
     assert lm.stepper.graphs is None  # the fast path is off for the process: every later step eager
     assert lm.determinism["fast_steps"]["equal"] is False
@@ -93,7 +94,7 @@ def test_control_a_proof_on_a_cache_of_its_own_length_lets_the_difference_throug
     monkeypatch.setattr(cache_module, "allocated", lambda cache: None)
     lm = _static(tiny_dir, bad=LENGTH)
     tokens = lm.generate(PROMPT, N)
-    proof = lm.proofs[None]
+    proof = lm.prover.proofs[None]
     assert proof.equal and proof.positions != LENGTH  # proven, at a length the run does not use
     assert tokens != _eager(tiny_dir, PROMPT, N)  # and the run left the eager trajectory unseen
 
@@ -104,9 +105,9 @@ def test_a_proof_made_at_another_length_is_not_reused(tiny_dir):
     lm = _static(tiny_dir, bad=LENGTH)
     other = proofs.Proof("cuda-graph", "eager", len(PROMPT), 128, 128 - len(PROMPT), True, None, 0.0,
                          allocated=LENGTH + 8)
-    lm._adopt(other)
+    lm.prover.adopt(other)
     assert lm.generate(PROMPT, N) == _eager(tiny_dir, PROMPT, N)
-    assert lm.proofs[LENGTH + 8] is other and not lm.proofs[LENGTH].equal
+    assert lm.prover.proofs[LENGTH + 8] is other and not lm.prover.proofs[LENGTH].equal
 
 
 def test_a_graph_run_allocates_one_length_for_every_item_and_plan_prices_its_proof(tiny_dir):

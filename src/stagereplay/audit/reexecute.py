@@ -88,11 +88,7 @@ def _replay(record: Record, stages: Mapping[str, StageSection], item: Item,
 
 
 def _unit_work(lm: Any, job: Job) -> dict[str, Any]:
-    """A unit of any of our engine's experiments, by the experiment its parameters name (`Unit`), its fast step
-    proven once per machine (records.proofs)."""
-    from stagereplay.records.proofs import attach_store
-
-    attach_store(lm)
+    """A unit of any of our engine's experiments, by the experiment its parameters name (`Unit`)."""
     return experiment(job.params.experiment).work(lm, replace(job, params=job.params.params))
 
 
@@ -290,6 +286,7 @@ def _reexecute(chosen: dict[str, list[Record]], stages: Mapping[str, StageSectio
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from stagereplay.execution.executors import run_jobs
+    from stagereplay.records.proofs import machine_store
 
     first = {(r.checkpoint, r.item_id): (stage_name(r), r.payload) for r in records if starts_run(r.experiment)}
     groups: dict[tuple[ModelConfig, str], list[Record]] = {}
@@ -311,7 +308,8 @@ def _reexecute(chosen: dict[str, list[Record]], stages: Mapping[str, StageSectio
             else:
                 work = _unit_work
                 jobs = [replace(job, params=Unit(r.experiment, job.params)) for job, r in zip(jobs, todo, strict=True)]
-            for record, again in zip(todo, run_jobs(model, work, jobs, ex), strict=True):
+            # Each model's fast step proven once per machine (records.proofs), in whichever process runs its units.
+            for record, again in zip(todo, run_jobs(model, work, jobs, ex, machine_store=machine_store), strict=True):
                 _compare(record, again, bool(engine), bound, record.seq in other, model.precision, tally)
                 bar.advance(task)
 

@@ -65,8 +65,10 @@ class Batcher:
                 self._active -= 1
                 self._flush()
 
-    def forward(self, ids: Sequence[int], cache: Any, past: int, device_token: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, ids: Sequence[int], cache: Any, past: int, device_token: torch.Tensor | None = None,
+                prompt: Sequence[int] = ()) -> torch.Tensor:
+        """`Stepper.forward`, as one of a batched forward's rows (`prompt` unread: the batched step is checked
+        before a run, `batch_check`, not per step)."""
         request = _Request(list(ids), cache, past)
         with self._lock:
             self._pending.append(request)

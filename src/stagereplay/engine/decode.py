@@ -156,11 +156,12 @@ class Stepper:
     eagerly on the CPU, and with `graphs` (CUDA) through one CUDA graph per cache (engine.graphs), which
     replays the eager step's kernels, the token written into the graph by the device (`device_token`).
 
-    `guard(position, allocated)`, where set (an LM sets it: `LM.fast_step_at`), is asked before every fast
-    single-token step and answers whether that position is proven (engine.proof) on a cache of that allocation (a
-    graphed step's static length L, which its shapes follow; None for a captured step, whose cache is dynamic),
-    proving it first where it can; a step it refuses runs eagerly. Within `proving()` (a proof running this very
-    stepper beside its anchor) it is not asked.
+    `guard(position, allocated, prompt)`, where set (an LM sets its prover's: engine.prover.Prover.guard), is asked
+    before every fast single-token step and answers whether that position is proven (engine.proof) on a cache of
+    that allocation (a graphed step's static length L, which its shapes follow; None for a captured step, whose
+    cache is dynamic), proving it first where it can, from `prompt` (the prompt of the sequence the step is in,
+    which its caller passes) where no proof has a prompt yet; a step it refuses runs eagerly. Within `proving()` (a
+    proof running this very stepper beside its anchor) it is not asked.
     """
 
     MIN_POSITIONS = 1024  # initial length of the positions buffer; it doubles when a sequence outgrows it
@@ -171,7 +172,7 @@ class Stepper:
         self.capture = capture and capture_available()
         self.eager_branches = True  # hold library switches at their eager values while tracing (EAGER_BRANCHES)
         self._captured: Any = None  # the compiled single-token step, made on first use
-        self.guard: Callable[[int, int | None], bool] | None = None  # may a fast step run here? (see above)
+        self.guard: Callable[[int, int | None, Sequence[int]], bool] | None = None  # may a fast step run here?
         self._proving = False
         self.graphs: Any = None  # engine.graphs.CudaGraphs: static-cache steps replayed as CUDA graphs
         if graphs and device.startswith("cuda"):
@@ -207,20 +208,22 @@ class Stepper:
         finally:
             self._proving = saved
 
-    def fast_at(self, past: int, cache: Any = None) -> bool:
-        """Whether the single-token step at `past` on `cache` may take the fast path (captured or graphed)."""
+    def fast_at(self, past: int, cache: Any = None, prompt: Sequence[int] = ()) -> bool:
+        """Whether the single-token step at `past` on `cache`, in a sequence that began with `prompt`, may take the
+        fast path (captured or graphed)."""
         if not self.capture and self.graphs is None:
             return False
         if self._proving or self.guard is None:
             return True
-        return self.guard(past, allocated(cache) if self.graphs is not None and cache is not None else None)
+        return self.guard(past, allocated(cache) if self.graphs is not None and cache is not None else None, prompt)
 
-    def forward(self, ids: Sequence[int], cache: Any, past: int, device_token: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, ids: Sequence[int], cache: Any, past: int, device_token: torch.Tensor | None = None,
+                prompt: Sequence[int] = ()) -> torch.Tensor:
         """Feed `ids` at positions past..past+len(ids)-1; return the last position's logits [V].
 
         `device_token`: the single token of `ids` as a one-element tensor on the device (the sampler's pick), which
-        a graphed step copies into its input on the device."""
+        a graphed step copies into its input on the device. `prompt`: the prompt of the sequence `ids` continue,
+        for the guard (a proof this step needs first prefills it); the forward itself never reads it."""
         import torch
 
         n = len(ids)
@@ -230,7 +233,7 @@ class Stepper:
                 return self._step(input_ids, self.positions(past, n), cache)
             if self._token is None:
                 self._token = torch.empty((1, 1), dtype=torch.long, device=self.device)
-            fast = self.fast_at(past, cache)  # may prove further first, or turn the fast path off
+            fast = self.fast_at(past, cache, prompt)  # may prove further first, or turn the fast path off
             if self.graphs is not None and fast:
                 token = self._token.fill_(ids[0]) if device_token is None else device_token.view(1, 1)
                 logits = self.graphs.forward(cache, token, past)
@@ -370,8 +373,10 @@ def decode(
     max_new_tokens: int,
     eos: frozenset[int],
     record: StepRecord | None = None,
+    prompt: Sequence[int] = (),
 ) -> list[int]:
-    """Pick from `logits`, feed the pick, repeat; stop after EOS or `max_new_tokens` picks. Grows `cache`.
+    """Pick from `logits`, feed the pick, repeat; stop after EOS or `max_new_tokens` picks. Grows `cache`, of the
+    sequence that began with `prompt` (for the stepper's guard).
 
     With `record`, each step's logits [V] are reduced on their device after the pick (top-k into preallocated
     rows; the full tensor only for the steps the record keeps, engine.steps): no copy of ours and no host sync,
@@ -387,7 +392,7 @@ def decode(
         if token in eos or len(out) >= max_new_tokens:
             return out
         if stepper.graphs is None:
-            logits = stepper.forward([token], cache, past)
+            logits = stepper.forward([token], cache, past, prompt=prompt)
         else:  # a CUDA graph copies the pick into its input on the device
-            logits = stepper.forward([token], cache, past, device_token=picked)
+            logits = stepper.forward([token], cache, past, device_token=picked, prompt=prompt)
         past += 1

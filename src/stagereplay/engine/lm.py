@@ -15,7 +15,6 @@ import hashlib
 import logging
 import struct
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,20 +41,9 @@ from stagereplay.engine.model import (
     resolve_attn_impl,
     set_determinism,
 )
-from stagereplay.engine.proof import (
-    MIN_REACH,
-    BatchProof,
-    Proof,
-    ProofStore,
-    next_reach,
-    proof_progress,
-    prove_batched,
-    prove_steps,
-    proven,
-    remember,
-    report,
-    step_name,
-)
+from stagereplay.engine.proof import BatchProof, Proof
+from stagereplay.engine.proof_stores import IN_PROCESS, ProofStore
+from stagereplay.engine.prover import Prover
 from stagereplay.engine.steps import StepRecord
 from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Item
@@ -134,17 +122,17 @@ class NoBoundary(Exception):
 class LM:
     """A model, its tokenizer and the settings that fix its numbers."""
 
-    def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, determinism: dict[str, Any] | None = None,
-                 model_config: Any = None, generation_config: Any = None):
+    def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, settings: dict[str, Any] | None = None,
+                 model_config: Any = None, generation_config: Any = None, proofs: ProofStore | None = None):
         """`model` None (with its `model_config` and `generation_config`): the tokenizer, EOS ids and context of
         the model and none of its weights (`ModelConfig.weights` False), all a run reads from our engine when a
-        serving engine takes every step; any step asked of it fails on the missing model."""
+        serving engine takes every step; any step asked of it fails on the missing model. `settings`: what
+        engine.model.set_determinism set. `proofs`: where its fast step's proofs are kept (engine.proof_stores;
+        None: this process's memory only)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.determinism = determinism or {}
-        if config.batch > 1:  # a row's bits may depend on the row count: part of every record's environment
-            self.determinism["batch"] = config.batch
+        self.settings = dict(settings or {})  # as loaded, never changed: `determinism` adds what happened since
         self.stepper = Stepper(model, config.device, capture=captures_steps(config.precision, config.cache),
                                graphs=graphs_steps(config.precision, config.cache, config.device))
         if model is not None:
@@ -152,122 +140,28 @@ class LM:
         self.eos = eos_ids(generation_config, tokenizer)
         self.n_layers = int(model_config.get_text_config().num_hidden_layers)
         self.context = model_context(model_config)
-        self.proof: Proof | None = None  # the fast step's latest proof (engine.proof), once a run has needed it
-        self.proofs: dict[int | None, Proof] = {}  # its proofs by the static length they ran at (None: dynamic)
-        self.batch_proof: BatchProof | None = None  # the batched step's (engine.proof.prove_batched)
-        self.proof_store: ProofStore | None = None  # proofs kept per machine and setting (records.proofs)
-        self.show_proofs = False  # say each proof as it runs (a command's own process, not --quiet)
-        self._proof_prompt: tuple[int, ...] | None = None  # what the proofs prefill: the first prompt proven from
-        self._prompt_hint: tuple[int, ...] = (0,)  # the prompt in hand, for a proof a step asks for
-        self.stepper.guard = self.fast_step_at
+        self.prover = Prover(self.stepper, config, self.settings, self.context,
+                             IN_PROCESS if proofs is None else proofs)
+        # Asked before every fast step with the prompt of the sequence stepped, which each method below passes with
+        # its steps: a proof that step needs first prefills it. Passed, not left on the LM by the last call, so no
+        # call's prompt leaks into another's proof (items step in threads under --batch).
+        self.stepper.guard = self.prover.guard
 
-    # -- fast steps -------------------------------------------------------------------------------------
+    @property
+    def determinism(self) -> dict[str, Any]:
+        """What every record's environment says of this model's numbers, made afresh at each read: the settings it
+        was loaded with, the rows of a batched step (a row's bits may depend on the row count), and the outcomes
+        of the proofs made so far (engine.prover: `fast_steps`, `batch_check`)."""
+        rows = {"batch": self.config.batch} if self.config.batch > 1 else {}
+        return {**self.settings, **rows, **self.prover.recorded()}
 
     def prove(self, prompt: Sequence[int], reach: int, allocated: int | None = None) -> Proof | None:
-        """Prove the fast single-token step (captured by dynamo, or a CUDA graph) equal to the eager step from
-        `prompt` to at least position `reach`, now: a run's set-up before its first item (runs.make); a graphed step
-        on a static cache of `allocated` positions, the length the run's caches have (a proof holds for that length
-        only: engine.proof). Steps past what is proven are proven as they come (`fast_step_at`), so `reach` need
-        only be what the run is sure to use. None where every step is eager anyway. The outcome goes into
-        `determinism`, so every record's environment carries it."""
-        self._proof_prompt = self._proof_prompt or tuple(prompt)
-        if allocated is not None and self.stepper.graphs is None:
-            allocated = None  # a captured step runs on dynamic caches only
-        if allocated is not None:
-            reach = min(reach, allocated)  # a static cache's steps reach no further than its rows
-        proof = self._proof(allocated)
-        if self._fast() and (proof is None or proof.positions < reach):
-            self._prove_to(reach, allocated, exact=True)
-        return self.proofs.get(allocated, self.proof)
-
-    def fast_step_at(self, past: int, allocated: int | None = None) -> bool:
-        """The stepper's guard (`Stepper.guard`): whether a fast step may run at position `past` on a cache of
-        `allocated` positions (None: dynamic). A position past the reach proven at that allocation is proven first
-        (to `next_reach`), as is an allocation no proof ran on; one below the proof's prompt, which the proof
-        prefilled rather than stepped, runs eagerly."""
-        proof = self._proof(allocated)
-        if proof is None or past >= proof.positions:
-            self._prove_to(past + 1, allocated)
-            proof = self.proofs[allocated]
-        return proof.equal and proof.covers(past, allocated)
-
-    def _proof(self, allocated: int | None) -> Proof | None:
-        """The proof at `allocated` this LM holds, or this process made on the same setting (engine.proof.proven)."""
-        if allocated not in self.proofs:
-            self._adopt(proven(self.config, allocated))
-        return self.proofs.get(allocated)
-
-    def _fast(self) -> bool:
-        return self.stepper.capture or self.stepper.graphs is not None
-
-    def _adopt(self, proof: Proof | None) -> None:
-        """Take `proof` as this LM's; a failed one turns the fast path off for good."""
-        if proof is None:
-            return
-        self.proof = self.proofs[proof.allocated] = proof
-        if not proof.equal:
-            self.stepper.capture, self.stepper.graphs = False, None
-        self.determinism["fast_steps"] = proof.as_dict()
-
-    def _prove_to(self, needed: int, allocated: int | None = None, exact: bool = False) -> None:
-        """Prove the fast step to at least `needed` positions on caches of `allocated` positions (None: dynamic),
-        or take a proof as far from the store (another process's on this machine and setting). `exact`: `needed` is
-        as far as the run goes (a count boundary's reach), so prove that far (at least MIN_REACH); else double what
-        is proven (`next_reach`). A static proof runs on a cache of `allocated` positions and reaches no further."""
-        stepper, earlier = self.stepper, self.proofs.get(allocated)
-        kind = "cuda-graph" if stepper.graphs is not None else "captured"
-        path = step_name(kind, allocated)  # what the store keeps one entry for
-        prompt = self._proof_prompt or self._prompt_hint
-        limit = self.context if allocated is None else min(self.context, allocated)
-        reach = (min(max(needed, MIN_REACH), limit) if exact
-                 else next_reach(needed, earlier.positions if earlier else 0, limit))
-        target = max(reach, len(prompt) + 1)
-        store = self.proof_store
-        with store.lock(path) if store is not None else nullcontext():
-            stored = store.get(path) if store is not None else None
-            if store is not None and stored is not None and (not stored.equal or stored.covers(needed - 1, allocated)):
-                proof = replace(stored, reused=True)
-                self.say(f"{path} step proven on this machine before ({store.where(path)}): positions "
-                         f"{proof.prompt}-{proof.positions}")
-            else:
-                anchor = Stepper(self.model, self.config.device)
-                label = (f"proving the {path} step on this model: {target} positions" if earlier is None else
-                         f"proving the {path} step further: {earlier.positions} -> {target} positions")
-                with proof_progress(label, target - len(prompt), self.show_proofs) as advance:
-                    proof = prove_steps(kind, stepper, anchor, lambda: self.new_cache(allocated or target), prompt,
-                                        target, advance)
-                self.say(f"{label}: {'equal' if proof.equal else 'different'} ({proof.seconds:.1f} s)")
-                proof = replace(proof, seconds=round(proof.seconds + (earlier.seconds if earlier else 0.0), 3),
-                                extensions=earlier.extensions + 1 if earlier else 0,
-                                key=store.key(path) if store is not None else "")
-                if store is not None:
-                    store.put(proof)
-        self._proof_prompt = self._proof_prompt or tuple(prompt)
-        remember(self.config, proof)
-        report(proof)
-        self._adopt(proof)
-
-    def say(self, line: str) -> None:
-        """A proof's progress line, at INFO, for the command's own model (`show_proofs`)."""
-        if self.show_proofs:
-            log.info(line)
+        """Prove the fast step from `prompt` to `reach` now (engine.prover.Prover.prove)."""
+        return self.prover.prove(prompt, reach, allocated)
 
     def prove_batch(self, prompts: Sequence[Sequence[int]]) -> BatchProof:
-        """Show, before items step together at `config.batch` rows, that a row's bits do not depend on its
-        batch-mates or slot here, and whether they equal batch 1's (engine.proof.prove_batched); say the answer
-        in one line (INFO) and record it. A row that depends on its mates is refused.
-
-        The line carries `once`, its model setting and answer: the same answer for the same setting says nothing
-        new, so a command says it once however often its stages and workers load the model (cli.app)."""
-        if self.batch_proof is None:
-            proof = prove_batched(self.model, self.config.batch, self.config.device, prompts or [[0]],
-                                  cache=self.config.cache)
-            if not proof.invariant:
-                raise StageReplayError(proof.line(), "run with --batch 1")
-            log.info(proof.line(), extra={"once": f"{self.config}: {proof.line()}"})
-            self.batch_proof = proof
-            self.determinism["batch_check"] = proof.as_dict()
-        return self.batch_proof
+        """Check the batched step on these prompts before items share it (engine.prover.Prover.prove_batch)."""
+        return self.prover.prove_batch(prompts)
 
     # -- caches -----------------------------------------------------------------------------------------
 
@@ -299,11 +193,11 @@ class LM:
                  seed: int = 0) -> list[int]:
         """Plain decoding with the live loop (no boundary): the tokens generate() would give, greedy by default;
         with a sampling `decode_config`, those of generate(do_sample=True) after `torch.manual_seed(seed)`."""
-        self._prompt_hint = tuple(prompt_ids)
         cache = self.new_cache(len(prompt_ids) + max_new_tokens - 1)  # generate()'s static max_cache_len
         logits = self.stepper.forward(prompt_ids, cache, 0)
         sampler = Sampler(decode_config or DecodeConfig(), seed, self.config.device)
-        return decode(self.stepper, cache, logits, len(prompt_ids), sampler, max_new_tokens, self.eos)
+        return decode(self.stepper, cache, logits, len(prompt_ids), sampler, max_new_tokens, self.eos,
+                      prompt=prompt_ids)
 
     def live(
         self,
@@ -325,7 +219,6 @@ class LM:
         ended = boundary.bind(self.tokenizer).watch()
         budget = dc.max_stage1_tokens or stage1_budget(self.context, len(prompt), dc.max_new_tokens)
         cache_len = self.cache_len(len(prompt), replace(dc, max_stage1_tokens=budget))
-        self._prompt_hint = prompt
         cache = self.new_cache(cache_len)
         logits = self.stepper.forward(prompt, cache, 0)
         past = len(prompt)
@@ -340,7 +233,7 @@ class LM:
                 break
             if token in self.eos or len(generated) >= budget:
                 raise NoBoundary(generated)
-            logits = self.stepper.forward([token], cache, past)
+            logits = self.stepper.forward([token], cache, past, prompt=prompt)
             past += 1
         # `cache` now covers prompt + generated[:-1]; generated[-1] is the pending token P[T-1].
         state = BoundaryState(
@@ -398,10 +291,9 @@ class LM:
                 ) -> Any:
         """A new cache (a static one of `length` positions) with body[start:stop] fed at position `start`, one
         forward per span: what a construction builds with (engine.constructions.Builder)."""
-        self._prompt_hint = tuple(body[:prompt_len])
         cache = self.new_cache(length)
         for start, stop in spans:
-            self.stepper.forward(body[start:stop], cache, start)
+            self.stepper.forward(body[start:stop], cache, start, prompt=body[:prompt_len])
         return cache
 
     # -- continuation ---------------------------------------------------------------------------------
@@ -428,11 +320,11 @@ class LM:
                 f"a static cache of {state.cache_len} positions cannot hold {past} + {dc.max_new_tokens} new tokens",
                 "continue with the --max-new-tokens the boundary state was built for",
             )
-        self._prompt_hint = state.prefix[: state.prompt_len]
-        logits = self.stepper.forward([state.prefix[-1]], cache, past)
+        prompt = state.prefix[: state.prompt_len]
+        logits = self.stepper.forward([state.prefix[-1]], cache, past, prompt=prompt)
         pick = Sampler(dc, state.seed if seed is None else seed, self.config.device)
         record = StepRecord(dc.max_new_tokens, watch, self.stepper) if keep_steps else None
-        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos, record)
+        suffix = decode(self.stepper, cache, logits, past + 1, pick, dc.max_new_tokens, self.eos, record, prompt)
         return Continuation(tuple(suffix), "eos" if suffix[-1] in self.eos else "length", record)
 
     # -- helpers --------------------------------------------------------------------------------------
@@ -469,18 +361,20 @@ def load(
     attn_impl: str = "auto",
     cache: str = "dynamic",
     batch: int = 1,
+    proofs: ProofStore | None = None,
 ) -> LM:
     """Load a local Hugging Face causal LM for replay (no network), with determinism settings applied.
-    `attn_impl="auto"`: the attention transformers picks for the model (engine.model.resolve_attn_impl)."""
+    `attn_impl="auto"`: the attention transformers picks for the model (engine.model.resolve_attn_impl).
+    `proofs`: where its fast step's proofs are kept (engine.proof_stores; None: this process's memory only)."""
     config = ModelConfig(path=str(path), precision=precision, device=device, threads=threads,
                          attn_impl=resolve_attn_impl(path, attn_impl), cache=cache, batch=batch)
-    determinism = set_determinism(config.threads, config.device)
+    settings = set_determinism(config.threads, config.device)
     model, tokenizer = load_model_and_tokenizer(config)
-    return LM(model, tokenizer, config, determinism)
+    return LM(model, tokenizer, config, settings, proofs=proofs)
 
 
-def load_without_weights(config: ModelConfig) -> LM:
+def load_without_weights(config: ModelConfig, proofs: ProofStore | None = None) -> LM:
     """`config`'s tokenizer, EOS ids and context, and none of its weights (`ModelConfig.weights` False)."""
-    determinism = set_determinism(config.threads, config.device)
+    settings = set_determinism(config.threads, config.device)
     model_config, tokenizer = load_config_and_tokenizer(config.path)
-    return LM(None, tokenizer, config, determinism, model_config, generation_config(config.path, model_config))
+    return LM(None, tokenizer, config, settings, model_config, generation_config(config.path, model_config), proofs)

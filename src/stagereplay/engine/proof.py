@@ -15,21 +15,22 @@ on a model, it runs the two side by side, in lockstep:
 A proof covers the positions [prompt, reach) it compared, and costs what the run uses, not what the context
 allows: `reach` is where the run's items can get (prompt + stage 1 + suffix, where a count boundary fixes stage 1:
 proven that far exactly, at least MIN_REACH) or, where a marker ends stage 1 at a length nobody knows yet, what the
-items have reached so far. The LM's
-stepper asks before every fast step whether its position is covered (`Stepper.guard`, `LM.fast_step_at`); one
-that is not is proven first, to the next reach of `next_reach` (doubling: the last reach is under twice the
-furthest position a step needed, and all the proofs of a run together under twice that reach), and a position below the proof's prompt runs eagerly. So a
-fast step never runs at a position no proof compared. A difference turns the fast path off for the process (the
-run goes on eagerly, exact and slower) and says so in one line; the outcome is recorded in each record's
-environment (`Proof.as_dict`). A proof is kept per machine and model setting (`LM.proof_store`,
-records.proofs), so the workers of a run, and later commands on the same setting, reuse it. Cost: two steps per
-position up to `reach` per proof (`schedule`, which `stagereplay plan` prices).
+items have reached so far. The LM's stepper asks before every fast step whether its position is covered
+(`Stepper.guard`, engine.prover's `Prover.guard`); one that is not is proven first, to the next reach of
+`next_reach` (doubling: the last reach is under twice the furthest position a step needed, and all the proofs of
+a run together under twice that reach), and a position below the proof's prompt runs eagerly. So a fast step
+never runs at a position no proof compared. A difference turns the fast path off for the process (the run goes
+on eagerly, exact and slower) and says so in one line; the outcome is recorded in each record's environment
+(`Proof.as_dict`). A proof is kept in the store the model was given (engine.proof_stores): this process's
+memory, before this machine's folder (records.proofs), so the stages of a command, the workers of a run and
+later commands on the same setting reuse it. Cost: two steps per position up to `reach` per proof (`schedule`,
+which `stagereplay plan` prices).
 
 A static cache's step is proven on a cache of the length it runs at. A static forward attends over all L allocated
 rows (masked), so its shapes, its kernels' blocking and on a CPU its bits follow L, and a CUDA graph replays the
 kernels it recorded for the L it was captured at: a proof on a cache of another length says nothing about them.
 So a proof records the static length it ran on (`Proof.allocated`), covers only steps on caches of that length,
-and a step on a cache of a length no proof ran on is proven at that length first (`LM.fast_step_at`). A run that
+and a step on a cache of a length no proof ran on is proven at that length first (`Prover.guard`). A run that
 replays graphs allocates one length for all its items (`runs.make.prepare`), so one proof covers all of them.
 """
 
@@ -38,9 +39,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +64,7 @@ class Proof:
     first_difference: int | None  # the position whose logits (or, at the end, cache) first differed
     seconds: float  # this proof's time (and its earlier, shorter ones')
     extensions: int = 0  # earlier proofs of the same setting, each to a shorter reach, that this one extended
-    key: str = ""  # the machine and model setting it holds for (records.proofs.proof_key); "" where unstored
+    key: str = ""  # the machine and model setting it holds for (records.proofs.proof_key); "" where not kept there
     reused: bool = False  # taken from the store, made by another process (a worker, an earlier command)
     allocated: int | None = None  # the static cache's allocated positions L the proof ran on; None: a dynamic cache
 
@@ -100,27 +101,6 @@ class Proof:
 def step_name(path: str, allocated: int | None) -> str:
     """"captured", "cuda-graph" on a dynamic cache; "cuda-graph@L" on a static cache of L positions."""
     return path if allocated is None else f"{path}@{allocated}"
-
-
-class ProofStore(Protocol):
-    """Where one machine keeps the proofs of one model setting, for every process that runs it (records.proofs).
-    `path` names the fast step and the static length it runs at (`step_name`: "captured", "cuda-graph@4096")."""
-
-    def key(self, path: str) -> str:
-        """What the proof holds for: the machine, its kernels, the code and the model setting, hashed."""
-        ...
-
-    def lock(self, path: str) -> AbstractContextManager[None]:
-        """Within: no other process on this machine proves this setting (the first proves, the rest reuse)."""
-        ...
-
-    def get(self, path: str) -> Proof | None: ...
-
-    def put(self, proof: Proof) -> None: ...
-
-    def where(self, path: str) -> str:
-        """The entry's file, for the line that says a proof was reused."""
-        ...
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -215,32 +195,6 @@ def schedule(first: int, furthest: int, context: int) -> list[int]:
     while reaches[-1] < min(furthest, context):
         reaches.append(next_reach(reaches[-1] + 1, reaches[-1], context))
     return reaches
-
-
-_PROVEN: dict[tuple[Any, int, int | None], Proof] = {}
-"""This process's proofs by model setting, the model files' modification time and the static length proven at: a
-model loaded again (the stages of a command, a test's second load) runs the same steps on the same kernels, and is
-not proven twice (other processes on this machine find them in the store, records.proofs)."""
-
-
-def _key(config: Any, allocated: int | None) -> tuple[Any, int, int | None]:
-    import os
-
-    try:
-        stamp = os.stat(config.path).st_mtime_ns
-    except OSError:
-        stamp = -1
-    return config, stamp, allocated
-
-
-def proven(config: Any, allocated: int | None = None) -> Proof | None:
-    """The proof this process made for the model setting `config` (engine.model.ModelConfig) on caches of
-    `allocated` positions (None: dynamic), if any."""
-    return _PROVEN.get(_key(config, allocated))
-
-
-def remember(config: Any, proof: Proof) -> None:
-    _PROVEN[_key(config, proof.allocated)] = proof
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from stagereplay.execution.ray_cluster import shutdown_actors
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
     from stagereplay.engine.model import ModelConfig
+    from stagereplay.engine.proof_stores import MachineStore
 
 # This worker process's index in its pool (0..N-1), set when the process starts; None in the command's process.
 _WORKER_INDEX: int | None = None
@@ -91,8 +92,8 @@ def check_worker_devices(device: str, workers: int, executor: str = "local") -> 
                                f"pass --workers {max(count, 1)} or fewer (or pin one GPU with --device cuda:0)")
 
 
-def _call(config: ModelConfig, work: Work, job: Any) -> dict[str, Any]:
-    return work(cached_lm(worker_config(config, _WORKER_INDEX)), job)
+def _call(config: ModelConfig, work: Work, job: Any, machine_store: MachineStore | None) -> dict[str, Any]:
+    return work(cached_lm(worker_config(config, _WORKER_INDEX), machine_store=machine_store), job)
 
 
 # Worker processes, kept until the command ends (`shutdown_workers`): starting one (importing torch, loading
@@ -107,11 +108,12 @@ class WorkerDied(StageReplayError):
 
 
 def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int, lm: LM | None = None,
-              isolated: bool = False) -> Iterator[dict[str, Any]]:
+              isolated: bool = False, machine_store: MachineStore | None = None) -> Iterator[dict[str, Any]]:
     """`work(lm, job)` for every job, in this process (`workers == 1`, unless `isolated`) or a pool, yielded in
-    job order. A worker that dies raises `WorkerDied` naming the job's item and how the process ended."""
+    job order; a model loaded for them keeps its proofs where `machine_store` finds (execution.models.cached_lm).
+    A worker that dies raises `WorkerDied` naming the job's item and how the process ended."""
     if workers == 1 and not isolated:
-        lm = lm or cached_lm(config)
+        lm = lm or cached_lm(config, machine_store=machine_store)
         if config.batch > 1:
             yield from run_batched(lm, work, jobs, config.batch)
             return
@@ -121,9 +123,10 @@ def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int
     check_worker_devices(config.device, workers)
     pool = _pool(workers)
     if config.batch > 1:  # each worker takes a chunk of jobs and steps them `batch` at a time
-        futures = [pool.submit(_call_batched, config, work, chunk) for chunk in chunks(jobs, config.batch, workers)]
+        futures = [pool.submit(_call_batched, config, work, chunk, machine_store)
+                   for chunk in chunks(jobs, config.batch, workers)]
     else:
-        futures = [pool.submit(_call, config, work, job) for job in jobs]
+        futures = [pool.submit(_call, config, work, job, machine_store) for job in jobs]
     processes = list(getattr(pool, "_processes", {}).values())  # started by the first submit
     try:
         for i, f in enumerate(futures):
@@ -167,8 +170,10 @@ def _how_ended(processes: Sequence[Any]) -> str:
     return "it ended without saying why"
 
 
-def _call_batched(config: ModelConfig, work: Work, jobs: Sequence[Any]) -> list[dict[str, Any]]:
-    return run_chunk(cached_lm(worker_config(config, _WORKER_INDEX)), jobs, work, config.batch)
+def _call_batched(config: ModelConfig, work: Work, jobs: Sequence[Any], machine_store: MachineStore | None
+                  ) -> list[dict[str, Any]]:
+    lm = cached_lm(worker_config(config, _WORKER_INDEX), machine_store=machine_store)
+    return run_chunk(lm, jobs, work, config.batch)
 
 
 def _pool(workers: int) -> Any:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
     from stagereplay.engine.model import ModelConfig
+    from stagereplay.engine.proof_stores import MachineStore
 
 # The models this process has loaded, so that the stages of one command that share a model setting load it (and
 # capture its steps) once. One at a time, in the command's own process and in each worker alike: no comparison
@@ -17,9 +18,11 @@ _LMS: dict[ModelConfig, LM] = {}
 MAX_MODELS = 1
 
 
-def cached_lm(config: ModelConfig, keep: int = MAX_MODELS) -> LM:
+def cached_lm(config: ModelConfig, keep: int = MAX_MODELS, machine_store: MachineStore | None = None) -> LM:
     """The model for `config`, loaded unless it is among the last `keep` this process used.
 
+    A model loaded here keeps its fast step's proofs in this process's memory (engine.proof_stores.IN_PROCESS),
+    layered before the store `machine_store` finds on this machine (records.proofs.machine_store; None: none).
     The models dropped to make room are collected before the next loads: a captured step holds its model in
     reference cycles, which plain reference counting would leave for the cycle collector to find later.
     """
@@ -28,16 +31,18 @@ def cached_lm(config: ModelConfig, keep: int = MAX_MODELS) -> LM:
         import gc
 
         from stagereplay.engine.lm import load, load_without_weights
+        from stagereplay.engine.proof_stores import IN_PROCESS, layered
 
         if len(_LMS) >= keep:
             while len(_LMS) >= keep:
                 _LMS.pop(next(iter(_LMS)))  # the least recently used, dropped before the next one loads
             gc.collect()
+        proofs = layered(IN_PROCESS, machine_store() if machine_store is not None else None)
         if not config.weights:  # a serving engine takes every step: the tokenizer is all this run reads
-            lm = load_without_weights(config)
+            lm = load_without_weights(config, proofs)
         else:
             lm = load(config.path, config.precision, config.device, config.threads, config.attn_impl, config.cache,
-                      config.batch)
+                      config.batch, proofs)
     _LMS[config] = lm
     return lm
 

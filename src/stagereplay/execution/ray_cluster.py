@@ -32,6 +32,7 @@ from stagereplay.execution.models import cached_lm
 
 if TYPE_CHECKING:
     from stagereplay.engine.model import ModelConfig
+    from stagereplay.engine.proof_stores import MachineStore
     from stagereplay.execution.config import Work
 
 JOBS_PER_ACTOR = 1
@@ -63,9 +64,11 @@ def _connect(ray: Any) -> None:
 class Replica:
     """A Ray actor's state: the models this process has loaded (`cached_lm`), reused for every job it takes."""
 
-    def run(self, config: ModelConfig, work: Work, job: Any) -> dict[str, Any]:
-        # Loaded on the first job that needs it, so that a load error reaches the parent as that job's error.
-        return work(cached_lm(config), job)
+    def run(self, config: ModelConfig, work: Work, job: Any, machine_store: MachineStore | None = None
+            ) -> dict[str, Any]:
+        # Loaded on the first job that needs it, so that a load error reaches the parent as that job's error; its
+        # proofs kept in the store found on the actor's own machine.
+        return work(cached_lm(config, machine_store=machine_store), job)
 
 
 def _actor_config(config: ModelConfig) -> ModelConfig:
@@ -109,9 +112,10 @@ def shutdown_actors() -> None:
 
 
 def run_ray(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int,
-            per_actor: int = JOBS_PER_ACTOR) -> Iterator[dict[str, Any]]:
+            per_actor: int = JOBS_PER_ACTOR, machine_store: MachineStore | None = None) -> Iterator[dict[str, Any]]:
     """`work(lm, job)` for every job on `workers` persistent Ray actors, handed out as actors free up, yielded
-    in job order. `per_actor` jobs are in flight on each actor at most (`JOBS_PER_ACTOR`)."""
+    in job order. `per_actor` jobs are in flight on each actor at most (`JOBS_PER_ACTOR`); a model an actor loads
+    keeps its proofs where `machine_store` finds on the actor's machine (execution.models.cached_lm)."""
     if per_actor < 1:
         raise ValueError(f"per_actor must be at least 1, got {per_actor}")
     ray = _import_ray()
@@ -130,7 +134,7 @@ def run_ray(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int,
         while yielded < len(jobs):
             while idle and submitted < len(jobs):
                 actor = idle.pop(0)
-                in_flight[actor.run.remote(actor_config, work, jobs[submitted])] = (submitted, actor)
+                in_flight[actor.run.remote(actor_config, work, jobs[submitted], machine_store)] = (submitted, actor)
                 submitted += 1
             if yielded not in done:
                 ready, _ = ray.wait(list(in_flight), num_returns=1)

@@ -41,6 +41,7 @@ from stagereplay.experiments.prepared import PreparedRun
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import RunConfig, StageSection
 from stagereplay.records.payloads import Payload
+from stagereplay.records.proofs import machine_store
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
@@ -186,7 +187,7 @@ def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: 
                   disable=quiet, transient=False) as bar:
         # The description is rich markup: escaped, "[primary]" is shown, not taken for a style.
         task = bar.add_task(escape(label), total=len(jobs), completed=len(jobs) - len(pending))
-        done = run_jobs(model, env_work or partial(with_environment, work), pending, ex)
+        done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, machine_store=machine_store)
         for job, out in zip(pending, done, strict=False):
             run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
             bar.advance(task)

@@ -12,7 +12,6 @@ from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import Work
-from stagereplay.records.proofs import attach_store
 from stagereplay.records.provenance import environment
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
@@ -108,7 +107,5 @@ class Replay:
 
 
 def with_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
-    """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one). The
-    process keeps and reuses its fast step's proofs in this machine's store (records.proofs)."""
-    attach_store(lm)
+    """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one)."""
     return {"payload": work(lm, job), "environment": environment(lm.config.device, lm.determinism)}

@@ -12,7 +12,8 @@ afresh.
     ~/.cache/stagereplay/proofs/<key>.json     the proof as the last process to extend it left it
     ~/.cache/stagereplay/proofs/<key>.lock     held while one process proves (the others wait, then reuse)
 
-`STAGEREPLAY_PROOFS` names another folder, or `off` for none (each process then proves its own).
+`STAGEREPLAY_PROOFS` names another folder, or `off` for none (each process then proves its own). Whoever loads a
+model passes `machine_store()` on (execution.models.cached_lm layers this process's memory before it).
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from stagereplay.engine.proof import Proof
+from stagereplay.engine.proof_stores import FastStep
 from stagereplay.records.provenance import environment
-
-if TYPE_CHECKING:
-    from stagereplay.engine.lm import LM
 
 ENV = "STAGEREPLAY_PROOFS"
 
@@ -64,69 +62,69 @@ def model_stamp(path: str) -> list[tuple[str, int, int]]:
     return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
 
 
-def proof_key(lm: LM, path: str) -> str:
-    """The key of `lm`'s proofs of the fast step `path` on this machine (see the module docstring): `path` is
-    engine.proof.step_name's, the step and the static length it runs at."""
+def proof_key(step: FastStep) -> str:
+    """The key of the proofs of `step` on this machine (see the module docstring)."""
     from stagereplay.engine.decode import EAGER_BRANCHES
 
-    settings = {k: v for k, v in lm.determinism.items() if k not in ("fast_steps", "batch_check")}
-    env = environment(lm.config.device, settings)
+    env = environment(step.model.device, dict(step.settings))
     env.pop("git", None)  # the source digest says more: an uncommitted edit is another key
     return hashlib.sha256(json.dumps({
-        "environment": env, "source": source_digest(), "model": lm.config.as_dict(),
-        "files": model_stamp(lm.config.path), "step": path, "eager_branches": lm.stepper.eager_branches,
+        "environment": env, "source": source_digest(), "model": step.model.as_dict(),
+        "files": model_stamp(step.model.path), "step": step.name, "eager_branches": step.eager_branches,
         "switches": EAGER_BRANCHES,
     }, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class DirectoryStore:
-    """engine.proof.ProofStore over one folder: a JSON file per key, written whole (a temporary file renamed), and
-    a lock file per key held with flock while a process proves."""
+    """engine.proof_stores.ProofStore over one folder: a JSON file per key, written whole (a temporary file
+    renamed), and a lock file per key held with flock while a process proves. Plain data, so that a run hands it
+    to its worker processes and Ray actors."""
 
-    def __init__(self, folder: Path, lm: LM) -> None:
+    def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.lm = lm
-        self._keys: dict[str, str] = {}
+        self._keys: dict[FastStep, str] = {}
 
-    def key(self, path: str) -> str:
-        if path not in self._keys:
-            self._keys[path] = proof_key(self.lm, path)
-        return self._keys[path]
+    def key(self, step: FastStep) -> str:
+        if step not in self._keys:
+            self._keys[step] = proof_key(step)
+        return self._keys[step]
 
-    def where(self, path: str) -> str:
-        return str(self.folder / f"{self.key(path)}.json")
+    def where(self, step: FastStep) -> str:
+        return str(self.folder / f"{self.key(step)}.json")
 
     @contextmanager
-    def lock(self, path: str) -> Iterator[None]:
+    def lock(self, step: FastStep) -> Iterator[None]:
         import fcntl
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / f"{self.key(path)}.lock", "a") as fh:
+        with open(self.folder / f"{self.key(step)}.lock", "a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
-    def get(self, path: str) -> Proof | None:
+    def get(self, step: FastStep) -> Proof | None:
+        """The entry's proof, taken as made by another process (`reused`): a process finds its own in its memory,
+        the layer before this one."""
         try:
-            raw = json.loads(Path(self.where(path)).read_text())
+            raw = json.loads(Path(self.where(step)).read_text())
             names = {f.name for f in fields(Proof)}
             proof = Proof(**{k: v for k, v in raw.items() if k in names})
         except (OSError, ValueError, TypeError):
             return None  # none yet, or unreadable: prove afresh (and overwrite it)
-        return proof if proof.key == self.key(path) else None
+        return replace(proof, reused=True) if proof.key == self.key(step) else None
 
-    def put(self, proof: Proof) -> None:
-        target = Path(self.where(proof.name))
+    def put(self, step: FastStep, proof: Proof) -> Proof:
+        proof = replace(proof, key=self.key(step))
+        target = Path(self.where(step))
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**proof.stored(), "reused": False, "pid": os.getpid()}, sort_keys=True))
         os.replace(tmp, target)
+        return proof
 
 
-def attach_store(lm: LM) -> None:
-    """Give `lm` this machine's proof store, unless it has one or `STAGEREPLAY_PROOFS=off`."""
+def machine_store() -> DirectoryStore | None:
+    """This machine's proof store, None where `STAGEREPLAY_PROOFS=off`."""
     folder = proofs_dir()
-    if lm.proof_store is None and folder is not None:
-        lm.proof_store = DirectoryStore(folder, lm)
-
+    return DirectoryStore(folder) if folder is not None else None

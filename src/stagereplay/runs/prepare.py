@@ -111,16 +111,15 @@ def warm(model: ModelConfig, items: list[Item], settings: ReplaySettings, determ
     whether they are CUDA graphs."""
     from stagereplay.engine.decode import captures_steps, graphs_steps
     from stagereplay.execution.models import cached_lm
-    from stagereplay.records.proofs import attach_store
+    from stagereplay.records.proofs import machine_store
 
     captured = captures_steps(model.precision, model.cache) and model.batch == 1 and model.weights
     if here:
-        lm = cached_lm(model)
+        lm = cached_lm(model, machine_store=machine_store)
         if items and model.weights and model.batch > 1:  # the batched step shown batch-invariant before items share it
             lm.prove_batch([i.prompt_ids for i in items[:3]])
         elif items and model.weights:  # the fast step proven before any item uses it (engine.proof)
-            attach_store(lm)
-            lm.show_proofs = not quiet
+            lm.prover.show = not quiet
             prompt, reach = prove_reach(settings, items)
             lm.prove(prompt, reach, lm.cache_len(max(len(i.prompt_ids) for i in items), settings.decode))
             captured = lm.stepper.capture
@@ -156,7 +155,7 @@ def prove_reach(settings: ReplaySettings, items: list[Item]) -> tuple[tuple[int,
     """What to prove before the first item: from the shortest prompt (every item steps from its own prompt on, so
     from there every step is covered) to where the items are sure to go. A count boundary fixes stage 1, so that
     is the longest prompt + stage 1 + the suffix budget; a marker ends it where nobody knows yet, so the proof
-    starts short and is extended as the items get further (`LM.fast_step_at`)."""
+    starts short and is extended as the items get further (`engine.prover.Prover.guard`)."""
     from stagereplay.engine.boundary import After
 
     dc = settings.decode
