@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
         warm_up(model, args, clock)
         start = time.perf_counter()
-        results = matched(Path(tmp) / "run", Inputs(
+        results = matched(Path(tmp) / "run", Inputs.of(
             model=str(model), data=str(data), boundary=After(args.stage1),
             decode=DecodeConfig(max_new_tokens=args.suffix, max_stage1_tokens=args.stage1), precision=args.precision,
             device=args.device, threads=args.threads, cache=args.cache), quiet=True)

@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.repeats):  # alternated, so drift hits both sides alike
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            matched(Path(tmp) / "run", Inputs(
+            matched(Path(tmp) / "run", Inputs.of(
                 model=model, data=args.data, n=args.n, boundary=boundary,
                 decode=DecodeConfig(max_new_tokens=args.max_new_tokens), precision=args.precision, device=args.device,
                 threads=args.threads), quiet=True)

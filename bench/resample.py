@@ -50,11 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
     from pathlib import Path
 
-    from stagereplay.engine.boundary import After, default_rule, parse_boundary
+    from stagereplay.engine.boundary import After, default_rule
     from stagereplay.engine.cache import clone_cache
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import load
-    from stagereplay.runs.make import Inputs, resolve_source
+    from stagereplay.runs.inputs import Inputs
+    from stagereplay.runs.prepare import data_config, resolve_model
     from stagereplay.tasks import load_items
 
     tmp = tempfile.TemporaryDirectory()
@@ -65,12 +66,12 @@ def main(argv: list[str] | None = None) -> None:
         rule: Any = After(args.prefix)
         stage1 = DecodeConfig(max_stage1_tokens=args.prefix)
     else:
-        source = resolve_source(Inputs(args.model, n=args.items, precision=args.precision, device=args.device,
-                                       threads=args.threads, attn_impl="sdpa"))
-        lm = load(source.model.path, args.precision, args.device, args.threads)
-        prompts = load_items(source.data, lm.tokenizer)[0]
+        inputs = Inputs.of(model=args.model, n=args.items, precision=args.precision, device=args.device,
+                           threads=args.threads, attn_impl="sdpa")
+        lm = load(resolve_model(inputs).path, args.precision, args.device, args.threads)
+        prompts = load_items(data_config(inputs), lm.tokenizer)[0]
         # The rule a run resolves for this model (`</think>` for the toy's reasoning tokenizer) when none is given.
-        rule = parse_boundary(source.settings.boundary) if source.settings.boundary else default_rule(lm.tokenizer)
+        rule = default_rule(lm.tokenizer)
         stage1 = DecodeConfig()
     # A random model rarely emits EOS, so its draws run to the limit; min tokens keep the toy's EOS honest.
     dc = DecodeConfig(max_new_tokens=args.new_tokens, sample=True, temperature=0.6, top_p=0.95)

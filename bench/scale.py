@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         floor = rss_mib()
         resettable = reset_peak()
         start = time.perf_counter()
-        results = matched(Path(tmp) / "run", Inputs(
+        results = matched(Path(tmp) / "run", Inputs.of(
             model=str(model), data=str(data), boundary=After(shape["stage1"]),
             decode=DecodeConfig(max_new_tokens=shape["suffix"], max_stage1_tokens=shape["stage1"]), precision="bf16",
             device="cpu", threads=1, batch=args.batch), quiet=True)
