@@ -288,7 +288,8 @@ def _reexecute(chosen: dict[str, list[Record]], stages: Mapping[str, StageSectio
     from stagereplay.execution.executors import run_jobs
     from stagereplay.records.proofs import machine_store
 
-    first = {(r.checkpoint, r.item_id): (stage_name(r), r.payload) for r in records if starts_run(r.experiment)}
+    first = {(r.checkpoint, r.item_id): (stage_name(r), r.payload) for r in records
+             if starts_run(r.experiment) and not r.part}
     groups: dict[tuple[ModelConfig, str], list[Record]] = {}
     for r in (r for rs in chosen.values() for r in rs):
         stage = stages[stage_name(r)]

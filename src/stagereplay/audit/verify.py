@@ -118,7 +118,7 @@ def dataset_findings(manifest: Manifest) -> list[dict[str, str]]:
         want = shard_items([row["id"] for row in toy_rows(n, HELDOUT_SEED)], shard)
     else:
         path = data.path
-        found = dataset_at(path, data.columns)  # any format (tasks.sources); None: not at hand here
+        found = dataset_at(path, data.columns, data.rollouts)  # any format (tasks.sources); None: not at hand here
         if found is None:
             return []  # a location only; the full audit reads the data where it is given
         if found[1] != config.dataset_hash:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -45,6 +46,7 @@ from stagereplay.records.proofs import machine_store
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
+    from stagereplay.tasks import DataConfig
 
 __all__ = ["Batch", "Experiment", "NoOptions", "Replay", "Section", "append_jobs"]
 
@@ -70,6 +72,8 @@ class Experiment(ABC):
     """Its command's name ('' : it has none): `stagereplay <command>`."""
     starts_run: ClassVar[bool] = False
     """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
+    uses_boundary: ClassVar[bool] = True
+    """Whether a run it makes finds a stage boundary (its stage-1 rule and budget resolved before the first item)."""
     per_precision: ClassVar[bool] = False
     """Whether a unit's `part` is the precision it ran at (a stage crossing precisions)."""
     label: ClassVar[str] = ""
@@ -83,6 +87,10 @@ class Experiment(ABC):
 
     # -- making its stage of a run --------------------------------------------------------------------------
 
+    def data(self, data: DataConfig, options: Any) -> DataConfig:
+        """The data a run it makes reads, from what the input group gave and its options (the items' source)."""
+        return data
+
     def check(self, model: ModelConfig, options: Any) -> None:  # noqa: B027  # most experiments check nothing here
         """Refuse in one line, before anything loads, options it cannot run with `model`."""
 
@@ -92,8 +100,9 @@ class Experiment(ABC):
         from (a transplant's selection is made from them before any outcome exists)."""
 
     @abstractmethod
-    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
-        """Its jobs, from its section as the manifest holds it (as the audit will read it)."""
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterable[Batch]:
+        """Its jobs, from its section as the manifest holds it (as the audit will read it); each batch is run before
+        the next is asked for (a generator may make a batch from the records of the one before)."""
 
     def identity(self, options: Any) -> dict[str, Any]:
         """What of its options the identity of a run it makes records (`manifest.config`): every field."""

@@ -22,7 +22,7 @@ the job that re-executes a unit and the forwards it made.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -89,7 +89,7 @@ class Runnable(Protocol):
 
     def section(self, prepared: PreparedRun, options: Any, run: Run) -> StageSection: ...
 
-    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]: ...
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterable[Batch]: ...
 
     def work(self, lm: LM, job: Job) -> Payload: ...
 
@@ -140,7 +140,7 @@ class RunEngine(ABC):
     def section(self, experiment: Runnable, prepared: PreparedRun, options: Any, run: Run) -> StageSection: ...
 
     @abstractmethod
-    def batches(self, experiment: Runnable, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]: ...
+    def batches(self, experiment: Runnable, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterable[Batch]: ...
 
     @abstractmethod
     def work(self, experiment: Runnable) -> Work:
@@ -182,7 +182,7 @@ class Ours(RunEngine):
     def section(self, experiment: Runnable, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
         return experiment.section(prepared, options, run)
 
-    def batches(self, experiment: Runnable, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+    def batches(self, experiment: Runnable, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterable[Batch]:
         return experiment.batches(prepared, stage, run)
 
     def work(self, experiment: Runnable) -> Work:

@@ -12,12 +12,13 @@ from stagereplay.errors import StageReplayError
 from stagereplay.experiments.bridge import Bridge
 from stagereplay.experiments.experiment import Experiment
 from stagereplay.experiments.matched import Matched
+from stagereplay.experiments.mismatch import Mismatch
 from stagereplay.experiments.precision_2x2 import PrecisionGrid
 from stagereplay.experiments.resample import Resample
 from stagereplay.experiments.transplant import Transplant
 
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (Matched(), PrecisionGrid(), Bridge(), Transplant(),
-                                                         Resample())}
+                                                         Resample(), Mismatch())}
 
 
 def experiment(name: str) -> Experiment:

@@ -108,6 +108,7 @@ class DataSection(Document):
                                                "null: the toy's held-out items")
     n: int | None = Field(None, description="the first n items (null: all)")
     columns: str | None = Field(None, description="TARGET=COLUMN,... (recorded when given)")
+    rollouts: bool = Field(False, description="the file holds rollouts, not prompts (recorded when true)")
 
 
 class RopeFacts(Document):

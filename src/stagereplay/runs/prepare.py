@@ -82,27 +82,38 @@ def prepare(command: str, inputs: Inputs, experiment: Experiment, options: Any, 
     determinism = set_determinism(model.threads, model.device)
     config, tokenizer = load_config_and_tokenizer(model.path)
     context = model_context(config)
-    data = data_config(inputs)
-    items, data_hash = load_items(data, tokenizer)
+    data = experiment.data(data_config(inputs), options)
+    items, data_hash = load_items(data, tokenizer, context)
     for item in items:
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
     rule = inputs.boundary.rule()
     settings = ReplaySettings(boundary="" if rule is None else rule.describe(), decode=inputs.decode,
                               scorer=inputs.input.scorer or "last-number")
-    settings, stage1 = fit_stage1(settings, config, tokenizer, items, engine.context())
+    stage1: Stage1Facts | None = None
+    if experiment.uses_boundary:
+        settings, stage1 = fit_stage1(settings, config, tokenizer, items, engine.context())
+        reach = prove_reach(settings, items) if items else None
+    else:  # the whole response is the sequence: prompt + max_new_tokens (a rollout file's, its own length)
+        longest = max(len(i.prompt_ids) + (getattr(i, "response_len", 0) or settings.decode.max_new_tokens)
+                      for i in items)
+        if longest > context:
+            raise StageReplayError(f"a prompt and its response reach {longest} tokens, past the model's context of "
+                                   f"{context}", "lower --max-new-tokens or shorten the prompts")
+        reach = (min((i.prompt_ids for i in items), key=len), longest) if items else None
     model = shared_static_len(model, settings.decode, items, context)
-    determinism = warm(model, items, settings, determinism, quiet, here=ex.workers == 1 and ex.executor == "local")
+    determinism = warm(model, items, settings, determinism, quiet, reach,
+                       here=ex.workers == 1 and ex.executor == "local")
     prepared = PreparedRun(command=command, model=model, data=data, settings=settings, stage1=stage1,
                            items=tuple(shard_items(items, parse_shard(inputs.input.shard))), data_hash=data_hash,
                            engine=engine, determinism=frozen(determinism), ex=ex, quiet=quiet)
-    if not quiet:
+    if not quiet and stage1 is not None:
         log.info(stage1.line())
     identity = engine.identity(model)
     return prepared if identity is None else replace(prepared, engine_identity=frozen(identity))
 
 
 def warm(model: ModelConfig, items: list[Item], settings: ReplaySettings, determinism: dict[str, Any], quiet: bool,
-         here: bool) -> dict[str, Any]:
+         reach: tuple[tuple[int, ...], int] | None, here: bool) -> dict[str, Any]:
     """Where the run steps in this process (`here`; else workers load their own replicas): load the model into this
     process's cache and prove its fast step as far as the run is sure to go (`prove_reach`), with a progress bar
     unless `quiet`, or show the batched step batch-invariant where items share it. A model loaded without its
@@ -118,10 +129,10 @@ def warm(model: ModelConfig, items: list[Item], settings: ReplaySettings, determ
         lm = cached_lm(model, machine_store=machine_store)
         if items and model.weights and model.batch > 1:  # the batched step shown batch-invariant before items share it
             lm.prove_batch([i.prompt_ids for i in items[:3]])
-        elif items and model.weights:  # the fast step proven before any item uses it (engine.proof)
+        elif reach is not None and model.weights:  # the fast step proven before any item uses it (engine.proof)
             lm.prover.show = not quiet
-            prompt, reach = prove_reach(settings, items)
-            lm.prove(prompt, reach, lm.cache_len(max(len(i.prompt_ids) for i in items), settings.decode))
+            prompt, furthest = reach
+            lm.prove(prompt, furthest, lm.cache_len(max(len(i.prompt_ids) for i in items), settings.decode))
             captured = lm.stepper.capture
         determinism = dict(lm.determinism)
     # Captured steps are the eager ones, bit for bit, where proven (once per machine and model setting: workers

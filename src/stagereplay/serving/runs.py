@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -194,7 +194,7 @@ class ServingRun(RunEngine):
     def section(self, experiment: Runnable, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
         return self.served(experiment).section(self.arms, prepared, options, run)
 
-    def batches(self, experiment: Runnable, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+    def batches(self, experiment: Runnable, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterable[Batch]:
         return self.served(experiment).batches(self.arms, prepared, stage, run)
 
     def work(self, experiment: Runnable) -> Work:

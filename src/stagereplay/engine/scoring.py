@@ -1,0 +1,177 @@
+"""The log-probability a model gives each token of a fixed response: what an RL rollout engine records while it
+samples, and what a trainer recomputes, teacher-forced, on the same token IDs.
+
+    rollout(lm, prompt, max_new, decode, seed, mode)      live decoding from a retained cache, each sampled token's
+                                                          log-probability recorded as it is drawn
+    score_incremental(lm, prompt, response, ...)           teacher-forced, one token per forward on a growing cache:
+                                                          the live loop's operations, so bit-exact with `rollout`
+    score_oneshot(lm, prompt, response, ..., head)        teacher-forced in one forward over prompt + response[:-1]
+                                                          with no cache: a trainer's `model(input_ids)`; `head` fp32
+                                                          computes the LM head in fp32 (MiniMax-M1's fix)
+    score_from(lm, cache, ids, at, ...)                    teacher-forced one token at a time from a cache over
+                                                          ids[0:at] (a transplant's continuation)
+
+Each returns a `Scored`: per response token, its log-probability [N] (fp32, from fp32 logits) and the argmax token
+of the same row [N]. `mode` says which distribution the log-probability is taken from, as vLLM's `logprobs_mode`
+does: `raw` is log_softmax of the model's logits; `processed` is log_softmax after the sampler's temperature,
+top-k and top-p (a token they remove has -inf). Both sides of a comparison take the same mode.
+
+Memory: a one-shot score holds its sequence's logits [T, V] once (what a trainer's forward holds), reduced to [N]
+on the device before anything leaves it; the step-by-step scores reduce each step's [V] as it is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from stagereplay.engine.decode import DecodeConfig, Sampler
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from stagereplay.engine.lm import LM
+
+Mode = Literal["raw", "processed"]
+MODES: tuple[Mode, ...] = ("raw", "processed")
+HEADS = ("model", "fp32")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A response's per-token log-probabilities [N] (fp32) and each row's argmax token [N] (int32; None where the
+    source does not say, a rollout file)."""
+
+    logprobs: np.ndarray
+    argmax: np.ndarray | None
+
+
+def chosen(logits: torch.Tensor, targets: torch.Tensor, mode: Mode, decode: DecodeConfig
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `logits` [N, V]: the log-probability of its target [N] under `mode`, and the row's argmax [N],
+    on the logits' device. The rows are widened to fp32 first, as a sampler widens them."""
+    import torch
+
+    scores = logits.float()
+    argmax = scores.argmax(dim=-1)
+    if mode == "processed":
+        scores = Sampler(replace(decode, sample=False), 0, str(logits.device)).warp(scores)  # no generator made
+    lp = torch.log_softmax(scores, dim=-1).gather(1, targets[:, None].to(scores.device))[:, 0]
+    return lp, argmax
+
+
+def _scored(lps: list[torch.Tensor] | torch.Tensor, argmax: list[torch.Tensor] | torch.Tensor) -> Scored:
+    import torch
+
+    lp = torch.stack(lps) if isinstance(lps, list) else lps
+    am = torch.stack(argmax) if isinstance(argmax, list) else argmax
+    return Scored(lp.detach().to("cpu", torch.float32).numpy(), am.detach().to("cpu", torch.int32).numpy())
+
+
+def rollout(lm: LM, prompt: Sequence[int], max_new: int, decode: DecodeConfig, seed: int, mode: Mode
+            ) -> tuple[list[int], Scored]:
+    """Decode from `prompt` (greedy, or sampled as `decode` says from a generator seeded with `seed`) until EOS or
+    `max_new` tokens, recording each drawn token's log-probability under `mode` from the very logits it was drawn
+    from. Its tokens are generate()'s for the same settings and seed (`LM.generate`'s loop)."""
+    import torch
+
+    prompt = list(prompt)
+    cache = lm.new_cache(len(prompt) + max_new - 1)
+    logits = lm.stepper.forward(prompt, cache, 0, prompt=prompt)
+    sampler = Sampler(decode, seed, lm.config.device)
+    tokens: list[int] = []
+    lps, argmaxes = [], []
+    past = len(prompt)
+    while True:
+        picked = sampler.pick(logits)
+        token = int(picked)
+        lp, am = chosen(logits[None], torch.tensor([token]), mode, decode)
+        tokens.append(token)
+        lps.append(lp[0])
+        argmaxes.append(am[0])
+        if token in lm.eos or len(tokens) >= max_new:
+            return tokens, _scored(lps, argmaxes)
+        logits = lm.stepper.forward([token], cache, past, prompt=prompt)
+        past += 1
+
+
+def score_incremental(lm: LM, prompt: Sequence[int], response: Sequence[int], decode: DecodeConfig, mode: Mode
+                      ) -> Scored:
+    """Teacher-forced, the live loop's way: the prompt prefilled, then each response token fed alone."""
+    import torch
+
+    prompt, response = list(prompt), list(response)
+    cache = lm.new_cache(len(prompt) + len(response) - 1)
+    logits = lm.stepper.forward(prompt, cache, 0, prompt=prompt)
+    lps, argmaxes = [], []
+    past = len(prompt)
+    for i, token in enumerate(response):
+        lp, am = chosen(logits[None], torch.tensor([token]), mode, decode)
+        lps.append(lp[0])
+        argmaxes.append(am[0])
+        if i + 1 < len(response):
+            logits = lm.stepper.forward([token], cache, past, prompt=prompt)
+            past += 1
+    return _scored(lps, argmaxes)
+
+
+def head_logits(lm: LM, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head in fp32 on hidden states [T, H]: the head's weight widened, then the model's final logit
+    soft-capping where it has one (Gemma 2 and 3)."""
+    import torch
+
+    weight = lm.model.get_output_embeddings().weight
+    logits = torch.nn.functional.linear(hidden.float(), weight.float())
+    cap = getattr(lm.model.config.get_text_config(), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def score_oneshot(lm: LM, prompt: Sequence[int], response: Sequence[int], decode: DecodeConfig, mode: Mode,
+                  head: str = "model") -> Scored:
+    """Teacher-forced in one forward over prompt + response[:-1], no cache, as a trainer computes it; the rows that
+    predict the response's tokens reduced to their log-probabilities. `head` fp32: the decoder's hidden states
+    through an fp32 LM head."""
+    import torch
+
+    ids = [*prompt, *response[:-1]]
+    rows = slice(len(prompt) - 1, len(ids))
+    input_ids = torch.tensor([ids], device=lm.config.device)
+    with torch.inference_mode():
+        if head == "fp32":
+            hidden = lm.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state[0, rows]
+            logits = head_logits(lm, hidden)  # [N, V]
+        else:
+            logits = lm.model(input_ids=input_ids, use_cache=False).logits[0, rows]  # [N, V]
+        lp, am = chosen(logits, torch.tensor(list(response)), mode, decode)
+        return _scored(lp, am)
+
+
+def prefill_cache(lm: LM, ids: Sequence[int], prompt_len: int, length: int | None) -> Any:
+    """A new cache over `ids` from one forward (the one-shot construction's cache)."""
+    return lm.prefill(ids, prompt_len, [(0, len(ids))], length)
+
+
+def incremental_cache(lm: LM, ids: Sequence[int], prompt_len: int, length: int | None) -> Any:
+    """A new cache over `ids` built as live decoding builds it: the prompt in one forward, then one token each."""
+    return lm.prefill(ids, prompt_len, [(0, prompt_len), *((i, i + 1) for i in range(prompt_len, len(ids)))],
+                      length)
+
+
+def score_from(lm: LM, cache: Any, ids: Sequence[int], at: int, end: int, decode: DecodeConfig, mode: Mode,
+               prompt: Sequence[int] = ()) -> Scored:
+    """Teacher-forced from `cache` (over ids[0:at], not changed: a clone is stepped): ids[at] fed, then each next
+    one; the log-probabilities of ids[at + 1 : end]."""
+    import torch
+
+    from stagereplay.engine.cache import clone_cache
+
+    work = clone_cache(cache)
+    lps, argmaxes = [], []
+    for past in range(at, end - 1):
+        logits = lm.stepper.forward([ids[past]], work, past, prompt=prompt)
+        lp, am = chosen(logits[None], torch.tensor([ids[past + 1]]), mode, decode)
+        lps.append(lp[0])
+        argmaxes.append(am[0])
+    return _scored(lps, argmaxes)

@@ -1,0 +1,367 @@
+"""Mismatch: the training-inference mismatch of reinforcement learning, measured the paper's way.
+
+An RL framework samples a response with an inference engine (decoding from a retained cache) and recomputes each
+token's log-probability in the trainer (one forward over prompt + response: a one-shot prefill of the same token
+IDs). Per item, on the same tokens:
+
+    rollout           the response generated here (greedy, or sampled with the run's settings and a derived seed),
+                      each token's log-probability recorded as it was drawn; or read from a rollout file
+    rollout#replica   generated again from scratch: the same tokens and bits, or the engine is not deterministic
+    incremental       ours, teacher-forced one token per forward: the live loop's operations (the bridge)
+    prefill           the rollout engine's own one-shot prefill of prompt + response (ours: one forward, no cache)
+    prefill#replica
+    trainer@<p>       ours, one-shot, at each trainer precision p (bf16, fp32, fp16, bf16-fp32-head: bf16 with the
+                      LM head in fp32), each with its replica: one record part per precision
+
+and on our engine, the paper's causal test: at position t the two caches (built as decoding builds it, and by one
+forward) swap their K/V, both directions, and each continues teacher-forced; a continuation follows the donor when
+its log-probabilities are the donor's own, bit for bit (the zero-layer control must follow the recipient).
+
+The summary splits the gap: total (rollout vs trainer), construction (rollout vs the engine's own prefill), engine
+(the engine's prefill vs the trainer's, both one-shot), precision (trainer bf16 vs fp32 and the rest), and each
+side's replica, with the metrics RL frameworks read (`experiments.mismatch_stats`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import Field, TypeAdapter
+
+from stagereplay.engine.decode import DecodeConfig, derive_seed
+from stagereplay.engine.lm import ids_fingerprint
+from stagereplay.engine.model import ModelConfig
+from stagereplay.engine.scoring import MODES, Scored
+from stagereplay.errors import StageReplayError
+from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
+from stagereplay.experiments.format import Table
+from stagereplay.experiments.jobs import Job, Params
+from stagereplay.records import arrays
+from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
+from stagereplay.records.payloads import Followed, Payload
+from stagereplay.records.scored import MismatchPayload, ScoredArm, ScoreOutcome, ScoreTransplant
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from stagereplay.engine.lm import LM
+    from stagereplay.experiments.prepared import PreparedRun
+    from stagereplay.tasks import DataConfig
+
+EXPERIMENT = "mismatch"
+TRAINER_PRECISIONS = ("bf16", "fp32", "fp16", "bf16-fp32-head")
+"""The trainer's precisions: our precisions, and bf16 with the LM head in fp32 (MiniMax-M1's fix)."""
+PAYLOAD: TypeAdapter[MismatchPayload] = TypeAdapter(MismatchPayload)
+
+
+@dataclass(frozen=True)
+class MismatchOptions:
+    """Mismatch's own options."""
+
+    rollouts: str | None = field(default=None, metadata={"help": (
+        "a rollout file to audit instead of generating rollouts: JSONL or Parquet rows of prompt_ids, response_ids and "
+        "the rollout engine's logprobs (map other names with --columns prompt_ids=COL,response_ids=COL,logprobs=COL,"
+        "id=COL)")})
+    precisions: tuple[str, ...] = field(default=("bf16", "fp32"), metadata={"help": (
+        "the trainer's precisions: bf16, fp32, fp16, bf16-fp32-head (bf16 with the LM head in fp32)")})
+    mode: str = field(default="raw", metadata={"flag": "--logprobs-mode", "help": (
+        "the distribution every side's log-probabilities are taken from: raw (log_softmax of the logits) | processed "
+        "(after temperature, top-k and top-p, as vLLM's logprobs_mode names it)")})
+    transplant_at: float = field(default=0.5, metadata={"help": (
+        "where in the response the K/V transplant happens, as a fraction of its length (0: no transplant)")})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precisions", tuple(self.precisions))
+        for p in self.precisions:
+            if p not in TRAINER_PRECISIONS:
+                raise StageReplayError(f"unknown trainer precision {p!r}", f"use {', '.join(TRAINER_PRECISIONS)}")
+        if not self.precisions:
+            raise StageReplayError("no trainer precision given", "pass --precisions bf16,fp32")
+        if self.mode not in MODES:
+            raise StageReplayError(f"unknown --logprobs-mode {self.mode!r}", f"use {' or '.join(MODES)}")
+        if not 0 <= self.transplant_at < 1:
+            raise StageReplayError(f"--transplant-at must lie in [0, 1), got {self.transplant_at}",
+                                   "pass e.g. 0.5 (half-way through the response), or 0 for none")
+
+
+class MismatchStage(StageSection):
+    """Mismatch's frozen section."""
+
+    source: str = Field(description="generated (the run's own rollouts) | file (a rollout file's)")
+    precisions: list[str] = Field(description="the trainer's precisions, each a part of every item's unit")
+    mode: str = Field(description="raw | processed: the distribution the log-probabilities are taken from")
+    transplant_at: float = Field(description="the transplant's place in the response (0: none)")
+
+
+def trainer_model(model: ModelConfig, precision: str) -> ModelConfig:
+    """The model a trainer precision loads: bf16's for bf16 with an fp32 head."""
+    return model.with_precision("bf16" if precision == "bf16-fp32-head" else precision)
+
+
+@dataclass(frozen=True)
+class MismatchParams(Params):
+    """A mismatch job: the part (the run's precision '' for the rollout and its engine's arms, else a trainer
+    precision), how to score, and for a trainer part the tokens the rollout recorded."""
+
+    precision: str
+    mode: str
+    source: str
+    transplant_at: float = 0.0
+    columns: str | None = None
+    prompt: tuple[int, ...] = ()
+    response: tuple[int, ...] = ()
+
+    @property
+    def part(self) -> str:
+        return self.precision
+
+
+def scored_arm(name: str, scored: Scored, tokens_fp: str, mode: str, start: int, precision: str,
+               engine: str = "hf", construction: str = "oneshot") -> ScoredArm:
+    logprobs = arrays.encode(scored.logprobs, "f32")
+    return ScoredArm(name=name, engine=engine, construction=construction, precision=precision, mode=mode,  # type: ignore[arg-type]  # a mode checked by the options
+                     start=start, tokens_fp=tokens_fp, logprobs=logprobs, logprobs_fp=arrays.fingerprint(logprobs),
+                     argmax=None if scored.argmax is None else arrays.encode(scored.argmax, "i32"))
+
+
+def _outcome(cont: Scored, donor: Scored, recipient: Scored) -> ScoreOutcome:
+    import numpy as np
+
+    def same(a: np.ndarray, b: np.ndarray) -> bool:
+        return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+
+    def gap(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+
+    which: Followed = ("donor" if same(cont.logprobs, donor.logprobs) else
+             "recipient" if same(cont.logprobs, recipient.logprobs) else "neither")
+    return ScoreOutcome(outcome=which, max_abs_to_donor=gap(cont.logprobs, donor.logprobs),
+                        max_abs_to_recipient=gap(cont.logprobs, recipient.logprobs))
+
+
+def transplant_at(lm: LM, prompt: list[int], response: list[int], fraction: float, decode: DecodeConfig, mode: str,
+                  tokens_fp: str) -> tuple[ScoreTransplant, list[ScoredArm]] | None:
+    """The K/V transplant at `fraction` of the response (None where fewer than two tokens would follow it)."""
+    from stagereplay.engine.scoring import incremental_cache, prefill_cache, score_from
+    from stagereplay.engine.transplant import TransplantSpec, transplant
+
+    ids = [*prompt, *response]
+    at = len(prompt) + max(1, int(fraction * len(response)))
+    if len(ids) - at < 3:
+        return None
+    length = lm.cache_len(len(prompt), DecodeConfig(max_new_tokens=len(response), max_stage1_tokens=1))
+    caches = {"incremental": incremental_cache(lm, ids[:at], len(prompt), length),
+              "prefill": prefill_cache(lm, ids[:at], len(prompt), length)}
+    own = {name: score_from(lm, cache, ids, at, len(ids), decode, mode, prompt)  # type: ignore[arg-type]
+           for name, cache in caches.items()}
+    arms = [scored_arm(f"from@{at}:{name}", s, tokens_fp, mode, at + 1, lm.config.precision, construction=name)
+            for name, s in own.items()]
+    out: dict[str, dict[str, ScoreOutcome]] = {"directions": {}, "control": {}}
+    for key, layers in (("directions", tuple(range(lm.n_layers))), ("control", ())):
+        for donor, recipient in (("prefill", "incremental"), ("incremental", "prefill")):
+            cache = transplant(caches[recipient], caches[donor], TransplantSpec(layers))
+            cont = score_from(lm, cache, ids, at, len(ids), decode, mode, prompt)  # type: ignore[arg-type]
+            name = f"{'control:' if key == 'control' else ''}{donor}->{recipient}"
+            arms.append(scored_arm(name, cont, tokens_fp, mode, at + 1, lm.config.precision, construction="transplant"))
+            out[key][f"{donor}->{recipient}"] = _outcome(cont, own[donor], own[recipient])
+            del cache
+    return ScoreTransplant(at=at, directions=out["directions"], control=out["control"]), arms
+
+
+def mismatch_item(lm: LM, job: Job[MismatchParams]) -> Payload:
+    """One item's part: the rollout and our engine's scores of it (part ''), or the trainer at one precision."""
+    from stagereplay.engine.scoring import rollout, score_incremental, score_oneshot
+
+    item, s, p = job.item, job.settings, job.params
+    dc, mode = s.decode, p.mode
+    if p.precision:  # a trainer part: one-shot at this precision, and its replica
+        prompt, response = list(p.prompt), list(p.response)
+        fp = ids_fingerprint([*prompt, *response])
+        head = "fp32" if p.precision == "bf16-fp32-head" else "model"
+        trainer = [scored_arm(name, score_oneshot(lm, prompt, response, dc, mode, head), fp, mode,  # type: ignore[arg-type]
+                              len(prompt), p.precision)
+                   for name in (f"trainer@{p.precision}", f"trainer@{p.precision}#replica")]
+        return MismatchPayload(status="ok", source=p.source, precision=p.precision, tokens_fp=fp,  # type: ignore[arg-type]
+                               arms=trainer).as_payload()
+    prompt = list(item.prompt_ids)
+    arms: list[ScoredArm] = []
+    extra: dict[str, Any] = {}
+    if p.source == "file":
+        from stagereplay.tasks.rollouts import RolloutItem, read
+
+        assert isinstance(item, RolloutItem)
+        row = read(item, p.columns)
+        response = list(row.response_ids)
+        fp = ids_fingerprint([*prompt, *response])
+        import numpy as np
+
+        arms.append(scored_arm("rollout", Scored(np.asarray(row.logprobs, dtype=np.float32), None), fp, mode,
+                               len(prompt), "file", engine="file", construction="file"))
+        extra["sampling"] = row.sampling or _sampling(dc)
+    else:
+        seed = derive_seed(dc.seed, item.id, "rollout")
+        tokens, first = rollout(lm, prompt, dc.max_new_tokens, dc, seed, mode)  # type: ignore[arg-type]
+        again, second = rollout(lm, prompt, dc.max_new_tokens, dc, seed, mode)  # type: ignore[arg-type]
+        response = tokens
+        fp = ids_fingerprint([*prompt, *response])
+        arms.append(scored_arm("rollout", first, fp, mode, len(prompt), lm.config.precision, construction="live"))
+        arms.append(scored_arm("rollout#replica", second, ids_fingerprint([*prompt, *again]), mode, len(prompt),
+                               lm.config.precision, construction="live"))
+        extra.update(stop="eos" if tokens[-1] in lm.eos else "length", sampling={**_sampling(dc), "seed": seed},
+                     replica_tokens_equal=again == tokens)
+    precision = lm.config.precision
+    arms.append(scored_arm("incremental", score_incremental(lm, prompt, response, dc, mode), fp, mode,  # type: ignore[arg-type]
+                           len(prompt), precision, construction="incremental"))
+    for name in ("prefill", "prefill#replica"):
+        arms.append(scored_arm(name, score_oneshot(lm, prompt, response, dc, mode), fp, mode, len(prompt),  # type: ignore[arg-type]
+                               precision))
+    moved = transplant_at(lm, prompt, response, p.transplant_at, dc, mode, fp) if p.transplant_at else None
+    if moved is not None:
+        extra["transplant"], more = moved
+        arms += more
+    return MismatchPayload(status="ok", source=p.source, precision="", tokens_fp=fp, prompt_ids=prompt,  # type: ignore[arg-type]
+                           response_ids=response, arms=arms, **extra).as_payload()
+
+
+def _sampling(dc: DecodeConfig) -> dict[str, float | int | bool]:
+    return {"sample": dc.sample, "temperature": dc.temperature, "top_k": dc.top_k, "top_p": dc.top_p}
+
+
+def main_records(run: Run, checkpoint: str) -> dict[str, Payload]:
+    """The part-'' records at `checkpoint`, by item id: the tokens the trainer parts score."""
+    return {r.item_id: r.payload for r in run.find(EXPERIMENT, checkpoint) if not r.part}
+
+
+class Mismatch(Experiment):
+    """Rollout vs trainer: the log-probability each side gives the same response tokens, where the gap comes from,
+    and whether the cache carries it."""
+
+    name: ClassVar[str] = EXPERIMENT
+    Stage: ClassVar[type[StageSection]] = MismatchStage
+    Options: ClassVar[type] = MismatchOptions
+    command: ClassVar[str] = "mismatch"
+    starts_run: ClassVar[bool] = True
+    uses_boundary: ClassVar[bool] = False
+    label: ClassVar[str] = "mismatch"
+
+    def data(self, data: DataConfig, options: MismatchOptions) -> DataConfig:
+        """A rollout file is the run's data (its hash bound, its location not)."""
+        if options.rollouts is None:
+            return data
+        from pathlib import Path
+
+        from stagereplay.tasks import DataConfig
+
+        if data.path is not None:
+            raise StageReplayError("--rollouts names the data; --data names other data",
+                                   "pass one of --rollouts FILE or --data FILE")
+        return DataConfig(path=str(Path(options.rollouts).resolve()), n=data.n, columns=data.columns, rollouts=True)
+
+    def check(self, model: ModelConfig, options: MismatchOptions) -> None:
+        if model.batch > 1:
+            raise StageReplayError("mismatch scores one sequence at a time in our engine",
+                                   "run it with --batch 1 (a serving engine batches its own requests)")
+        for p in options.precisions:
+            trainer_model(model, p)  # validates the name before anything runs
+
+    def identity(self, options: MismatchOptions) -> dict[str, Any]:
+        return {"source": "file" if options.rollouts else "generated", "precisions": list(options.precisions),
+                "mode": options.mode, "transplant_at": options.transplant_at}
+
+    def section(self, prepared: PreparedRun, options: MismatchOptions, run: Run) -> StageSection:
+        return MismatchStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                             source="file" if options.rollouts else "generated", precisions=list(options.precisions),
+                             mode=options.mode, transplant_at=options.transplant_at)
+
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Any:
+        """The rollouts and our engine's scores of them at the run's precision first; then, once their tokens are
+        recorded, the trainer at each precision on those tokens (a generator: each batch made when it is due)."""
+        own: MismatchStage = self.stage_of(stage)
+        columns = prepared.data.columns
+        yield Batch(prepared.model, [Job(item, prepared.settings, MismatchParams(
+            "", own.mode, own.source, own.transplant_at, columns)) for item in prepared.items])
+        ids = {item.id for item in prepared.items}
+        for p in own.precisions:
+            recorded = main_records(run, prepared.checkpoint)
+            yield Batch(trainer_model(prepared.model, p), [
+                Job(item, prepared.settings, MismatchParams(p, own.mode, own.source, prompt=tuple(r["prompt_ids"]),
+                                                            response=tuple(r["response_ids"])))
+                for item in prepared.items if item.id in ids and (r := recorded.get(item.id)) is not None])
+
+    def work(self, lm: LM, job: Job) -> Payload:
+        return mismatch_item(lm, job)
+
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
+              ) -> list[tuple[str, str]]:
+        """Every item, at the rollout's part and at each trainer precision."""
+        own: MismatchStage = self.stage_of(stage)
+        return [(i, part) for part in ("", *own.precisions) for i in config.item_ids]
+
+    def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
+        """Every arm scores the record's tokens, its fingerprints are its arrays', and the transplant's outcomes
+        follow from its continuations."""
+        p, bad = record.payload, []
+        if p.get("prompt_ids") is not None and p.get("tokens_fp") != ids_fingerprint(
+                [*p["prompt_ids"], *p.get("response_ids", [])]):
+            bad.append("tokens_fp is not the fingerprint of prompt_ids + response_ids")
+        for arm in p.get("arms", []):
+            if arm.get("logprobs_fp") != arrays.fingerprint(arm.get("logprobs", "")):
+                bad.append(f"arm {arm.get('name')}: logprobs_fp is not the fingerprint of its logprobs")
+            if arm.get("tokens_fp") != p.get("tokens_fp") and not arm.get("name", "").endswith("#replica"):
+                bad.append(f"arm {arm.get('name')}: scored other tokens than the record's")
+        moved = p.get("transplant")
+        if moved:
+            by = {a["name"]: a for a in p.get("arms", [])}
+            for key, prefix in (("directions", ""), ("control", "control:")):
+                for direction, recorded in moved[key].items():
+                    donor, _, recipient = direction.partition("->")
+                    names = (f"{prefix}{direction}", f"from@{moved['at']}:{donor}", f"from@{moved['at']}:{recipient}")
+                    if not all(n in by for n in names):
+                        bad.append(f"transplant {direction}: its arms are missing")
+                        continue
+                    cont, d, r = (Scored(arrays.decode(by[n]["logprobs"]), None) for n in names)
+                    if _outcome(cont, d, r).as_payload() != recorded:
+                        bad.append(f"transplant.{key}.{direction} does not follow from its arms")
+        return bad
+
+    def replay_job(self, replay: Replay) -> Job:
+        own: MismatchStage = self.stage_of(replay.stage)
+        part = replay.record.part
+        params = MismatchParams(part, own.mode, own.source, own.transplant_at if not part else 0.0)
+        if part:
+            main = replay.matched or {}
+            params = MismatchParams(part, own.mode, own.source, prompt=tuple(main.get("prompt_ids") or ()),
+                                    response=tuple(main.get("response_ids") or ()))
+        return Job(replay.item, replay.settings, params)
+
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        """The token counts of the forwards one unit made: prefills and single-token steps."""
+        p = record.payload
+        if not p.get("arms"):
+            return None
+        n, prompt = len(arrays.decode(p["arms"][0]["logprobs"])), int(p["arms"][0]["start"])
+        if record.part:
+            return [prompt + n - 1] * 2
+        steps = [prompt, *[1] * (n - 1)]
+        out = (steps * 2 if p.get("source") == "generated" else []) + steps + [prompt + n - 1] * 2
+        moved = p.get("transplant")
+        if moved:
+            at = moved["at"]
+            out += [prompt, *([1] * (at - prompt)), at]  # the two caches at t
+            out += [1] * (prompt + n - at - 1) * 6  # the two own and four transplanted continuations
+        return out
+
+    def peak_caches(self, stage: StageSection) -> int:
+        return 4  # the two caches at t, a transplanted one and the continuation's
+
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
+        from stagereplay.experiments.mismatch_summary import summarize_mismatch
+
+        return [summarize_mismatch(records, self.stage_of(stage), checkpoint)]
+
+    def tables(self, results: Any) -> list[Table]:
+        from stagereplay.experiments.mismatch_summary import mismatch_tables
+
+        return [t for section in results or [] for t in mismatch_tables(section)]
