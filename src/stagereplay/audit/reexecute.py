@@ -109,7 +109,7 @@ def _unit_model(record: Record, stage: StageSection) -> ModelConfig:
     """The model settings a unit re-executes under: its stage's as its engine loads ours, at the unit's precision
     where it has one."""
     model = stage_engine(stage).model(stage.model.config())
-    return model.with_precision(record.part) if experiment(record.experiment).per_precision else model
+    return experiment(record.experiment).unit_model(model, record.part)
 
 
 def input_findings(manifest: Manifest, data_hash: str, item_ids: list[str],

@@ -188,6 +188,9 @@ def claim_findings(record: Record, stage: StageSection, matched: Record | None, 
     status = p.get("status")
     if status not in STATUSES:
         bad.append(f"status {status!r} is not one of {', '.join(STATUSES)}")
+    kind = registry.experiment(record.experiment)
+    if not kind.continuations:
+        return [{"item_id": item, "what": f"{where} {b}"} for b in bad + kind.claims(record, stage, matched)]
     if status == "ok":
         if p.get("boundary") != len(p.get("prefix_ids") or []):
             bad.append("boundary is not the prefix's length")

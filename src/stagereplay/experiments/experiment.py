@@ -72,6 +72,10 @@ class Experiment(ABC):
     """Its command's name ('' : it has none): `stagereplay <command>`."""
     starts_run: ClassVar[bool] = False
     """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
+    continuations: ClassVar[bool] = True
+    """Whether its records hold the protocol's arms (continuations from boundary states, `records.payloads.Arm`:
+    a prefix, suffixes, labels and the comparisons between them), which `verify` checks alike for every such
+    experiment; otherwise its own `claims` are all there is to check."""
     uses_boundary: ClassVar[bool] = True
     """Whether a run it makes finds a stage boundary (its stage-1 rule and budget resolved before the first item)."""
     per_precision: ClassVar[bool] = False
@@ -87,9 +91,12 @@ class Experiment(ABC):
 
     # -- making its stage of a run --------------------------------------------------------------------------
 
-    def data(self, data: DataConfig, options: Any) -> DataConfig:
-        """The data a run it makes reads, from what the input group gave and its options (the items' source)."""
-        return data
+    def data(self, path: str | None, n: int | None, columns: str | None, options: Any) -> DataConfig:
+        """Where a run it makes reads its items, from what the input group gave (`--data`, `--n`, `--columns`) and
+        its options."""
+        from stagereplay.tasks import DataConfig
+
+        return DataConfig(path=path, n=n, columns=columns)
 
     def check(self, model: ModelConfig, options: Any) -> None:  # noqa: B027  # most experiments check nothing here
         """Refuse in one line, before anything loads, options it cannot run with `model`."""
@@ -170,6 +177,19 @@ class Experiment(ABC):
         """(label, summary, its disagreement counts {k, n}) of each compared pair in its results.json entry whose
         summary carries diagnostics (margins, logits, caches): the report's diagnostics table and figures."""
         return []
+
+    def unit_positions(self, record: Record) -> int:
+        """The longest sequence one recorded unit held (what its caches are sized by): its prefix and longest
+        suffix."""
+        from stagereplay.experiments.arms import record_lengths
+
+        n = record_lengths(record.payload)
+        return n.prefix + max((length for _, length in n.arms), default=n.generated)
+
+    def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
+        """The model a unit of part `part` runs on, from its stage's: at the part's precision where parts are
+        precisions."""
+        return model.with_precision(part) if self.per_precision and part else model
 
     def where(self, record: Record) -> str:
         """A unit's stage as findings name it, with the precision of a per-precision unit."""

@@ -244,20 +244,21 @@ class Mismatch(Experiment):
     command: ClassVar[str] = "mismatch"
     starts_run: ClassVar[bool] = True
     uses_boundary: ClassVar[bool] = False
+    continuations: ClassVar[bool] = False
     label: ClassVar[str] = "mismatch"
 
-    def data(self, data: DataConfig, options: MismatchOptions) -> DataConfig:
+    def data(self, path: str | None, n: int | None, columns: str | None, options: MismatchOptions) -> DataConfig:
         """A rollout file is the run's data (its hash bound, its location not)."""
-        if options.rollouts is None:
-            return data
         from pathlib import Path
 
         from stagereplay.tasks import DataConfig
 
-        if data.path is not None:
+        if options.rollouts is None:
+            return DataConfig(path=path, n=n, columns=columns)
+        if path is not None:
             raise StageReplayError("--rollouts names the data; --data names other data",
                                    "pass one of --rollouts FILE or --data FILE")
-        return DataConfig(path=str(Path(options.rollouts).resolve()), n=data.n, columns=data.columns, rollouts=True)
+        return DataConfig(path=str(Path(options.rollouts).resolve()), n=n, columns=columns, rollouts=True)
 
     def check(self, model: ModelConfig, options: MismatchOptions) -> None:
         if model.batch > 1:
@@ -289,6 +290,16 @@ class Mismatch(Experiment):
                 Job(item, prepared.settings, MismatchParams(p, own.mode, own.source, prompt=tuple(r["prompt_ids"]),
                                                             response=tuple(r["response_ids"])))
                 for item in prepared.items if item.id in ids and (r := recorded.get(item.id)) is not None])
+
+    def unit_positions(self, record: Record) -> int:
+        arms = record.payload.get("arms") or []
+        return int(arms[0]["start"]) + len(arrays.decode(arms[0]["logprobs"])) if arms else 0
+
+    def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
+        return trainer_model(model, part) if part else model
+
+    def where(self, record: Record) -> str:
+        return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
 
     def work(self, lm: LM, job: Job) -> Payload:
         return mismatch_item(lm, job)

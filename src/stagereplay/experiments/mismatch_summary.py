@@ -74,7 +74,7 @@ def _transplants(records: Sequence[Record]) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"n": len(moved), "directions": [], "control": []}
     for key in ("directions", "control"):
-        for direction in moved[0][key]:
+        for direction in sorted(moved[0][key]):
             outcomes = [m[key][direction]["outcome"] for m in moved]
             k, n = outcomes.count("donor"), len(outcomes)
             out[key].append({"direction": direction, "n": n, "follows_donor": k,

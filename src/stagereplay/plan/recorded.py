@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stagereplay.experiments.arms import record_lengths
+from stagereplay.experiments.registry import of_stage
 from stagereplay.plan.stages import StagePlan, allocate, new_stage
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 from stagereplay.records.manifest import Manifest, StageSection
@@ -36,7 +36,7 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
         if counted is None:
             continue
         row, fw, longest = counted
-        precision = r.part or stage.model.precision
+        precision = of_stage(name).unit_model(stage.model.config(), r.part).precision
         plan = plans.setdefault(row, new_stage(row, precision, stage))
         plan.add(fw, longest)
         units.setdefault(name, []).append(r)
@@ -79,7 +79,6 @@ def unit_forwards(r: Record, stage: StageSection) -> tuple[str, list[int], int] 
     """(its plan row, the forwards its item function made, its longest sequence) for one item record, from its
     measured lengths, as its experiment counts them (`Experiment.unit_forwards`); None for a unit whose lengths
     are not recorded, or whose forwards are not our engine's."""
-    from stagereplay.experiments.registry import of_stage
     from stagereplay.serving.runs import stage_engine
 
     name = f"{r.experiment}/{r.checkpoint}"
@@ -87,12 +86,12 @@ def unit_forwards(r: Record, stage: StageSection) -> tuple[str, list[int], int] 
     fw = stage_engine(stage).unit_forwards(experiment, r, stage)
     if fw is None:
         return None
-    if experiment.per_precision:
+    if r.part:
         name = f"{name}@{r.part}"
-    p, n = r.payload, record_lengths(r.payload)
+    p = r.payload
     if p.get("status") == "ok" and experiment.replays_diagnostics:
         fw = fw + replay_forwards(p)
-    return name, fw, n.prefix + max((length for _, length in n.arms), default=n.generated)
+    return name, fw, experiment.unit_positions(r)
 
 
 def replay_forwards(p: dict[str, Any]) -> list[int]:

@@ -55,10 +55,13 @@ def resolve_model(inputs: Inputs, checkpoint: str = "primary") -> ModelConfig:
                        static_len=n.static_len)
 
 
-def data_config(inputs: Inputs) -> DataConfig:
+def data_config(inputs: Inputs, experiment: Experiment | None = None, options: Any = None) -> DataConfig:
+    """Where the items come from: the input group's data, as the experiment reads it (a rollout file)."""
     data = inputs.input.data
     if data and not data.startswith(HF_PREFIX):
         data = str(Path(data).resolve())  # a file or folder; an hf: name stays as given
+    if experiment is not None:
+        return experiment.data(data or None, inputs.input.n, inputs.input.columns, options)
     return DataConfig(path=data or None, n=inputs.input.n, columns=inputs.input.columns)
 
 
@@ -82,7 +85,7 @@ def prepare(command: str, inputs: Inputs, experiment: Experiment, options: Any, 
     determinism = set_determinism(model.threads, model.device)
     config, tokenizer = load_config_and_tokenizer(model.path)
     context = model_context(config)
-    data = experiment.data(data_config(inputs), options)
+    data = data_config(inputs, experiment, options)
     items, data_hash = load_items(data, tokenizer, context)
     for item in items:
         check_prompt(item, context)  # a prompt that does not fit fails here, not in a worker
