@@ -21,6 +21,7 @@ RSS sampled every 50 ms; memory should follow the rollouts scored at once, not t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -80,10 +81,8 @@ def _peak(cmd: list[str]) -> tuple[float, float]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = 0.0
     while proc.poll() is None:
-        try:
+        with contextlib.suppress(OSError):  # the process may end between poll and read
             peak = max(peak, rss_mib_of(proc.pid))
-        except OSError:
-            pass
         time.sleep(0.05)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.read() if proc.stderr else ''}")
