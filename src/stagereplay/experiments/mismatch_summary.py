@@ -164,3 +164,35 @@ def mismatch_tables(section: dict[str, Any]) -> list[Table]:
                             as_rows(trows), "A continuation follows a side when its log-probabilities are that side's "
                                             "own continuation's, bit for bit."))
     return tables
+
+
+# -- the figure --------------------------------------------------------------------------------------------------
+
+
+def ratio_figure(section: dict[str, Any]) -> Any:
+    """The total row's per-token ratio pi_trainer / pi_rollout on a log axis against the position in the response,
+    with the 2x and 5x bands RL frameworks clip at (left), and its distribution (right). matplotlib through the Agg
+    canvas only (never pyplot), imported here so that nothing else pays for it."""
+    from matplotlib.figure import Figure
+
+    points = section["figure"]
+    ratio = np.exp(np.asarray(points["log_ratio"], dtype=np.float64))
+    fig = Figure(figsize=(9.0, 3.2), layout="constrained")
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    left.scatter(points["position"], ratio, s=4, alpha=0.5, color="#2b6cb0", linewidths=0)
+    for band, style in ((2.0, "--"), (5.0, ":")):
+        for y in (band, 1 / band):
+            left.axhline(y, color="#718096", linestyle=style, linewidth=0.8)
+    left.axhline(1.0, color="#1a202c", linewidth=0.6)
+    left.set_yscale("log")
+    left.set_xlabel("position in the response")
+    left.set_ylabel("pi_trainer / pi_rollout")
+    trainer = next((p["b"] for p in section["pairs"] if p["row"] == "total"), "trainer")
+    left.set_title(f"{section['checkpoint']}: rollout vs {trainer}", fontsize=9)
+    nonzero = np.abs(np.log10(ratio[ratio != 1.0])) if ratio.size else np.zeros(0)
+    right.hist(np.log10(ratio) if ratio.size else [], bins=60, color="#2b6cb0")
+    right.set_xlabel("log10 ratio")
+    right.set_ylabel("tokens")
+    right.set_title(f"{int((ratio == 1.0).sum())} of {ratio.size} sampled tokens at exactly 1"
+                    + (f"; max |log10| {nonzero.max():.2g}" if nonzero.size else ""), fontsize=9)
+    return fig
