@@ -20,6 +20,10 @@ from scipy.stats import binomtest, bootstrap, false_discovery_control
 # Resamples are evaluated in blocks so memory stays bounded (block x n int64 indices) for large item counts;
 # scipy draws the blocks from one stream, so the block size does not change the interval.
 _BOOTSTRAP_BLOCK = 2_000
+_BOOTSTRAP_CELLS = 2_000_000
+"""Resamples are drawn `_BOOTSTRAP_BLOCK` at a time, fewer where that many of n items would pass this many cells (16 MB
+of float64 per array): memory stays flat in the number of items; up to 1,000 items the blocks, and so the draws, are
+the same as ever."""
 
 
 def _check_confidence(confidence: float) -> None:
@@ -89,7 +93,7 @@ def paired_bootstrap_ci(
         vectorized=True,
         method="percentile",
         n_resamples=n_resamples,
-        batch=_BOOTSTRAP_BLOCK,
+        batch=max(1, min(_BOOTSTRAP_BLOCK, _BOOTSTRAP_CELLS // n)),
         confidence_level=confidence,
         rng=np.random.default_rng(seed),
     )
