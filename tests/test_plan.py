@@ -98,6 +98,64 @@ def test_plan_of_a_run_counts_exactly_the_forwards_it_made(counted_run):
     assert sum(full.values()) > sum(sizes.values())
 
 
+def test_the_plan_before_a_run_has_the_stages_the_run_made(counted_run):
+    """`paper` runs its steps and `plan` prices the same steps (`experiments.paper.paper_steps`): given the run's own
+    divergence, the plan made before it has the run's stages, in the run's order, with as many units each."""
+    from stagereplay.plan.paper import plan_paper
+    from stagereplay.plan.stages import PlanConfig, model_shape
+    from stagereplay.records.ledger import read_manifest
+    from stagereplay.runs import PaperConfig
+
+    out, _ = counted_run
+    results = json.loads((out / "results.json").read_text())
+    assert all(m["n_no_boundary"] == 0 for m in results["matched"])  # every item reaches the boundary After(16)
+    divergent = results["matched"][0]["suffix_disagreements"]["k"]
+    prompts = [len(r.payload["prompt_ids"]) for r in items(read_ledger(out))
+               if r.experiment == "matched" and r.checkpoint == "primary"]
+    cfg = PlanConfig(n=4, divergent=divergent, protocol=PaperConfig(resample=2, resample_items=2), later=True)
+    planned = plan_paper(cfg, model_shape(read_manifest(out).config.model.path), prompts, 16)
+    made = plan_run(out, audited=False)
+    assert [(s.name, s.units) for s in planned if s.units and not s.name.startswith(("audit@", "proof@"))] == [
+        (s.name, s.units) for s in made]
+
+
+class Scored:
+    """A step `paper` does not take: what `plan` asks of its experiment (its rows at fp32: each item's prompt, then a
+    step per suffix token, on its first `options` items)."""
+
+    name = "scored"
+
+    def planned_stage(self, options):
+        return None
+
+    def peak_caches(self, stage):
+        return 2
+
+    def planned_forwards(self, assumed, options):
+        return {"fp32": [(u, [u.prompt, *[1] * u.suffix]) for u in assumed.items[:options]]}
+
+
+def test_a_step_of_paper_is_a_row_its_experiment_prices(monkeypatch):
+    """The plan names no experiment: a step added to `paper` is a row priced by its own experiment, and the audit
+    re-executes its units too; every other row stays as it was."""
+    from stagereplay.experiments.paper import Step, paper_steps
+    from stagereplay.plan import paper as plan_module
+    from stagereplay.plan.stages import PlanConfig, Shape
+
+    shape = Shape(layers=2, kv_heads=1, head_dim=8, params=1000, context=4096)
+    cfg = PlanConfig(n=3, suffix_tokens=5, later=False)
+    before = {s.name: s for s in plan_module.plan_paper(cfg, shape, [10, 11, 12], 20)}
+    monkeypatch.setattr(plan_module, "paper_steps",
+                        lambda protocol, later: [*paper_steps(protocol, later), Step(Scored(), 2)])
+    after = {s.name: s for s in plan_module.plan_paper(cfg, shape, [10, 11, 12], 20)}
+    assert "scored/primary@fp32" not in before
+    row = after.pop("scored/primary@fp32")
+    assert (row.units, row.caches, row.precision, row.sizes) == (2, 2, "fp32", Counter({10: 1, 11: 1, 1: 10}))
+    audit = after.pop("audit@fp32")
+    assert audit.units == before.pop("audit@fp32").units + 2
+    assert after == before
+
+
 def test_negative_control_the_count_misses_a_carried_arm_decoded_in_full(counted_run):
     """Were the 2x2's carried-over arms decoded in full (no dedup), the count would not be the run's."""
     out, sizes = counted_run
@@ -406,6 +464,28 @@ def test_paper_command_and_plan_share_the_audit_sample_default():
     command = get_command(app).get_command(None, "paper")
     assert next(p.default for p in command.params if "--audit-sample" in p.opts) == paper.AUDIT_SAMPLE
     assert paper.PaperConfig().audit_sample == paper.AUDIT_SAMPLE
+
+
+def test_plan_takes_papers_options_with_papers_defaults():
+    """`plan` prices what `paper` would run: every option of `paper`'s protocol and of the inputs a plan reads is
+    one of `plan`'s, with `paper`'s default (the audit's sample aside: `plan` counts paper's unless told, or what
+    RUN's audit did)."""
+    from typer.main import get_command
+
+    from stagereplay.cli import app
+    from stagereplay.cli.groups import flags_of
+    from stagereplay.runs import PaperConfig
+
+    def defaults(name):
+        command = get_command(app).get_command(None, name)
+        return {o: p.default for p in command.params for o in [*p.opts, *getattr(p, "secondary_opts", [])]}
+
+    paper, plan = defaults("paper"), defaults("plan")
+    shared = [f.split("/")[0] for f in flags_of(PaperConfig) if f != "--audit-sample"]
+    shared += ["--model", "--data", "--n", "--max-new-tokens", "--max-stage1-tokens", "--device", "--threads",
+               "--cache", "--kernels", "--workers"]
+    assert {f: plan.get(f, "missing") for f in shared} == {f: paper[f] for f in shared}
+    assert plan["--batch"] == 1 and paper["--batch"] == 0  # paper's 0 is "auto"; a plan prices a given C
 
 
 def test_paper_on_a_gpu_batches_as_many_items_as_their_caches_fit_beside_the_weights(monkeypatch):

@@ -238,6 +238,93 @@ def test_verdict_gives_each_answer_its_number() -> None:
     assert dict(verdict(results))["Is replay faithful in fp32?"].startswith("not measured")
 
 
+class Ratios:
+    """An experiment registered after the protocol's, as a module outside the report would declare it: per-token
+    ratios of two scorings, with a verdict question of its own, a fact for the bf16 question, a figure of its own
+    and a series on the first-divergence figure. Only what the report asks of it is here."""
+
+    name = "ratios"
+
+    def __init__(self) -> None:
+        from stagereplay.experiments.verdict import Question
+
+        self.question = Question("ratios near one", "Are the per-token ratios near one?",
+                               lambda facts: "; ".join(f.phrase for f in facts) + ".",
+                               "not measured (run the ratios experiment).")
+
+    def tables(self, results: Any) -> list:
+        return []
+
+    def diagnosed(self, results: Any) -> list:
+        return []
+
+    def verdict_facts(self, results: Any) -> list:
+        from stagereplay.experiments.verdict import Fact, faithful
+
+        if not results:
+            return []
+        return [Fact(faithful("bf16"), "rollout vs trainer", holds=True, k=0, n=results["n"]),
+                Fact(self.question, f"{results['near']}/{results['n']} within [1/2, 2]")]
+
+    def verdict_questions(self, results: Any) -> list:
+        return [self.question] if results else []
+
+    def figures(self, results: Any) -> list:
+        from stagereplay.experiments.figures import ReportFigure, diagonal_panels, png
+
+        if not results:
+            return []
+        chart = diagonal_panels([("primary", [0.1, 0.5], [0.2, 0.4], "trainer", "rollout")])
+        return [ReportFigure("fig-ratios", "Per-token ratios", "rollout against trainer", png(chart))]
+
+    def series(self, results: Any) -> dict:
+        from stagereplay.experiments.figures import DIVERGENCE
+
+        return {DIVERGENCE: [("ratios primary", [2, 3], results["n"])]} if results else {}
+
+
+@pytest.fixture
+def ratios():
+    from stagereplay.experiments import registry
+
+    registry.register(Ratios())
+    yield
+    registry.unregister("ratios")
+
+
+def _with_ratios() -> dict[str, Any]:
+    return {**_results(), "ratios": {"n": 5, "near": 4}}
+
+
+def _verdict_and_figures(results: dict[str, Any]) -> tuple[list[tuple[str, str]], dict[str, bytes]]:
+    from stagereplay.report.figures import build_figures
+    from stagereplay.report.verdict import verdict
+
+    return verdict(results), {f.id: f.png for f in build_figures(results)}
+
+
+def test_a_registered_experiment_adds_its_verdict_lines_and_figures(ratios) -> None:
+    """The report asks every registered experiment: a new one's question is asked after the protocol's, its fact joins
+    the question it answers, its figure follows theirs and its series is drawn on the shared figure."""
+    before, drawn = _verdict_and_figures(_results())
+    after, figures = _verdict_and_figures(_with_ratios())
+    assert [q for q, _ in after] == [q for q, _ in before] + ["Are the per-token ratios near one?"]
+    assert dict(after)["Are the per-token ratios near one?"] == "4/5 within [1/2, 2]."
+    bf16 = dict(after)["Is replay faithful in bf16?"]
+    upper = f"{100 * wilson_interval(0, 5)[1]:.2f}%"
+    assert bf16 == dict(before)["Is replay faithful in bf16?"][:-1] + (
+        f"; 0/5 (0.0%) suffixes differ, rollout vs trainer (Wilson 95% upper bound {upper}).")
+    assert list(figures) == [*drawn, "fig-ratios"]
+    assert figures["fig-divergence"] != drawn["fig-divergence"]  # its series drawn beside matched's and the 2x2's
+    assert all(figures[i] == drawn[i] for i in drawn if i != "fig-divergence")
+
+
+def test_an_unregistered_experiments_section_says_nothing() -> None:
+    """Negative control: the same results without the experiment registered give the protocol's verdict and figures
+    alone, byte for byte."""
+    assert _verdict_and_figures(_with_ratios()) == _verdict_and_figures(_results())
+
+
 # --- write_report --------------------------------------------------------------------------------
 
 

@@ -132,6 +132,7 @@ def test_a_graph_run_allocates_one_length_for_every_item_and_plan_prices_its_pro
     assert shared_static_len(model(device="cuda", static_len=300), dc, items, 512).static_len == 300
     assert shared_static_len(model(device="cuda", precision="fp32-compute"), dc, items, 512).static_len is None
 
-    rows = proof_stages(PlanConfig(cache="static", device="cuda", precisions=("bf16",), later=False), 20, 100, 4096)
+    bf16 = {("primary", "bf16")}
+    rows = proof_stages(PlanConfig(cache="static", device="cuda", later=False), 20, 100, 4096, bf16)
     assert [r.name for r in rows] == ["proof@bf16"] and max(r.positions for r in rows) <= 100
-    assert proof_stages(PlanConfig(cache="static", device="cpu", later=False), 20, 100, 4096) == []
+    assert proof_stages(PlanConfig(cache="static", device="cpu", later=False), 20, 100, 4096, bf16) == []

@@ -19,7 +19,7 @@ from stagereplay.engine.lm import LM, NoBoundary
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import arm_record, compare, no_boundary, record_lengths
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
 from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, yes_no
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import fixed_prefixes, matched_ok
@@ -199,9 +199,12 @@ class Bridge(Experiment):
     def peak_caches(self, stage: StageSection) -> int:
         return 3  # live's, incremental's, and a continuation's
 
+    def planned_forwards(self, assumed: Assumed, options: BridgeOptions) -> Planned:
+        """Its first `rows` items (live and incremental are assumed not to diverge: nothing replayed)."""
+        return {"": [(u, forwards(u)) for u in assumed.items[: options.rows]]}
+
     def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
         return [summarize_bridge(records, checkpoint)]
 
     def tables(self, results: Any) -> list[Table]:
         return bridge_tables(results) if results else []
-

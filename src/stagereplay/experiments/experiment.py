@@ -14,8 +14,14 @@ An experiment declares
     replay_job(replay)       the job that re-executes one recorded unit (`audit`)
     unit_forwards(...)       the forwards a recorded unit made (`plan`), and `peak_caches` the most K/V caches an
                              item holds at once
+    planned_forwards(...)    the forwards its stage would make on lengths a plan assumes (`Assumed`), and
+                             `planned_stage` its section as a plan sees it before the run
     summarize(...)           its section(s) of results.json, from its records
     tables(sections)         the report's tables of those sections
+    verdict_facts(sections)  what those sections say to the verdict's questions (`experiments.verdict`), and
+                             `verdict_questions` the questions they raise
+    figures(sections)        the report's figures of those sections, and `series` its series on figures it shares
+                             with other experiments (`experiments.figures`)
 
 and `run(run, prepared, options)` makes its stage of a run the same way for every experiment and engine: the engine
 of the prepared run (`experiments.prepared.RunEngine`: ours, or a serving engine) gives the section, the batches and
@@ -33,12 +39,15 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from stagereplay.engine.forwards import Lengths, continuation_forwards
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import Work
 from stagereplay.execution.executors import run_jobs
+from stagereplay.experiments.figures import ReportFigure, SharedFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Batch, Job, Replay, with_environment
 from stagereplay.experiments.prepared import PreparedRun
+from stagereplay.experiments.verdict import Fact, Question
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import RunConfig, StageSection
 from stagereplay.records.payloads import Payload
@@ -48,15 +57,44 @@ if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
     from stagereplay.tasks import DataConfig
 
-__all__ = ["Batch", "Experiment", "NoOptions", "Replay", "Section", "append_jobs"]
+__all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "Section", "append_jobs"]
 
 Section = dict[str, Any]
 """One section of results.json: what an experiment's summary says of one stage (or one arm or precision of it)."""
 
 
+Planned = dict[str, list[tuple[Lengths, list[int]]]]
+"""The forwards a stage would make, per part of its units ('' or a precision), unit by unit: (its assumed lengths,
+the token count of each forward)."""
+
+
 @dataclass(frozen=True)
 class NoOptions:
     """An experiment without options of its own."""
+
+
+@dataclass(frozen=True)
+class Assumed:
+    """What a plan assumes of a run before it runs (`plan.paper`): each item's lengths, the items that diverge, and
+    what the stage that starts the run makes, from which later stages carry arms over."""
+
+    items: tuple[Lengths, ...]
+    """Per item: its prompt, stage 1 and every suffix."""
+    divergent: int
+    """The first `divergent` items' live and fresh suffixes differ (they are transplanted, their pairs replayed)."""
+    dedup: bool
+    """Whether a stage carries over the arms the matched stage decoded, rather than decoding them again."""
+    layers: int
+    """The model's layers (a transplant's layer sweep)."""
+    precision: str = "bf16"
+    """The run's precision: a stage's part at it may carry arms over."""
+    construction: str = "oneshot"
+    """The matched stage's fresh construction (`paper`'s: oneshot): the arm later stages carry over."""
+
+    def replay(self, i: int) -> list[int]:
+        """The diagnostics decode the first-run arm of a divergent pair again to its first divergent step d (d + 1
+        steps, d < the suffix): a bound of one suffix per divergent item (`plan.recorded.replay_forwards`)."""
+        return continuation_forwards(self.items[i].suffix) if i < self.divergent else []
 
 
 class Experiment(ABC):
@@ -169,9 +207,41 @@ class Experiment(ABC):
     def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
         """Its sections of results.json from one stage's records (one, or one per arm or precision)."""
 
+    def planned_stage(self, options: Any) -> StageSection:
+        """Its section as a plan sees it before the run: what `peak_caches` reads, from its options (no model,
+        settings or selection yet)."""
+        return self.unmade_stage({})
+
+    def unmade_stage(self, fields: dict[str, Any]) -> StageSection:
+        """A section of its stage with only `fields` set, unvalidated: what a plan reads of a stage not yet made."""
+        return self.Stage.model_construct(**fields)
+
+    def planned_forwards(self, assumed: Assumed, options: Any) -> Planned:
+        """The forwards its stage would make with `options` on the lengths a plan assumes: its own `forwards(...)`
+        of each unit it would run (`Planned`)."""
+        raise NotImplementedError(f"{self.name} prices no assumed run (it is no stage of `paper`)")
+
     @abstractmethod
     def tables(self, results: Any) -> list[Table]:
         """The report's tables of its results.json entry (a list of sections if `many`, else one)."""
+
+    def verdict_facts(self, results: Any) -> list[Fact]:
+        """What its results.json entry says to the verdict's questions (`experiments.verdict`), in its order."""
+        return []
+
+    def verdict_questions(self, results: Any) -> list[Question]:
+        """The questions its results.json entry raises, asked whether or not any experiment answers them: by default
+        those its facts answer."""
+        return list(dict.fromkeys(f.question for f in self.verdict_facts(results)))
+
+    def figures(self, results: Any) -> list[ReportFigure]:
+        """The report's figures of its results.json entry; an entry that is null or empty draws none."""
+        return []
+
+    def series(self, results: Any) -> dict[SharedFigure, list[Any]]:
+        """Its series on the figures it draws with other experiments (`experiments.figures.SharedFigure`), from its
+        results.json entry: none where it has nothing to draw."""
+        return {}
 
     def diagnosed(self, results: Any) -> list[tuple[str, Section, dict[str, int]]]:
         """(label, summary, its disagreement counts {k, n}) of each compared pair in its results.json entry whose

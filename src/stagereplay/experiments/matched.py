@@ -30,10 +30,23 @@ from stagereplay.experiments.arms import (
 )
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.diagnostics_summary import summarize_pair
-from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
+from stagereplay.experiments.figures import DIVERGENCE, SharedFigure, Strip
 from stagereplay.experiments.format import NA, Table, as_rows, count_of, k_of_n, p_value, pct, points
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.stats import mcnemar_exact, paired_bootstrap_ci
+from stagereplay.experiments.verdict import (
+    CARRIES,
+    FIRST_STEP,
+    MARGINS,
+    REPLICAS,
+    Fact,
+    Question,
+    faithful,
+    items,
+    logit,
+    median_of,
+)
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, Payload
@@ -405,6 +418,38 @@ def _spread(values: list[Any]) -> str:
     return str(known[0]) if known[0] == known[-1] else f"{known[0]}-{known[-1]}"
 
 
+def matched_facts(matched: list[dict[str, Any]]) -> list[Fact]:
+    """Per section: its replicas, its suffix disagreements at its precision, and where it recorded diagnostics the
+    margins at the first divergent token and the first step's logit difference."""
+    facts = []
+    for m in matched:
+        arms, exact = [], True
+        for arm, kn in m["replica_exact"].items():
+            if kn is None:  # an arm without replicas (a server's under-load arms)
+                continue
+            exact &= kn["k"] == kn["n"]
+            arms.append(f"{arm} {kn['k']}/{kn['n']}")
+        facts.append(Fact(REPLICAS, f"{m['checkpoint']} " + ", ".join(arms), holds=exact,
+                          caveat="caches where the engine exposes them" if m.get("engine") else ""))
+    for m in matched:
+        d = m["suffix_disagreements"]
+        facts.append(Fact(faithful(m["precision"]), f"live vs {m['construction']} ({m['checkpoint']})",
+                          holds=d["k"] == 0, k=d["k"], n=d["n"]))
+    for m in matched:
+        mg = m.get("margins")
+        if not mg or not mg.get("steps") or not mg["at_divergence"]["n"]:
+            continue
+        at, steps = mg["at_divergence"], mg["steps"]
+        facts.append(Fact(MARGINS, (
+            f"{m['checkpoint']} @ {m['precision']}: median top-1/top-2 logit margin {logit(at['median'])} at the first "
+            f"divergent token ({items(at['n'])}, {mg['arm']} arm) against {logit(steps['median'])} over all "
+            f"{steps['n']} steps")))
+    for m in matched:
+        value = median_of(m.get("first_step_logit_maxabs"))
+        if value is not None:
+            facts.append(Fact(FIRST_STEP, f"{logit(value)} live vs {m['construction']} @ {m['precision']} "
+                                          f"({m['checkpoint']})"))
+    return facts
 
 
 class Matched(Experiment):
@@ -488,3 +533,30 @@ class Matched(Experiment):
     def diagnosed(self, results: Any) -> list[tuple[str, Section, dict[str, int]]]:
         return [(f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}", m, m["suffix_disagreements"])
                 for m in results or [] if m.get("margins") is not None]
+
+    def planned_stage(self, options: MatchedOptions) -> StageSection:
+        cs = constructions(options.construction)
+        return self.unmade_stage({"construction": cs[0], "arms": list(cs) if len(cs) > 1 else None})
+
+    def planned_forwards(self, assumed: Assumed, options: MatchedOptions) -> Planned:
+        """Every item, its divergent pair's first-run arm replayed by the diagnostics."""
+        return {"": [(u, forwards(u, options.construction) + assumed.replay(i)) for i, u in enumerate(assumed.items)]}
+
+    def verdict_facts(self, results: Any) -> list[Fact]:
+        return matched_facts(results or [])
+
+    def verdict_questions(self, results: Any) -> list[Question]:
+        """Its replicas and its faithfulness at its precision, and what its divergence asks next: is it faithful in
+        fp32, and does the cache carry the divergence (the 2x2 and the transplant answer). Its facts at another
+        precision answer no question of their own."""
+        if not results:
+            return []
+        raised = [REPLICAS, faithful(results[0]["precision"]), faithful("fp32"), CARRIES]
+        return raised + [q for q in (MARGINS, FIRST_STEP) if any(f.question == q for f in self.verdict_facts(results))]
+
+    def series(self, results: Any) -> dict[SharedFigure, list[Any]]:
+        """Each section's pair on the first-divergence figure."""
+        strips: list[Strip] = [(f"matched {m['checkpoint']}: live vs {m['construction']} @ {m['precision']}",
+                                list(m.get("first_divergence") or []), int(m["suffix_disagreements"]["n"]))
+                               for m in results or []]
+        return {DIVERGENCE: strips} if strips else {}

@@ -23,7 +23,8 @@ from stagereplay.experiments.arms import (
 )
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.diagnostics_summary import summarize_pair
-from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
+from stagereplay.experiments.figures import DIVERGENCE, SharedFigure, Strip
 from stagereplay.experiments.format import NA, Table, as_rows, interval, k_of_n, pct, wilson_or_given
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings
 from stagereplay.experiments.matched import (
@@ -37,6 +38,7 @@ from stagereplay.experiments.matched import (
     matched_stage,
 )
 from stagereplay.experiments.stats import first_divergence, wilson_interval
+from stagereplay.experiments.verdict import FIRST_STEP, Fact, Question, faithful, logit, median_of
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, Payload
@@ -286,6 +288,36 @@ def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
     ]
 
 
+def grid_facts(grid: dict[str, Any]) -> list[Fact]:
+    """Per precision: the first pair's suffix disagreements, and the first step's logit difference where recorded."""
+    rows = grid.get("disagreements") or []
+    if not rows:
+        return []
+    a, b = [*grid["constructions"], "?", "?"][:2]
+    facts = [Fact(faithful(d["precision"]), f"fixed-prefix {a} vs {b}", holds=d["k"] == 0, k=d["k"], n=d["n"])
+             for d in rows]
+    for d in rows:
+        value = median_of(d.get("first_step_logit_maxabs"))
+        if value is not None:
+            facts.append(Fact(FIRST_STEP, f"{logit(value)} fixed-prefix @ {d['precision']}"))
+    return facts
+
+
+def planned_grid(assumed: Assumed, constructions: tuple[str, ...], precision: str) -> list[tuple[Lengths, list[int]]]:
+    """Every item at `precision`. At the run's precision the matched arms are carried over (`reused_arms`): each
+    decoded only to the first divergence, at most all of it where the arms diverge, its first step where they do not;
+    a pair is replayed by the diagnostics only where one of its arms is decoded in full (at another precision the
+    arms are assumed not to diverge)."""
+    at_run = precision == assumed.precision
+    carried = [c for c in constructions if assumed.dedup and at_run and c in (assumed.construction, *CARRIED_FROM)]
+    pairs = sum(1 for i, a in enumerate(constructions) for b in constructions[i + 1 :]
+                if not (a in carried and b in carried))
+    return [(u, forwards(replace(u, looks=tuple((c, u.suffix if i < assumed.divergent else 1) for c in carried)),
+                         constructions, precision)
+             + (assumed.replay(i) * pairs if at_run else []))
+            for i, u in enumerate(assumed.items)]
+
+
 def grid_lengths(payload: dict[str, Any]) -> Lengths:
     """A 2x2 record's lengths, with the steps each arm it carried over from matched was decoded again for its
     diagnostics (`diagnostic_steps`: against every other arm's suffix, as `grid_item` runs it)."""
@@ -369,3 +401,28 @@ class PrecisionGrid(Experiment):
         return [(f"2x2 {results['checkpoint']}: {a} vs {b} @ {d['precision']}", d, d)
                 for d in results.get("disagreements") or [] if d.get("margins") is not None]
 
+    def planned_stage(self, options: GridOptions) -> StageSection:
+        return self.unmade_stage({"constructions": list(options.constructions or DEFAULT_CONSTRUCTIONS),
+                                  "precisions": list(options.precisions)})
+
+    def planned_forwards(self, assumed: Assumed, options: GridOptions) -> Planned:
+        cs = tuple(options.constructions or DEFAULT_CONSTRUCTIONS)
+        return {p: planned_grid(assumed, cs, p) for p in options.precisions}
+
+    def verdict_facts(self, results: Any) -> list[Fact]:
+        return grid_facts(results) if results else []
+
+    def verdict_questions(self, results: Any) -> list[Question]:
+        """None of its precisions: its rows answer the faithfulness questions the run asks (matched's), a 2x2 at
+        fp16 says nothing of a run at bf16; only its first-step logits raise their question."""
+        return [FIRST_STEP] if any(f.question == FIRST_STEP for f in self.verdict_facts(results)) else []
+
+    def series(self, results: Any) -> dict[SharedFigure, list[Any]]:
+        """Each precision's first pair on the first-divergence figure."""
+        if not results:
+            return {}
+        a, b = [*(results.get("constructions") or []), "incremental", "oneshot"][:2]
+        strips: list[Strip] = [(f"2x2 {results['checkpoint']}: {a} vs {b} @ {d['precision']}",
+                                list(d.get("first_divergence") or []), int(d["n"]))
+                               for d in results.get("disagreements") or []]
+        return {DIVERGENCE: strips} if strips else {}

@@ -34,7 +34,8 @@ from stagereplay.engine.lm import LM, BoundaryState, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import record_lengths
-from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
+from stagereplay.experiments.figures import ReportFigure, diagonal_panels, png
 from stagereplay.experiments.format import NA, Table, k_of_n, points
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import fixed_prefixes
@@ -333,6 +334,21 @@ def resample_tables(entries: list[dict[str, Any]]) -> list[Table]:
     ]
 
 
+def resample_figures(entries: list[dict[str, Any]]) -> list[ReportFigure]:
+    """Per item, TV(live, fresh) against TV(live, live), one panel per precision: points above the diagonal move the
+    distribution."""
+    if not entries:
+        return []
+    panels = [(_resample_where(e), e["independent"]["tv_null"], e["independent"]["tv_fresh"], "TV live vs live (null)",
+               f"TV live vs {e['construction']}") for e in entries]
+    return [ReportFigure(
+        "fig-resample", "Resample: per-item answer distributions",
+        "Per item, total-variation distance between the answer distributions of live draws and fresh draws (y) "
+        "against that of live draws and more live draws (x: the null, sampling noise alone). Points on the diagonal: "
+        "replay keeps the distribution as well as live does itself.",
+        png(diagonal_panels(panels)), after=("table-resample-independent",))]
+
+
 class Resample(Experiment):
     """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
 
@@ -385,6 +401,17 @@ class Resample(Experiment):
 
     def peak_caches(self, stage: StageSection) -> int:
         return 4  # live's, its replica's and the fresh state, and a draw's continuation
+
+    def planned_forwards(self, assumed: Assumed, options: ResampleConfig) -> Planned:
+        """Its first `n` items at each precision, live generation standing in for live at the run's precision and
+        `incremental` at another (`resample_params`)."""
+        return {p: [(u, forwards(u, options.k, options.construction,
+                                 "live" if p == assumed.precision else "incremental"))
+                    for u in assumed.items[: options.n]]
+                for p in options.precisions or (assumed.precision,)}
+
+    def figures(self, results: Any) -> list[ReportFigure]:
+        return resample_figures(results or [])
 
     def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
         return summarize_resample(records, self.stage_of(stage), checkpoint)

@@ -18,13 +18,15 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms, record_lengths
-from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
+from stagereplay.experiments.figures import BLUE, GREY, ORANGE, ReportFigure, png, share_bars, share_heatmap
 from stagereplay.experiments.format import NA, Table, as_rows, bound, k_of_n, slug, wilson_or_given
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.experiments.matched import MatchedStage, matched_records, matched_stage
 from stagereplay.experiments.selection import divergent_ids, divergent_items, parse_selection, select
 from stagereplay.experiments.stats import first_divergence, wilson_interval
+from stagereplay.experiments.verdict import CARRIES, Fact
 from stagereplay.records.ledger import Record, Run, diff_fields
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import (
@@ -382,6 +384,60 @@ def _layers(layers: list[int] | None, n_layers: Any) -> str:
     return f"layers {span} ({len(layers)} of {n_layers})"
 
 
+def transplant_facts(transplants: list[dict[str, Any]]) -> list[Fact]:
+    """Per checkpoint and direction with items: how many continuations followed the donor; then the zero-layer
+    control's (how many followed the recipient), the negative control."""
+    facts = [Fact(CARRIES, f"{t['checkpoint']} {d['direction']}", holds=d["follows_donor"] == d["n"],
+                  k=d["follows_donor"], n=d["n"]) for t in transplants for d in t.get("directions") or [] if d["n"]]
+    return facts + [Fact(CARRIES, f"{t['checkpoint']} {d['direction']} control", k=d["follows_recipient"], n=d["n"],
+                         control=True)
+                    for t in transplants for d in (t.get("control") or {}).get("directions") or [] if d["n"]]
+
+
+OUTCOMES = {"follows_donor": (BLUE, "follows donor"), "follows_recipient": (ORANGE, "follows recipient"),
+            "neither": (GREY, "neither")}
+"""Each outcome's colour and legend, in the order the bars stack them."""
+
+
+def transplant_figures(transplants: list[dict[str, Any]]) -> list[ReportFigure]:
+    """The outcome shares of every checkpoint and direction (controls included), then each checkpoint's sweep."""
+    import numpy as np
+
+    transplants = [t for t in transplants if t.get("directions")]
+    if not transplants:
+        return []
+    bars = [(f"{t['checkpoint']}: {d['direction']}{suffix} (n={d['n']})", d, d["n"]) for t in transplants
+            for suffix, rows in (("", t["directions"]), (" control", (t.get("control") or {}).get("directions") or []))
+            for d in rows]
+    figures = [ReportFigure(
+        "fig-transplant", "Transplant outcomes",
+        "Share of transplanted continuations that follow the cache donor, the recipient, or neither, per checkpoint "
+        "and direction (donor->recipient); control rows move no layers.",
+        png(share_bars(bars, OUTCOMES, "share of transplanted continuations")), after=("table-transplant-",))]
+    for t in transplants:
+        sweep = t.get("sweep") or {}
+        if not sweep.get("rows"):
+            continue
+        ckpt = str(t["checkpoint"])
+        bands = list(dict.fromkeys((r["kind"], r["band"]) for r in sweep["rows"]))
+        directions = list(dict.fromkeys(r["direction"] for r in sweep["rows"]))
+        share = np.full((len(bands), len(directions)), np.nan)  # (bands, directions)
+        counts: dict[tuple[int, int], str] = {}
+        for r in sweep["rows"]:
+            i, j = bands.index((r["kind"], r["band"])), directions.index(r["direction"])
+            share[i, j] = r["follows_donor"] / r["n"] if r["n"] else np.nan
+            counts[i, j] = f"{r['follows_donor']}/{r['n']}"
+        title = f"{ckpt}: K/V layers transplanted ({sweep.get('n_layers', '?')} layers)"
+        figures.append(ReportFigure(
+            f"fig-sweep-{slug(ckpt)}", f"Layer sweep ({ckpt})",
+            "Fraction of continuations that follow the donor when only the listed layers' K/V are transplanted: "
+            "single layers, bands growing from the bottom, bands growing from the top.",
+            png(share_heatmap(share, counts, [f"{kind} {band}" for kind, band in bands], directions, title,
+                              "share following donor")),
+            after=(f"table-sweep-{slug(ckpt)}",)))
+    return figures
+
+
 class TransplantStage(StageSection):
     """The transplant's frozen section: what is swapped, the rule, and the items it picked, frozen before any
     outcome exists."""
@@ -461,6 +517,21 @@ class Transplant(Experiment):
 
     def peak_caches(self, stage: StageSection) -> int:
         return 4  # both boundary states, a transplanted one and its continuation's
+
+    def planned_forwards(self, assumed: Assumed, options: TransplantConfig) -> Planned:
+        """The divergent items its rule would select (`first:K`, `random:K:SEED`: K of them), its own suffixes
+        carried over from matched where they would be."""
+        kind, k, _ = parse_selection(options.select)
+        chosen = assumed.items[: assumed.divergent if kind == "all" else min(k, assumed.divergent)]
+        own = ["live"] + ([options.fresh] if options.fresh == assumed.construction else [])
+        carried = tuple((name, 0) for name in own) if assumed.dedup else ()
+        return {"": [(u, forwards(replace(u, looks=carried), options, assumed.layers)) for u in chosen]}
+
+    def verdict_facts(self, results: Any) -> list[Fact]:
+        return transplant_facts(results or [])
+
+    def figures(self, results: Any) -> list[ReportFigure]:
+        return transplant_figures(results or [])
 
     def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
         return [summarize_transplant(records, self.stage_of(stage), checkpoint)]

@@ -1,12 +1,13 @@
 """`stagereplay plan`: what a `paper` run costs, before it runs, from the model's config alone.
 
-Per stage: the items, the forwards (prefill forwards and their tokens, single-token decode steps) counted by
-each experiment's own `forwards(...)` (the list its item function makes, built from engine.forwards, which
-`LM.construct` also runs from), the most K/V caches alive at once and their size at the longest sequence, the
-weights resident, and with rates (given, or measured by `rates.calibrate` on the real model) the wall time.
+Per stage (each step of `paper`, `experiments.paper.paper_steps`): the items, the forwards (prefill forwards and
+their tokens, single-token decode steps) counted by its experiment's own `forwards(...)` (the list its item function
+makes, built from engine.forwards, which `LM.construct` also runs from; `Experiment.planned_forwards`), the most K/V
+caches alive at once and their size at the longest sequence, the weights resident, and with rates (given, or measured
+by `rates.calibrate` on the real model) the wall time.
 
 Before a run the lengths are assumptions: every prompt as tokenized (or `prompt_tokens`), stage 1 of
-`stage1_tokens` (default: the stage-1 budget), every suffix of `suffix_tokens` (default: `--max-new-tokens`),
+`stage1_tokens` (default: the stage-1 budget), every suffix of `suffix_tokens` (default: `max_new_tokens`),
 and `divergent` items whose live and fresh suffixes differ (default: all; it sizes the transplant selections
 and the carried-over 2x2 arm's diagnostic decode). After a run (`plan_recorded.plan_run`) every length is the
 measured one.
@@ -19,91 +20,50 @@ positions (`LM.cache_len`), and is priced at that length whatever the suffixes t
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from stagereplay.engine.forwards import Lengths, continuation_forwards
+from stagereplay.engine.forwards import Lengths
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.kernels import check_kernels, choose, follow_run, pin
+from stagereplay.experiments.experiment import Assumed
+from stagereplay.experiments.paper import PRECISION, paper_steps
 from stagereplay.plan.rates import Rates, calibrate
 from stagereplay.plan.recorded import plan_run, run_cache
-from stagereplay.plan.stages import (
-    PlanConfig,
-    Shape,
-    StagePlan,
-    allocate,
-    model_shape,
-    new_stage,
-    planned_stage,
-)
+from stagereplay.plan.stages import PlanConfig, Shape, StagePlan, allocate, model_shape
 from stagereplay.records.ledger import read_manifest
 
 
 def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: int) -> list[StagePlan]:
-    """The stages of `paper` with assumed lengths: `prompts` are the items' prompt lengths (`cfg.n` of them)."""
-    from stagereplay.experiments import bridge, matched, precision_2x2, resample, transplant
-    from stagereplay.experiments.transplant import TransplantConfig, parse_selection
-
-    s1, n = cfg.stage1_tokens or budget, cfg.suffix_tokens
-    divergent = cfg.n if cfg.divergent is None else cfg.divergent
-    units = [Lengths(p, s1, n) for p in prompts]
+    """The stages of `paper` with assumed lengths: `prompts` are the items' prompt lengths (`cfg.n` of them). Each
+    step of `paper` (`experiments.paper.paper_steps`) is priced by its experiment (`Experiment.planned_forwards`),
+    one row per part of its units (a precision); then the audit's re-executions and the proofs of the captured step."""
+    s1, n = cfg.stage1_tokens or budget, cfg.suffix
+    assumed = Assumed(tuple(Lengths(p, s1, n) for p in prompts), cfg.n if cfg.divergent is None else cfg.divergent,
+                      cfg.dedup, shape.layers, PRECISION)
     end = max(prompts) + s1 + n
     stages: list[StagePlan] = []
-
-    def stage(name: str, precision: str, todo: Sequence[tuple[Lengths, list[int]]]) -> None:
-        st = new_stage(name, precision, planned_stage(name, constructions=list(cfg.constructions),
-                                                      construction="oneshot"))
-        for lengths, fw in todo:
-            st.add(fw, lengths.prefix + n)
-        stages.append(st)
-
-    def transplants(checkpoint: str, rule: str) -> None:
-        kind, k, _ = parse_selection(rule)
-        t = TransplantConfig(select=rule, sweep=cfg.sweep and checkpoint == "primary")
-        chosen = units[: divergent if kind == "all" else min(k, divergent)]
-        carried = (("live", 0), (t.fresh, 0)) if cfg.dedup else ()  # own suffixes: the matched run's
-        stage(f"transplant/{checkpoint}", "bf16", [(u, transplant.forwards(replace(u, looks=carried), t, shape.layers))
-                                                   for u in chosen])
-
-    def replay(i: int) -> list[int]:
-        # The diagnostics decode the first-run arm of a divergent pair again to its first divergent step d
-        # (d + 1 steps, d < the suffix): a bound of one suffix per divergent item, for the live/fresh pair of
-        # matched and the incremental/oneshot pair of the bf16 2x2; fp32 arms are assumed not to diverge.
-        return continuation_forwards(n) if i < divergent else []
-
-    stage("matched/primary", "bf16", [(u, matched.forwards(u) + replay(i)) for i, u in enumerate(units)])
-    stage("bridge/primary", "bf16", [(u, bridge.forwards(u)) for u in units[: cfg.bridge_rows]])
-    transplants("primary", cfg.select)
-    for p in cfg.precisions:
-        # At the run's precision the matched arms are carried over (`precision_2x2.reused_arms`): each decoded only
-        # to the first divergence, at most all of it where the arms diverge, its first step where they do not; a
-        # pair is replayed only where one of its arms is decoded in full.
-        cs = cfg.constructions
-        carried = [c for c in cs if cfg.dedup and p == "bf16" and c in ("oneshot", *precision_2x2.CARRIED_FROM)]
-        pairs = sum(1 for i, a in enumerate(cs) for b in cs[i + 1 :] if not (a in carried and b in carried))
-        todo = [(u, precision_2x2.forwards(Lengths(u.prompt, s1, n, looks=tuple((c, n if i < divergent else 1)
-                                                                               for c in carried)), cs, p)
-                 + (replay(i) * pairs if p == "bf16" else []))
-                for i, u in enumerate(units)]
-        stage(f"precision_2x2/primary@{p}", p, todo)
-    if cfg.resample:
-        for p in cfg.precisions:  # `paper --resample K` draws at bf16 (live) and fp32 (incremental stands in)
-            source = "live" if p == "bf16" else "incremental"
-            stage(f"resample/primary@{p}", p, [(u, resample.forwards(u, cfg.resample, "oneshot", source))
-                                                for u in units[: cfg.resample_items]])
-    if cfg.later:
-        stage("matched/later", "bf16", [(u, matched.forwards(u) + replay(i)) for i, u in enumerate(units)])
-        transplants("later", "all-divergent")
+    settings: set[tuple[str, str]] = set()  # (checkpoint, precision): the model settings the run loads
+    for step in paper_steps(cfg.protocol, cfg.later):
+        e = step.experiment
+        caches = e.peak_caches(e.planned_stage(step.options))
+        for part, units in e.planned_forwards(assumed, step.options).items():
+            st = StagePlan(f"{e.name}/{step.checkpoint}" + (f"@{part}" if part else ""), part or assumed.precision,
+                           caches=caches)
+            for lengths, forwards in units:
+                st.add(forwards, lengths.prefix + lengths.suffix)
+            stages.append(st)
+            settings.add((step.checkpoint, st.precision))
     stages += audit_stages(stages, cfg.audit_sample or None)
-    stages += proof_stages(cfg, min(prompts), end, shape.context)
+    stages += proof_stages(cfg, min(prompts), end, shape.context, settings)
     for st in stages:
         st.positions = min(st.positions, end)
     return stages
 
 
-def proof_stages(cfg: PlanConfig, prompt: int, reach: int, context: int) -> list[StagePlan]:
+def proof_stages(cfg: PlanConfig, prompt: int, reach: int, context: int, settings: Iterable[tuple[str, str]]
+                 ) -> list[StagePlan]:
     """Before a captured step runs at a position, that position is proven equal to the eager step (engine.proof):
     per proof one prefill of the shortest prompt, then two single-token steps per position up to its reach. With a
     marker boundary the first proof is short and each later one doubles it as the items get further
@@ -111,7 +71,8 @@ def proof_stages(cfg: PlanConfig, prompt: int, reach: int, context: int) -> list
     machine, whatever the workers (they share the store, records.proofs). One row per precision. A static cache's
     steps on CUDA are graphs, proven on a cache of the run's one static length (runs.make.prepare), so no reach
     passes the run's longest sequence; on a CPU they are eager, as are fp32-compute's: nothing to prove. Batched
-    steps are not captured (their check, `LM.prove_batch`, costs a few dozen forwards, not counted)."""
+    steps are not captured (their check, `LM.prove_batch`, costs a few dozen forwards, not counted). `settings`:
+    the (checkpoint, precision) of every stage."""
     from stagereplay.engine.decode import graphs_steps
     from stagereplay.engine.proof import schedule
 
@@ -120,11 +81,8 @@ def proof_stages(cfg: PlanConfig, prompt: int, reach: int, context: int) -> list
         return []
     if graphs:
         context = min(context, reach)
-    settings = {("primary", "bf16"), *(("primary", p) for p in cfg.precisions)}
-    if cfg.later:
-        settings.add(("later", "bf16"))
     out: dict[str, StagePlan] = {}
-    for _, precision in sorted(settings):
+    for _, precision in sorted(set(settings)):
         if precision == "fp32-compute":
             continue
         row = out.setdefault(precision, StagePlan(f"proof@{precision}", precision, caches=2))
@@ -218,11 +176,11 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
         cache = run_cache(manifest)
     else:
         prompts = prompt_lengths(model, data, cfg.n, cfg.prompt_tokens)
-        budget = check_budgets(max(prompts), max_stage1_tokens, cfg.suffix_tokens, shape.context, STAGE1_BUDGET)
+        budget = check_budgets(max(prompts), max_stage1_tokens, cfg.suffix, shape.context, STAGE1_BUDGET)
         stages = plan_paper(cfg, shape, prompts, budget)
         cache = cfg.cache
         if cache == "static":
-            max_new = max(cfg.max_new_tokens or 0, cfg.suffix_tokens)  # no suffix outgrows its budget
+            max_new = max(cfg.max_new_tokens, cfg.suffix)  # no suffix outgrows its budget
             allocate(stages, prompts, max_stage1_tokens, max_new, shape.context)
     batch = cfg.batch if run is None else manifest.config.model.batch
     for st in stages:
@@ -237,7 +195,7 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
     if run is None:
         s1 = cfg.stage1_tokens or budget
         header += (f"\nassumed: {cfg.n} items, prompts {min(prompts)}-{max(prompts)} tokens, stage 1 {s1}, suffix "
-                   f"{cfg.suffix_tokens}, divergent {cfg.n if cfg.divergent is None else cfg.divergent}; "
+                   f"{cfg.suffix}, divergent {cfg.n if cfg.divergent is None else cfg.divergent}; "
                    f"2x2 and transplants {'carry the matched arms over' if cfg.dedup else 'recompute every arm'}; audit "
                    + (f"of {cfg.audit_sample} units per stage" if cfg.audit_sample else "of every unit"))
     else:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
+
+from stagereplay.errors import StageReplayError
 
 
 class Priced(Protocol):
@@ -61,6 +63,44 @@ class Rates:
     def wall(self, stage: Priced, workers: int) -> float:
         """Seconds of `stage` spread over `workers` processes (no more of them busy than it has units)."""
         return self.seconds(stage) / max(1, min(workers, stage.units))
+
+
+@dataclass(frozen=True)
+class RateOptions:
+    """The rates a plan prices its forwards at: given, or measured on the real model (`calibrate`); with neither the
+    plan counts forwards and gives no time."""
+
+    panel: ClassVar[str] = "Rates"
+
+    tokens_per_second: float | None = field(default=None, metadata={
+        "help": "decode steps per second (any forward costs one)"})
+    prefill_tokens_per_second: float | None = field(default=None, metadata={
+        "help": "prefill tokens per second, on top of the forward's step"})
+    calibrate: bool = field(default=False, metadata={
+        "help": "measure the rates on the real model (on a CPU, in as many processes at once as --workers)"})
+    row_ms: float | None = field(default=None, metadata={
+        "help": "with --batch: what each row beyond the first adds to a batched step, in ms (--calibrate measures it)"})
+
+    def __post_init__(self) -> None:
+        for name, rate in (("--tokens-per-second", self.tokens_per_second),
+                           ("--prefill-tokens-per-second", self.prefill_tokens_per_second)):
+            if rate is not None and not 0 < rate < float("inf"):
+                raise StageReplayError(f"{name} must be positive, got {rate}", f"pass e.g. {name} 40")
+        if self.row_ms is not None and not 0 <= self.row_ms < float("inf"):
+            raise StageReplayError(f"--row-ms must be 0 or more, got {self.row_ms}", "pass e.g. --row-ms 2")
+
+    def given(self, batch: int) -> Rates | None:
+        """The rates given, for items stepping `batch` together (None: none given; `calibrate` may measure them)."""
+        if self.tokens_per_second is None:
+            if batch > 1 and self.row_ms is not None and not self.calibrate:
+                raise StageReplayError("--row-ms prices a batched step on top of --tokens-per-second",
+                                       "pass --tokens-per-second too, or --calibrate")
+            return None
+        steps, prefill, row = self.tokens_per_second, self.prefill_tokens_per_second, self.row_ms
+        return Rates({"": steps}, {"": prefill} if prefill else {},
+                     f"{steps:g} steps/s" + (f", {prefill:g} prefill tokens/s" if prefill else "")
+                     + (f", {row:g} ms per extra row" if batch > 1 and row is not None else ""),
+                     {"": row / 1e3} if row is not None else {})
 
 
 def calibrate(path: str, precisions: Sequence[str], device: str = "cpu", threads: int = 1,

@@ -1,7 +1,7 @@
-"""What a plan is made of: a model's shape (what sizes its caches and weights), the cost-relevant options of
-`paper` (`PlanConfig`), and one stage's work (`StagePlan`: its units, the token count of each forward they make,
-the most caches alive at once and the longest sequence they hold). `plan.paper` fills them before a run,
-`plan.recorded` from a run's ledger.
+"""What a plan is made of: a model's shape (what sizes its caches and weights), what a plan of `paper` is of
+(`PlanConfig`: its protocol, the lengths assumed, the options that change the cost), and one stage's work
+(`StagePlan`: its units, the token count of each forward they make, the most caches alive at once and the longest
+sequence they hold). `plan.paper` fills them before a run, `plan.recorded` from a run's ledger.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from stagereplay.engine.limits import static_cache_len
 from stagereplay.engine.model import check_cache
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.paper import PaperConfig
 from stagereplay.records.manifest import StageSection
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 4}  # a cache element at each precision
@@ -82,36 +83,40 @@ def _config_params(c: Any, heads: int, kv: int, head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """The cost-relevant options of `paper`, and the lengths a plan assumes before a run."""
+    """What a plan of `paper` is of: its protocol, the lengths it assumes before the run, and the options of the run
+    that change what it costs (each as `paper` takes it; `cli: False`, the command's own groups give them)."""
+
+    panel: ClassVar[str] = "Assumed lengths"
 
     n: int = field(default=200, metadata={"help": "items"})
-    suffix_tokens: int = field(default=128, metadata={"help": "every suffix's length (default --max-new-tokens)"})
-    stage1_tokens: int | None = field(default=None, metadata={"help": "stage-1 length (default: the budget)"})
-    prompt_tokens: int | None = field(default=None, metadata={"help": "prompt length when the items are unknown"})
-    divergent: int | None = field(default=None, metadata={"help": "items whose suffixes diverge (default: all)"})
-    bridge_rows: int = 12
-    select: str = "first:24"
-    sweep: bool = False
-    later: bool = True
-    constructions: tuple[str, ...] = ("incremental", "oneshot")
-    precisions: tuple[str, ...] = ("bf16", "fp32")
-    audit_sample: int | None = field(default=None, metadata={"help": "units per stage the audit re-executes "
-                                                                      "(None or 0: every unit)"})
-    dedup: bool = field(default=True, metadata={"help": "the 2x2 and the transplants carry the matched arms over "
-                                                        "(False: they decode them again)"})
-    workers: int = 1
-    resample: int = field(default=0, metadata={"help": "K sampled draws per state (0: no resample stage)"})
-    resample_items: int = field(default=50, metadata={"help": "items the resample stage draws on"})
-    cache: str = field(default="dynamic", metadata={"help": "dynamic | static: how caches are sized"})
-    max_new_tokens: int | None = field(default=None, metadata={
-        "help": "the suffix budget a static cache is allocated for (at least suffix_tokens)"})
-    batch: int = field(default=1, metadata={"help": "rows of a batched step (`paper --batch C`)"})
-    device: str = field(default="cpu", metadata={
-        "help": "where the run goes: a static cache's steps on CUDA are graphs, proven before they run"})
+    suffix_tokens: int | None = field(default=None, metadata={
+        "help": "assumed suffix length (default: --max-new-tokens)"})
+    stage1_tokens: int | None = field(default=None, metadata={
+        "help": "assumed stage-1 length (default: the stage-1 budget)"})
+    prompt_tokens: int | None = field(default=None, metadata={
+        "help": "assumed prompt length (default: the items' as tokenized)"})
+    divergent: int | None = field(default=None, metadata={
+        "help": "items whose live and fresh suffixes diverge (default: all)"})
+    protocol: PaperConfig = field(default_factory=PaperConfig)
+    """What `paper` runs (its steps, `experiments.paper.paper_steps`)."""
+    later: bool = field(default=True, metadata={
+        "cli": False, "help": "whether `paper` replicates at a later checkpoint"})
+    audit_sample: int | None = field(default=None, metadata={
+        "help": "units per stage the audit re-executes (None or 0: every unit; of a run: None, what its audit did)"})
+    dedup: bool = field(default=True, metadata={
+        "help": "the 2x2 and the transplants carry the matched arms over (--no-dedup: count them decoding the matched "
+                "arms again)"})
+    workers: int = field(default=1, metadata={"cli": False, "help": "processes (calibrated together on a CPU)"})
+    cache: str = field(default="dynamic", metadata={"cli": False, "help": "dynamic | static: how caches are sized"})
+    max_new_tokens: int = field(default=128, metadata={"cli": False, "help": (
+        "the suffix budget: every suffix's length unless `suffix_tokens` says otherwise; what a static cache is "
+        "allocated for")})
+    batch: int = field(default=1, metadata={"cli": False, "help": "rows of a batched step (`paper --batch C`)"})
+    device: str = field(default="cpu", metadata={"cli": False, "help": (
+        "where the run goes: a static cache's steps on CUDA are graphs, proven before they run")})
 
     def __post_init__(self) -> None:
-        for name in ("n", "suffix_tokens", "stage1_tokens", "prompt_tokens", "bridge_rows", "workers",
-                     "resample_items", "batch"):
+        for name in ("n", "suffix_tokens", "stage1_tokens", "prompt_tokens", "workers", "max_new_tokens", "batch"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise StageReplayError(f"--{name.replace('_', '-')} must be at least 1, got {value}",
@@ -119,12 +124,15 @@ class PlanConfig:
         if self.audit_sample is not None and self.audit_sample < 0:
             raise StageReplayError(f"--audit-sample must be 0 or more, got {self.audit_sample}",
                                    "pass e.g. --audit-sample 20")
-        if self.resample < 0:
-            raise StageReplayError(f"--resample must be 0 or more, got {self.resample}", "pass e.g. --resample 32")
         check_cache(self.cache)
         if self.divergent is not None and not 0 <= self.divergent <= self.n:
             raise StageReplayError(f"--divergent must lie in 0..--n ({self.n}), got {self.divergent}",
                                    "pass the number of items expected to diverge")
+
+    @property
+    def suffix(self) -> int:
+        """Every suffix's assumed length."""
+        return self.suffix_tokens or self.max_new_tokens
 
 
 @dataclass
@@ -170,14 +178,6 @@ def new_stage(name: str, precision: str, stage: StageSection) -> StagePlan:
     from stagereplay.experiments.registry import of_stage
 
     return StagePlan(name, precision, caches=of_stage(name.split("@")[0]).peak_caches(stage))
-
-
-def planned_stage(name: str, **fields: Any) -> StageSection:
-    """A stage of `name`'s experiment not yet made, with the `fields` a plan assumes (its constructions)."""
-    from stagereplay.experiments.registry import of_stage
-
-    kind = of_stage(name.split("@")[0]).Stage
-    return kind.model_construct(**{k: v for k, v in fields.items() if k in kind.model_fields})
 
 
 def allocate(stages: list[StagePlan], prompts: Iterable[int], max_stage1: int | None, max_new: int,

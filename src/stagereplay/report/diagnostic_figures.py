@@ -1,6 +1,6 @@
 """The diagnostics figures: margins at divergence against all steps, and cache differences by layer and band.
 
-Drawn from `results.json` like every figure (`report.figures`: matplotlib through `Figure` and the Agg canvas
+Drawn from `results.json` like every figure (`experiments.figures`: matplotlib through `Figure` and the Agg canvas
 only). A run recorded before diagnostics existed draws none of them.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from stagereplay.report.figures import ReportFigure, _png
+from stagereplay.experiments.figures import ReportFigure, png
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,7 +35,7 @@ def diagnostic_figures(results: dict[str, Any]) -> list[ReportFigure]:
             "reference arm (line) and at the first divergent token of each disagreeing item (dots, one per item, "
             "on their own cumulative curve). LayerCast's observation is that flips happen where the margin is small: "
             "the dots sit left of the line.",
-            _png(margin_figure(margins)), after=_AFTER))
+            png(margin_figure(margins)), after=_AFTER))
     caches = [(label, s) for label, s in series if s.get("cache_diff")]
     if caches:
         figures.append(ReportFigure(
@@ -43,12 +43,12 @@ def diagnostic_figures(results: dict[str, Any]) -> list[ReportFigure]:
             "Median over items of the relative L2 difference ||a-b||/||a|| of the boundary caches, per layer, K and "
             "V: live vs fresh in the matched run, incremental vs oneshot per precision in the 2x2. A log scale; "
             "a bit-exact series has nothing to draw and says so in the legend.",
-            _png(cache_figure(caches, "cache_diff", "layer")), after=_AFTER))
+            png(cache_figure(caches, "cache_diff", "layer")), after=_AFTER))
         figures.append(ReportFigure(
             "fig-cache-bands", "Cache difference by position band",
             "The same relative L2 difference per band of absolute positions, over all layers: the prompt, the "
             "quartiles of stage 1, and the last 16 positions before the boundary.",
-            _png(cache_figure(caches, "cache_bands", "band")), after=_AFTER))
+            png(cache_figure(caches, "cache_bands", "band")), after=_AFTER))
     return figures
 
 
