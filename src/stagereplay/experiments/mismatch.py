@@ -35,8 +35,10 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import MODES, Scored
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
-from stagereplay.experiments.format import Table
+from stagereplay.experiments.figures import ReportFigure, png
+from stagereplay.experiments.format import Table, slug
 from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.verdict import Fact
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
@@ -376,3 +378,19 @@ class Mismatch(Experiment):
         from stagereplay.experiments.mismatch_summary import mismatch_tables
 
         return [t for section in results or [] for t in mismatch_tables(section)]
+
+    def verdict_facts(self, results: Any) -> list[Fact]:
+        from stagereplay.experiments.mismatch_summary import mismatch_verdict
+
+        return [f for section in results or [] for f in mismatch_verdict(section)]
+
+    def figures(self, results: Any) -> list[ReportFigure]:
+        from stagereplay.experiments.mismatch_summary import ratio_figure
+
+        return [ReportFigure(f"fig-mismatch-{slug(s['checkpoint'])}", f"Rollout vs trainer, per token ({s['checkpoint']})",
+                             "The total row's per-token ratio pi_trainer / pi_rollout on a log axis against the position "
+                             "in the response (a sample of at most 4,000 tokens, evenly spaced), with the 2x (dashed) and "
+                             "5x (dotted) bands RL frameworks clip at; right: its distribution.",
+                             png(ratio_figure(s)), after=(f"table-mismatch-bands-{s['checkpoint']}",
+                                                          f"table-mismatch-{s['checkpoint']}"))
+                for s in results or [] if s.get("figure", {}).get("position")]

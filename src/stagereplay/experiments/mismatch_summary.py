@@ -196,3 +196,43 @@ def ratio_figure(section: dict[str, Any]) -> Any:
     right.set_title(f"{int((ratio == 1.0).sum())} of {ratio.size} sampled tokens at exactly 1"
                     + (f"; max |log10| {nonzero.max():.2g}" if nonzero.size else ""), fontsize=9)
     return fig
+
+
+# -- the verdict -------------------------------------------------------------------------------------------------
+
+
+def _seen(facts: Sequence[Any]) -> str:
+    head = "yes" if all(f.holds for f in facts) else "no"
+    return f"{head}: " + "; ".join(f.phrase for f in facts) + "."
+
+
+def mismatch_verdict(section: dict[str, Any]) -> list[Any]:
+    """Its facts: to the replicas question, to the cache question (the transplant), and to its own question."""
+    from stagereplay.experiments.verdict import CARRIES, REPLICAS, Fact, Question
+
+    seen = Question("trainer sees rollout", "Does the trainer see the probabilities the rollout was sampled from?",
+                    _seen)
+    ckpt, rows = section["checkpoint"], {p["row"]: p for p in section["pairs"]}
+    facts = []
+    replicas = [p for label, p in rows.items() if label.startswith("replica")]
+    if replicas:
+        exact = sum(p["bitwise_equal"] == 1.0 for p in replicas)
+        facts.append(Fact(REPLICAS, f"{ckpt} mismatch: {exact}/{len(replicas)} sides' log-probabilities",
+                          holds=exact == len(replicas), caveat="and log-probabilities"))
+    total = rows.get("total")
+    if total is not None:
+        parts = [f"{label} {_num(rows[label]['abs_mean'])}" for label in rows
+                 if label in ("construction", "engine") or label.startswith("precision")]
+        facts.append(Fact(seen, (
+            f"{ckpt}, {total['a']} vs {total['b']}: {100 * total['bitwise_equal']:.1f}% of {total['tokens']} token "
+            f"log-probabilities are the same bits, mean |log-ratio| {_num(total['abs_mean'])} (max "
+            f"{_num(total['abs_max'])}), k3 {_num(total['k3'])}, {100 * (total['outside_2'] or 0):.1f}% of token "
+            f"weights outside [1/2, 2]; mean |log-ratio| by part: {', '.join(parts)}"),
+            holds=total["bitwise_equal"] == 1.0))
+    moved = section.get("transplant") or {}
+    for d in moved.get("directions", []):
+        facts.append(Fact(CARRIES, f"{ckpt} mismatch at mid-response {d['direction']}", holds=d["follows_donor"] == d["n"],
+                          k=d["follows_donor"], n=d["n"]))
+    for d in moved.get("control", []):
+        facts.append(Fact(CARRIES, "", k=d["follows_recipient"], n=d["n"], control=True))
+    return facts
