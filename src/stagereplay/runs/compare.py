@@ -44,12 +44,12 @@ def verified(run: Path) -> RunSide:
     res = verify_run(run, manifest)
     if not res["chain_ok"]:
         first = res["broken_records"][0]
-        raise StageReplayError(f"{run}'s ledger is broken (record {first['seq']}: {first['reason']}): its records "
+        raise StageReplayError(f"{run}'s ledger is broken (record {first.seq}: {first.reason}): its records "
                                f"cannot be compared", f"`stagereplay audit {run} --verify-only` lists every break")
     if not res["reproduced"]:
         findings = res["mismatches"]
         first = findings[0]
-        what = f"{first['item_id']}: {first['what']}" if first["item_id"] else first["what"]
+        what = f"{first.item_id}: {first.what}" if first.item_id else first.what
         raise StageReplayError(f"{run}'s records do not verify ({len(findings)} finding(s), the first: {what})",
                                f"`stagereplay audit {run} --verify-only` lists them")
     return RunSide(run, manifest, read_ledger(run))

@@ -6,7 +6,6 @@ later checkpoint -> audit -> report.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from stagereplay.experiments.precision_2x2 import GridOptions, PrecisionGrid
 from stagereplay.experiments.prepared import OURS
 from stagereplay.experiments.resample import Resample, ResampleConfig
 from stagereplay.experiments.transplant import Transplant, TransplantConfig
+from stagereplay.records.findings import audit_json
 from stagereplay.records.ledger import atomic_write, open_run
 from stagereplay.report.results import AUDIT_FILE
 from stagereplay.runs.inputs import Inputs
@@ -152,5 +152,5 @@ def paper(out: str | Path, inputs: Inputs | None = None, protocol: PaperConfig |
             matched.run(run, at_later, MatchedOptions())
             Transplant().run(run, at_later, TransplantConfig(select="all-divergent"))
         summary = audit_run(run.path, run.manifest, run.records, ex, quiet, stored_results=False, config=audit)
-        atomic_write(run.path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
+        atomic_write(run.path / AUDIT_FILE, audit_json(summary))
         return finish(run, quiet)
