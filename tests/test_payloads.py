@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from stagereplay.cli import app
 from stagereplay.experiments import bridge, matched, precision_2x2, resample, transplant
-from stagereplay.records import payloads
+from stagereplay.records import payload_readers, payloads
 from stagereplay.records.ledger import items, read_ledger, read_manifest
 from stagereplay.records.payload_doc import generated_section, markdown
 from stagereplay.records.record import canonical_json
@@ -77,10 +77,10 @@ def test_any_payload_reads_as_the_model_its_experiment_gives_it(run):
     recorded."""
     records = [json.loads(line) for line in (FIXTURES / run / "ledger.jsonl").read_text().splitlines()]
     for r in (r for r in records if r.get("kind", "item") == "item"):
-        model = payloads.read_payload(r["payload"])
+        model = payload_readers.read_payload(r["payload"])
         assert type(model) is type(READERS[r["experiment"]].validate_python(r["payload"]))
         assert canonical_json(model.as_payload()) == canonical_json(r["payload"])
-        head = payloads.ItemHead.model_validate(r["payload"])
+        head = payload_readers.ItemHead.model_validate(r["payload"])
         assert [a.as_payload() for a in head.arms] == r["payload"]["arms"] and head.status == r["payload"]["status"]
 
 
@@ -89,11 +89,11 @@ def test_a_payload_of_no_model_is_refused_by_name():
     matched payload, which lacks the replica's prefix), are no payload."""
     record = next(json.loads(line) for line in (FIXTURES / "run_paper" / "ledger.jsonl").read_text().splitlines()
                   if '"experiment":"precision_2x2"' in line and '"kind":"item"' in line)
-    assert isinstance(payloads.read_payload(record["payload"]), payloads.GridPayload)
+    assert isinstance(payload_readers.read_payload(record["payload"]), payloads.GridPayload)
     with pytest.raises(ValidationError, match="no payload has this status"):
-        payloads.read_payload({**record["payload"], "status": "done"})
+        payload_readers.read_payload({**record["payload"], "status": "done"})
     with pytest.raises(ValidationError, match="MatchedPayload"):
-        payloads.read_payload({k: v for k, v in record["payload"].items() if k != "precision"})
+        payload_readers.read_payload({k: v for k, v in record["payload"].items() if k != "precision"})
 
 
 def _first_ok(run: Path, experiment: str) -> dict[str, Any]:

@@ -38,7 +38,8 @@ from stagereplay.records.manifest import (
     chain_start,
     stage_name,
 )
-from stagereplay.records.payloads import Arm, ItemHead, first_error, read_arm
+from stagereplay.records.payload_readers import ItemHead
+from stagereplay.records.payloads import Arm, first_error, read_arm
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
 from stagereplay.tasks.scoring import scorer_by_name
@@ -181,7 +182,7 @@ def claim_findings(record: Record, stage: StageSection, matched: Record | None, 
                    ) -> list[Finding]:
     """Every field of one item record that follows from its other fields (and its matched record), checked.
     Schema 1 fingerprinted fewer comparison fields (`schema_2=False`). The record is read as every experiment's
-    records are (`records.payloads.ItemHead`: its arms and comparisons as their models), its experiment checks the
+    records are (`records.payload_readers.ItemHead`: its arms and comparisons as their models), its experiment checks the
     rest (`Experiment.claims`)."""
     where = f"{stage_name(record)}{'@' + record.part if record.part else ''}"
     try:

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from stagereplay.experiments.arms import compare, comparison_fp_schema_1
-from stagereplay.records.payloads import Arm, Comparison, read_payload
+from stagereplay.records.payload_readers import read_payload
+from stagereplay.records.payloads import Arm, Comparison
 
 LATE_ARM_FIELDS = ("took_place", "request")
 """Arm fields of serving records that records made before them lack (none of their arms has one)."""

@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from stagereplay.experiments.registry import experiment
 from stagereplay.records.ledger import Record
-from stagereplay.records.payloads import DIAGNOSED, BridgePayload, CacheDiff, Divergence, read_payload
+from stagereplay.records.payload_readers import DIAGNOSED, read_payload
+from stagereplay.records.payloads import BridgePayload, CacheDiff, Divergence
 
 if TYPE_CHECKING:
     from rich.console import Console

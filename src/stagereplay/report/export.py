@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stagereplay.records.ledger import Record, atomic_output
-from stagereplay.records.payloads import Arm, Draw, ItemHead
+from stagereplay.records.payload_readers import ItemHead
+from stagereplay.records.payloads import Arm, Draw
 
 COLUMNS: tuple[str, ...] = (
     "experiment",
@@ -63,7 +64,7 @@ def iter_ledger(path: Path) -> Iterator[dict[str, Any]]:
 def ledger_rows(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """One row per (item record, arm); one row with `arm = None` for a record without arms. The chain's
     stage and environment records (ledger schema 2) are provenance, not rows. Each record is read as its model, its
-    payload as any experiment's is (`records.payloads.ItemHead`); one that is not raises pydantic's
+    payload as any experiment's is (`records.payload_readers.ItemHead`); one that is not raises pydantic's
     ValidationError (a ValueError)."""
     for raw in records:
         record = Record.model_validate(raw)
