@@ -174,7 +174,7 @@ def completeness(manifest: Manifest, records: list[Record]) -> list[Finding]:
             if n == name and (item, part) not in wanted:
                 at = f"{where}{'@' + part if part else ''}"
                 findings.append(Finding(item_id=item, what=f"{at}: a record the manifest does not declare"))
-        findings += [Finding.model_validate(f) for f in registry.of_stage(name).stage_findings(name, stage, records)]
+        findings += registry.of_stage(name).stage_findings(name, stage, records)
     return findings
 
 
