@@ -15,7 +15,10 @@ from forge import edit, load, plant_token, save, with_payload
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
-from stagereplay.report.compare import COMPARE_VERSION, compare_item
+from stagereplay.errors import StageReplayError
+from stagereplay.records.payloads import MatchedPayload
+from stagereplay.report.compare import compare_item
+from stagereplay.report.compare_document import COMPARE_VERSION, read_compare
 
 runner = CliRunner()
 MATCHED = ("matched", "--n", "4", "--max-new-tokens", "16", "--quiet")
@@ -170,18 +173,59 @@ def test_what_differs_between_the_manifests_is_named(run_a, run_again, root, tmp
     assert same["differences"]["settings"] == []
 
 
+def test_compare_json_reads_back_as_its_model_and_writes_the_same_bytes(run_a, forged, tmp_path):
+    """compare.json is a versioned model: read back, it writes the bytes it was read from (a divergent item, its
+    margins and top candidates included); another schema version is refused by name (control: this one reads)."""
+    _compared(run_a, forged[0], tmp_path / "cmp")
+    path = tmp_path / "cmp" / "compare.json"
+    document = read_compare(path)
+    assert document.write() == path.read_text() and document.schema_version == COMPARE_VERSION
+    assert document.trajectories.first_divergence_in.suffix == 1
+    newer = tmp_path / "newer.json"
+    newer.write_text(path.read_text().replace(f'"schema_version": {COMPARE_VERSION}', '"schema_version": 99', 1))
+    with pytest.raises(StageReplayError, match="schema_version 99, not this stagereplay's"):
+        read_compare(newer)
+
+
+def test_without_out_the_comparison_is_written_beside_run_a(run_a, run_again, tmp_path):
+    """No --out: the three files go into `<A>-vs-<B>` in A's folder, and the command says where, --quiet or not.
+    The control: a file already lying there is refused in one line, and nothing is written."""
+    a, b = tmp_path / "runs" / "bf16", tmp_path / "runs" / "again"
+    shutil.copytree(run_a, a)
+    shutil.copytree(run_again, b)
+    result = runner.invoke(app, ["compare", str(a), str(b), "--quiet"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    folder = tmp_path / "runs" / "bf16-vs-again"
+    assert sorted(p.name for p in folder.iterdir()) == ["compare.html", "compare.json", "compare.md"]
+    assert result.stdout.startswith("wrote ") and str(folder / "compare.json") in result.stdout
+    assert "no --out given" in result.stdout
+    shutil.rmtree(folder)
+    folder.write_text("not a folder")
+    line = _one_error_line(runner.invoke(app, ["compare", str(a), str(b)]), "exists and is not a directory",
+                           "pass --out")
+    assert str(folder) in line and folder.read_text() == "not a folder"
+
+
 # -- the margin at a divergence, from the field that reaches its step (synthetic records) --------------------------
 
 
-def _payload(stage1: list[int], suffix: list[int], **extra) -> dict:
-    live = {"name": "live", "suffix_ids": suffix, "correct": False, **extra.pop("live", {})}
-    return {"status": "ok", "prompt_ids": [1, 2], "prefix_ids": [1, 2, *stage1], "arms": [live],
-            "comparisons": [], **extra}
+def _payload(stage1: list[int], suffix: list[int], live: dict | None = None, **extra) -> MatchedPayload:
+    """A matched record of one live arm (the fields compare reads; the rest any valid value)."""
+    arm = {"name": "live", "construction": "live", "precision": "bf16", "suffix_ids": suffix, "suffix_fp": "0" * 64,
+           "cache_fp": None, "stop": "length", "text": "", "correct": False, **(live or {})}
+    return MatchedPayload.model_validate({
+        "status": "ok", "prompt_ids": [1, 2], "prefix_ids": [1, 2, *stage1], "boundary": 2 + len(stage1),
+        "answer": "0", "replica_prefix_equal": True, "arms": [arm], "comparisons": [], **extra})
+
+
+def _divergence(a: MatchedPayload, b: MatchedPayload) -> dict | None:
+    """The item's first divergence as compare.json holds it."""
+    return compare_item("x", a, b).as_json()["first_divergence"]
 
 
 def test_a_stage1_margin_comes_from_stage1_top_or_is_not_recorded():
     top = [[[10, -0.1], [11, -2.1]], [[12, -0.5], [13, -0.75]]]
-    d = compare_item("x", _payload([10, 12], [7], stage1_top=top), _payload([10, 13], [7]))["first_divergence"]
+    d = _divergence(_payload([10, 12], [7], stage1_top=top), _payload([10, 13], [7]))
     assert d["in"] == "stage 1" and d["position"] == 1 and d["a"]["step"] == 1
     assert d["a"]["margin"] == 0.25 and d["a"]["top"] == top[1] and d["a"]["recorded"] == "stage1_top"
     assert d["b"]["margin"] is None and d["b"]["top"] is None and d["b"]["recorded"] is None  # an older record
@@ -190,13 +234,13 @@ def test_a_stage1_margin_comes_from_stage1_top_or_is_not_recorded():
 def test_a_suffix_margin_comes_from_a_servers_top_logprobs_or_our_margins():
     served = _payload([5], [7, 8], live={"top_logprobs": [[[7, -0.1], [9, -3.1]], [[8, -1.0], [6, -1.5]]]})
     ours = _payload([5], [7, 6], diagnostics={"margins": {"live": [2.0, 0.125]}, "pairs": {}})
-    d = compare_item("x", served, ours)["first_divergence"]
+    d = _divergence(served, ours)
     assert d["in"] == "suffix" and d["position"] == 2 and d["a"]["step"] == d["b"]["step"] == 1
     assert d["a"]["margin"] == 0.5 and d["a"]["recorded"] == "top_logprobs"
     assert d["b"]["margin"] == 0.125 and d["b"]["top"] is None and d["b"]["recorded"] == "margins"
-    bare = compare_item("x", _payload([5], [7, 8]), ours)["first_divergence"]
+    bare = _divergence(_payload([5], [7, 8]), ours)
     assert bare["a"]["margin"] is None and bare["a"]["recorded"] is None
-    assert compare_item("x", ours, ours)["first_divergence"] is None
+    assert _divergence(ours, ours) is None
 
 
 def test_a_servers_settings_kernels_and_locations_are_told_apart():
@@ -224,9 +268,9 @@ def test_a_servers_settings_kernels_and_locations_are_told_apart():
     a = RunSide(Path("a"), manifest("http://h:8080", "f16", 10, 1), [])
     b = RunSide(Path("b"), manifest("http://h:8081", "q8_0", 99, 2), [])
     d = manifest_differences(a, b, "primary")
-    named = {g: [x["field"] for x in d[g]] for g in d}
+    named = {g: [x.field for x in d.group(g)] for g in ("settings", "server", "kernels", "environment", "locations")}
     assert named["server"] == ["environment.engine.server.cache_type_k"]
     assert named["locations"] == ["config.engine.url", "config.model.path", "environment.engine.server.model_path",
                                   "environment.engine.url"]
     assert named["kernels"] == ["threads"] and named["settings"] == [] and named["environment"] == []
-    assert not manifest_differences(a, a, "primary")["server"]  # negative control
+    assert not manifest_differences(a, a, "primary").server  # negative control

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from stagereplay.audit.verify import verify_run
 from stagereplay.cli import app
+from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, read_manifest
 
 runner = CliRunner()
@@ -189,8 +190,8 @@ def forge(src: Path, dst: Path, forgeries: list[Forgery]) -> list[tuple[str, str
     return expected
 
 
-def _reported(findings: list[dict[str, str]], item: str, field: str) -> bool:
-    return any(f["item_id"] == item and field in f["what"] for f in findings)
+def _reported(findings: list[Finding], item: str, field: str) -> bool:
+    return any(f.item_id == item and field in f.what for f in findings)
 
 
 def test_the_untouched_run_passes_verify_only(run):
@@ -213,7 +214,7 @@ def test_the_full_audit_reports_every_forgery(run, tmp_path):
     expected = forge(run, tmp_path / "run", [f for f, _ in TABLE])
     result = runner.invoke(app, ["audit", str(tmp_path / "run"), "--quiet"])
     assert result.exit_code == 1
-    findings = json.loads((tmp_path / "run" / "audit.json").read_text())["mismatches"]
+    findings = [Finding.model_validate(f) for f in json.loads((tmp_path / "run" / "audit.json").read_text())["mismatches"]]
     missed = [(item, field) for item, field in expected if not _reported(findings, item, field)]
     assert missed == [], findings
     printed = result.stderr.splitlines()  # and printed, one line per finding, naming the item and the field

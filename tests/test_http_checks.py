@@ -42,6 +42,23 @@ def test_a_well_behaved_server_passes_the_check_and_is_identified(tokenizer):
     assert fake.requests == 4  # the probe, its replica, reused and bypassed
 
 
+def test_the_servers_identity_is_what_it_said_in_the_order_the_manifest_writes(tokenizer):
+    """The identity (`ServerIdentity`): each field of llama-server's dialect as the server said it (null where its
+    endpoint did not say: the weight type), the speculative types read again once a request ran, in the manifest's
+    order. The control: a value of another type than the field's is refused in one line, not converted."""
+    with fake_server(tokenizer) as (url, _):
+        engine = _check(url, tokenizer)
+    said = [("server", "llama-server"), ("build", "fake-1"), ("model", "toy"), ("model_path", "toy.gguf"),
+            ("total_slots", 1), ("n_ctx", 4096), ("model_ftype", None), ("speculative", False),
+            ("speculative_types", "none")]
+    assert list(engine.settings()["server"].items()) == said
+    assert engine.settings()["build"] == {"server": "llama-server", "build": "fake-1", "model": "toy",
+                                          "model_path": "toy.gguf"}
+    with fake_server(tokenizer, slots="2") as (url, _), pytest.raises(StageReplayError) as refused:
+        http.load(engine_config("http", {"url": url}), "", "fp32", 1, "cpu")
+    assert "does not read (total_slots: " in str(refused.value) and "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize(("mode", "says"), [
     ("as-text", "does not take token IDs verbatim"),
     ("no-logprobs", "returned no top-5 logprobs"),
@@ -238,12 +255,12 @@ def test_server_args_are_recorded_verbatim_and_compare_names_two_that_differ(tok
         manifest = json.loads((tmp_path / name / "manifest.json").read_text())
         assert manifest["stages"]["matched/primary"]["engine"]["server_args"] == args
         assert manifest["environment"]["engine"]["server_args"] == args
-    differ = compare(tmp_path / "a", tmp_path / "b", tmp_path / "ab")["differences"]
-    fields = {d["field"]: (d["a"], d["b"]) for group in ("settings", "server") for d in differ[group]}
+    differ = compare(tmp_path / "a", tmp_path / "b", tmp_path / "ab").differences
+    fields = {d.field: (d.a, d.b) for group in ("settings", "server") for d in differ.group(group)}
     assert fields["config.engine.server_args"] == (flags["a"], flags["b"])
     assert fields["environment.engine.server_args"] == (flags["a"], flags["b"])
-    same = compare(tmp_path / "a", tmp_path / "c", tmp_path / "ac")["differences"]
-    assert not [d for group in ("settings", "server") for d in same[group] if "server_args" in d["field"]], same
+    same = compare(tmp_path / "a", tmp_path / "c", tmp_path / "ac").differences
+    assert not [d for group in ("settings", "server") for d in same.group(group) if "server_args" in d.field], same
 
 
 @pytest.mark.parametrize("args", ["--api-key sk-secret-123 -ctk q8_0", "-fa on --api-key=sk-secret-123",

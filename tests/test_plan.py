@@ -220,7 +220,7 @@ def test_the_2x2_arms_are_the_matched_arms_and_verify_checks_it(counted_run, tmp
     save(forged, chain, manifest)
     found = audit(forged, verify_only=True)
     assert not found["reproduced"]
-    assert any("cache_fp is not the one of matched/primary:oneshot" in m["what"] for m in found["mismatches"])
+    assert any("cache_fp is not the one of matched/primary:oneshot" in m.what for m in found["mismatches"])
 
 
 def test_the_transplants_own_arms_are_the_matched_arms_and_verify_checks_it(counted_run, tmp_path):
@@ -255,7 +255,7 @@ def test_the_transplants_own_arms_are_the_matched_arms_and_verify_checks_it(coun
     chain[k] = with_payload(chain[k], payload, recompare=False)
     save(forged, chain, manifest)
     found = audit(forged, verify_only=True)
-    assert any("cache_fp is not the one of matched/" in m["what"] for m in found["mismatches"])
+    assert any("cache_fp is not the one of matched/" in m.what for m in found["mismatches"])
 
 
 def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(counted_run, tiny_dir):

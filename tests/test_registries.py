@@ -157,7 +157,7 @@ def test_verify_finds_a_record_of_the_new_experiment_missing(twice, tmp_path):
     _run_twice(out)
     records = [r for r in items(read_ledger(out)) if not (r.experiment == "twice" and r.item_id.endswith("1"))]
     found = completeness(read_manifest(out), records)
-    assert any("twice/primary: no record" in f["what"] for f in found), found
+    assert any("twice/primary: no record" in f.what for f in found), found
 
 
 def test_without_its_registry_line_it_has_no_command_and_its_run_is_refused_in_one_line(twice, tmp_path):

@@ -249,8 +249,9 @@ def test_vllms_metrics_say_its_cache_configuration_and_its_speculation():
     from stagereplay.serving.server_identity import SpecCounters, metrics_identity
 
     identity = metrics_identity(METRICS)
-    assert identity == {"speculative": True, "cache_config": {"cache_dtype": "fp8", "block_size": "32",
-                                                              "enable_prefix_caching": "True"}}
+    assert identity.as_json() == {"speculative": True, "cache_config": {"cache_dtype": "fp8", "block_size": "32",
+                                                                        "enable_prefix_caching": "True"}}
+    assert list(identity.as_json()) == ["speculative", "cache_config"]  # the manifest's order, as the server says
 
     class Metrics:
         def __init__(self, text):
@@ -265,5 +266,5 @@ def test_vllms_metrics_say_its_cache_configuration_and_its_speculation():
     assert (before.drafted, before.accepted) == (7.0, 2.0)  # per-position counters and `_created` not summed in
     assert after.since(before) == Draft(12, 3)
     plain = "\n".join(line for line in METRICS.splitlines() if "spec_decode" not in line)
-    assert "speculative" not in metrics_identity(plain)
+    assert "speculative" not in metrics_identity(plain).as_json()
     assert SpecCounters.read(Metrics(plain)) == SpecCounters(0.0, 0.0)

@@ -346,4 +346,4 @@ def test_default_run_takes_a_reasoning_models_path(tmp_path: Path, monkeypatch: 
     assert dataset_findings(manifest) == []
     real = toy.toy_jsonl
     monkeypatch.setattr(toy, "toy_jsonl", lambda n, seed: real(n, seed + 1))
-    assert [f["what"] for f in dataset_findings(manifest) if "dataset_hash differs" in f["what"]]
+    assert [f.what for f in dataset_findings(manifest) if "dataset_hash differs" in f.what]

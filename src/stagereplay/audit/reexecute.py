@@ -23,6 +23,7 @@ from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.experiment import Replay
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.registry import experiment, of_stage, starts_run
+from stagereplay.records.findings import Break, Finding, FindingKind
 from stagereplay.records.kernels import NOT_RECORDED, describe, kernel_differences
 from stagereplay.records.ledger import Record, diff_fields, items
 from stagereplay.records.manifest import Manifest, RunConfig, StageSection, binds, stage_name
@@ -34,7 +35,7 @@ from stagereplay.tasks import DataConfig, Item, load_items
 
 __all__ = ["AuditConfig", "audit_run", "compare_payloads", "exit_code", "verify_ledger"]
 
-def verify_ledger(run_dir: Path) -> list[dict[str, Any]]:
+def verify_ledger(run_dir: Path) -> list[Break]:
     """Integrity only, no model: every line parses, every hash and link of the chain holds (from the
     manifest's identity when there is one), and the chain is bound to the manifest."""
     from stagereplay.audit.verify import read_chain
@@ -113,7 +114,7 @@ def _unit_model(record: Record, stage: StageSection) -> ModelConfig:
 
 
 def input_findings(manifest: Manifest, data_hash: str, item_ids: list[str],
-                   checked: frozenset[str] = frozenset()) -> list[dict[str, str]]:
+                   checked: frozenset[str] = frozenset()) -> list[Finding]:
     """The files at the manifest's paths must be the ones the run bound by hash: each stage's model
     (config, weights, tokenizer, generation config) and the dataset, whose items (this shard's) must be the
     manifest's item ids. A path is only where to look. `checked`: checkpoints a relocation already checked."""
@@ -121,11 +122,12 @@ def input_findings(manifest: Manifest, data_hash: str, item_ids: list[str],
     bound = config.model_hashes
     want = shard_items(item_ids, parse_shard(config.shard))
     have = config.item_ids
-    findings = [{"item_id": i, "what": "config.item_ids lacks an item of the dataset"} for i in want if i not in have]
-    findings += [{"item_id": i, "what": "config.item_ids holds an item the dataset lacks"} for i in have if i not in want]
+    findings = [Finding(item_id=i, what="config.item_ids lacks an item of the dataset") for i in want if i not in have]
+    findings += [Finding(item_id=i, what="config.item_ids holds an item the dataset lacks") for i in have
+                 if i not in want]
     if data_hash != config.dataset_hash:
-        findings.append({"item_id": "", "what": f"the data at {config.data.path} is not the "
-                                                "run's dataset (dataset_hash differs)"})
+        findings.append(Finding(what=f"the data at {config.data.path} is not the run's dataset (dataset_hash "
+                                     "differs)"))
     seen: dict[str, str] = {}
     for name, stage in manifest.stages.items():
         checkpoint, path = name.partition("/")[2], stage.model.path
@@ -134,8 +136,8 @@ def input_findings(manifest: Manifest, data_hash: str, item_ids: list[str],
         seen[checkpoint] = path
         differ = diff_fields(bound[checkpoint], model_hashes(path))
         if differ and binds(manifest):
-            findings.append({"item_id": "", "what": f"the model at {path} is not the run's {checkpoint} model "
-                                                    f"({', '.join(differ)} differ)"})
+            findings.append(Finding(what=f"the model at {path} is not the run's {checkpoint} model "
+                                         f"({', '.join(differ)} differ)"))
     return findings
 
 
@@ -178,7 +180,7 @@ class _Tally:
     """What the re-execution found so far: counts, findings, the re-executed records and the units not
     reproduced under this machine's other kernels (unit, precision, whether tokens differ)."""
 
-    mismatches: list[dict[str, str]] = field(default_factory=list)
+    mismatches: list[Finding] = field(default_factory=list)
     trajectories: list[int] = field(default_factory=lambda: [0, 0])
     comparisons: list[int] = field(default_factory=lambda: [0, 0])
     again: dict[int, Record] = field(default_factory=dict)
@@ -202,7 +204,7 @@ def audit_run(run_dir: Path, manifest: Manifest, records: list[Record], ex: Exec
 
     config = config or AuditConfig()
     checked = verify_run(run_dir, manifest, stored_results)
-    tally = _Tally([{**m, "kind": "integrity"} for m in checked["mismatches"]])
+    tally = _Tally([m.of_kind("integrity") for m in checked["mismatches"]])
     stages: Mapping[str, StageSection] = manifest.stages
     if server is not None:  # the run's server, moved (--url)
         from stagereplay.serving.replay import at_server
@@ -216,9 +218,9 @@ def audit_run(run_dir: Path, manifest: Manifest, records: list[Record], ex: Exec
     _reexecute(chosen, stages, records, by_id, ex, quiet, binds(manifest), other, tally)
     again_records = [tally.again.get(r.seq, r) for r in records]  # a sample: the rest as recorded
     recorded, rebuilt = (comparable_results(build_results(run_dir, manifest, rs)) for rs in (records, again_records))
-    kind = "not_reproduced_here" if tally.elsewhere else "integrity"
-    tally.mismatches += [{"item_id": "", "what": f"results {f} is not what the re-executed records give",
-                          "kind": kind} for f in diff_fields(recorded, rebuilt, lists=True)]
+    kind: FindingKind = "not_reproduced_here" if tally.elsewhere else "integrity"
+    tally.mismatches += [Finding(what=f"results {f} is not what the re-executed records give", kind=kind)
+                         for f in diff_fields(recorded, rebuilt, lists=True)]
     return _summary(records, checked, tally, env_summary, chosen, config, relocated)
 
 
@@ -255,7 +257,7 @@ def _items(manifest: Manifest, relocated: list[dict[str, str]] | None, tally: _T
     _, tokenizer = load_config_and_tokenizer(run_config.model.path)  # the weights load where jobs run
     loaded, data_hash = load_items(DataConfig(**run_config.data.declared()), tokenizer)
     moved = frozenset(m["input"].split()[0] for m in relocated or [] if m["input"].endswith("model"))
-    tally.mismatches += [{**m, "kind": "integrity"}
+    tally.mismatches += [m.of_kind("integrity")
                          for m in input_findings(manifest, data_hash, [i.id for i in loaded], moved)]
     return {i.id: i for i in loaded}
 
@@ -298,8 +300,8 @@ def _reexecute(chosen: dict[str, list[Record]], stages: Mapping[str, StageSectio
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), disable=quiet) as bar:
         task = bar.add_task("audit", total=sum(len(g) for g in groups.values()))
         for (model, engine), group in sorted(groups.items(), key=lambda g: (g[0][0].path, g[0][0].precision, g[0][1])):
-            tally.mismatches += [{"item_id": r.item_id, "what": f"{experiment(r.experiment).where(r)}: item is not "
-                                  "in the manifest's dataset", "kind": "integrity"} for r in group if r.item_id not in by_id]
+            tally.mismatches += [Finding(item_id=r.item_id, what=f"{experiment(r.experiment).where(r)}: item is not in "
+                                         "the manifest's dataset", kind="integrity") for r in group if r.item_id not in by_id]
             todo = [r for r in group if r.item_id in by_id]
             jobs = [stage_engine(stages[stage_name(r)]).replay_job(experiment(r.experiment),
                                                                    _replay(r, stages, by_id[r.item_id], first))
@@ -329,11 +331,11 @@ def _compare(record: Record, again: dict[str, Any], served: bool, bound: bool, e
         again = with_unreplayed(again, record.payload)
     tally.trajectories = [tally.trajectories[0] + a, tally.trajectories[1] + b]
     tally.comparisons = [tally.comparisons[0] + c, tally.comparisons[1] + d]
-    kind = "not_reproduced_here" if elsewhere else "integrity"
+    kind: FindingKind = "not_reproduced_here" if elsewhere else "integrity"
     if elsewhere:
         bad = _collapse_diagnostics(record.item_id, bad)
     where = experiment(record.experiment).where(record)
-    tally.mismatches += [{"item_id": record.item_id, "what": f"{where} {m}", "kind": kind} for m in bad]
+    tally.mismatches += [Finding(item_id=record.item_id, what=f"{where} {m}", kind=kind) for m in bad]
     if bad and elsewhere:
         tally.elsewhere.append((record, precision, any(f in m for m in bad for f in TOKEN_FIELDS)))
     tally.again[record.seq] = record.model_copy(update={"payload": again})
@@ -349,7 +351,7 @@ def _summary(records: list[Record], checked: dict[str, Any], tally: _Tally, env_
                "comparisons": {"k": tally.comparisons[0], "n": tally.comparisons[1]},
                "chain_ok": not broken, "broken_records": broken, "mismatches": mismatches,
                "notes": checked["notes"],
-               "integrity_ok": not broken and not any(m["kind"] == "integrity" for m in mismatches),
+               "integrity_ok": not broken and not any(m.integrity for m in mismatches),
                "environment": env_summary, "not_reproduced_here": _elsewhere_summary(tally.elsewhere),
                "reproduced": not mismatches and not broken}
     if relocated:

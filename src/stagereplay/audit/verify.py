@@ -8,7 +8,7 @@
                   a transplant selection from its rule, results.json from the ledger
 
 What needs the model (token IDs and cache fingerprints themselves) is the re-executing audit's part.
-A finding is {item_id, what}, naming the stage and field; a chain break is {seq, reason}.
+A finding (`records.findings.Finding`) names the item, the stage and the field; a chain break (`Break`) the line.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from stagereplay.audit.versions import claimed, derived_comparison
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments import registry
+from stagereplay.records.findings import Break, Finding
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
 from stagereplay.records.manifest import (
     Manifest,
@@ -37,6 +38,7 @@ from stagereplay.records.manifest import (
     chain_start,
     stage_name,
 )
+from stagereplay.records.payload_readers import ItemHead
 from stagereplay.records.payloads import Arm, first_error, read_arm
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
@@ -48,21 +50,21 @@ SCHEMA_1_NOTE = ("ledger schema 1: its manifest is not bound into the hash chain
                  "alone goes unseen; re-run the experiments to get a bound run")
 
 
-def read_chain(run_dir: Path) -> tuple[list[Record], list[dict[str, Any]]]:
+def read_chain(run_dir: Path) -> tuple[list[Record], list[Break]]:
     """The records that parse, and the damage: a torn last line, a line that does not parse."""
     path = run_dir / "ledger.jsonl"
     if not path.exists():
-        return [], [{"seq": 0, "reason": f"no ledger.jsonl in {run_dir}"}]
+        return [], [Break(seq=0, reason=f"no ledger.jsonl in {run_dir}")]
     data = path.read_bytes()
-    problems: list[dict[str, Any]] = []
+    problems: list[Break] = []
     if data and not data.endswith(b"\n"):
-        problems.append({"seq": data.count(b"\n"), "reason": "incomplete last record (torn write)"})
+        problems.append(Break(seq=data.count(b"\n"), reason="incomplete last record (torn write)"))
     records: list[Record] = []
     for i, line in enumerate(data.split(b"\n")[:-1]):  # after the last newline: empty, or torn (reported above)
         try:
             records.append(parse_record(line.decode("utf-8"), i + 1, path))
         except Exception as exc:  # a damaged line is a finding, not a crash
-            problems.append({"seq": i, "reason": str(exc).split(";")[0]})
+            problems.append(Break(seq=i, reason=str(exc).split(";")[0]))
             break
     return records, problems
 
@@ -73,12 +75,13 @@ def verify_run(run_dir: Path, manifest: Manifest, stored_results: bool = True) -
     chain, broken = read_chain(run_dir)
     broken += chain_problems(chain, chain_start(manifest)) + binding_problems(manifest, chain)
     records = items(chain)
-    findings: list[dict[str, str]] = []
+    findings: list[Finding] = []
     if not broken:  # a broken chain is the finding; what it says is not to be trusted or derived from
         findings += _guarded("", "the manifest", lambda: dataset_findings(manifest) + stage_model_findings(manifest))
         findings += _guarded("", "the ledger", lambda: completeness(manifest, records))
         stages = manifest.stages
-        matched = {(r.checkpoint, r.item_id): r for r in records if registry.starts_run(r.experiment)}
+        matched = {(r.checkpoint, r.item_id): r for r in records if registry.starts_run(r.experiment)
+                   and not r.part}
         for r in records:
             stage = stages.get(stage_name(r))
             if stage is not None:
@@ -91,16 +94,16 @@ def verify_run(run_dir: Path, manifest: Manifest, stored_results: bool = True) -
             "verify_only": True}
 
 
-def _guarded(item: str, where: str, check: Callable[[], list[dict[str, str]]]) -> list[dict[str, str]]:
+def _guarded(item: str, where: str, check: Callable[[], list[Finding]]) -> list[Finding]:
     """A check's findings; a record or manifest too malformed to check (a field missing, of another type) is
     itself the finding, never a crash of the audit."""
     try:
         return check()
     except (KeyError, TypeError, AttributeError, ValueError, IndexError, StopIteration) as exc:
-        return [{"item_id": item, "what": f"{where}: malformed ({type(exc).__name__}: {exc})"}]
+        return [Finding(item_id=item, what=f"{where}: malformed ({type(exc).__name__}: {exc})")]
 
 
-def dataset_findings(manifest: Manifest) -> list[dict[str, str]]:
+def dataset_findings(manifest: Manifest) -> list[Finding]:
     """The item ids are what the dataset gives, and the dataset is the run's (its hash), read without a model:
     the data's ids (first `n`, this shard's) when it is at its location, in any format (`tasks.sources`); the
     toy task's rows, which are generated and hashed (`tasks.toy.toy_data_hash`) as a file's bytes are."""
@@ -113,8 +116,7 @@ def dataset_findings(manifest: Manifest) -> list[dict[str, str]]:
 
         n = data.n or 200
         if toy_data_hash(n, HELDOUT_SEED) != config.dataset_hash:
-            findings.append({"item_id": "", "what": "the toy task's items are not the run's dataset "
-                                                    "(dataset_hash differs)"})
+            findings.append(Finding(what="the toy task's items are not the run's dataset (dataset_hash differs)"))
         want = shard_items([row["id"] for row in toy_rows(n, HELDOUT_SEED)], shard)
     else:
         path = data.path
@@ -122,16 +124,15 @@ def dataset_findings(manifest: Manifest) -> list[dict[str, str]]:
         if found is None:
             return []  # a location only; the full audit reads the data where it is given
         if found[1] != config.dataset_hash:
-            findings.append({"item_id": "", "what": f"the data at {path} is not the run's dataset "
-                                                    "(dataset_hash differs)"})
+            findings.append(Finding(what=f"the data at {path} is not the run's dataset (dataset_hash differs)"))
         rows = [r.id for r in found[0]]
         want = shard_items(rows[: data.n or len(rows)], shard)
-    findings += [{"item_id": i, "what": "config.item_ids lacks an item of the dataset"} for i in want if i not in ids]
-    findings += [{"item_id": i, "what": "config.item_ids holds an item the dataset lacks"} for i in ids if i not in want]
+    findings += [Finding(item_id=i, what="config.item_ids lacks an item of the dataset") for i in want if i not in ids]
+    findings += [Finding(item_id=i, what="config.item_ids holds an item the dataset lacks") for i in ids if i not in want]
     return findings
 
 
-def stage_model_findings(manifest: Manifest) -> list[dict[str, str]]:
+def stage_model_findings(manifest: Manifest) -> list[Finding]:
     """Every stage runs the run's model settings (precision, device, threads, attention); only the path (the
     checkpoint) may differ, and a 2x2 stage's precisions are its parts."""
     model = bound_config(manifest.config).get("model", {})
@@ -139,8 +140,8 @@ def stage_model_findings(manifest: Manifest) -> list[dict[str, str]]:
     for name, stage in manifest.stages.items():
         differ = diff_fields(model, bound_stage(stage).get("model", {}))
         if differ:
-            findings.append({"item_id": "", "what": f"stage {name}: model {', '.join(differ)} differs from the "
-                                                    "run's configuration"})
+            findings.append(Finding(what=f"stage {name}: model {', '.join(differ)} differs from the run's "
+                                         "configuration"))
     return findings
 
 
@@ -151,14 +152,14 @@ def expected_units(name: str, stage: StageSection, config: RunConfig, records: l
     return registry.experiment(experiment).units(checkpoint, stage, config, records)
 
 
-def completeness(manifest: Manifest, records: list[Record]) -> list[dict[str, str]]:
+def completeness(manifest: Manifest, records: list[Record]) -> list[Finding]:
     """A missing, extra or duplicated record, per declared stage; a record of a stage the manifest lacks."""
     stages, config = manifest.stages, manifest.config
-    findings: list[dict[str, str]] = []
+    findings: list[Finding] = []
     counts = Counter((stage_name(r), r.item_id, r.part) for r in records)
     for name, item, _ in counts:
         if name not in stages:
-            findings.append({"item_id": item, "what": f"{name}: a record for a stage the manifest does not declare"})
+            findings.append(Finding(item_id=item, what=f"{name}: a record for a stage the manifest does not declare"))
     for name, stage in stages.items():
         expected = expected_units(name, stage, config, records)
         where = name
@@ -166,94 +167,113 @@ def completeness(manifest: Manifest, records: list[Record]) -> list[dict[str, st
             k = counts.get((name, item, part), 0)
             at = f"{where}{'@' + part if part else ''}"
             if k == 0:
-                findings.append({"item_id": item, "what": f"{at}: no record, but the manifest declares one"})
+                findings.append(Finding(item_id=item, what=f"{at}: no record, but the manifest declares one"))
             elif k > 1:
-                findings.append({"item_id": item, "what": f"{at}: {k} records, one expected"})
+                findings.append(Finding(item_id=item, what=f"{at}: {k} records, one expected"))
         wanted = set(expected)
         for n, item, part in counts:
             if n == name and (item, part) not in wanted:
                 at = f"{where}{'@' + part if part else ''}"
-                findings.append({"item_id": item, "what": f"{at}: a record the manifest does not declare"})
+                findings.append(Finding(item_id=item, what=f"{at}: a record the manifest does not declare"))
         findings += registry.of_stage(name).stage_findings(name, stage, records)
     return findings
 
 
 def claim_findings(record: Record, stage: StageSection, matched: Record | None, schema_2: bool = True
-                   ) -> list[dict[str, str]]:
+                   ) -> list[Finding]:
     """Every field of one item record that follows from its other fields (and its matched record), checked.
-    Schema 1 fingerprinted fewer comparison fields (`schema_2=False`)."""
-    p, item = record.payload, record.item_id
+    Schema 1 fingerprinted fewer comparison fields (`schema_2=False`). The record is read as every experiment's
+    records are (`records.payload_readers.ItemHead`: its arms and comparisons as their models), its experiment checks the
+    rest (`Experiment.claims`)."""
     where = f"{stage_name(record)}{'@' + record.part if record.part else ''}"
-    bad: list[str] = []
-    status = p.get("status")
-    if status not in STATUSES:
-        bad.append(f"status {status!r} is not one of {', '.join(STATUSES)}")
     kind = registry.experiment(record.experiment)
-    if not kind.continuations:
-        return [{"item_id": item, "what": f"{where} {b}"} for b in bad + kind.claims(record, stage, matched)]
-    if status == "ok":
-        if p.get("boundary") != len(p.get("prefix_ids") or []):
+    if not kind.continuations:  # its records are its own: its claims are all there is to check
+        status = record.payload.get("status")
+        bad = [] if status in STATUSES else [f"status {status!r} is not one of {', '.join(STATUSES)}"]
+        return [Finding(item_id=record.item_id, what=f"{where} {b}")
+                for b in bad + kind.claims(record, stage, matched)]
+    try:
+        payload = ItemHead.model_validate(record.payload)
+    except ValidationError as e:  # a field missing, of another type, or one no arm has: nothing to derive from
+        bad = _unread(record.payload, e)
+    else:
+        bad = _payload_claims(record, payload, stage, matched, schema_2)
+    bad += registry.experiment(record.experiment).claims(record, stage, matched)
+    return [Finding(item_id=record.item_id, what=f"{where} {b}") for b in bad]
+
+
+def _unread(raw: dict[str, Any], exc: ValidationError) -> list[str]:
+    """Why a payload does not read: each arm that is not an arm, else its first error."""
+    bad = []
+    for arm in raw.get("arms") or []:
+        try:
+            read_arm(arm)
+        except ValidationError as e:
+            bad.append(f"arm {arm.get('name')}: not an arm ({first_error(e)})")
+    return bad or [f"not an item record's payload ({first_error(exc)})"]
+
+
+def _payload_claims(record: Record, payload: ItemHead, stage: StageSection, matched: Record | None,
+                    schema_2: bool) -> list[str]:
+    bad = []
+    if payload.status not in STATUSES:
+        bad.append(f"status {payload.status!r} is not one of {', '.join(STATUSES)}")
+    if payload.status == "ok":
+        if payload.boundary != len(payload.prefix_ids or []):
             bad.append("boundary is not the prefix's length")
         fixed = registry.experiment(record.experiment).fixed_prefix
-        if fixed and matched is not None and p.get("prefix_ids") != matched.payload.get("prefix_ids"):
+        if fixed and matched is not None and payload.prefix_ids != ItemHead.model_validate(matched.payload).prefix_ids:
             bad.append("prefix_ids are not the matched run's")
-    bad += _arm_claims(record, stage)
-    arms = {a.get("name"): a for a in p.get("arms", [])}
-    for c in p.get("comparisons", []):
-        a, b = arms.get(c.get("a")), arms.get(c.get("b"))
+    bad += _arm_claims(record, payload, stage)
+    arms = {a.name: a for a in payload.arms if isinstance(a, Arm)}
+    for c in payload.comparisons:
+        a, b = arms.get(c.a), arms.get(c.b)
         if a is None or b is None:
-            bad.append(f"comparison {c.get('a')} vs {c.get('b')}: an arm is missing")
+            bad.append(f"comparison {c.a} vs {c.b}: an arm is missing")
             continue
-        derived = derived_comparison(item, a, b, schema_2)
-        for f in diff_fields(c, derived):
-            bad.append(f"comparison {c['a']} vs {c['b']}: {f} does not follow from its arms")
-    bad += _same_as_claims(p, matched)
-    bad += registry.experiment(record.experiment).claims(record, stage, matched)
-    return [{"item_id": item, "what": f"{where} {b}"} for b in bad]
+        derived = derived_comparison(record.item_id, a, b, schema_2)
+        for f in diff_fields(c.as_payload(), derived.as_payload()):
+            bad.append(f"comparison {c.a} vs {c.b}: {f} does not follow from its arms")
+    bad += _same_as_claims(payload, matched)
+    return bad
 
 
-def _arm_claims(record: Record, stage: StageSection) -> list[str]:
-    p = record.payload
+def _arm_claims(record: Record, payload: ItemHead, stage: StageSection) -> list[str]:
     scorer = scorer_by_name(stage.settings.scorer)
     precision = record.part or stage.model.precision
     bad = []
-    for raw in p.get("arms", []):
-        try:
-            a = read_arm(raw)
-        except ValidationError as e:  # a field missing, of another type, or one no arm has
-            bad.append(f"arm {raw.get('name')}: not an arm ({first_error(e)})")
-            continue
+    for a in payload.arms:
         if a.suffix_fp != ids_fingerprint(a.suffix_ids):
             bad.append(f"arm {a.name}: suffix_fp is not the fingerprint of its suffix_ids")
-        if isinstance(a, Arm) and a.correct != bool(scorer(a.text, p.get("answer", ""))):  # a draw keeps no text
+        if isinstance(a, Arm) and a.correct != bool(scorer(a.text, payload.answer)):  # a draw keeps no text
             bad.append(f"arm {a.name}: correct is not what scorer {stage.settings.scorer} gives its text")
         if a.precision != precision:
             bad.append(f"arm {a.name}: precision {a.precision} is not the stage's {precision}")
     return bad
 
 
-def _same_as_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
+def _same_as_claims(payload: ItemHead, matched: Record | None) -> list[str]:
     """An arm marked `same_as: "<stage>:<arm>"` was not computed again: every field but its name and its
     construction must be that recorded arm's, its cache fingerprint included (the re-executing audit then checks
     that the matched run still computes it, and that the construction still builds that cache)."""
     bad = []
-    for a in p.get("arms", []):
-        ref = a.get("same_as")
-        if ref is None:
+    for a in payload.arms:
+        if not isinstance(a, Arm) or a.same_as is None:
             continue
-        where, _, name = str(ref).rpartition(":")
-        source = matched.payload.get("arms", []) if matched is not None and stage_name(matched) == where else []
-        arm = next((x for x in source if x.get("name") == name), None)
+        where, _, name = a.same_as.rpartition(":")
+        source = ItemHead.model_validate(matched.payload).arms if matched is not None and stage_name(matched) == where \
+            else []
+        arm = next((x for x in source if x.name == name), None)
         if arm is None:
-            bad.append(f"arm {a.get('name')}: same_as {ref} names no recorded arm")
+            bad.append(f"arm {a.name}: same_as {a.same_as} names no recorded arm")
             continue
-        own = {k: v for k, v in a.items() if k not in ("name", "construction", "same_as")}
-        for f in diff_fields({k: v for k, v in arm.items() if k not in ("name", "construction")}, own):
-            bad.append(f"arm {a.get('name')}: {f} is not the one of {ref}, which it says it is")
+        own = {k: v for k, v in a.as_payload().items() if k not in ("name", "construction", "same_as")}
+        for f in diff_fields({k: v for k, v in arm.as_payload().items() if k not in ("name", "construction")}, own):
+            bad.append(f"arm {a.name}: {f} is not the one of {a.same_as}, which it says it is")
     return bad
 
 
-def results_findings(run_dir: Path, manifest: Manifest, records: list[Record]) -> list[dict[str, str]]:
+def results_findings(run_dir: Path, manifest: Manifest, records: list[Record]) -> list[Finding]:
     """Every field of results.json must be what the ledger gives (less its time stamp, the last audit and the
     models' locations)."""
     path = run_dir / "results.json"
@@ -262,7 +282,7 @@ def results_findings(run_dir: Path, manifest: Manifest, records: list[Record]) -
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return [{"item_id": "", "what": "results.json is not valid JSON"}]
+        return [Finding(what="results.json is not valid JSON")]
     rebuilt = claimed(comparable_results(build_results(run_dir, manifest, records)), stored)
     differ = diff_fields(comparable_results(stored), rebuilt, lists=True)
-    return [{"item_id": "", "what": f"results.json {f} is not what the ledger gives"} for f in differ]
+    return [Finding(what=f"results.json {f} is not what the ledger gives") for f in differ]

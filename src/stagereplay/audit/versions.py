@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from stagereplay.experiments.arms import comparison, comparison_fp_schema_1
+from stagereplay.experiments.arms import compare, comparison_fp_schema_1
+from stagereplay.records.payload_readers import read_payload
+from stagereplay.records.payloads import Arm, Comparison
 
 LATE_ARM_FIELDS = ("took_place", "request")
 """Arm fields of serving records that records made before them lack (none of their arms has one)."""
@@ -31,21 +33,23 @@ def claimed(rebuilt: Any, stored: Any) -> Any:
     return rebuilt
 
 
-def derived_comparison(item_id: str, a: dict[str, Any], b: dict[str, Any], bound: bool) -> dict[str, Any]:
+def derived_comparison(item_id: str, a: Arm, b: Arm, bound: bool) -> Comparison:
     """The comparison of arms `a` and `b` as a record of this schema fingerprints it (`bound`: schema 2)."""
-    derived = comparison(item_id, a, b)
+    derived = compare(item_id, a, b)
     if not bound:
-        derived["fp"] = comparison_fp_schema_1(item_id, a, b)
+        derived = derived.model_copy(update={"fp": comparison_fp_schema_1(item_id, a.as_payload(), b.as_payload())})
     return derived
 
 
 def as_recorded(item_id: str, again: dict[str, Any], recorded: dict[str, Any], bound: bool) -> dict[str, Any]:
     """A re-executed payload as the recorded payload's version would have written it: schema 1's comparison
-    fingerprints and fields, and without the fields a record made before them lacks."""
-    if not bound:
-        arms = {a["name"]: a for a in again.get("arms", [])}
-        comparisons = [{**c, "fp": comparison_fp_schema_1(item_id, arms[c["a"]], arms[c["b"]])}
-                       for c in again.get("comparisons", [])]
+    fingerprints and fields, and without the fields a record made before them lacks (which fields the recorded
+    JSON holds: `recorded` is read as it is, a record too malformed for its model included)."""
+    if not bound:  # schema 1: our engine's records, re-executed by our engine
+        made = read_payload(again)
+        arms = {a.name: a.as_payload() for a in made.arms}
+        comparisons = [{**c.as_payload(), "fp": comparison_fp_schema_1(item_id, arms[c.a], arms[c.b])}
+                       for c in made.comparisons]
         again = claimed({**again, "comparisons": comparisons}, recorded)
     if "token_texts" not in recorded:
         again = {k: v for k, v in again.items() if k != "token_texts"}

@@ -1,4 +1,4 @@
-"""`stagereplay compare RUN_A RUN_B --out DIR`: two runs of the same items under two settings, item by item."""
+"""`stagereplay compare RUN_A RUN_B [--out DIR]`: two runs of the same items under two settings, item by item."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from stagereplay.cli.options import Quiet
 def compare(
     run_a: Annotated[Path, typer.Argument(help="run A: a run directory with matched records")],
     run_b: Annotated[Path, typer.Argument(help="run B: the same model and items under another setting")],
-    out: Annotated[Path, typer.Option("--out", help="folder for compare.json, compare.md and compare.html")],
+    out: Annotated[Path | None, typer.Option("--out", help="folder for compare.json, compare.md and compare.html "
+                                                           "(default: <A>-vs-<B> beside run A)")] = None,
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="the model of the runs to compare")] = "primary",
     quiet: Quiet = False,
 ) -> None:
@@ -28,10 +29,14 @@ def compare(
     def go() -> None:
         from stagereplay.report.compare_render import FILES, print_compare
         from stagereplay.runs.compare import compare as run
+        from stagereplay.runs.compare import default_out
 
         comparison = run(run_a, run_b, out, checkpoint)
+        folder = out if out is not None else default_out(run_a, run_b)
         if not quiet:
             print_compare(comparison)
-            typer.echo(f"wrote {', '.join(str(out / name) for name in FILES)}")
+        if not quiet or out is None:  # a folder chosen for the user is named even when --quiet
+            typer.echo(f"wrote {', '.join(str(folder / name) for name in FILES)}"
+                       + ("" if out is not None else " (no --out given: beside run A)"))
 
     guarded(go)

@@ -34,7 +34,7 @@ def _audit(on: Any, config: Any, run_dir: Path, verify_only: bool, quiet: bool) 
         for note in res.get("notes", []):
             typer.echo(f"note: {note}", err=True)
         for b in res.get("broken_records", []):
-            typer.echo(f"  ledger record {b['seq']}: {b['reason']}", err=True)
+            typer.echo(f"  ledger record {b.seq}: {b.reason}", err=True)
         for line in finding_lines(res):
             typer.echo(line, err=True)
         if res.get("verify_only"):

@@ -48,6 +48,7 @@ from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Batch, Job, Replay, with_environment
 from stagereplay.experiments.prepared import PreparedRun
 from stagereplay.experiments.verdict import Fact, Question
+from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import RunConfig, StageSection
 from stagereplay.records.payloads import Payload
@@ -187,7 +188,7 @@ class Experiment(ABC):
         """What one of its records claims that follows from its other fields, checked: the problems found."""
         return []
 
-    def stage_findings(self, name: str, stage: StageSection, records: list[Record]) -> list[dict[str, str]]:
+    def stage_findings(self, name: str, stage: StageSection, records: list[Record]) -> list[Finding]:
         """What its stage's frozen section claims that follows from the records (a selection from its rule)."""
         return []
 

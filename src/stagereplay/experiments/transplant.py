@@ -27,6 +27,7 @@ from stagereplay.experiments.matched import MatchedStage, matched_records, match
 from stagereplay.experiments.selection import divergent_ids, divergent_items, parse_selection, select
 from stagereplay.experiments.stats import first_divergence, wilson_interval
 from stagereplay.experiments.verdict import CARRIES, Fact
+from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run, diff_fields
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import (
@@ -251,7 +252,7 @@ def transplant_claims(p: dict[str, Any], construction: str) -> list[str]:
     return bad
 
 
-def selection_findings(name: str, stage: TransplantStage, records: list[Record]) -> list[dict[str, str]]:
+def selection_findings(name: str, stage: TransplantStage, records: list[Record]) -> list[Finding]:
     """The frozen selection must be what its rule picks from the matched run's divergent items."""
     checkpoint = name.partition("/")[2]
     rule, construction = stage.config.select, stage.config.fresh
@@ -260,7 +261,7 @@ def selection_findings(name: str, stage: TransplantStage, records: list[Record])
     if picked == sorted(stage.selected):
         return []
     changed = sorted(set(picked) ^ set(stage.selected))
-    return [{"item_id": i, "what": f"{name}: selected is not what rule {rule} picks from the matched records"}
+    return [Finding(item_id=i, what=f"{name}: selected is not what rule {rule} picks from the matched records")
             for i in changed]
 
 
@@ -496,7 +497,7 @@ class Transplant(Experiment):
             return []
         return transplant_claims(record.payload, self.stage_of(stage).config.fresh)
 
-    def stage_findings(self, name: str, stage: StageSection, records: list[Record]) -> list[dict[str, str]]:
+    def stage_findings(self, name: str, stage: StageSection, records: list[Record]) -> list[Finding]:
         return selection_findings(name, self.stage_of(stage), records)
 
     def replay_job(self, replay: Replay) -> Job:

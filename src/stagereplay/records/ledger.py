@@ -88,7 +88,7 @@ def read_ledger(run_dir: Path, *, strict: bool = True) -> list[Record]:
         problems = chain_problems(records, chain_start(manifest)) or binding_problems(manifest, records)
         if problems:
             first = problems[0]
-            raise StageReplayError(f"ledger {path} was modified: record {first['seq']}: {first['reason']}",
+            raise StageReplayError(f"ledger {path} was modified: record {first.seq}: {first.reason}",
                                    "restore it from a copy or start a new run; `stagereplay audit --verify-only` lists every break")
     return records
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from stagereplay.engine.model import ModelConfig
+from stagereplay.records.findings import Break
 from stagereplay.records.record import GENESIS, Record, diff_fields, sha256_json
 
 UNBOUND_CONFIG = (("model", "path"), ("data", "path"), ("later_model",))
@@ -256,16 +257,16 @@ def stage_name(record: Record) -> str:
     return f"{record.experiment}/{record.checkpoint}"
 
 
-def binding_problems(manifest: Manifest | None, chain: list[Record]) -> list[dict[str, Any]]:
-    """Where the manifest and the chain disagree, as {seq, reason}: the identity (checked by the first record's
+def binding_problems(manifest: Manifest | None, chain: list[Record]) -> list[Break]:
+    """Where the manifest and the chain disagree: the identity (checked by the first record's
     link), the stages (each declared stage has one stage record, equal to its section, before its items) and
     the environments (each item names one recorded before it, whose hash is its content)."""
     if manifest is None or not binds(manifest):
         return []
-    problems: list[dict[str, Any]] = []
+    problems: list[Break] = []
     if chain and chain[0].prev_hash != chain_start(manifest):
-        problems.append({"seq": 0, "reason": "the manifest's configuration or item ids are not the ones the "
-                                             "ledger was made under (prev_hash of the first record)"})
+        problems.append(Break(seq=0, reason="the manifest's configuration or item ids are not the ones the ledger "
+                                            "was made under (prev_hash of the first record)"))
     declared = manifest.stages
     staged: dict[str, Record] = {}
     environments: set[str] = set()
@@ -273,27 +274,27 @@ def binding_problems(manifest: Manifest | None, chain: list[Record]) -> list[dic
         name = stage_name(r)
         if r.kind == "stage":
             if name in staged:
-                problems.append({"seq": r.seq, "reason": f"stage {name} is recorded twice"})
+                problems.append(Break(seq=r.seq, reason=f"stage {name} is recorded twice"))
             elif name not in declared:
-                problems.append({"seq": r.seq, "reason": f"stage {name} is not declared in the manifest"})
+                problems.append(Break(seq=r.seq, reason=f"stage {name} is not declared in the manifest"))
             elif r.payload != bound_stage(declared[name]):
                 fields = diff_fields(r.payload, bound_stage(declared[name]))
-                problems.append({"seq": r.seq, "reason": f"the manifest's stage {name} differs from the one "
-                                                         f"the ledger was made under ({', '.join(fields)})"})
+                problems.append(Break(seq=r.seq, reason=f"the manifest's stage {name} differs from the one the "
+                                                        f"ledger was made under ({', '.join(fields)})"))
             staged[name] = r
         elif r.kind == "environment":
             if r.env != sha256_json(r.payload):
-                problems.append({"seq": r.seq, "reason": "environment record does not match its hash"})
+                problems.append(Break(seq=r.seq, reason="environment record does not match its hash"))
             elif r.env in environments:
-                problems.append({"seq": r.seq, "reason": "environment recorded twice"})
+                problems.append(Break(seq=r.seq, reason="environment recorded twice"))
             environments.add(r.env)
         else:
             if name not in staged:
-                problems.append({"seq": r.seq, "reason": f"item {r.item_id} comes before its stage {name} record"})
+                problems.append(Break(seq=r.seq, reason=f"item {r.item_id} comes before its stage {name} record"))
             if r.env not in environments:
-                problems.append({"seq": r.seq, "reason": f"item {r.item_id} names an environment not recorded "
-                                                         "before it"})
+                problems.append(Break(seq=r.seq, reason=f"item {r.item_id} names an environment not recorded "
+                                                        "before it"))
     for name in declared:
         if name not in staged:
-            problems.append({"seq": len(chain), "reason": f"stage {name} of the manifest has no stage record"})
+            problems.append(Break(seq=len(chain), reason=f"stage {name} of the manifest has no stage record"))
     return problems

@@ -5,7 +5,8 @@ A record's payload is read back as a dict (`Record.payload`); the experiments bu
 that dict in one place, `PayloadModel.as_payload`. A field left unset is absent from the record (an arm that is not
 `retokenized` has no `roundtrip`); a field set to None is written as null (a serving arm's `cache_fp`). So a model
 writes the bytes the dict it replaced wrote, and reads every older record back: the fields records of an earlier
-version lack are optional.
+version lack are optional. A record is read back as its model: by its experiment's `PAYLOAD`, or as
+`records.payload_readers` reads any record.
 
 docs/ledger-schema.md's tables of these models are generated from them (`records.payload_doc`).
 """
@@ -402,3 +403,4 @@ def first_error(exc: ValidationError) -> str:
     """`field.path: message` of a validation error's first problem."""
     first = exc.errors()[0]
     return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stagereplay.errors import StageReplayError
+from stagereplay.records.findings import Break
 
 SCHEMA_VERSION = 2
 GENESIS = "0" * 64
@@ -92,19 +93,19 @@ def parse_record(line: str, lineno: int, path: Path) -> Record:
                                "restore the ledger from a copy or start a new run") from None
 
 
-def chain_problems(records: list[Record], start: str = GENESIS) -> list[dict[str, Any]]:
-    """Every break in the hash chain or sequence, as {seq, reason}: empty means intact. `start` is what the
-    first record links to (the run's identity hash; GENESIS for schema 1)."""
-    problems: list[dict[str, Any]] = []
+def chain_problems(records: list[Record], start: str = GENESIS) -> list[Break]:
+    """Every break in the hash chain or sequence: empty means intact. `start` is what the first record links to
+    (the run's identity hash; GENESIS for schema 1)."""
+    problems: list[Break] = []
     prev = start
     for i, r in enumerate(records):
         if r.seq != i:
-            problems.append({"seq": i, "reason": f"seq is {r.seq}, expected {i}"})
+            problems.append(Break(seq=i, reason=f"seq is {r.seq}, expected {i}"))
         if r.prev_hash != prev:
             what = "the run's identity in the manifest" if i == 0 else f"record {i - 1}"
-            problems.append({"seq": i, "reason": f"prev_hash does not match {what}"})
+            problems.append(Break(seq=i, reason=f"prev_hash does not match {what}"))
         if r.computed_hash() != r.hash:
-            problems.append({"seq": i, "reason": "content does not match its hash"})
+            problems.append(Break(seq=i, reason="content does not match its hash"))
         prev = r.hash
     return problems
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stagereplay.records.findings import Finding
+
 SHOWN_ELSEWHERE = 40
 """Units not reproduced under other kernels printed (every field of every unit moves with the bits, so there
 may be thousands); audit.json holds them all. Integrity findings are printed in full."""
@@ -13,15 +15,15 @@ may be thousands); audit.json holds them all. Integrity findings are printed in 
 def finding_lines(res: dict[str, Any]) -> list[str]:
     """Each finding names its item (unless it is about the whole run) and the field."""
     lines = []
-    findings = res.get("mismatches", [])
-    for kind, header in (("integrity", None), ("not_reproduced_here", "not reproduced here (other kernels):")):
-        mine = [m for m in findings if m.get("kind", "integrity") == kind]
+    findings: list[Finding] = res.get("mismatches", [])
+    for integrity, header in ((True, None), (False, "not reproduced here (other kernels):")):
+        mine = [m for m in findings if m.integrity == integrity]
         if mine and header:
             lines.append(header)
-        shown = mine if kind == "integrity" else mine[:SHOWN_ELSEWHERE]
+        shown = mine if integrity else mine[:SHOWN_ELSEWHERE]
         for m in shown:
-            item = f"{m['item_id']}: " if m["item_id"] and m["item_id"] not in m["what"] else ""
-            lines.append(f"  {item}{m['what']}")
+            item = f"{m.item_id}: " if m.item_id and m.item_id not in m.what else ""
+            lines.append(f"  {item}{m.what}")
         if len(mine) > len(shown):
             lines.append(f"  ... and {len(mine) - len(shown)} more (all in audit.json)")
     return lines

@@ -20,6 +20,7 @@ from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.records.kernels import kernel_differences
 from stagereplay.records.ledger import Record, diff_fields
 from stagereplay.records.manifest import Manifest
+from stagereplay.report.compare_document import Difference, Differences
 
 MODEL_KEYS = ("config", "weights", "gguf")
 """The `config.model_hashes.<checkpoint>` fields that identify a model's weights and architecture
@@ -111,30 +112,32 @@ def _hashes(side: RunSide, checkpoint: str) -> dict[str, Any]:
     return hashes
 
 
-def manifest_differences(a: RunSide, b: RunSide, checkpoint: str) -> dict[str, list[dict[str, Any]]]:
-    """What differs, in four groups of `{field, a, b}`: `settings` (the config and the matched stage), `server`
-    (a serving engine's identity and settings, less what changes with each start), `kernels` (by the names
-    `records.kernels` gives them), `environment` (the rest of the computing process: packages, commit, proofs),
-    and `locations` (paths and URLs, which are no setting)."""
-    groups: dict[str, list[dict[str, Any]]] = {"settings": [], "server": [], "kernels": [], "environment": [],
-                                               "locations": []}
-    for name in diff_fields(_settings(a, checkpoint), _settings(b, checkpoint)):
-        va, vb = _at(_settings(a, checkpoint), name), _at(_settings(b, checkpoint), name)
-        groups["locations" if _is_location(name) else "settings"].append({"field": name, "a": va, "b": vb})
+def manifest_differences(a: RunSide, b: RunSide, checkpoint: str) -> Differences:
+    """What differs, in groups of fields: `settings` (the config and the matched stage), `server` (a serving
+    engine's identity and settings, less what changes with each start), `kernels` (by the names `records.kernels`
+    gives them), `environment` (the rest of the computing process: packages, commit, proofs), and `locations`
+    (paths and URLs, which are no setting)."""
+    settings: list[Difference] = []
+    server: list[Difference] = []
+    locations: list[Difference] = []
+    own_a, own_b = _settings(a, checkpoint), _settings(b, checkpoint)
+    for name in diff_fields(own_a, own_b):
+        (locations if _is_location(name) else settings).append(Difference(field=name, a=_at(own_a, name),
+                                                                          b=_at(own_b, name)))
     ea, eb = a.environment(checkpoint), b.environment(checkpoint)
     sa, sb = (_drop(e.get("engine") or {}, VOLATILE) for e in (ea, eb))
     for name in diff_fields(sa, sb, "environment.engine."):
-        field = {"field": name, "a": _at({"environment": {"engine": sa}}, name),
-                 "b": _at({"environment": {"engine": sb}}, name)}
-        groups["locations" if _is_location(name) else "server"].append(field)
-    groups["kernels"] = [{"field": name, "a": va, "b": vb} for name, va, vb in kernel_differences(ea, eb)
-                         if name != SERVER_IN_KERNELS]
+        field = Difference(field=name, a=_at({"environment": {"engine": sa}}, name),
+                           b=_at({"environment": {"engine": sb}}, name))
+        (locations if _is_location(name) else server).append(field)
+    kernels = [Difference(field=name, a=va, b=vb) for name, va, vb in kernel_differences(ea, eb)
+               if name != SERVER_IN_KERNELS]
     rest_a, rest_b = ({"tool_version": m.manifest.tool_version, **_drop(e, ("engine", "kernels"))}
                       for m, e in ((a, ea), (b, eb)))
-    for name in diff_fields(rest_a, rest_b):
-        if name not in KERNELS_OUTSIDE:
-            groups["environment"].append({"field": name, "a": _at(rest_a, name), "b": _at(rest_b, name)})
-    return groups
+    environment = [Difference(field=name, a=_at(rest_a, name), b=_at(rest_b, name))
+                   for name in diff_fields(rest_a, rest_b) if name not in KERNELS_OUTSIDE]
+    return Differences(settings=settings, server=server, kernels=kernels, environment=environment,
+                       locations=locations)
 
 
 def _settings(side: RunSide, checkpoint: str) -> dict[str, Any]:

@@ -15,10 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
 
 from stagereplay.experiments.registry import experiment
 from stagereplay.records.ledger import Record
+from stagereplay.records.payload_readers import DIAGNOSED, read_payload
+from stagereplay.records.payloads import BridgePayload, CacheDiff, Divergence
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -42,8 +46,8 @@ class Story:
     suffixes: tuple[tuple[int, ...], tuple[int, ...]]
     correct: tuple[bool, bool]
     first_step_logit_maxabs: float | None
-    divergence: dict[str, Any] | None  # step, logit_maxabs, a/b: {margin, top: [[id, logit]]}; None if equal
-    cache: dict[str, Any] | None  # engine.diagnostics.cache_difference
+    divergence: Divergence | None  # the first divergent step, both arms' margins and top-5 there; None if equal
+    cache: CacheDiff | None  # per layer and position band (engine.diagnostics.cache_difference)
     experiment: str = "matched"
     texts: dict[str, str] | None = None  # the record's token_texts: token id (as text) -> its text
     label: str = ""  # how the report names the experiment's pairs beside the checkpoint ('' for matched's)
@@ -73,24 +77,26 @@ def stories(records: list[Record], item_id: str | None = None) -> list[Story]:
     live vs the construction (matched), the first two constructions (2x2, one per precision), and so on."""
     out = []
     for r in records:
-        p = r.payload
-        if r.kind != "item" or p.get("status") != "ok" or not p.get("diagnostics"):
+        if r.kind != "item" or (item_id is not None and r.item_id != item_id):
             continue
-        if item_id is not None and r.item_id != item_id:
+        try:
+            p = read_payload(r.payload)
+        except ValidationError:  # a record that is not its model is the audit's finding; the report goes on
             continue
-        if not p.get("comparisons"):
+        if not isinstance(p, DIAGNOSED) or not p.diagnostics or not p.comparisons:  # (each reached its boundary)
             continue
-        main = p["comparisons"][0]  # matched records list live vs the construction first; 2x2 the first pair
-        a, b = main["a"], main["b"]
-        arms = {arm["name"]: arm for arm in p["arms"]}
-        diag = p["diagnostics"]["pairs"].get(f"{a} vs {b}") or {}
+        main = p.comparisons[0]  # matched records list live vs the construction first; 2x2 the first pair
+        a, b = main.a, main.b
+        arms = {arm.name: arm for arm in p.arms}
+        diag = p.diagnostics.pairs.get(f"{a} vs {b}")
         out.append(Story(
-            item_id=r.item_id, checkpoint=r.checkpoint, precision=arms[a]["precision"], a=a, b=b,
-            prompt=tuple(p["prompt_ids"]), stage1=tuple(p["prefix_ids"][len(p["prompt_ids"]):]),
-            suffixes=(tuple(arms[a]["suffix_ids"]), tuple(arms[b]["suffix_ids"])),
-            correct=(arms[a]["correct"], arms[b]["correct"]),
-            first_step_logit_maxabs=diag.get("first_step_logit_maxabs"), divergence=diag.get("divergence"),
-            cache=diag.get("cache"), experiment=r.experiment, texts=p.get("token_texts"),
+            item_id=r.item_id, checkpoint=r.checkpoint, precision=arms[a].precision, a=a, b=b,
+            prompt=tuple(p.prompt_ids), stage1=tuple(p.prefix_ids[len(p.prompt_ids):]),
+            suffixes=(tuple(arms[a].suffix_ids), tuple(arms[b].suffix_ids)),
+            correct=(arms[a].correct, arms[b].correct),
+            first_step_logit_maxabs=diag.first_step_logit_maxabs if diag else None,
+            divergence=diag.divergence if diag else None, cache=diag.cache if diag else None,
+            experiment=r.experiment, texts=p.token_texts if not isinstance(p, BridgePayload) else None,
             label=experiment(r.experiment).label,
         ))
     return out
@@ -102,7 +108,7 @@ def _text(ids: tuple[int, ...], decode: Decoder) -> str:
 
 def aligned(story: Story, decode: Decoder) -> tuple[str, tuple[str, str], tuple[str, str]]:
     """(common text before the divergence, trimmed), and per arm (its divergent token, the rest of its suffix)."""
-    d = story.divergence["step"] if story.divergence else len(story.suffixes[0])
+    d = story.divergence.step if story.divergence else len(story.suffixes[0])
     common = _text(story.suffixes[0][:d], decode)
     if len(common) > CONTEXT_CHARS:
         common = "…" + common[-CONTEXT_CHARS:]
@@ -119,8 +125,8 @@ def margins_line(story: Story) -> str:
     first = f"max-abs logit difference at the first suffix step {_num(story.first_step_logit_maxabs)}"
     if d is None:
         return f"Suffixes agree; {first}."
-    return (f"Margin (top-1 minus top-2 logit) at suffix token {d['step']}: {story.a} {_num(d['a']['margin'])}, "
-            f"{story.b} {_num(d['b']['margin'])}; max-abs logit difference there {_num(d['logit_maxabs'])}; {first}.")
+    return (f"Margin (top-1 minus top-2 logit) at suffix token {d.step}: {story.a} {_num(d.a.margin)}, "
+            f"{story.b} {_num(d.b.margin)}; max-abs logit difference there {_num(d.logit_maxabs)}; {first}.")
 
 
 def top_rows(story: Story, decode: Decoder) -> list[tuple[str, str, str, str, str]]:
@@ -128,17 +134,17 @@ def top_rows(story: Story, decode: Decoder) -> list[tuple[str, str, str, str, st
     d = story.divergence
     if d is None:
         return []
-    ta, tb = d["a"]["top"], d["b"]["top"]
+    ta, tb = d.a.top, d.b.top
     return [(str(i + 1), repr(decode(x[0]))[1:-1], _num(x[1]), repr(decode(y[0]))[1:-1], _num(y[1]))
             for i, (x, y) in enumerate(zip(ta, tb, strict=False))]
 
 
 def layer_rows(story: Story) -> list[tuple[str, str, str, str, str]]:
     """(layer, K rel L2, V rel L2, K max-abs, V max-abs) of the live vs fresh cache."""
-    if not story.cache:
+    if not story.cache or not story.cache.layers:
         return []
-    return [(str(row["layer"]), _num(row["k"]["rel_l2"]), _num(row["v"]["rel_l2"]), _num(row["k"]["maxabs"]),
-             _num(row["v"]["maxabs"])) for row in story.cache["layers"]]
+    return [(str(row.layer), _num(row.k.rel_l2), _num(row.v.rel_l2), _num(row.k.maxabs), _num(row.v.maxabs))
+            for row in story.cache.layers]
 
 
 # --- HTML ----------------------------------------------------------------------------------------
@@ -166,7 +172,7 @@ def story_html(story: Story) -> str:
     lines = [f'<div><span class="arm">{escape(name)} {ok[c]}</span><span class="same">{escape(common)}</span>'
              f"{_mark(tok)}{escape(rest)}</div>"
              for name, c, tok, rest in ((story.a, story.correct[0], ta, ra), (story.b, story.correct[1], tb, rb))]
-    step = story.divergence["step"] if story.divergence else None
+    step = story.divergence.step if story.divergence else None
     top = top_rows(story, decode)
     top_html = ""
     if top:
@@ -202,10 +208,11 @@ def explorer_html(records: list[Record]) -> str:
     seen: set[str] = set()
     rows, sections = [], []
     for s in mine:
-        d = s.divergence or {}
+        d = s.divergence
+        assert d is not None
         rows.append(f'<tr><td><a href="#{escape(s.anchor)}">{escape(s.item_id)}</a></td><td>{escape(s.where)}'
-                    f"</td><td>{escape(s.a)} vs {escape(s.b)} @ {escape(s.precision)}</td><td>{d.get('step')}</td><td>{_num(d['a']['margin'])}</td><td>{_num(d['b']['margin'])}"
-                    f"</td><td>{_num(d.get('logit_maxabs'))}</td></tr>")
+                    f"</td><td>{escape(s.a)} vs {escape(s.b)} @ {escape(s.precision)}</td><td>{d.step}</td>"
+                    f"<td>{_num(d.a.margin)}</td><td>{_num(d.b.margin)}</td><td>{_num(d.logit_maxabs)}</td></tr>")
         if s.item_id in seen:  # the same item diverged in another pair (2x2, a second checkpoint): one anchor
             sections.append(story_html(s).replace(f'id="{escape(s.anchor)}"', "", 1))
         else:
@@ -266,9 +273,9 @@ def print_story(story: Story, console: Console) -> None:
         bands = Table(title=f"Cache, {story.a} vs {story.b}, per position band (all layers)", title_justify="left")
         for header in ("band", "positions", "K rel L2", "V rel L2", "K max-abs", "V max-abs"):
             bands.add_column(header, justify="right")
-        for band in story.cache["bands"]:  # type: ignore[index]  # layer rows imply a cache
-            bands.add_row(band["band"], f"{band['start']}-{band['end'] - 1}", _num(band["k"]["rel_l2"]),
-                          _num(band["v"]["rel_l2"]), _num(band["k"]["maxabs"]), _num(band["v"]["maxabs"]))
+        for band in story.cache.bands if story.cache else []:
+            bands.add_row(band.band, f"{band.start}-{band.end - 1}", _num(band.k.rel_l2), _num(band.v.rel_l2),
+                          _num(band.k.maxabs), _num(band.v.maxabs))
         console.print(bands)
 
 

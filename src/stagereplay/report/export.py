@@ -14,7 +14,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from stagereplay.records.ledger import atomic_output
+from stagereplay.records.ledger import Record, atomic_output
+from stagereplay.records.payload_readers import ItemHead
+from stagereplay.records.payloads import Arm, Draw
 
 COLUMNS: tuple[str, ...] = (
     "experiment",
@@ -61,39 +63,42 @@ def iter_ledger(path: Path) -> Iterator[dict[str, Any]]:
 
 def ledger_rows(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """One row per (item record, arm); one row with `arm = None` for a record without arms. The chain's
-    stage and environment records (ledger schema 2) are provenance, not rows."""
-    for record in records:
-        if record.get("kind", "item") != "item":
+    stage and environment records (ledger schema 2) are provenance, not rows. Each record is read as its model, its
+    payload as any experiment's is (`records.payload_readers.ItemHead`); one that is not raises pydantic's
+    ValidationError (a ValueError)."""
+    for raw in records:
+        record = Record.model_validate(raw)
+        if record.kind != "item":
             continue
-        payload = record.get("payload") or {}
+        payload = ItemHead.model_validate(record.payload)
         base = {
-            "experiment": record.get("experiment"),
-            "checkpoint": record.get("checkpoint"),
-            "item_id": record.get("item_id"),
-            "part": record.get("part", ""),
-            "status": payload.get("status"),
-            "prompt_ids": payload.get("prompt_ids"),
-            "prefix_ids": payload.get("prefix_ids"),
-            "boundary": payload.get("boundary"),
-            "seq": record.get("seq"),
-            "generated_ids": payload.get("generated_ids"),
+            "experiment": record.experiment,
+            "checkpoint": record.checkpoint,
+            "item_id": record.item_id,
+            "part": record.part,
+            "status": payload.status,
+            "prompt_ids": payload.prompt_ids,
+            "prefix_ids": payload.prefix_ids,
+            "boundary": payload.boundary,
+            "seq": record.seq,
+            "generated_ids": payload.generated_ids,
         }
-        arms = payload.get("arms") or [None]
+        arms: list[Arm | Draw | None] = [*payload.arms] or [None]
         for arm in arms:
-            arm = arm or {}
+            draw = arm if isinstance(arm, Draw) else None
             row = {
                 **base,
-                "arm": arm.get("name"),
-                "construction": arm.get("construction"),
-                "precision": arm.get("precision"),
-                "suffix_ids": arm.get("suffix_ids"),
-                "suffix_fp": arm.get("suffix_fp"),
-                "cache_fp": arm.get("cache_fp"),
-                "correct": arm.get("correct"),
-                "stream": arm.get("stream"),
-                "draw": arm.get("draw"),
-                "seed": arm.get("seed"),
-                "answer": arm.get("answer"),
+                "arm": arm.name if arm else None,
+                "construction": arm.construction if arm else None,
+                "precision": arm.precision if arm else None,
+                "suffix_ids": arm.suffix_ids if arm else None,
+                "suffix_fp": arm.suffix_fp if arm else None,
+                "cache_fp": arm.cache_fp if arm else None,
+                "correct": arm.correct if arm else None,
+                "stream": draw.stream if draw else None,
+                "draw": draw.draw if draw else None,
+                "seed": draw.seed if draw else None,
+                "answer": draw.answer if draw else None,
             }
             yield {column: row[column] for column in COLUMNS}
 

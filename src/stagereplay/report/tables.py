@@ -25,6 +25,7 @@ from stagereplay.experiments.format import (
     yes_no,
 )
 from stagereplay.experiments.registry import all_experiments
+from stagereplay.records.findings import Break, Finding
 from stagereplay.records.kernels import describe
 from stagereplay.report.results import RESULTS_VERSION
 
@@ -102,8 +103,9 @@ def diagnostics_table(results: dict[str, Any]) -> Table | None:
 
 
 def audit_tables(audit: dict[str, Any]) -> list[Table]:
+    """The audit's summary as results.json holds it (audit.json's JSON)."""
     broken = audit.get("broken_records") or []
-    mismatches = audit.get("mismatches") or []
+    mismatches = [Finding.model_validate(m) for m in audit.get("mismatches") or []]
     sample = audit.get("sample")
     rows = [
         ["items audited", str(audit["items"])],
@@ -118,7 +120,7 @@ def audit_tables(audit: dict[str, Any]) -> list[Table]:
     ]
     tables = [Table("table-audit", "Audit: re-executed from the saved ledger", ("", "result"), as_rows(rows))]
     if mismatches:
-        shown = [[m["item_id"], m["what"]] for m in mismatches[:MISMATCH_ROWS]]
+        shown = [[m.item_id, m.what] for m in mismatches[:MISMATCH_ROWS]]
         if len(mismatches) > MISMATCH_ROWS:
             shown.append(["", f"... and {len(mismatches) - MISMATCH_ROWS} more (all in audit.json)"])
         tables.append(Table("table-audit-mismatches", "Audit mismatches", ("item", "what"), as_rows(shown)))
@@ -150,9 +152,10 @@ def _environment_rows(audit: dict[str, Any]) -> list[list[str]]:
 
 
 def _record(b: Any) -> str:
-    """A broken record as `seq N`, whether stored as a bare seq or as an object carrying one."""
+    """A broken record as `seq N (reason)`, or `seq N` where an older audit.json stored the bare seq."""
     if isinstance(b, dict) and "seq" in b:
-        return f"seq {b['seq']}" + (f" ({b['reason']})" if b.get("reason") else "")
+        broken = Break.model_validate({"reason": "", **b})
+        return f"seq {broken.seq}" + (f" ({broken.reason})" if broken.reason else "")
     return f"seq {b}" if isinstance(b, int) else json.dumps(b)
 
 

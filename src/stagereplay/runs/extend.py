@@ -106,10 +106,9 @@ def audit(run_dir: str | Path, config: AuditConfig | None = None, verify_only: b
     (unless `verify_only`) re-execute the ledger, or a seeded sample of it (`config`), and compare every field;
     `reproduced` says if all held. `on.where` says where inputs that moved are now: each is checked against the
     run's hashes before anything runs."""
-    import json
-
     from stagereplay.audit.reexecute import audit_run
     from stagereplay.audit.verify import verify_run
+    from stagereplay.records.findings import audit_json
     from stagereplay.records.ledger import atomic_write
     from stagereplay.report.results import AUDIT_FILE
 
@@ -133,7 +132,7 @@ def audit(run_dir: str | Path, config: AuditConfig | None = None, verify_only: b
     with open_run(path, manifest, extend=False) as run:
         summary = audit_run(path, here, run.records, on.ex, quiet, config=config, relocated=moved,
                             server=on.where.server)
-        atomic_write(path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
+        atomic_write(path / AUDIT_FILE, audit_json(summary))
         finish(run, quiet)
         return summary
 

@@ -5,7 +5,6 @@ outcome-blind transplant at a later checkpoint), then the audit and the report.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +16,7 @@ from stagereplay.engine.model import check_model_dir
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.paper import AUDIT_SAMPLE, PRECISION, PaperConfig, Step, paper_steps
 from stagereplay.experiments.prepared import OURS, PreparedRun
+from stagereplay.records.findings import audit_json
 from stagereplay.records.ledger import Run, atomic_write, open_run
 from stagereplay.report.results import AUDIT_FILE
 from stagereplay.runs.inputs import Inputs
@@ -100,7 +100,7 @@ def paper(out: str | Path, inputs: Inputs | None = None, protocol: PaperConfig |
             if step is first:
                 check_outcome(run, step, prepared)
         summary = audit_run(run.path, run.manifest, run.records, ex, quiet, stored_results=False, config=audit)
-        atomic_write(run.path / AUDIT_FILE, json.dumps(summary, indent=2) + "\n")
+        atomic_write(run.path / AUDIT_FILE, audit_json(summary))
         return finish(run, quiet)
 
 

@@ -60,15 +60,14 @@ from stagereplay.serving.seam import (
     ServesUnderLoad,
 )
 from stagereplay.serving.server_identity import (
-    LLAMA_SERVER,
+    ServerIdentity,
     SpecCounters,
-    build_of,
     identify,
     llama_server_draft,
     slots_identity,
 )
 
-__all__ = ["Client", "HttpEngine", "HttpKind", "HttpOptions", "build_of", "identify", "public_url"]
+__all__ = ["Client", "HttpEngine", "HttpKind", "HttpOptions", "ServerIdentity", "identify", "public_url"]
 
 SLOT_FILE = "stagereplay-slot.bin"
 """The file a slot is saved to, in the server's --slot-save-path: one, overwritten by each item (a long trace's K/V
@@ -154,7 +153,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
 
     name = "http"
 
-    def __init__(self, config: EngineConfig, client: Client, api: str, identity: dict[str, Any]):
+    def __init__(self, config: EngineConfig, client: Client, api: str, identity: ServerIdentity):
         self.config, self.client, self.api, self.identity = config, client, api, identity
         self.options = config.own(HttpOptions)
         self.checked: dict[str, Any] = {}
@@ -162,7 +161,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
         self._salt = ""  # the cache salt of the last request that bypassed the cache (openai dialect)
         # A speculating vLLM says what a request drafted only through its server-wide counters, read around a request
         # sent alone (not under load, where other requests' drafts count too).
-        self._counts_drafts = bool(identity.get("speculative")) and identity.get("server") not in LLAMA_SERVER
+        self._counts_drafts = bool(identity.speculative) and not identity.llama_server
         self._alone = True
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -185,10 +184,10 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
             cache_n = timings.get("cache_n")
             cached = None if cache_n is None else int(cache_n)
             prompt = int(reply.get("tokens_evaluated", -1))
-            draft = llama_server_draft(timings, bool(self.identity.get("speculative")))
+            draft = llama_server_draft(timings, bool(self.identity.speculative))
             return Generation(ids_out, tuple(_top_native(s) for s in steps), cached, finish, draft), prompt
         body: dict[str, Any] = {
-            "model": self.identity.get("model"), "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "model": self.identity.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
             "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "seed": self.config.seed,
             "cache_prompt": reuse}
         if salt:
@@ -205,7 +204,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
         finish = "stop" if choice.get("finish_reason") == "stop" else "length"
         timings = reply.get("timings")  # llama-server's own field beside the OpenAI ones; vLLM has none
         draft = None if not isinstance(timings, dict) else llama_server_draft(
-            timings, bool(self.identity.get("speculative")))
+            timings, bool(self.identity.speculative))
         if before is not None:  # vLLM's counters, read around a request sent alone: its own speculation
             draft = SpecCounters.read(self.client).since(before)
         return Generation(tuple(tokens), tuple(top), cached, finish, draft), int(usage.get("prompt_tokens", -1))
@@ -231,7 +230,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
         """llama-server's slot save/restore (`--slot-save-path`): live's request again in slot A, that slot's K/V
         saved and restored into slot B (A itself, erased first, on a one-slot server), and the prefix continued
         in B reusing what was restored. The live request (to check it is live's) and the continuation."""
-        slots = int(self.identity.get("total_slots") or 1)
+        slots = self.identity.total_slots or 1
         a, b = 0, 1 % slots
         self.client.call(f"/slots/{a}?action=erase", {})
         live, _ = self.complete(prompt, live_tokens, reuse=False, slot=a)
@@ -298,7 +297,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
     # -- identity and the check before any item -----------------------------------------------------------
 
     def version(self) -> str:
-        return str(self.identity.get("build", "unknown"))
+        return str(self.identity.build)
 
     def close(self) -> None:
         """Nothing held open: each request has its own connection."""
@@ -309,7 +308,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
 
     def settings(self) -> dict[str, Any]:
         return {"engine": self.name, **self.config.as_dict(), "url": self.client.url, "api": self.api,
-                "build": build_of(self.identity), "server": dict(self.identity), "top_logprobs": TOP_LOGPROBS,
+                "build": self.identity.build_of(), "server": self.identity.as_json(), "top_logprobs": TOP_LOGPROBS,
                 "bypass": "cache_prompt: false" if self.api == "llama-server" else "cache_salt (+ cache_prompt: false)",
                 "checked": dict(self.checked), **({"resumed": self.resumed} if self.resumed else {})}
 
@@ -338,8 +337,8 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
                 "serve without a sampler override (no --samplers forcing sampling) and audit again")
         reused, _ = self.counted(probe, 8, reuse=True)
         bypassed, _ = self.counted(probe, 8, reuse=False)
-        if self.identity.get("server") in LLAMA_SERVER:  # its slots now say the speculative types requests run with
-            self.identity.update(slots_identity(self.client))
+        if self.identity.llama_server:  # its slots now say the speculative types requests run with
+            self.identity = self.identity.with_(slots_identity(self.client))
         if self.options.slot_restore:
             self._check_slot_restore()
         differs = self._tokenizer_differs(tokenizer)
@@ -400,7 +399,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
                 reply = self.client.call("/tokenize", {"content": text, "add_special": False})
             else:
                 # vLLM's body, with llama-server's `content` beside it (each server ignores the other's field)
-                reply = self.client.call("/tokenize", {"model": self.identity.get("model"), "prompt": text,
+                reply = self.client.call("/tokenize", {"model": self.identity.model, "prompt": text,
                                                        "content": text, "add_special_tokens": False},
                                          quiet_status=(404, 405))
                 if reply is None:
@@ -435,7 +434,7 @@ class HttpKind(EngineKind):
         its slots), vLLM's max_model_len; None where the server does not say."""
         options = config.own(HttpOptions)
         api, identity = identify(options.client(), options.api)
-        n = identity.get("n_ctx") if api == "llama-server" else identity.get("max_model_len")
+        n = identity.n_ctx if api == "llama-server" else identity.max_model_len
         if not n:
             return None
         per = "per-slot context" if api == "llama-server" else "context (max_model_len)"
@@ -454,9 +453,9 @@ class HttpKind(EngineKind):
         return config.own(HttpOptions).concurrency
 
     def build(self, config: EngineConfig) -> dict[str, Any]:
-        """The build of the server at the config's url now (`build_of`), for the audit."""
+        """The build of the server at the config's url now (`ServerIdentity.build_of`), for the audit."""
         options = config.own(HttpOptions)
-        return build_of(identify(options.client(), options.api)[1])
+        return identify(options.client(), options.api)[1].build_of()
 
     def at_address(self, config: EngineConfig, url: str) -> EngineConfig:
         return replace(config, options=replace(config.own(HttpOptions), url=url))

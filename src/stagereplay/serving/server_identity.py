@@ -1,7 +1,8 @@
 """What a running server says it is (`--engine http`): its software, build and model, and the settings it reports
-that change how it builds the K/V cache. They go into the run's server identity (the manifest's and every record's
-`environment.engine.server`), so that `compare` names a difference between two deployments, and the part that fixes
-the numbers (`build_of`) is what the audit compares with the server it finds.
+that change how it builds the K/V cache, as one model (`ServerIdentity`). It goes into the run's server identity (the
+manifest's and every record's `environment.engine.server`), so that `compare` names a difference between two
+deployments, and the part that fixes the numbers (`ServerIdentity.build_of`) is what the audit compares with the
+server it finds.
 
 llama-server (the build llama-cpp-python 0.3.36 vendors) reports:
 
@@ -30,7 +31,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from stagereplay.errors import StageReplayError
+from stagereplay.records.payloads import first_error
 from stagereplay.serving.client import Client
 from stagereplay.serving.seam import Draft
 
@@ -51,7 +55,65 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def identify(client: Client, api: str) -> tuple[str, dict[str, Any]]:
+class ServerIdentity(BaseModel):
+    """What a server says it is, each field as the server reported it: set (null where the endpoint that has it
+    did not say) where the server's dialect has it, absent where it does not (`as_json` writes the fields set, in
+    this order: the manifest's `environment.engine.server`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, protected_namespaces=())
+
+    server: str | None = Field(None, description="its software: llama-server, or /v1/models' `owned_by` (vllm, ...)")
+    build: str | None = Field(None, description="its build (llama-server's build_info; vLLM's /version)")
+    model: str | None = Field(None, description="the model it serves, by the name requests give it")
+    model_path: str | None = Field(None, description="llama-server: the model file it loaded (a location)")
+    root: str | None = Field(None, description="/v1/models: the model's root (a path or a hub id)")
+    max_model_len: int | None = Field(None, description="/v1/models: the longest sequence it serves")
+    total_slots: int | None = Field(None, description="llama-server: its slots (requests served at once)")
+    n_ctx: int | None = Field(None, description="llama-server: each slot's context")
+    model_ftype: str | None = Field(None, description="llama-server: the model's weight type")
+    model_meta: dict[str, Any] | None = Field(None, description="llama-server's /v1/models `meta` as it says it "
+                                                               "(n_params, size, n_ctx_train, ...: its JSON)")
+    speculative: bool | None = Field(None, description="whether it speculates (llama-server's /slots; vLLM's "
+                                                       "speculation counters exist)")
+    speculative_types: str | None = Field(None, description="llama-server: the speculative types of the last "
+                                                            "request a slot ran")
+    cache_config: dict[str, str] | None = Field(None, description="vLLM: its cache configuration's labels that "
+                                                                  "say how the cache is built (`CACHE_LABELS`)")
+
+    @classmethod
+    def said(cls, url: str, **fields: Any) -> ServerIdentity:
+        """The fields a server reported, as its identity; a value of another type than its field's is refused in
+        one line (nothing a server says is converted)."""
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            raise StageReplayError(f"the server at {url} says what this stagereplay does not read "
+                                   f"({first_error(exc)})", "serve with llama-server or vllm serve") from None
+
+    def with_(self, more: ServerIdentity) -> ServerIdentity:
+        """This identity with the fields `more` sets (`check` reads the slots again once a request ran)."""
+        return self.model_copy(update=more.model_dump(exclude_unset=True))
+
+    def as_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_unset=True)
+
+    @property
+    def llama_server(self) -> bool:
+        """Whether it is llama-server (under either dialect)."""
+        return self.server in LLAMA_SERVER
+
+    def build_of(self) -> dict[str, Any]:
+        """What fixes a server's numbers, as far as it says: its software and build, the model it serves, and
+        whether it speculates (named only where it does, so a record made before this was read compares equal with
+        a server that does not). The audit compares it as it compares our kernels: another build, model or
+        speculation is "not reproduced here". A server's cache types and batch sizes are not said, so not compared:
+        `--server-args` declares them."""
+        said = self.as_json()
+        build = {k: said[k] for k in BUILD_KEYS if said.get(k) is not None}
+        return {**build, **({"speculative": True} if self.speculative else {})}
+
+
+def identify(client: Client, api: str) -> tuple[str, ServerIdentity]:
     """Which dialect the server speaks (`api` unless auto) and what it says it is: build, model, slots, and the
     settings it reports that change how it builds the cache."""
     props = client.call("/props", quiet_status=QUIET) if api in ("auto", "llama-server") else None
@@ -66,52 +128,55 @@ def identify(client: Client, api: str) -> tuple[str, dict[str, Any]]:
                                "start it with a model, or check --url")
     first = data[0]
     version = client.call("/version", quiet_status=(404, 405)) or {}
-    identity = {"server": first.get("owned_by"), "build": version.get("version"), "model": first.get("id"),
-                "root": first.get("root"), "max_model_len": first.get("max_model_len")}
-    if identity["server"] in LLAMA_SERVER:  # llama-server under --api openai: what its own endpoints say
-        return "openai", {**identity, **({"model_meta": first["meta"]} if isinstance(first.get("meta"), dict) else {}),
-                          **slots_identity(client)}
-    return "openai", {**identity, **metrics_identity(client.text("/metrics") or "")}
+    identity = ServerIdentity.said(client.url, server=first.get("owned_by"), build=version.get("version"),
+                                   model=first.get("id"), root=first.get("root"),
+                                   max_model_len=first.get("max_model_len"))
+    if identity.llama_server:  # llama-server under --api openai: what its own endpoints say
+        meta = first.get("meta")
+        if isinstance(meta, dict):
+            identity = identity.with_(ServerIdentity.said(client.url, model_meta=meta))
+        return "openai", identity.with_(slots_identity(client))
+    return "openai", identity.with_(metrics_identity(client.text("/metrics") or "", client.url))
 
 
-def llama_server(client: Client, props: dict[str, Any]) -> dict[str, Any]:
-    """A llama-server's identity from its /props, /v1/models and /slots."""
+def llama_server(client: Client, props: dict[str, Any]) -> ServerIdentity:
+    """A llama-server's identity from its /props (the server's JSON), /v1/models and /slots."""
     settings = props.get("default_generation_settings") or {}
-    identity: dict[str, Any] = {
-        "server": "llama-server", "build": props.get("build_info"), "model": props.get("model_alias"),
-        "model_path": props.get("model_path"), "total_slots": props.get("total_slots"), "n_ctx": settings.get("n_ctx"),
-        "model_ftype": props.get("model_ftype")}
+    identity = ServerIdentity.said(
+        client.url, server="llama-server", build=props.get("build_info"), model=props.get("model_alias"),
+        model_path=props.get("model_path"), total_slots=props.get("total_slots"), n_ctx=settings.get("n_ctx"),
+        model_ftype=props.get("model_ftype"))
     models = client.call("/v1/models", quiet_status=QUIET) or {}
     meta = ((models.get("data") or [{}])[0] or {}).get("meta")
     if isinstance(meta, dict):
-        identity["model_meta"] = meta
-    return {**identity, **slots_identity(client)}
+        identity = identity.with_(ServerIdentity.said(client.url, model_meta=meta))
+    return identity.with_(slots_identity(client))
 
 
-def slots_identity(client: Client) -> dict[str, Any]:
+def slots_identity(client: Client) -> ServerIdentity:
     """What llama-server's /slots say of speculation: whether its slots speculate, and the speculative types of the
-    last request a slot ran (none before the first request). Empty where /slots is off."""
+    last request a slot ran (none before the first request). Nothing where /slots is off."""
     slots = client.call("/slots", quiet_status=QUIET)
     if not isinstance(slots, list) or not slots:
-        return {}
-    out: dict[str, Any] = {"speculative": any(bool(s.get("speculative")) for s in slots)}
+        return ServerIdentity()
+    speculative = any(bool(s.get("speculative")) for s in slots)
     types = [(s.get("params") or {}).get("speculative.types") for s in slots]
     ran = [t for t in types if t is not None]
     if ran:
-        out["speculative_types"] = ran[0]
-    return out
+        return ServerIdentity.said(client.url, speculative=speculative, speculative_types=ran[0])
+    return ServerIdentity(speculative=speculative)
 
 
-def metrics_identity(text: str) -> dict[str, Any]:
+def metrics_identity(text: str, url: str = "") -> ServerIdentity:
     """What vLLM's /metrics say of its cache: its cache configuration's labels, and whether it speculates (its
-    speculation counters exist). Empty for a server without those metrics."""
-    out: dict[str, Any] = {}
+    speculation counters exist). Nothing for a server without those metrics."""
+    said: dict[str, Any] = {}
     for name, labels, _ in samples(text):
         if name == CACHE_CONFIG:
-            out["cache_config"] = {k: labels[k] for k in CACHE_LABELS if k in labels}
+            said["cache_config"] = {k: labels[k] for k in CACHE_LABELS if k in labels}
         elif name.startswith(SPEC_DRAFTED):
-            out["speculative"] = True
-    return out
+            said["speculative"] = True
+    return ServerIdentity.said(url, **said)
 
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -160,13 +225,3 @@ def llama_server_draft(timings: dict[str, Any], speculative: bool) -> Draft | No
     if "draft_n" in timings:
         return Draft(int(timings["draft_n"]), int(timings.get("draft_n_accepted") or 0))
     return Draft(0, 0) if speculative else None
-
-
-def build_of(identity: dict[str, Any]) -> dict[str, Any]:
-    """What fixes a server's numbers, as far as it says: its software and build, the model it serves, and whether
-    it speculates (named only where it does, so a record made before this was read compares equal with a server that
-    does not). The audit compares it as it compares our kernels: another build, model or speculation is "not
-    reproduced here". A server's cache types and batch sizes are not said, so not compared: `--server-args`
-    declares them."""
-    build = {k: identity.get(k) for k in BUILD_KEYS if identity.get(k) is not None}
-    return {**build, **({"speculative": True} if identity.get("speculative") else {})}
