@@ -17,7 +17,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel
 
-from stagereplay.records.payloads import MODELS
+from stagereplay.records import payloads, scored
+
+MODELS = (*payloads.MODELS, *scored.MODELS)
+"""Every payload model the ledger holds, in the order the page shows them: the protocol's, then mismatch's."""
 
 BEGIN, END = "<!-- generated: payload models -->", "<!-- end generated -->"
 
