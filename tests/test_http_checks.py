@@ -255,11 +255,11 @@ def test_server_args_are_recorded_verbatim_and_compare_names_two_that_differ(tok
         manifest = json.loads((tmp_path / name / "manifest.json").read_text())
         assert manifest["stages"]["matched/primary"]["engine"]["server_args"] == args
         assert manifest["environment"]["engine"]["server_args"] == args
-    differ = compare(tmp_path / "a", tmp_path / "b", tmp_path / "ab").differences
+    differ = compare(tmp_path / "a", tmp_path / "b", tmp_path / "ab").document.differences
     fields = {d.field: (d.a, d.b) for group in ("settings", "server") for d in differ.group(group)}
     assert fields["config.engine.server_args"] == (flags["a"], flags["b"])
     assert fields["environment.engine.server_args"] == (flags["a"], flags["b"])
-    same = compare(tmp_path / "a", tmp_path / "c", tmp_path / "ac").differences
+    same = compare(tmp_path / "a", tmp_path / "c", tmp_path / "ac").document.differences
     assert not [d for group in ("settings", "server") for d in same.group(group) if "server_args" in d.field], same
 
 

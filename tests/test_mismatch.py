@@ -9,7 +9,8 @@
 - the transplant moves the log-probabilities after it to the donor, and the zero-layer control does not;
 - processed log-probabilities are the sampler's warped distribution (control: raw ones are not);
 - a rollout file is audited against the trainer with no engine, and a malformed file is refused in one line;
-- the run verifies, re-executes clean in the audit, and plan prices it.
+- the run verifies, re-executes clean in the audit, and plan prices it;
+- `compare` of two rollout files finds a planted log-probability and nothing else (control: the same file twice).
 """
 
 from __future__ import annotations
@@ -207,6 +208,39 @@ def test_a_rollout_file_is_audited_against_the_trainer_and_a_planted_logprob_is_
         assert differs.tolist() == [5]
     verified = runner.invoke(app, ["audit", str(tmp_path / "b"), "--verify-only"])
     assert verified.exit_code == 0, verified.output
+
+
+def test_compare_of_two_rollout_files_finds_the_one_planted_logprob_and_nothing_else(toy_run, tmp_path):
+    """Two rollout files of the same prompts and tokens, one with a log-probability moved per item: `compare` finds
+    the tokens equal, exactly one rollout log-probability per item differing (by what was planted) and the
+    trainer's unmoved. Control: a file against a run of the same file finds nothing. Runs of other prompts
+    (the toy task's rollouts generated against a file) are refused in one line."""
+    good, bad = tmp_path / "rollouts.jsonl", tmp_path / "planted.jsonl"
+    _write_rollouts(toy_run, good)
+    _write_rollouts(toy_run, bad, edit=lambda row: row["logprobs"].__setitem__(5, row["logprobs"][5] - 0.5))
+    for name, path in (("a", good), ("b", bad), ("c", good)):
+        ran = runner.invoke(app, ["mismatch", "--rollouts", str(path), "--precisions", "bf16", "--transplant-at",
+                                  "0", "--quiet", "--out", str(tmp_path / name)])
+        assert ran.exit_code == 0, ran.output
+
+    def sides(a, b):
+        done = runner.invoke(app, ["compare", str(tmp_path / a), str(tmp_path / b), "--out", str(tmp_path / f"{a}{b}")])
+        assert done.exit_code == 0, done.output
+        doc = json.loads((tmp_path / f"{a}{b}" / "compare.json").read_text())
+        assert doc["kind"] == "mismatch" and doc["items"] == doc["tokens_equal"] == 3
+        return doc, {p["side"]: p for p in doc["pairs"]}
+
+    doc, planted = sides("a", "b")
+    assert planted["rollout"]["bitwise_equal"] == 1 - 3 / planted["rollout"]["tokens"]
+    assert planted["rollout"]["abs_max"] == pytest.approx(0.5, abs=1e-3)
+    assert planted["trainer@bf16"]["bitwise_equal"] == 1.0  # the trainer scored the same tokens: unmoved
+    assert [d["field"] for d in doc["differences"]["settings"]] == ["config.dataset_hash"]
+    assert "rollout" in (tmp_path / "ab" / "compare.md").read_text()
+    _, same = sides("a", "c")
+    assert same["rollout"]["bitwise_equal"] == same["trainer@bf16"]["bitwise_equal"] == 1.0  # control
+    refused = runner.invoke(app, ["compare", str(toy_run), str(tmp_path / "a"), "--out", str(tmp_path / "ta")])
+    lines = refused.stderr.strip().splitlines()
+    assert refused.exit_code == 2 and len(lines) == 1 and "different datasets" in lines[0], refused.stderr
 
 
 @pytest.mark.parametrize(("edit", "says"), [

@@ -13,7 +13,7 @@ from stagereplay.cli.options import Quiet
 
 @app.command()
 def compare(
-    run_a: Annotated[Path, typer.Argument(help="run A: a run directory with matched records")],
+    run_a: Annotated[Path, typer.Argument(help="run A: a run directory with matched (or mismatch) records")],
     run_b: Annotated[Path, typer.Argument(help="run B: the same model and items under another setting")],
     out: Annotated[Path | None, typer.Option("--out", help="folder for compare.json, compare.md and compare.html "
                                                            "(default: <A>-vs-<B> beside run A)")] = None,
@@ -22,9 +22,10 @@ def compare(
 ) -> None:
     """Two runs of one model and the same items under two settings (servers, engine options, engines,
     precisions): live trajectories equal, the first divergence and its margins, suffix and label disagreements
-    per arm with the paired CI and McNemar's p, and what differs between the manifests. Both ledgers are verified
-    first; runs of different models, tokenizers or items are refused. Exit 0 when it compared: a difference is a
-    finding."""
+    per arm with the paired CI and McNemar's p, and what differs between the manifests. Two mismatch runs (two
+    rollout engines or files, an engine option): the rollouts' tokens, B's log-probabilities against A's on the
+    same tokens, and each attribution row side by side. Both ledgers are verified first; runs of different models,
+    tokenizers or items are refused. Exit 0 when it compared: a difference is a finding."""
 
     def go() -> None:
         from stagereplay.report.compare_render import FILES, print_compare

@@ -56,6 +56,8 @@ from stagereplay.records.proofs import machine_store
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
+    from stagereplay.experiments.compared import RunComparison
+    from stagereplay.records.differences import Differences
     from stagereplay.tasks import DataConfig
 
 __all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "Section", "append_jobs"]
@@ -248,6 +250,14 @@ class Experiment(ABC):
         """(label, summary, its disagreement counts {k, n}) of each compared pair in its results.json entry whose
         summary carries diagnostics (margins, logits, caches): the report's diagnostics table and figures."""
         return []
+
+    def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
+                     stages: tuple[StageSection, StageSection], runs: tuple[str, str],
+                     differences: Differences) -> RunComparison | None:
+        """Two runs of it at `checkpoint` side by side, item by item (`stagereplay compare`), from their records of
+        it, given what differs between their manifests; None where the matched comparison of live trajectories
+        is the one (`report.compare`)."""
+        return None
 
     def unit_positions(self, record: Record) -> int:
         """The longest sequence one recorded unit held (what its caches are sized by): its prefix and longest

@@ -49,7 +49,9 @@ if TYPE_CHECKING:
     import numpy as np
 
     from stagereplay.engine.lm import LM
+    from stagereplay.experiments.compared import RunComparison
     from stagereplay.experiments.prepared import PreparedRun
+    from stagereplay.records.differences import Differences
     from stagereplay.tasks import DataConfig
 
 EXPERIMENT = "mismatch"
@@ -378,6 +380,15 @@ class Mismatch(Experiment):
         from stagereplay.experiments.mismatch_summary import mismatch_tables
 
         return [t for section in results or [] for t in mismatch_tables(section)]
+
+    def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
+                     stages: tuple[StageSection, StageSection], runs: tuple[str, str],
+                     differences: Differences) -> RunComparison:
+        from stagereplay.experiments.mismatch_compare import compared
+
+        sections = (self.summarize(records[0], stages[0], checkpoint)[0],
+                    self.summarize(records[1], stages[1], checkpoint)[0])
+        return compared(records, item_ids, checkpoint, runs, sections, differences)
 
     def verdict_facts(self, results: Any) -> list[Fact]:
         from stagereplay.experiments.mismatch_summary import mismatch_verdict

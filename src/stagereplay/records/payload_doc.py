@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from stagereplay.records import payloads, scored
 
-MODELS = (*payloads.MODELS, *scored.MODELS)
+MODELS: tuple[type[BaseModel], ...] = (*payloads.MODELS, *scored.MODELS)
 """Every payload model the ledger holds, in the order the page shows them: the protocol's, then mismatch's."""
 
 BEGIN, END = "<!-- generated: payload models -->", "<!-- end generated -->"

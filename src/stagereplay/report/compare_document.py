@@ -16,6 +16,7 @@ from typing import Annotated, Any, Final, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stagereplay.errors import StageReplayError
+from stagereplay.records.differences import Differences
 from stagereplay.records.payloads import TopEntry, first_error
 
 COMPARE_VERSION = 1
@@ -75,29 +76,6 @@ class RunInfo(CompareModel):
     precision: str = Field(description="the matched stage's precision")
     engine: str = Field(description="the engine that ran the matched stage: ours, or a serving engine's name")
     construction: str | None = Field(description="the matched stage's fresh construction(s), as its section says")
-
-
-class Difference(CompareModel):
-    """One field whose value differs between the two runs."""
-
-    field: str = Field(description="its dotted name (`config.model.precision`, `environment.engine.server.build`)")
-    a: Any = Field(description="its value in run A, as the manifest or environment holds it (null: A lacks it)")
-    b: Any = Field(description="its value in run B (null: B lacks it)")
-
-
-class Differences(CompareModel):
-    """What differs between the runs, in groups (`report.compare_manifests.manifest_differences`)."""
-
-    settings: list[Difference] = Field(description="the config and the matched stage's section")
-    server: list[Difference] = Field(description="a serving engine's identity and settings, less what changes "
-                                                 "with each start")
-    kernels: list[Difference] = Field(description="what chooses the kernels of the process that computed the "
-                                                  "records (`records.kernels`)")
-    environment: list[Difference] = Field(description="the rest of that process: packages, commit, proofs")
-    locations: list[Difference] = Field(description="where a file or a server lies, which is no setting")
-
-    def group(self, name: str) -> list[Difference]:
-        return list(getattr(self, name))
 
 
 # -- one item ------------------------------------------------------------------------------------------------------

@@ -17,10 +17,10 @@ from typing import Any
 
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.matched import EXPERIMENT as MATCHED
+from stagereplay.records.differences import Difference, Differences
 from stagereplay.records.kernels import kernel_differences
 from stagereplay.records.ledger import Record, diff_fields
 from stagereplay.records.manifest import Manifest
-from stagereplay.report.compare_document import Difference, Differences
 
 MODEL_KEYS = ("config", "weights", "gguf")
 """The `config.model_hashes.<checkpoint>` fields that identify a model's weights and architecture
@@ -49,18 +49,20 @@ class RunSide:
     manifest: Manifest
     chain: list[Record]
 
-    def matched(self, checkpoint: str) -> list[Record]:
-        """Its matched item records at `checkpoint`, in ledger order."""
-        return [r for r in self.chain if r.kind == "item" and r.experiment == MATCHED and r.checkpoint == checkpoint]
+    def matched(self, checkpoint: str, experiment: str = MATCHED) -> list[Record]:
+        """Its item records of `experiment` (matched unless named) at `checkpoint`, in ledger order."""
+        return [r for r in self.chain
+                if r.kind == "item" and r.experiment == experiment and r.checkpoint == checkpoint]
 
-    def checkpoints(self) -> list[str]:
-        return sorted({r.checkpoint for r in self.chain if r.kind == "item" and r.experiment == MATCHED})
+    def checkpoints(self, experiment: str = MATCHED) -> list[str]:
+        return sorted({r.checkpoint for r in self.chain if r.kind == "item" and r.experiment == experiment})
 
-    def environment(self, checkpoint: str) -> dict[str, Any]:
-        """The environment of the process that computed its first matched record at `checkpoint` (the manifest's
-        where none is named), with the serving engine's identity from the manifest (only it records that)."""
+    def environment(self, checkpoint: str, experiment: str = MATCHED) -> dict[str, Any]:
+        """The environment of the process that computed its first record of `experiment` at `checkpoint` (the
+        manifest's where none is named), with the serving engine's identity from the manifest (only it records
+        that)."""
         envs = {r.env: r.payload for r in self.chain if r.kind == "environment"}
-        first = next((envs[r.env] for r in self.matched(checkpoint) if r.env in envs), None)
+        first = next((envs[r.env] for r in self.matched(checkpoint, experiment) if r.env in envs), None)
         manifest_env = self.manifest.environment
         env = dict(first if first is not None else manifest_env)
         if "engine" in manifest_env:
@@ -68,15 +70,16 @@ class RunSide:
         return env
 
 
-def check_comparable(a: RunSide, b: RunSide, checkpoint: str) -> None:
-    """Refuse, in one line, two runs that do not hold matched records at `checkpoint`, or that ran different models,
-    tokenizers or items."""
+def check_comparable(a: RunSide, b: RunSide, checkpoint: str, experiment: str = MATCHED) -> None:
+    """Refuse, in one line, two runs that do not hold records of `experiment` (matched unless named) at
+    `checkpoint`, or that ran different models, tokenizers or items."""
     for side in (a, b):
-        if not side.matched(checkpoint):
-            held = ", ".join(side.checkpoints())
-            raise StageReplayError(f"{side.path} holds no matched records at checkpoint {checkpoint}",
+        if not side.matched(checkpoint, experiment):
+            held = ", ".join(side.checkpoints(experiment))
+            raise StageReplayError(f"{side.path} holds no {experiment} records at checkpoint {checkpoint}",
                                    f"pass --checkpoint one of: {held}" if held else
-                                   "compare runs made by `stagereplay matched` (or `paper`)")
+                                   f"compare runs made by `stagereplay {experiment}`"
+                                   + (" (or `paper`)" if experiment == MATCHED else ""))
     ha, hb = (_hashes(side, checkpoint) for side in (a, b))
     if ("gguf" in ha) != ("gguf" in hb):
         gguf, folder = (a, b) if "gguf" in ha else (b, a)
@@ -99,7 +102,8 @@ def check_comparable(a: RunSide, b: RunSide, checkpoint: str) -> None:
         raise StageReplayError(f"{a.path} ran {len(ia)} items and {b.path} {len(ib)}, {common} of them in common "
                                "(config.item_ids differ)",
                                "compare runs of the same items: the same --data and --n (and no --shard)")
-    if ca.dataset_hash != cb.dataset_hash:
+    rollout_files = ca.data.rollouts and cb.data.rollouts  # two engines' rollouts of one set of prompts
+    if ca.dataset_hash != cb.dataset_hash and not rollout_files:
         raise StageReplayError(f"{a.path} and {b.path} ran items of different datasets (config.dataset_hash "
                                "differs)", "compare runs of the same data file")
 
@@ -112,19 +116,22 @@ def _hashes(side: RunSide, checkpoint: str) -> dict[str, Any]:
     return hashes
 
 
-def manifest_differences(a: RunSide, b: RunSide, checkpoint: str) -> Differences:
-    """What differs, in groups of fields: `settings` (the config and the matched stage), `server` (a serving
+def manifest_differences(a: RunSide, b: RunSide, checkpoint: str, experiment: str = MATCHED) -> Differences:
+    """What differs, in groups of fields: `settings` (the config and the stage of `experiment`), `server` (a serving
     engine's identity and settings, less what changes with each start), `kernels` (by the names `records.kernels`
     gives them), `environment` (the rest of the computing process: packages, commit, proofs), and `locations`
     (paths and URLs, which are no setting)."""
     settings: list[Difference] = []
     server: list[Difference] = []
     locations: list[Difference] = []
-    own_a, own_b = _settings(a, checkpoint), _settings(b, checkpoint)
+    own_a, own_b = _settings(a, checkpoint, experiment), _settings(b, checkpoint, experiment)
     for name in diff_fields(own_a, own_b):
         (locations if _is_location(name) else settings).append(Difference(field=name, a=_at(own_a, name),
                                                                           b=_at(own_b, name)))
-    ea, eb = a.environment(checkpoint), b.environment(checkpoint)
+    ha, hb = a.manifest.config.dataset_hash, b.manifest.config.dataset_hash
+    if ha != hb:  # two rollout files of one set of prompts (`check_comparable`): which file is a setting
+        settings.append(Difference(field="config.dataset_hash", a=ha, b=hb))
+    ea, eb = a.environment(checkpoint, experiment), b.environment(checkpoint, experiment)
     sa, sb = (_drop(e.get("engine") or {}, VOLATILE) for e in (ea, eb))
     for name in diff_fields(sa, sb, "environment.engine."):
         field = Difference(field=name, a=_at({"environment": {"engine": sa}}, name),
@@ -140,11 +147,11 @@ def manifest_differences(a: RunSide, b: RunSide, checkpoint: str) -> Differences
                        locations=locations)
 
 
-def _settings(side: RunSide, checkpoint: str) -> dict[str, Any]:
-    """The config less its identity, and the matched stage's section: each key the config does not hold with the
-    same value, under `stages.matched/<checkpoint>`."""
+def _settings(side: RunSide, checkpoint: str, experiment: str) -> dict[str, Any]:
+    """The config less its identity, and the stage's section: each key the config does not hold with the same
+    value, under `stages.<experiment>/<checkpoint>`."""
     config = {k: v for k, v in side.manifest.config.as_json().items() if k not in IDENTITY}
-    name = f"{MATCHED}/{checkpoint}"
+    name = f"{experiment}/{checkpoint}"
     section = side.manifest.stage(name)
     stage = section.as_json() if section is not None else {}
     own = {k: v for k, v in stage.items() if config.get(k) != v}

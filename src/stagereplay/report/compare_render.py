@@ -4,10 +4,10 @@ page's figure places each divergent item's first divergence against the margins 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from stagereplay.experiments.compared import RunComparison, differences_answer, differences_table
 from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, p_value, pct, points
 from stagereplay.records.ledger import atomic_write
 from stagereplay.records.payloads import TopEntry
@@ -30,18 +30,20 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 FILES = ("compare.json", "compare.md", "compare.html")
-GROUPS = (("settings", "setting"), ("server", "server"), ("kernels", "kernels"), ("environment", "environment"),
-          ("locations", "location"))
-"""compare.json's groups of differences, in the order shown, and how a row names its group."""
 
 
-def write_compare(out: Path, comparison: CompareDocument) -> list[Path]:
+def matched_comparison(c: CompareDocument) -> RunComparison:
+    """Two matched runs' comparison as `compare` writes and prints it."""
+    return RunComparison(c, header(c), compare_verdict(c), compare_tables(c), [divergence_figure(c)])
+
+
+def write_compare(out: Path, comparison: RunComparison) -> list[Path]:
     """compare.json, compare.md and a self-contained compare.html in `out`, each written atomically."""
-    tables, figure = compare_tables(comparison), divergence_figure(comparison)
-    page = render_html(header(comparison), tables, [figure], compare_verdict(comparison))
+    c = comparison
+    page = render_html(c.header, c.tables, c.figures, c.verdict)
     page = page.replace("<title>stagereplay report</title>", "<title>stagereplay compare</title>", 1)
     page = page.replace("<h1>stagereplay report</h1>", "<h1>stagereplay compare</h1>", 1)
-    texts = (comparison.write(), compare_markdown(comparison, tables), page)
+    texts = (c.document.write(), compare_markdown(c), page)
     paths = [out / name for name in FILES]
     for path, text in zip(paths, texts, strict=True):
         atomic_write(path, text)
@@ -80,26 +82,14 @@ def compare_verdict(c: CompareDocument) -> list[tuple[str, str]]:
                         f" items; accuracy A {pct(live.accuracy.a)}, B {pct(live.accuracy.b)}, A - B "
                         f"{points(d.estimate)} points [{points(d.ci[0])}, {points(d.ci[1])}], McNemar p "
                         f"{p_value(live.mcnemar_p)}."))
-    differs = [f"{name}: {', '.join(x.field for x in c.differences.group(key))}" for key, name in GROUPS[:3]
-               if c.differences.group(key)]
-    answers.append(("What differs?", "; ".join(differs) + "." if differs else
-                    "nothing in the settings, the server or the kernels."))
+    answers.append(differences_answer(c.differences))
     return answers
 
 
 def compare_tables(c: CompareDocument) -> list[Table]:
-    tables = [differences_table(c), trajectories_table(c), arms_table(c)]
+    tables = [differences_table(c.differences), trajectories_table(c), arms_table(c)]
     items = items_table(c)
     return tables + ([items] if items is not None else [])
-
-
-def differences_table(c: CompareDocument) -> Table:
-    rows = [[name, x.field, _show(x.a), _show(x.b)] for key, name in GROUPS for x in c.differences.group(key)]
-    note = ("setting: the manifests' config and matched stage; server: a serving engine's identity and settings "
-            "(less what changes with each start); kernels: what chooses the kernels of the process that computed "
-            "the records; location: where a file or a server lies, which is no setting.")
-    return Table("table-compare-differences", "What differs between the runs", ("", "field", "A", "B"),
-                 as_rows(rows or [["-", "nothing differs", NA, NA]]), note)
 
 
 def trajectories_table(c: CompareDocument) -> Table:
@@ -202,33 +192,24 @@ def _number(x: float | None) -> str:
     return NA if x is None else "0" if x == 0 else f"{x:.3g}"
 
 
-def _show(value: Any) -> str:
-    """A manifest's value as a cell (any JSON)."""
-    if value is None:
-        return "(none)"
-    if isinstance(value, dict):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
-    return str(value)
-
-
-def compare_markdown(c: CompareDocument, tables: list[Table]) -> str:
+def compare_markdown(c: RunComparison) -> str:
     lines = ["# stagereplay compare", ""]
-    lines += [f"- **{k}**: {v}" for k, v in header(c)]
-    lines += [""] + [f"**{q}** {a[0].upper()}{a[1:]}\n" for q, a in compare_verdict(c)]
-    lines += ["The figure is in `compare.html` beside this file.", ""]
-    lines += markdown_tables(tables)
+    lines += [f"- **{k}**: {v}" for k, v in c.header]
+    lines += [""] + [f"**{q}** {a[0].upper()}{a[1:]}\n" for q, a in c.verdict]
+    lines += [f"The figure{'s are' if len(c.figures) > 1 else ' is'} in `compare.html` beside this file.", ""] if c.figures else []
+    lines += markdown_tables(c.tables)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def print_compare(c: CompareDocument, console: Console | None = None) -> None:
+def print_compare(c: RunComparison, console: Console | None = None) -> None:
     """The answers and the short tables, on the terminal."""
     from rich.console import Console
     from rich.table import Table as RichTable
 
     console = console or Console()
-    for question, answer in compare_verdict(c):
+    for question, answer in c.verdict:
         console.print(f"{question} {answer[0].upper()}{answer[1:]}", highlight=False)
-    for table in compare_tables(c):
+    for table in c.tables:
         if not table.terminal:
             continue
         rich = RichTable(title=table.title, title_justify="left")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from stagereplay.audit.verify import verify_run
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.compared import RunComparison
 from stagereplay.records.ledger import read_ledger, read_manifest
 from stagereplay.report.compare import build_comparison
-from stagereplay.report.compare_document import CompareDocument
-from stagereplay.report.compare_manifests import RunSide
-from stagereplay.report.compare_render import write_compare
+from stagereplay.report.compare_manifests import RunSide, check_comparable, manifest_differences
+from stagereplay.report.compare_render import matched_comparison, write_compare
 
 
 def default_out(run_a: Path, run_b: Path) -> Path:
@@ -26,10 +26,10 @@ def default_out(run_a: Path, run_b: Path) -> Path:
     return a.parent / f"{a.name}-vs-{b.name}"
 
 
-def compare(run_a: Path, run_b: Path, out: Path | None = None, checkpoint: str = "primary") -> CompareDocument:
+def compare(run_a: Path, run_b: Path, out: Path | None = None, checkpoint: str = "primary") -> RunComparison:
     """Verify both runs, compare them at `checkpoint`, write the three files into `out` (`default_out` when None);
-    return compare.json as its model. Refuses (`StageReplayError`) a run that does not verify, runs of different
-    models, tokenizers or items, and an `out` that is one of the runs or a file."""
+    return the comparison (`.document` is compare.json as its model). Refuses (`StageReplayError`) a run that does
+    not verify, runs of different models, tokenizers or items, and an `out` that is one of the runs or a file."""
     run_a, run_b = Path(run_a), Path(run_b)
     given = out is not None
     out = Path(out) if out is not None else default_out(run_a, run_b)
@@ -40,11 +40,30 @@ def compare(run_a: Path, run_b: Path, out: Path | None = None, checkpoint: str =
     if out.exists() and not out.is_dir():
         raise StageReplayError(f"{named} exists and is not a directory",
                                "choose another --out" if given else "pass --out a folder to write into")
-    sides = [verified(run) for run in (run_a, run_b)]
-    comparison = build_comparison(sides[0], sides[1], checkpoint)
+    a, b = (verified(run) for run in (run_a, run_b))
+    comparison = own_comparison(a, b, checkpoint) or matched_comparison(build_comparison(a, b, checkpoint))
     out.mkdir(parents=True, exist_ok=True)
     write_compare(out, comparison)
     return comparison
+
+
+def own_comparison(a: RunSide, b: RunSide, checkpoint: str) -> RunComparison | None:
+    """The comparison of the experiment that made both runs, where it compares its runs itself
+    (`Experiment.compare_runs`); None where the matched comparison is the one."""
+    from stagereplay.experiments.registry import all_experiments
+
+    for e in all_experiments():
+        name = f"{e.name}/{checkpoint}"
+        stage_a, stage_b = a.manifest.stage(name), b.manifest.stage(name)
+        if not e.starts_run or stage_a is None or stage_b is None:
+            continue
+        check_comparable(a, b, checkpoint, experiment=e.name)
+        records = a.matched(checkpoint, e.name), b.matched(checkpoint, e.name)
+        own = e.compare_runs(records, list(a.manifest.config.item_ids), checkpoint, (stage_a, stage_b),
+                             (str(a.path), str(b.path)), manifest_differences(a, b, checkpoint, e.name))
+        if own is not None:
+            return own
+    return None
 
 
 def verified(run: Path) -> RunSide:
