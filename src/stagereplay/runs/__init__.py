@@ -4,6 +4,7 @@ takes typed configs, built by the CLI or in a notebook:
     make_run(out, experiment, options, Inputs(...), engine, ExecConfig(...))   a run from a model and items
     extend(run_dir, experiment, options, Extension(...))                        another stage of a run
     matched(out, Inputs(...), MatchedOptions(...), engine, ExecConfig(...))     (make_run of matched)
+    mismatch(out, Inputs(...), MismatchOptions(...), engine, ExecConfig(...))   (make_run of mismatch)
     precision_2x2 / bridge / transplant / resample(run_dir, options, Extension(...))   (extend of each)
     audit(run_dir, AuditConfig(...), verify_only, Extension(...))
     merge(shards, out)                                                          join `--shard I/N` runs
@@ -24,6 +25,7 @@ from stagereplay.engine.decode import DecodeConfig
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.bridge import Bridge, BridgeOptions
 from stagereplay.experiments.matched import Matched, MatchedOptions
+from stagereplay.experiments.mismatch import Mismatch, MismatchOptions
 from stagereplay.experiments.precision_2x2 import GridOptions, PrecisionGrid
 from stagereplay.experiments.prepared import OURS, RunEngine
 from stagereplay.experiments.resample import Resample, ResampleConfig
@@ -40,6 +42,13 @@ def matched(out: str | Path, inputs: Inputs | None = None, options: MatchedOptio
             engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> dict[str, Any]:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
     return make_run(out, Matched(), options, inputs, engine, ex, quiet)
+
+
+def mismatch(out: str | Path, inputs: Inputs | None = None, options: MismatchOptions | None = None,
+             engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> dict[str, Any]:
+    """The training-inference mismatch: rollouts (generated, or a rollout file's) scored by the rollout engine and
+    by a trainer's one-shot prefill on the same tokens, the gap attributed."""
+    return make_run(out, Mismatch(), options, inputs, engine, ex, quiet)
 
 
 def precision_2x2(run_dir: str | Path, options: GridOptions | None = None, on: Extension | None = None,
@@ -67,6 +76,6 @@ def resample(run_dir: str | Path, config: ResampleConfig | None = None, on: Exte
 
 
 __all__ = ["AuditConfig", "Boundary", "BridgeOptions", "DecodeConfig", "EngineChoice", "ExecConfig", "Extension",
-           "GridOptions", "Input", "Inputs", "MatchedOptions", "Numerics", "PaperConfig", "Relocation",
-           "ResampleConfig", "TransplantConfig", "audit", "bridge", "compare", "engine_of", "extend", "make_run",
-           "matched", "merge", "paper", "precision_2x2", "resample", "transplant"]
+           "GridOptions", "Input", "Inputs", "MatchedOptions", "MismatchOptions", "Numerics", "PaperConfig",
+           "Relocation", "ResampleConfig", "TransplantConfig", "audit", "bridge", "compare", "engine_of", "extend",
+           "make_run", "matched", "merge", "mismatch", "paper", "precision_2x2", "resample", "transplant"]
