@@ -147,7 +147,7 @@ def test_a_record_whose_arm_scored_other_tokens_is_a_finding(toy_run, tmp_path):
     payload["arms"][0]["tokens_fp"] = "0" * 64
     chain[forged.seq] = forged.model_copy(update={"payload": payload})
     save(run, chain, manifest)
-    found = [m["what"] for m in verify_run(run, read_manifest(run))["mismatches"]]
+    found = [m.what for m in verify_run(run, read_manifest(run))["mismatches"]]
     assert any("trainer@fp32: scored other tokens" in w for w in found), found
 
 
