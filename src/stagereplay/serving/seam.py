@@ -1,4 +1,5 @@
-"""The seam to a serving engine: what `matched --engine NAME` needs from an engine other than ours.
+"""The seam to a serving engine: what `matched --engine NAME` (and the 2x2, and mismatch) needs from an engine other
+than ours.
 
 Our engine (`engine.lm`) owns its K/V cache, so every experiment runs on it. A serving engine gives token IDs in and
 out. What every engine does is `ServingEngine`:
