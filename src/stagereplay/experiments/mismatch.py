@@ -193,17 +193,10 @@ def mismatch_item(lm: LM, job: Job[MismatchParams]) -> Payload:
     arms: list[ScoredArm] = []
     extra: dict[str, Any] = {}
     if p.source == "file":
-        from stagereplay.tasks.rollouts import RolloutItem, read
-
-        assert isinstance(item, RolloutItem)
-        row = read(item, p.columns)
-        response = list(row.response_ids)
-        fp = ids_fingerprint([*prompt, *response])
-        import numpy as np
-
-        arms.append(scored_arm("rollout", Scored(np.asarray(row.logprobs, dtype=np.float32), None), fp, mode,
-                               len(prompt), "file", engine="file", construction="file"))
-        extra["sampling"] = row.sampling or _sampling(dc)
+        response, arm, sampling = rollout_of_file(item, p.columns, mode, len(prompt))
+        fp = arm.tokens_fp
+        arms.append(arm)
+        extra["sampling"] = sampling or _sampling(dc)
     else:
         seed = derive_seed(dc.seed, item.id, "rollout")
         tokens, first = rollout(lm, prompt, dc.max_new_tokens, dc, seed, mode)  # type: ignore[arg-type]
@@ -227,6 +220,23 @@ def mismatch_item(lm: LM, job: Job[MismatchParams]) -> Payload:
         arms += more
     return MismatchPayload(status="ok", source=p.source, precision="", tokens_fp=fp, prompt_ids=prompt,  # type: ignore[arg-type]
                            response_ids=response, arms=arms, **extra).as_payload()
+
+
+def rollout_of_file(item: Any, columns: str | None, mode: str, start: int
+                    ) -> tuple[list[int], ScoredArm, dict[str, float | int]]:
+    """A rollout file's row for `item`: its response, its rollout arm (the file's log-probabilities) and the
+    sampling settings the row says (empty where it says none)."""
+    import numpy as np
+
+    from stagereplay.tasks.rollouts import RolloutItem, read
+
+    assert isinstance(item, RolloutItem)
+    row = read(item, columns)
+    response = list(row.response_ids)
+    fp = ids_fingerprint([*item.prompt_ids, *response])
+    arm = scored_arm("rollout", Scored(np.asarray(row.logprobs, dtype=np.float32), None), fp, mode, start, "file",
+                     engine="file", construction="file")
+    return response, arm, row.sampling
 
 
 def _sampling(dc: DecodeConfig) -> dict[str, float | int | bool]:

@@ -12,8 +12,8 @@ and every experiment makes its stage from it). Nothing downstream re-derives or 
 
 The engine (`RunEngine`) is what the side that makes, re-executes and prices a run asks. Our engine (over
 transformers) runs every experiment with its own item functions: `Ours` hands each question to the experiment. A
-serving engine (`serving.runs.ServingRun`) runs the experiments it can build its arms for (matched and the 2x2: it
-exposes no cache to fingerprint or transplant) with item functions of its own, and refuses the others in one line. An
+serving engine (`serving.runs.ServingRun`) runs the experiments it can build its arms for (matched, the 2x2 and
+mismatch's rollouts: it exposes no cache to fingerprint or transplant) with item functions of its own, and refuses the others in one line. An
 experiment's `run` asks its prepared run's engine for the section, the batches and the item function, so making a
 stage reads the same for both; the audit and plan ask a recorded stage's engine (`serving.runs.stage_engine`) for
 the job that re-executes a unit and the forwards it made.
@@ -123,9 +123,10 @@ class RunEngine(ABC):
         below the model's context (None: only the model's context does)."""
         return None
 
-    def check_run(self, ex: ExecConfig, decode: DecodeConfig) -> None:  # noqa: B027  # ours runs anything
-        """Refuse in one line, before anything loads, what it cannot run of a run as a whole (its processes, its
-        sampling)."""
+    def check_run(self, experiment: Runnable, ex: ExecConfig, decode: DecodeConfig  # noqa: B027  # ours runs anything
+                  ) -> None:
+        """Refuse in one line, before anything loads, what it cannot run of a run of `experiment` as a whole (its
+        processes, its sampling)."""
 
     @abstractmethod
     def check(self, experiment: Runnable, model: ModelConfig, options: Any) -> None:

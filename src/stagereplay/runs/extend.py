@@ -93,7 +93,7 @@ def extend(run_dir: str | Path, experiment: Experiment, options: Any = None, on:
     on = on or Extension()
     path, manifest = existing_run(run_dir)
     prepared = prepared_at(manifest, experiment.name, on, quiet)
-    prepared.engine.check_run(on.ex, prepared.settings.decode)
+    prepared.engine.check_run(experiment, on.ex, prepared.settings.decode)
     prepared.engine.check(experiment, prepared.model, options)
     with open_run(path, manifest) as run:
         experiment.run(run, prepared, options)

@@ -73,7 +73,7 @@ def prepare(command: str, inputs: Inputs, experiment: Experiment, options: Any, 
     n = inputs.numerics
     pin(choose(n.kernels, toy=inputs.input.model is None and engine is OURS, device=n.device))
     model = engine.model(resolve_model(inputs))
-    engine.check_run(ex, inputs.decode)
+    engine.check_run(experiment, ex, inputs.decode)
     engine.check(experiment, model, options)
     engine.check_source(inputs.input.model)
     check_worker_devices(model.device, ex.workers, ex.executor)  # one GPU per local worker, before anything loads

@@ -30,14 +30,15 @@ def unregister(name: str) -> None:
     ENGINES.pop(name, None)
 
 
-def engine_config(name: str, options: Mapping[str, Any] | None = None, seed: int = 0) -> EngineConfig:
+def engine_config(name: str, options: Mapping[str, Any] | None = None, seed: int = 0, logprobs_mode: str = "raw"
+                  ) -> EngineConfig:
     """The config of engine `name` with the options given for it; an option it does not take is refused."""
     kind = kind_of(name)
-    return EngineConfig(name, options_of(kind.options, dict(options or {}), name), seed)
+    return EngineConfig(name, options_of(kind.options, dict(options or {}), name), seed, logprobs_mode)
 
 
 def config_from_dict(d: Mapping[str, Any]) -> EngineConfig:
     """An engine config as a manifest recorded it (`EngineConfig.as_dict`); options a recorded engine no longer
     takes are refused in one line."""
-    rest = {k: v for k, v in d.items() if k not in ("name", "seed")}
-    return engine_config(str(d["name"]), rest, int(d.get("seed", 0)))
+    rest = {k: v for k, v in d.items() if k not in ("name", "seed", "logprobs_mode")}
+    return engine_config(str(d["name"]), rest, int(d.get("seed", 0)), str(d.get("logprobs_mode", "raw")))

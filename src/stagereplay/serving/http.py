@@ -21,6 +21,8 @@ with `--api`:
                                  theirs to use) are in flight: the server batches them with it
     slot_restore(...)            llama-server with --slot-save-path (`--slot-restore`): live's slot saved, restored
                                  into another slot and continued there
+    sample / score               a rollout drawn by the server's sampler, and a sequence scored in one request where
+                                 the server can (`vllm serve`'s echo), `serving.http_rollout`
 
 Before the first item `check` refuses, in one line with the fix, a server that does not answer, counts the prompt
 tokens differently from the IDs sent (it does not take IDs verbatim), tokenizes probe strings differently from the
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from stagereplay.errors import StageReplayError
+from stagereplay.serving import http_rollout
 from stagereplay.serving.client import Client, public_url
 from stagereplay.serving.seam import (
     TOP_LOGPROBS,
@@ -55,8 +58,12 @@ from stagereplay.serving.seam import (
     EngineKind,
     EngineOptions,
     Generation,
+    PromptScores,
     Restarts,
     RestoresSlot,
+    Samples,
+    Sampling,
+    ScoresPrompt,
     ServesUnderLoad,
 )
 from stagereplay.serving.server_identity import (
@@ -128,28 +135,23 @@ def _top_native(step: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple((int(t["id"]), float(t["logprob"])) for t in step.get("top_logprobs", []))
 
 
-def _token_id(text: str) -> int:
-    if not text.startswith("token_id:"):
-        raise StageReplayError(f"the server returned the token {text!r}, not its ID",
-                               "serve with vLLM's return_tokens_as_token_ids support, or --api llama-server")
-    return int(text.split(":", 1)[1])
-
-
 def _openai_steps(logprobs: dict[str, Any]) -> tuple[list[int], list[tuple[tuple[int, float], ...]]]:
     """Token IDs and top-k per step from either shape of `choices[0].logprobs`."""
     if "content" in logprobs:  # llama-server's endpoint: the chat shape, with ids
         content = logprobs.get("content") or []
         return [int(s["id"]) for s in content], [_top_native(s) for s in content]
-    tokens = [_token_id(t) for t in logprobs.get("tokens") or []]
+    tokens = [http_rollout.token_id(t) for t in logprobs.get("tokens") or []]
     top = []
     for step in logprobs.get("top_logprobs") or []:
-        pairs = sorted(((_token_id(t), float(v)) for t, v in (step or {}).items()), key=lambda p: (-p[1], p[0]))
+        pairs = sorted(((http_rollout.token_id(t), float(v)) for t, v in (step or {}).items()),
+                       key=lambda p: (-p[1], p[0]))
         top.append(tuple(pairs))
     return tokens, top
 
 
-class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
-    """One server; greedy requests of one item at a time (and `generate_loaded`'s traffic around one)."""
+class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, ScoresPrompt):
+    """One server; greedy requests of one item at a time (and `generate_loaded`'s traffic around one); a rollout's
+    sampled request, and a sequence's score where the server gives one (`HttpKind.prompt_scoring`)."""
 
     name = "http"
 
@@ -293,6 +295,20 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts):
         if failures:
             raise failures[0]
         return g, {"concurrency": k, "in_flight_at_send": seen, "returned_meanwhile": done}
+
+    def sample(self, ids: Sequence[int], max_tokens: int, sampling: Sampling) -> Generation:
+        return http_rollout.sample(self, ids, max_tokens, sampling)
+
+    def score(self, ids: Sequence[int], start: int, sampling: Sampling) -> PromptScores:
+        return http_rollout.score(self, ids, start, sampling)
+
+    def precision_name(self) -> str:
+        """What the server says of its model's type (llama-server's file type), and the flags it was started with
+        as `--server-args` declares them (vLLM says nothing of its dtype)."""
+        said = self.identity.get("model_ftype") or (self.identity.get("model_meta") or {}).get("ftype")
+        declared = self.options.server_args
+        return ", ".join(x for x in (str(said) if said is not None else "",
+                                     f"started with {declared!r}" if declared else "") if x) or "not said"
 
     # -- identity and the check before any item -----------------------------------------------------------
 
@@ -443,6 +459,18 @@ class HttpKind(EngineKind):
     def load(self, config: EngineConfig, model_path: str, precision: str, threads: int, device: str
              ) -> HttpEngine:
         return load(config, model_path, precision, threads, device)
+
+    def logprobs_modes(self, config: EngineConfig) -> tuple[str, ...]:
+        """llama-server: raw and processed (`post_sampling_probs`); `vllm serve`: the mode it was started with, as
+        `--server-args` declares it (serving.http_rollout)."""
+        options = config.own(HttpOptions)
+        api, identity = identify(options.client(), options.api)
+        return http_rollout.modes(api, identity, options.server_args)
+
+    def prompt_scoring(self, config: EngineConfig) -> str | None:
+        options = config.own(HttpOptions)
+        api, identity = identify(options.client(), options.api)
+        return http_rollout.prompt_scoring(api, identity, config.logprobs_mode)
 
     def arms(self, config: EngineConfig) -> tuple[str, ...]:
         options = config.own(HttpOptions)

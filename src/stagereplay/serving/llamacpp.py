@@ -12,6 +12,8 @@ Requests run on one `llama_cpp.Llama` context, batch size 1, the way llama-serve
     snapshot / restore           a sequence's K/V as llama-server's slot save writes it
                                  (`llama_state_seq_get_data`), and loaded back into a cleared context
                                  (`llama_state_seq_set_data`), the whole-cache transplant
+    sample / score               a rollout drawn by llama.cpp's sampler chain, and a sequence scored by one prefill
+                                 with every position's logits (`serving.llamacpp_rollout`)
 
 The pick is the argmax of the step's logits, lowest token id among ties (llama.cpp's greedy sampler picks the
 same); the top-k logprobs come from the same logits (log-softmax in float64). A request stops at llama.cpp's own
@@ -36,15 +38,21 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from stagereplay.errors import StageReplayError
+from stagereplay.serving import llamacpp_rollout
 from stagereplay.serving.seam import (
+    LOGPROBS_MODES,
     TOP_LOGPROBS,
     EngineConfig,
     EngineKind,
     EngineOptions,
     Generation,
     PrefillsInChunks,
+    PromptScores,
+    Samples,
+    Sampling,
     SavedState,
     SavesState,
+    ScoresPrompt,
 )
 
 CACHE_TYPES = {"fp16": ("f16", 1), "bf16": ("bf16", 30), "fp32": ("f32", 0)}
@@ -115,9 +123,9 @@ class Snapshot:
         return hashlib.sha256(self.data).hexdigest()
 
 
-class LlamaCppEngine(SavesState, PrefillsInChunks):
-    """One llama.cpp context; `generate` is the seam's request; it saves and restores a sequence's state and
-    prefills in chunks (`serving.seam`'s capabilities)."""
+class LlamaCppEngine(SavesState, PrefillsInChunks, Samples, ScoresPrompt):
+    """One llama.cpp context; `generate` is the seam's request; it saves and restores a sequence's state, prefills
+    in chunks, samples and scores a sequence (`serving.seam`'s capabilities)."""
 
     name = "llama.cpp"
 
@@ -132,16 +140,16 @@ class LlamaCppEngine(SavesState, PrefillsInChunks):
 
     # -- the context ------------------------------------------------------------------------------------
 
-    def _clear(self) -> None:
+    def clear(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.llm.ctx), True)
         self.llm.n_tokens = 0
 
-    def _check_room(self, n: int) -> None:
+    def check_room(self, n: int) -> None:
         if n > self.options.n_ctx:
             raise StageReplayError(f"a llama.cpp request of {n} positions exceeds its context of {self.options.n_ctx}",
                                    "pass a larger --n-ctx")
 
-    def _eval(self, ids: Sequence[int], chunk: int | None = None) -> None:
+    def eval(self, ids: Sequence[int], chunk: int | None = None) -> None:
         """Process `ids` after what the context holds, `chunk` tokens per llama_decode (default n_batch)."""
         size = chunk or self.options.n_batch
         if size > self.options.n_batch:
@@ -156,8 +164,18 @@ class LlamaCppEngine(SavesState, PrefillsInChunks):
     def _logits(self) -> Any:
         import numpy as np
 
-        ptr = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
+        return self.logits32().astype(np.float64)
+
+    @property
+    def n_batch(self) -> int:
+        return self.options.n_batch
+
+    def logits32(self, row: int = -1) -> Any:
+        """A copy of the fp32 logits [V] of the last decode's row `row` (-1: its last)."""
+        import numpy as np
+
+        ptr = self.lib.llama_get_logits_ith(self.llm.ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def _pick(self, logits: Any) -> tuple[int, tuple[tuple[int, float], ...]]:
         """The greedy token (lowest id among tied maxima) and the step's top-k (id, logprob), best first."""
@@ -191,7 +209,7 @@ class LlamaCppEngine(SavesState, PrefillsInChunks):
                 return tokens, top, "stop", snap
             if len(tokens) >= max_tokens:
                 return tokens, top, "length", snap
-            self._eval([token], 1)
+            self.eval([token], 1)
             logits = self._logits()
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -201,7 +219,7 @@ class LlamaCppEngine(SavesState, PrefillsInChunks):
         """`generate`, with the prompt processed `chunk` tokens per batch, and the cache saved before the first
         emitted token that `save` accepts (None: never)."""
         ids = list(ids)
-        self._check_room(len(ids) + max_tokens)
+        self.check_room(len(ids) + max_tokens)
         keep = 0
         if reuse and self.llm.n_tokens > 0:
             held = self.llm.input_ids[: self.llm.n_tokens].tolist()
@@ -212,8 +230,8 @@ class LlamaCppEngine(SavesState, PrefillsInChunks):
             self.llm.n_tokens = keep
         else:
             keep = 0
-            self._clear()
-        self._eval(ids[keep:], chunk)
+            self.clear()
+        self.eval(ids[keep:], chunk)
         tokens, top, finish, snap = self._decode(max_tokens, save)
         return Generation(tuple(tokens), tuple(top), keep, finish), snap
 
@@ -222,6 +240,21 @@ class LlamaCppEngine(SavesState, PrefillsInChunks):
 
     def chunked(self, ids: Sequence[int], max_tokens: int, chunk: int) -> Generation:
         return self.run(ids, max_tokens, chunk=chunk)[0]
+
+    def sample(self, ids: Sequence[int], max_tokens: int, sampling: Sampling) -> Generation:
+        return llamacpp_rollout.sample(self, ids, max_tokens, sampling)
+
+    def score(self, ids: Sequence[int], start: int, sampling: Sampling) -> PromptScores:
+        return llamacpp_rollout.score(self, ids, start, sampling)
+
+    def precision_name(self) -> str:
+        """The GGUF's weights as llama.cpp describes the model (architecture, size, file type) and the K/V cache's
+        type."""
+        import ctypes
+
+        buf = ctypes.create_string_buffer(256)
+        self.lib.llama_model_desc(self.llm.model, buf, len(buf))
+        return f"{buf.value.decode(errors='replace')}, K/V {CACHE_TYPES[self.precision][0]}"
 
     def snapshot(self) -> Snapshot:
         """The sequence's K/V as it stands (what llama-server's slot save writes)."""
@@ -235,9 +268,9 @@ class LlamaCppEngine(SavesState, PrefillsInChunks):
 
     def build_state(self, ids: Sequence[int], chunk: int | None = None) -> Snapshot:
         """A fresh prefill of `ids` (P[0:T-1]) in batches of `chunk`, saved: the one-shot boundary state."""
-        self._check_room(len(ids))
-        self._clear()
-        self._eval(ids, chunk)
+        self.check_room(len(ids))
+        self.clear()
+        self.eval(ids, chunk)
         return self.snapshot()
 
     def restore(self, state: SavedState, pending: int, max_tokens: int) -> tuple[Generation, str]:
@@ -247,15 +280,15 @@ class LlamaCppEngine(SavesState, PrefillsInChunks):
 
         if not isinstance(state, Snapshot):
             raise TypeError(f"llama.cpp restores its own snapshots, not {type(state).__name__}")
-        self._check_room(len(state.ids) + 1 + max_tokens)
-        self._clear()
+        self.check_room(len(state.ids) + 1 + max_tokens)
+        self.clear()
         buf = (ctypes.c_uint8 * len(state.data)).from_buffer_copy(state.data)
         if int(self.lib.llama_state_seq_set_data(self.llm.ctx, buf, len(state.data), 0)) != len(state.data):
             raise RuntimeError("llama.cpp refused the saved sequence state")
         self.llm.input_ids[: len(state.ids)] = state.ids
         self.llm.n_tokens = len(state.ids)
         loaded = self.snapshot().fingerprint
-        self._eval([pending], 1)
+        self.eval([pending], 1)
         tokens, top, finish, _ = self._decode(max_tokens, None)
         return Generation(tuple(tokens), tuple(top), len(state.ids), finish), loaded
 
@@ -342,6 +375,12 @@ class LlamaCppKind(EngineKind):
 
     def check_model(self, model: str | None) -> None:
         check_model(model)
+
+    def logprobs_modes(self, config: EngineConfig) -> tuple[str, ...]:
+        return LOGPROBS_MODES  # raw from its logits, processed by its sampler chain (serving.llamacpp_rollout)
+
+    def prompt_scoring(self, config: EngineConfig) -> str | None:
+        return None  # both modes: every position's logits, processed by the chain where asked
 
     def context(self, config: EngineConfig) -> tuple[int, str]:
         """The context every request must fit (`--n-ctx`)."""

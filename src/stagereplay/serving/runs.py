@@ -4,6 +4,11 @@ with its own section, batches and item function, and a one-line refusal for the 
     matched         live, oneshot and prefix-cache (and what the engine's capabilities add), each with a replica,
                     in the engine; `--cross hf` replays its prefixes in ours (`serving.matched`)
     precision_2x2   its arms on the matched run's prefixes crossed with precision (`serving.precision_2x2`)
+    mismatch        the engine's sampled rollouts and its own prefill of them, our engine's scores of the same
+                    tokens (incremental, and the trainer's one-shot per precision) (`serving.mismatch`)
+
+Matched and the 2x2 run greedy (their arms are compared across engines, whose samplers differ); mismatch draws its
+rollouts with the run's sampling, in the engine's own sampler (every other side is teacher-forced on those tokens).
 
 An experiment that needs the cache itself (fingerprints, the bridge, a transplant, draws from a boundary state) is
 refused: the engine exposes no cache. A stage that names an engine (`StageSection.engine`) is run, re-executed and
@@ -16,8 +21,8 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
+from functools import lru_cache, partial
 from typing import Any
 
 from stagereplay.engine.decode import DecodeConfig
@@ -26,16 +31,19 @@ from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.local import WorkerDied
 from stagereplay.experiments.experiment import Batch, Experiment, Replay
-from stagereplay.experiments.jobs import Job
+from stagereplay.experiments.jobs import Job, with_environment
 from stagereplay.experiments.matched import Matched, MatchedOptions, MatchedStage, fixed_prefixes
+from stagereplay.experiments.mismatch import Mismatch, MismatchOptions
 from stagereplay.experiments.precision_2x2 import GridOptions, GridStage, PrecisionGrid
 from stagereplay.experiments.prepared import OURS, PreparedRun, RunEngine, Runnable
+from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import EngineSection, ModelSection, StageSection
-from stagereplay.serving.engines import config_from_dict
+from stagereplay.serving.engines import config_from_dict, kind_of
 from stagereplay.serving.matched import (
     ServingArms,
     ServingMatchedParams,
+    arms_of,
     cached_engine,
     check_serving_precision,
     note_resume,
@@ -43,12 +51,19 @@ from stagereplay.serving.matched import (
     serving_matched_item,
     with_engine_environment,
 )
+from stagereplay.serving.mismatch import (
+    NO_TRANSPLANT,
+    ServedMismatchParams,
+    ServedMismatchStage,
+    served_mismatch_item,
+    served_params,
+)
 from stagereplay.serving.precision_2x2 import (
     ServingGridParams,
     check_serving_constructions,
     serving_grid_item,
 )
-from stagereplay.serving.seam import Restarts, refuse_cache_access
+from stagereplay.serving.seam import EngineConfig, Restarts, Samples, refuse_cache_access
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +72,8 @@ class Served(ABC):
     """How a serving engine runs one experiment."""
 
     work: Work
+    samples: bool = False
+    """Whether its arms are drawn with the run's sampling (else a sampled run is refused: greedy only)."""
 
     def check(self, arms: ServingArms, model: ModelConfig, options: Any) -> None:  # noqa: B027  # nothing by default
         """Refuse in one line, before anything loads, what the engine cannot run of it."""
@@ -65,13 +82,22 @@ class Served(ABC):
     def section(self, arms: ServingArms, prepared: PreparedRun, options: Any, run: Run) -> StageSection: ...
 
     @abstractmethod
-    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]: ...
+    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterable[Batch]:
+        """Its jobs, a batch per model setting (a generator may make a batch from the records of the one before)."""
 
     @abstractmethod
     def replay_job(self, arms: ServingArms, replay: Replay) -> Job: ...
 
     def exec_config(self, arms: ServingArms) -> ExecConfig:
         return ExecConfig()
+
+    def env_work(self, arms: ServingArms) -> Work:
+        """A job's payload and the environment that ran it, the engine's settings included."""
+        return partial(with_engine_environment, self.work)
+
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        """The forwards of ours one recorded unit made (None: not counted)."""
+        return None  # the engine's forwards are its own (a --cross arm's are ours, but not counted apart)
 
 
 class ServedMatched(Served):
@@ -146,7 +172,103 @@ class ServedGrid(Served):
             tuple(replay.prefix or ()), tuple(own.constructions), replay.record.part, arms))
 
 
-SERVED: dict[type[Experiment], Served] = {Matched: ServedMatched(), PrecisionGrid: ServedGrid()}
+_MISMATCH = Mismatch()
+
+
+class ServedMismatch(Served):
+    """Mismatch with the engine as the rollout engine (`serving.mismatch.served_mismatch_item`): its rollouts, their
+    replicas and its own prefill where it scores a sequence, with our incremental score (part ''); the trainer parts
+    are ours, as `experiments.mismatch` makes them. Our model is loaded with its weights: it scores every rollout
+    (the stage's `cross` is ours, so the audit loads it the same way)."""
+
+    work = staticmethod(served_mismatch_item)
+    samples = True
+
+    @staticmethod
+    def moded(arms: ServingArms, mode: str) -> ServingArms:
+        """The arms with the engine asked for `mode`'s log-probabilities, our engine scoring its tokens."""
+        return ServingArms(replace(arms.engine, logprobs_mode=mode), "hf")
+
+    def check(self, arms: ServingArms, model: ModelConfig, options: MismatchOptions) -> None:
+        _MISMATCH.check(model, options)
+        name, kind = arms.engine.name, arms.kind
+        if not issubclass(kind.engine, Samples):
+            raise StageReplayError(f"the {name} engine does not sample rollouts", "run mismatch on our engine "
+                                                                                  "(drop --engine)")
+        config = self.moded(arms, options.mode).engine
+        if options.rollouts is not None:
+            reason = kind.prompt_scoring(config)
+            if reason is not None:
+                raise StageReplayError(f"--rollouts with --engine {name} measures nothing of the engine: {reason}",
+                                       "drop --engine (our engine audits a rollout file on its own)")
+            return
+        modes = kind.logprobs_modes(config)
+        if options.mode not in modes:
+            gives = f"only {' and '.join(modes)} ones" if modes else "none"
+            raise StageReplayError(f"--engine {name} gives no {options.mode} log-probabilities here ({gives}; a "
+                                   "server's are those it was started with, as --server-args declares them)",
+                                   f"pass --logprobs-mode {' or '.join(modes)}" if modes else "drop --engine")
+
+    def section(self, arms: ServingArms, prepared: PreparedRun, options: MismatchOptions, run: Run) -> StageSection:
+        moded = self.moded(arms, options.mode)
+        reason = arms.kind.prompt_scoring(moded.engine)
+        if reason is not None:
+            log.info(f"note: no prefill rows (construction, engine): {reason}")
+        return ServedMismatchStage(
+            model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+            source="file" if options.rollouts else "generated", precisions=list(options.precisions), mode=options.mode,
+            transplant_at=0.0, engine=EngineSection.model_validate(moded.engine.as_dict()), cross=moded.cross,
+            prefill="built" if reason is None else f"not built: {reason}", transplant=NO_TRANSPLANT)
+
+    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterator[Batch]:
+        """`experiments.mismatch`'s batches (the rollouts first, then the trainer at each precision on their
+        tokens), every one on our model with its weights, part '' in the engine."""
+        moded, built = arms_of(stage), stage.as_stage(ServedMismatchStage).prefill == "built"
+        ours = replace(prepared, model=replace(prepared.model, weights=True))
+        for batch in _MISMATCH.batches(ours, stage, run):
+            yield Batch(batch.model, [replace(job, params=served_params(job.params, moded, built))
+                                      for job in batch.jobs])
+
+    def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
+        job = _MISMATCH.replay_job(replay)
+        built = replay.stage.as_stage(ServedMismatchStage).prefill == "built"
+        return replace(job, params=served_params(job.params, arms, built))
+
+    def exec_config(self, arms: ServingArms) -> ExecConfig:
+        return ExecConfig(isolated=arms.kind.isolated)
+
+    def env_work(self, arms: ServingArms) -> Work:
+        return partial(_mismatch_environment, arms=arms)
+
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        """A trainer part's, as ours counts them; part '': our incremental score (the prompt, then one token each)."""
+        if record.part:
+            return _MISMATCH.unit_forwards(record, stage)
+        ours = next((a for a in record.payload.get("arms", []) if a.get("name") == "incremental"), None)
+        if ours is None:
+            return None
+        n = len(arrays.decode(ours["logprobs"]))
+        return [int(ours["start"]), *[1] * (n - 1)]
+
+
+def _mismatch_environment(lm: Any, job: Job, arms: ServingArms) -> dict[str, Any]:
+    """Part '' with the engine's settings in its environment; a trainer part, which the engine does not run, with
+    the engine's build as installed here (what the audit compares for every record of the stage), the engine not
+    loaded."""
+    if isinstance(job.params, ServedMismatchParams):
+        return with_engine_environment(served_mismatch_item, lm, job)
+    out = with_environment(served_mismatch_item, lm, job)
+    build = _build(arms.engine)
+    return out if build is None else {**out, "environment": {**out["environment"], "engine": {"build": build}}}
+
+
+@lru_cache(maxsize=4)
+def _build(config: EngineConfig) -> dict[str, Any] | None:
+    return kind_of(config.name).build(config)
+
+
+SERVED: dict[type[Experiment], Served] = {Matched: ServedMatched(), PrecisionGrid: ServedGrid(),
+                                          Mismatch: ServedMismatch()}
 """The experiments a serving engine runs, by their class."""
 
 
@@ -184,10 +306,10 @@ class ServingRun(RunEngine):
     def context(self) -> tuple[int, str] | None:
         return self.arms.kind.context(self.arms.engine)  # a request must fit the engine's context too
 
-    def check_run(self, ex: ExecConfig, decode: DecodeConfig) -> None:
+    def check_run(self, experiment: Runnable, ex: ExecConfig, decode: DecodeConfig) -> None:
         if ex.workers != 1 or ex.executor != "local":
             raise StageReplayError(f"--engine {self.name} runs in this process", "pass --workers 1 --executor local")
-        if decode.sample:
+        if decode.sample and not self.served(experiment).samples:
             raise StageReplayError(f"--engine {self.name} runs greedy: its sampler is not ours, so draws would not "
                                    "compare across engines", "drop --sample")
 
@@ -201,7 +323,7 @@ class ServingRun(RunEngine):
         return self.served(experiment).work
 
     def env_work(self, experiment: Runnable) -> Work | None:
-        return partial(with_engine_environment, self.served(experiment).work)
+        return self.served(experiment).env_work(self.arms)
 
     def exec_config(self, experiment: Runnable, ex: ExecConfig) -> ExecConfig:
         return self.served(experiment).exec_config(self.arms)
@@ -224,7 +346,7 @@ class ServingRun(RunEngine):
         return self.served(experiment).replay_job(self.arms, replay)
 
     def unit_forwards(self, experiment: Runnable, record: Record, stage: StageSection) -> list[int] | None:
-        return None  # the engine's forwards are its own (a --cross arm's are ours, but not counted apart)
+        return self.served(experiment).unit_forwards(record, stage)
 
 
 def engine_of(name: str, cross: str | None = None, options: Mapping[str, Any] | None = None) -> RunEngine:

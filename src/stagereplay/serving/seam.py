@@ -1,4 +1,5 @@
-"""The seam to a serving engine: what `matched --engine NAME` needs from an engine other than ours.
+"""The seam to a serving engine: what `matched --engine NAME` (and the 2x2, and mismatch) needs from an engine other
+than ours.
 
 Our engine (`engine.lm`) owns its K/V cache, so every experiment runs on it. A serving engine gives token IDs in and
 out. What every engine does is `ServingEngine`:
@@ -6,6 +7,7 @@ out. What every engine does is `ServingEngine`:
     generate(ids, max_tokens, reuse=False)   greedy tokens after `ids`, with the prefix cache emptied first
     generate(ids, max_tokens, reuse=True)    the same request, reusing whatever the prefix cache holds
     Generation.top                           the top-k (token id, logprob) of every step, best first
+    Generation.chosen                        the log-probability of the token each step emitted (None: not asked)
     Generation.cached                        the prompt positions taken from a cache (None: the engine does not say)
     Generation.draft                         tokens drafted and accepted where the engine speculated (None: it did not)
     version() / settings() / close()         what fixes its numbers, for the manifest and the environment
@@ -19,6 +21,15 @@ What only some engines do is a capability, a mixin its class declares, and each 
     ServesUnderLoad   a request sent while other requests are in flight: `live@load`, `oneshot@load`
     ChecksFirst       checked against the run's tokenizer before any item (a server)
     Restarts          a process whose restart a resumed run can tell (a server)
+    Samples           a response drawn as an RL rollout engine draws it (temperature, top-k, top-p, a seed), each
+                      emitted token's log-probability said: `mismatch --engine NAME`'s rollout
+    ScoresPrompt      a sequence's tokens scored teacher-forced in one request (one prefill, nothing cached): the
+                      engine's own one-shot score of a rollout, mismatch's `prefill`
+
+A log-probability comes from one of two distributions (`LOGPROBS_MODES`, as vLLM's `logprobs_mode` names them): raw,
+log_softmax of the model's logits, or processed, after the sampler's temperature, top-k and top-p. An engine is asked
+for the one a run names (`EngineConfig.logprobs_mode`), and says which it can give (`EngineKind.logprobs_modes`,
+`EngineKind.prompt_scoring`).
 
 An engine is a module with an `EngineKind` (its name, its options, how it loads, what it checks up front) and an
 engine class; one line of `serving.engines.ENGINES` registers the kind. No code outside an engine's module names it.
@@ -35,6 +46,10 @@ from stagereplay.errors import StageReplayError
 
 TOP_LOGPROBS = 5
 """Top-k logprobs recorded per step: enough for the margin (top-1 minus top-2) and a look at the near-ties."""
+LOGPROBS_MODES = ("raw", "processed")
+"""The distributions a log-probability may be taken from (module docstring; `engine.scoring.MODES` for ours)."""
+SEED_SPAN = 0xFFFFFFFF
+"""Seeds sent to an engine lie below this: llama.cpp's samplers take 32 bits and read 0xFFFFFFFF as "random"."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,53 @@ class Generation:
     draft: Draft | None = None
     """What speculative decoding did in this request, where the engine speculated and says so (None: it did not
     speculate, or does not say)."""
+    chosen: tuple[float, ...] | None = field(default=None, repr=False)
+    """Per generated token, the engine's own log-probability of the token it emitted, from the distribution its
+    `logprobs_mode` names [S] (None: not asked, `Samples.sample` asks)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request draws its tokens: greedy (temperature 0: the argmax) or sampled as an RL rollout is, with
+    temperature, top-k (0: all), top-p (1: all) and a seed. The same seed draws the same tokens again where the
+    engine is deterministic, so a rollout's replica is exact there. Applied in the order generate() applies them
+    (temperature, top-k, top-p), where the engine lets the order be chosen."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.seed < SEED_SPAN:
+            raise StageReplayError(f"no engine samples with {self}", "pass --temperature >= 0, --top-k >= 0 and "
+                                                                      "--top-p in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def of(cls, sample: bool, temperature: float, top_k: int, top_p: float, seed: int) -> Sampling:
+        """A run's decoding as an engine takes it: greedy unless `sample`; `seed` (any size) folded below
+        `SEED_SPAN`."""
+        if not sample:
+            return cls()
+        return cls(temperature, top_k, top_p, seed % SEED_SPAN)
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        """What a record says of it: as our engine's rollouts say it (`sample`, temperature, top_k, top_p, seed)."""
+        return {"sample": not self.greedy, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """A sequence's tokens scored teacher-forced (`ScoresPrompt.score`): per scored token, its log-probability [N]
+    and the argmax of the logits that scored it [N] (None: the engine does not say)."""
+
+    logprobs: tuple[float, ...]
+    argmax: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -83,6 +145,13 @@ class EngineConfig:
     name: str = field(metadata={"help": "the engine (serving.engines.ENGINES)"})
     options: EngineOptions = field(default_factory=EngineOptions, metadata={"help": "the engine's own settings"})
     seed: int = field(default=0, metadata={"help": "engine seed (greedy decoding does not read it)"})
+    logprobs_mode: str = field(default="raw", metadata={
+        "help": "the distribution its log-probabilities are taken from: raw | processed (`LOGPROBS_MODES`); set by a "
+                "run that reads them (mismatch's --logprobs-mode), recorded where it is not raw"})
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise StageReplayError(f"unknown logprobs mode {self.logprobs_mode!r}", f"use {' or '.join(LOGPROBS_MODES)}")
 
     def own(self, kind: type[OptionsT]) -> OptionsT:
         """The options, as the engine module that reads them types them."""
@@ -91,8 +160,10 @@ class EngineConfig:
         return self.options
 
     def as_dict(self) -> dict[str, Any]:
-        """What the manifest records: the name, the seed and each option, flat."""
-        return {"name": self.name, "seed": self.seed, **asdict(self.options)}
+        """What the manifest records: the name, the seed and each option, flat; the logprobs mode where it is not
+        raw (so a run that reads no log-probabilities records what it always recorded)."""
+        mode = {"logprobs_mode": self.logprobs_mode} if self.logprobs_mode != "raw" else {}
+        return {"name": self.name, "seed": self.seed, **mode, **asdict(self.options)}
 
     def with_options(self, **changes: Any) -> EngineConfig:
         return replace(self, options=replace(self.options, **changes))
@@ -192,6 +263,31 @@ class ServesUnderLoad(ABC):
         """`generate(ids, reuse=False)` while requests for `others` are in flight; and what was seen of them."""
 
 
+class Samples(ABC):
+    """Draws a response as an RL rollout engine does, and says the log-probability of each token it emitted."""
+
+    @abstractmethod
+    def sample(self, ids: Sequence[int], max_tokens: int, sampling: Sampling) -> Generation:
+        """Tokens after `ids` until EOS or `max_tokens`, drawn as `sampling` says by the engine's own sampler, from
+        nothing cached (a fresh prefill); `chosen` holds each emitted token's log-probability under the engine's
+        `logprobs_mode`, and `top` at least each step's most likely token (the argmax), best first."""
+
+    @abstractmethod
+    def precision_name(self) -> str:
+        """The precision its numbers are made at, in its own words (vLLM's dtype; a GGUF's weight type and the K/V
+        cache's type; a server's model type): what a record's arm says of the engine's precision."""
+
+
+class ScoresPrompt(ABC):
+    """Scores a sequence's tokens teacher-forced in one request: one prefill of the sequence, nothing cached (the
+    engine's own one-shot computation, as a trainer's forward is ours)."""
+
+    @abstractmethod
+    def score(self, ids: Sequence[int], start: int, sampling: Sampling) -> PromptScores:
+        """Per token of ids[start:], the log-probability the logits at the position before it give it, under the
+        engine's `logprobs_mode` (processed: after `sampling`'s temperature, top-k and top-p); `start` >= 1."""
+
+
 class ChecksFirst(ABC):
     """Checked against the run's tokenizer before any item: refused in one line where its numbers could not be
     compared with ours."""
@@ -248,6 +344,20 @@ class EngineKind(ABC):
     @abstractmethod
     def load(self, config: EngineConfig, model_path: str, precision: str, threads: int, device: str
              ) -> ServingEngine: ...
+
+    def logprobs_modes(self, config: EngineConfig) -> tuple[str, ...]:
+        """The distributions the log-probabilities of its drawn tokens can be taken from (`Samples`), as this run's
+        options and the engine's settings allow; () where it does not sample."""
+        return ("raw",) if issubclass(self.engine, Samples) else ()
+
+    def prompt_scoring(self, config: EngineConfig) -> str | None:
+        """None where it scores a sequence's tokens in one request (`ScoresPrompt`) under the config's logprobs
+        mode; else the one line that says why it cannot."""
+        if not issubclass(self.engine, ScoresPrompt):
+            return f"the {self.name} engine cannot score a sequence's tokens in one request"
+        if config.logprobs_mode != "raw":
+            return f"the {self.name} engine scores a sequence's tokens under raw log-probabilities only"
+        return None
 
     def arms(self, config: EngineConfig) -> tuple[str, ...]:
         """The arms its capabilities add beside oneshot and prefix-cache, as this run's options switch them on."""

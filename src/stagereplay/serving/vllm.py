@@ -12,6 +12,14 @@ that fix its numbers on a CPU are environment variables read when vLLM is import
 The prefix cache reuses whole blocks of `block_size` tokens, those filled while decoding included; the CPU
 default of 128 exceeds the toy's prefixes, so nothing would be reused, hence 32.
 
+As an RL rollout engine (`Samples`, `ScoresPrompt`): `sample` is one request with vLLM's own sampler
+(`SamplingParams(temperature, top_k, top_p, seed, logprobs=1)`: the emitted token's log-probability and the step's
+most likely token), `score` one request for the sequence with `prompt_logprobs=1` and `max_tokens=1` (its prompt
+logprobs, the prefix cache not read). Which distribution the log-probabilities are taken from is vLLM's
+`logprobs_mode`, an engine setting: `raw_logprobs` or `processed_logprobs` as the engine config says
+(`EngineConfig.logprobs_mode`). Prompt logprobs skip the sampler in vLLM, so they are raw in either mode: a processed
+run's sequences are not scored in vLLM (`VllmKind.prompt_scoring`).
+
 The options that change how vLLM builds the cache are passed as vLLM takes them, and a load vLLM refuses with one of
 them set ends in one line naming it (`refused`): `kv_cache_dtype` (fp8 e4m3 or e5m2; the CPU build of 0.32 takes
 them only where the head size is a multiple of 32), `max_num_batched_tokens` (a prompt past it is prefilled in
@@ -30,7 +38,19 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from stagereplay.errors import StageReplayError
-from stagereplay.serving.seam import TOP_LOGPROBS, Draft, EngineConfig, EngineKind, EngineOptions, Generation
+from stagereplay.serving.seam import (
+    LOGPROBS_MODES,
+    TOP_LOGPROBS,
+    Draft,
+    EngineConfig,
+    EngineKind,
+    EngineOptions,
+    Generation,
+    PromptScores,
+    Samples,
+    Sampling,
+    ScoresPrompt,
+)
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -115,8 +135,9 @@ def require() -> None:
                                "docs/how-to/vllm.md says")
 
 
-class VLLMEngine:
-    """One `vllm.LLM` with prefix caching; `generate` is the seam's only request."""
+class VLLMEngine(Samples, ScoresPrompt):
+    """One `vllm.LLM` with prefix caching; `generate` is the seam's greedy request, `sample` and `score` a rollout
+    engine's (`serving.seam`'s capabilities)."""
 
     name = "vllm"
 
@@ -149,6 +170,47 @@ class VLLMEngine:
         return Generation(tuple(int(t) for t in choice.token_ids), tuple(top), int(out.num_cached_tokens or 0),
                           str(choice.finish_reason), draft)
 
+    def sample(self, ids: Sequence[int], max_tokens: int, sampling: Sampling) -> Generation:
+        """One request from nothing cached, drawn by vLLM's sampler (greedy at temperature 0), each step's emitted
+        token's log-probability and most likely token from vLLM's own logprobs (`logprobs=1`)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._reset()
+        params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                seed=sampling.seed, max_tokens=max_tokens, logprobs=1, detokenize=False)
+        (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
+        (choice,) = out.outputs
+        tokens = tuple(int(t) for t in choice.token_ids)
+        steps = choice.logprobs or []
+        chosen = tuple(float(step[t].logprob) for step, t in zip(steps, tokens, strict=True))
+        top = tuple(((int(best), float(lp.logprob)),) for best, lp in (_best(step) for step in steps))
+        return Generation(tokens, top, int(out.num_cached_tokens or 0), str(choice.finish_reason), None, chosen)
+
+    def score(self, ids: Sequence[int], start: int, sampling: Sampling) -> PromptScores:
+        """One request for `ids` with prompt logprobs (the token's and the most likely one at each position): a
+        prefill of the whole sequence, the prefix cache emptied and not read."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._reset()
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+        (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)
+        rows = out.prompt_logprobs or []  # [len(ids)]: None, then per position {token id: Logprob}
+        logprobs, argmax = [], []
+        for position in range(start, len(ids)):
+            step = rows[position]
+            logprobs.append(float(step[int(ids[position])].logprob))
+            argmax.append(int(_best(step)[0]))
+        return PromptScores(tuple(logprobs), tuple(argmax))
+
+    def _reset(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (a request still holds blocks)")
+
+    def precision_name(self) -> str:
+        return DTYPES[self.precision]
+
     def spec_counters(self) -> tuple[int, int] | None:
         """The engine's speculation counters (drafted, accepted) since it loaded; None where it does not speculate.
         One request at a time in one engine, so their change over a request is that request's."""
@@ -167,10 +229,16 @@ class VLLMEngine:
                 "dtype": DTYPES[self.precision], "prefix_caching": True, "top_logprobs": TOP_LOGPROBS,
                 "env": dict(self.env)}
 
+
     def close(self) -> None:
         """Free the engine (vLLM holds one per process comfortably; two precisions load one after the other)."""
         self.llm = None
         gc.collect()
+
+
+def _best(step: dict[int, Any]) -> tuple[int, Any]:
+    """The most likely token of one step's {token id: Logprob} (vLLM's rank 1; the lowest id among tied logprobs)."""
+    return min(step.items(), key=lambda kv: (getattr(kv[1], "rank", None) or 1 << 30, -kv[1].logprob, kv[0]))
 
 
 def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> VLLMEngine:
@@ -192,7 +260,7 @@ def load(config: EngineConfig, model_path: str, precision: str, threads: int, de
     try:
         llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=DTYPES[precision], block_size=options.block_size,
                        enforce_eager=options.enforce_eager, enable_prefix_caching=True, seed=config.seed,
-                       max_num_seqs=1, **knobs, **kwargs)
+                       max_num_seqs=1, logprobs_mode=f"{config.logprobs_mode}_logprobs", **knobs, **kwargs)
     except Exception as e:  # vLLM raises what its backend cannot take as any of several types
         given = knobs | ({"block_size": options.block_size} if options.block_size != DEFAULT_BLOCK else {})
         if not given:
@@ -224,6 +292,15 @@ class VllmKind(EngineKind):
 
     def require(self) -> None:
         require()
+
+    def logprobs_modes(self, config: EngineConfig) -> tuple[str, ...]:
+        return LOGPROBS_MODES  # vLLM's raw_logprobs and processed_logprobs
+
+    def prompt_scoring(self, config: EngineConfig) -> str | None:
+        if config.logprobs_mode != "raw":
+            return ("vLLM's prompt logprobs skip its sampler, so they are raw in any logprobs_mode: a sequence is not "
+                    f"scored in vLLM under {config.logprobs_mode} log-probabilities")
+        return None
 
     def load(self, config: EngineConfig, model_path: str, precision: str, threads: int, device: str
              ) -> VLLMEngine:

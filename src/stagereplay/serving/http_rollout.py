@@ -1,0 +1,157 @@
+"""A running server as an RL rollout engine (`serving.http.HttpEngine`'s `Samples` and `ScoresPrompt`): a response
+drawn by the server's own sampler, and, where the server can, a sequence scored teacher-forced in one request.
+
+    llama-server   POST /completion {prompt: [ids], n_predict, temperature, top_k, top_p, min_p: 0, seed,
+                   samplers: [temperature, top_k, top_p], n_probs: 1, post_sampling_probs, cache_prompt: false}.
+                   The sampler order is named (llama-server's default puts temperature last, and min_p at 0.05):
+                   generate()'s. Each step's `logprob` is raw (the softmax of the logits); with `post_sampling_probs`
+                   the step's `prob` is after the sampler chain (processed), its log taken here. No sequence is
+                   scored: llama-server refuses `echo` and returns no prompt log-probabilities
+    openai         POST /v1/completions {prompt: [ids], max_tokens, temperature, top_k, top_p, seed, logprobs: 1,
+                   return_tokens_as_token_ids, cache_salt (fresh: nothing cached)}; the emitted tokens'
+                   log-probabilities in the distribution the server was started with (vLLM: `--logprobs-mode`, which
+                   `--server-args` declares; raw_logprobs by default). `vllm serve` scores a sequence with `echo` and
+                   `logprobs` (its prompt logprobs, max_tokens 1), raw in any of its modes
+
+Seeds are sent as 32-bit numbers (`serving.seam.SEED_SPAN`).
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import uuid
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from stagereplay.errors import StageReplayError
+from stagereplay.serving.client import Client
+from stagereplay.serving.seam import LOGPROBS_MODES, EngineConfig, Generation, PromptScores, Sampling
+from stagereplay.serving.server_identity import LLAMA_SERVER
+
+SAMPLERS = ["temperature", "top_k", "top_p"]
+"""llama-server's sampler chain for a rollout, in generate()'s order (its `dist` is added after them)."""
+
+
+class Server(Protocol):
+    """What a rollout needs of the engine (`serving.http.HttpEngine`): the server, its dialect and identity."""
+
+    client: Client
+    api: str
+    identity: dict[str, Any]
+    config: EngineConfig
+
+
+def token_id(text: str) -> int:
+    """A token's ID from vLLM's `token_id:N` (return_tokens_as_token_ids)."""
+    if not text.startswith("token_id:"):
+        raise StageReplayError(f"the server returned the token {text!r}, not its ID",
+                               "serve with vLLM's return_tokens_as_token_ids support, or --api llama-server")
+    return int(text.split(":", 1)[1])
+
+
+def declared_mode(server_args: str) -> str | None:
+    """The logprobs mode a `vllm serve` was started with, as `--server-args` declares it (`--logprobs-mode`;
+    raw_logprobs where it is not declared), in our words: raw | processed; None for a mode of logits."""
+    words = shlex.split(server_args)
+    value = "raw_logprobs"
+    for i, word in enumerate(words):
+        if word == "--logprobs-mode" and i + 1 < len(words):
+            value = words[i + 1]
+        elif word.startswith("--logprobs-mode="):
+            value = word.partition("=")[2]
+    mode = value.removesuffix("_logprobs")
+    return mode if mode in LOGPROBS_MODES else None
+
+
+def modes(api: str, identity: dict[str, Any], server_args: str) -> tuple[str, ...]:
+    """The distributions a server's drawn tokens' log-probabilities can be taken from (module docstring)."""
+    if api == "llama-server":
+        return LOGPROBS_MODES
+    if identity.get("server") in LLAMA_SERVER:
+        return ("raw",)
+    mode = declared_mode(server_args)
+    return () if mode is None else (mode,)
+
+
+def prompt_scoring(api: str, identity: dict[str, Any], mode: str) -> str | None:
+    """None where the server scores a sequence's tokens in one request under `mode`; else why not, in one line."""
+    if api == "llama-server" or identity.get("server") in LLAMA_SERVER:
+        return ("llama-server scores no sequence in one request: it refuses `echo`, and its /completion returns no "
+                "prompt log-probabilities")
+    if mode != "raw":
+        return f"vLLM's prompt logprobs skip its sampler: a sequence is not scored under {mode} log-probabilities"
+    return None
+
+
+def _sampler(sampling: Sampling) -> dict[str, Any]:
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": 0.0,
+            "seed": sampling.seed, "samplers": SAMPLERS}
+
+
+def _best(pairs: Sequence[tuple[int, float]]) -> tuple[int, float]:
+    return min(pairs, key=lambda p: (-p[1], p[0]))
+
+
+def sample(engine: Server, ids: Sequence[int], max_tokens: int, sampling: Sampling) -> Generation:
+    """`Samples.sample` on the server (module docstring)."""
+    ids = [int(t) for t in ids]
+    processed = engine.config.logprobs_mode == "processed"
+    if engine.api == "llama-server":
+        reply = engine.client.call("/completion", {
+            "prompt": ids, "n_predict": max_tokens, **_sampler(sampling), "n_probs": 1,
+            "post_sampling_probs": processed, "cache_prompt": False, "return_tokens": True, "stream": False})
+        assert reply is not None
+        steps = reply.get("completion_probabilities") or []
+        tokens = tuple(int(t) for t in reply.get("tokens") or [s["id"] for s in steps])
+        if processed:  # probabilities after the sampler chain
+            chosen = tuple(math.log(s["prob"]) if s["prob"] > 0 else -math.inf for s in steps)
+            top = tuple((_best([(int(t["id"]), math.log(t["prob"]) if t["prob"] > 0 else -math.inf)
+                                for t in s.get("top_probs") or []]),) for s in steps)
+        else:
+            chosen = tuple(float(s["logprob"]) for s in steps)
+            top = tuple((_best([(int(t["id"]), float(t["logprob"])) for t in s.get("top_logprobs") or []]),)
+                        for s in steps)
+        finish = "stop" if reply.get("stop_type") in ("eos", "word") else "length"
+        cached = (reply.get("timings") or {}).get("cache_n")
+        return Generation(tokens, top, None if cached is None else int(cached), finish, None, chosen)
+    body = {"model": engine.identity.get("model"), "prompt": ids, "max_tokens": max_tokens, **_sampler(sampling),
+            "logprobs": 1, "return_tokens_as_token_ids": True, "cache_prompt": False, "cache_salt": uuid.uuid4().hex}
+    reply = engine.client.call("/v1/completions", body)
+    assert reply is not None
+    choice = (reply.get("choices") or [{}])[0]
+    tokens_, top_, chosen_ = openai_steps(choice.get("logprobs") or {})
+    finish = "stop" if choice.get("finish_reason") == "stop" else "length"
+    return Generation(tuple(tokens_), tuple((_best(s),) for s in top_), None, finish, None, tuple(chosen_))
+
+
+def openai_steps(logprobs: dict[str, Any]) -> tuple[list[int], list[list[tuple[int, float]]], list[float]]:
+    """Token IDs, each step's top (id, logprob) pairs and the emitted token's logprob, from either shape of
+    `choices[0].logprobs` (llama-server's chat shape with ids; vLLM's `token_id:N` strings)."""
+    if "content" in logprobs:
+        content = logprobs.get("content") or []
+        return ([int(s["id"]) for s in content],
+                [[(int(t["id"]), float(t["logprob"])) for t in s.get("top_logprobs") or []] for s in content],
+                [float(s["logprob"]) for s in content])
+    tokens = [token_id(t) for t in logprobs.get("tokens") or []]
+    top = [[(token_id(t), float(v)) for t, v in (step or {}).items()] for step in logprobs.get("top_logprobs") or []]
+    chosen = [math.nan if v is None else float(v) for v in logprobs.get("token_logprobs") or []]
+    return tokens, top, chosen
+
+
+def score(engine: Server, ids: Sequence[int], start: int, sampling: Sampling) -> PromptScores:
+    """`ScoresPrompt.score` on a `vllm serve`: one request for `ids` with `echo` and `logprobs` (its prompt logprobs
+    and one generated token), under a fresh cache salt."""
+    reason = prompt_scoring(engine.api, engine.identity, engine.config.logprobs_mode)
+    if reason is not None:
+        raise StageReplayError(reason, "score the rollouts with our engine only (the trainer parts)")
+    ids = [int(t) for t in ids]
+    body = {"model": engine.identity.get("model"), "prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True,
+            "logprobs": 1, "return_tokens_as_token_ids": True, "cache_prompt": False, "cache_salt": uuid.uuid4().hex}
+    reply = engine.client.call("/v1/completions", body)
+    assert reply is not None
+    tokens, top, chosen = openai_steps(((reply.get("choices") or [{}])[0]).get("logprobs") or {})
+    if tokens[: len(ids)] != ids:
+        raise StageReplayError(f"the server at {engine.client.url} echoed other tokens than the {len(ids)} sent",
+                               "serve with return_tokens_as_token_ids support (vllm serve)")
+    return PromptScores(tuple(chosen[start : len(ids)]), tuple(_best(s)[0] for s in top[start : len(ids)]))

@@ -1,0 +1,137 @@
+"""Mismatch on a serving engine (`mismatch --engine NAME`): the engine as the RL rollout engine, our engine as the
+trainer, on the same token IDs (`experiments.mismatch` owns the experiment; this is its part '' in an engine).
+
+Per item, part '', in this order:
+
+    rollout           the engine samples the response (`Samples.sample`: its own sampler, greedy or with the run's
+                      temperature, top-k, top-p and the item's derived seed, as ours derives it) and says each
+                      emitted token's log-probability; or the rollout is read from a file (`--rollouts`)
+    rollout#replica   the same request again: the same tokens and bits where the engine is deterministic
+    prefill           the engine's own one-shot prefill of prompt + response (`ScoresPrompt.score`), where the engine
+    prefill#replica   scores a sequence in one request under the run's mode (`EngineKind.prompt_scoring`); else not
+                      built, and the stage says why (`prefill`)
+    incremental       ours, teacher-forced one token per forward (our model, with its weights)
+
+The trainer parts (ours, one-shot, per precision) are `experiments.mismatch`'s own. A serving engine exposes no cache,
+so no K/V transplant is made: the stage's `transplant` says so. Arms computed in the engine name it (`engine`) and
+its own precision (`Samples.precision_name`: vLLM's dtype, a GGUF's type and the K/V cache's); ours name ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import Field
+
+from stagereplay.engine.decode import derive_seed
+from stagereplay.engine.lm import LM, ids_fingerprint
+from stagereplay.errors import StageReplayError
+from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.mismatch import (
+    MismatchParams,
+    MismatchStage,
+    mismatch_item,
+    rollout_of_file,
+    scored_arm,
+)
+from stagereplay.records.payloads import Payload
+from stagereplay.records.scored import MismatchPayload, ScoredArm
+from stagereplay.serving.matched import ServingArms, cached_engine
+from stagereplay.serving.seam import Generation, PromptScores, Samples, Sampling, ScoresPrompt
+
+NO_TRANSPLANT = "none: a serving engine exposes no K/V cache to transplant"
+
+
+class ServedMismatchStage(MismatchStage):
+    """Mismatch's frozen section on a serving engine: what the engine builds of it."""
+
+    prefill: str = Field(description="built: the engine scores each sequence in one request (the prefill arms); "
+                                     "else why it is not built")
+    transplant: str = Field(description="why no K/V transplant is made")
+
+
+@dataclass(frozen=True)
+class ServedMismatchParams(Params):
+    """Part '' of a served mismatch job: the experiment's parameters, the engine's arms (its config carries the
+    run's logprobs mode), and whether the engine's prefill arms are built."""
+
+    mismatch: MismatchParams
+    arms: ServingArms
+    prefill: bool
+
+    @property
+    def part(self) -> str:
+        return self.mismatch.part
+
+
+def sampling_of(job: Job[Any]) -> Sampling:
+    """The rollout's sampling: the run's decoding with the item's seed, derived as our engine's rollout derives it."""
+    dc = job.settings.decode
+    return Sampling.of(dc.sample, dc.temperature, dc.top_k, dc.top_p, derive_seed(dc.seed, job.item.id, "rollout"))
+
+
+def _served(name: str, engine: Any, scores: Generation | PromptScores, tokens_fp: str, mode: str, start: int,
+            construction: str) -> ScoredArm:
+    """An arm the engine computed: its log-probabilities (a rollout's `chosen`, a score's `logprobs`), and the argmax
+    of each step where the engine said it."""
+    import numpy as np
+
+    from stagereplay.engine.scoring import Scored
+
+    if isinstance(scores, Generation):
+        assert scores.chosen is not None
+        lps = scores.chosen
+        best = tuple(step[0][0] for step in scores.top) if len(scores.top) == len(scores.chosen) else None
+    else:
+        lps, best = scores.logprobs, scores.argmax
+    scored = Scored(np.asarray(lps, dtype=np.float32), None if best is None else np.asarray(best, dtype=np.int32))
+    return scored_arm(name, scored, tokens_fp, mode, start, engine.precision_name(), engine=engine.name,
+                      construction=construction)
+
+
+def served_mismatch_item(lm: LM, job: Job[Any]) -> Payload:
+    """One item's part: part '' in the engine and ours (module docstring); a trainer part, ours
+    (`experiments.mismatch.mismatch_item`)."""
+    from stagereplay.engine.scoring import score_incremental
+
+    if not isinstance(job.params, ServedMismatchParams):
+        return mismatch_item(lm, job)
+    p = job.params
+    engine = cached_engine(p.arms.engine, lm)
+    if not isinstance(engine, Samples):
+        raise StageReplayError(f"the {engine.name} engine does not sample rollouts", "run mismatch on our engine")
+    item, dc, mode = job.item, job.settings.decode, p.mismatch.mode
+    prompt = list(item.prompt_ids)
+    sampling = sampling_of(job)
+    arms: list[ScoredArm] = []
+    extra: dict[str, Any] = {}
+    if p.mismatch.source == "file":
+        response, arm, sampled = rollout_of_file(item, p.mismatch.columns, mode, len(prompt))
+        arms.append(arm)
+        extra["sampling"] = sampled or sampling.as_dict()
+        fp = ids_fingerprint([*prompt, *response])
+    else:
+        first = engine.sample(prompt, dc.max_new_tokens, sampling)
+        again = engine.sample(prompt, dc.max_new_tokens, sampling)
+        response = list(first.tokens)
+        fp = ids_fingerprint([*prompt, *response])
+        arms.append(_served("rollout", engine, first, fp, mode, len(prompt), "live"))
+        arms.append(_served("rollout#replica", engine, again, ids_fingerprint([*prompt, *again.tokens]), mode,
+                            len(prompt), "live"))
+        extra.update(stop="eos" if first.finish == "stop" else "length", sampling=sampling.as_dict(),
+                     replica_tokens_equal=again.tokens == first.tokens)
+    arms.append(scored_arm("incremental", score_incremental(lm, prompt, response, dc, mode), fp, mode,  # type: ignore[arg-type]  # a mode checked by the options
+                           len(prompt), lm.config.precision, construction="incremental"))
+    if p.prefill:
+        assert isinstance(engine, ScoresPrompt)
+        for name in ("prefill", "prefill#replica"):
+            arms.append(_served(name, engine, engine.score([*prompt, *response], len(prompt), sampling), fp, mode,
+                                len(prompt), "oneshot"))
+    return MismatchPayload(status="ok", source=p.mismatch.source, precision="", tokens_fp=fp,  # type: ignore[arg-type]
+                           prompt_ids=prompt, response_ids=response, arms=arms, **extra).as_payload()
+
+
+def served_params(params: MismatchParams, arms: ServingArms, prefill: bool) -> Params:
+    """A job's parameters on the engine: part '' wrapped with the engine's arms; a trainer part as it is (ours)."""
+    return params if params.part else ServedMismatchParams(replace(params, transplant_at=0.0), arms, prefill)
