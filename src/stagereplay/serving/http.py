@@ -305,7 +305,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
     def precision_name(self) -> str:
         """What the server says of its model's type (llama-server's file type), and the flags it was started with
         as `--server-args` declares them (vLLM says nothing of its dtype)."""
-        said = self.identity.get("model_ftype") or (self.identity.get("model_meta") or {}).get("ftype")
+        said = self.identity.model_ftype or (self.identity.model_meta or {}).get("ftype")
         declared = self.options.server_args
         return ", ".join(x for x in (str(said) if said is not None else "",
                                      f"started with {declared!r}" if declared else "") if x) or "not said"

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from stagereplay.errors import StageReplayError
 from stagereplay.serving.client import Client
 from stagereplay.serving.seam import LOGPROBS_MODES, EngineConfig, Generation, PromptScores, Sampling
-from stagereplay.serving.server_identity import LLAMA_SERVER
+from stagereplay.serving.server_identity import LLAMA_SERVER, ServerIdentity
 
 SAMPLERS = ["temperature", "top_k", "top_p"]
 """llama-server's sampler chain for a rollout, in generate()'s order (its `dist` is added after them)."""
@@ -38,7 +38,7 @@ class Server(Protocol):
 
     client: Client
     api: str
-    identity: dict[str, Any]
+    identity: ServerIdentity
     config: EngineConfig
 
 
@@ -64,19 +64,19 @@ def declared_mode(server_args: str) -> str | None:
     return mode if mode in LOGPROBS_MODES else None
 
 
-def modes(api: str, identity: dict[str, Any], server_args: str) -> tuple[str, ...]:
+def modes(api: str, identity: ServerIdentity, server_args: str) -> tuple[str, ...]:
     """The distributions a server's drawn tokens' log-probabilities can be taken from (module docstring)."""
     if api == "llama-server":
         return LOGPROBS_MODES
-    if identity.get("server") in LLAMA_SERVER:
+    if identity.server in LLAMA_SERVER:
         return ("raw",)
     mode = declared_mode(server_args)
     return () if mode is None else (mode,)
 
 
-def prompt_scoring(api: str, identity: dict[str, Any], mode: str) -> str | None:
+def prompt_scoring(api: str, identity: ServerIdentity, mode: str) -> str | None:
     """None where the server scores a sequence's tokens in one request under `mode`; else why not, in one line."""
-    if api == "llama-server" or identity.get("server") in LLAMA_SERVER:
+    if api == "llama-server" or identity.server in LLAMA_SERVER:
         return ("llama-server scores no sequence in one request: it refuses `echo`, and its /completion returns no "
                 "prompt log-probabilities")
     if mode != "raw":
@@ -115,7 +115,7 @@ def sample(engine: Server, ids: Sequence[int], max_tokens: int, sampling: Sampli
         finish = "stop" if reply.get("stop_type") in ("eos", "word") else "length"
         cached = (reply.get("timings") or {}).get("cache_n")
         return Generation(tokens, top, None if cached is None else int(cached), finish, None, chosen)
-    body = {"model": engine.identity.get("model"), "prompt": ids, "max_tokens": max_tokens, **_sampler(sampling),
+    body = {"model": engine.identity.model, "prompt": ids, "max_tokens": max_tokens, **_sampler(sampling),
             "logprobs": 1, "return_tokens_as_token_ids": True, "cache_prompt": False, "cache_salt": uuid.uuid4().hex}
     reply = engine.client.call("/v1/completions", body)
     assert reply is not None
@@ -146,7 +146,7 @@ def score(engine: Server, ids: Sequence[int], start: int, sampling: Sampling) ->
     if reason is not None:
         raise StageReplayError(reason, "score the rollouts with our engine only (the trainer parts)")
     ids = [int(t) for t in ids]
-    body = {"model": engine.identity.get("model"), "prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True,
+    body = {"model": engine.identity.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True,
             "logprobs": 1, "return_tokens_as_token_ids": True, "cache_prompt": False, "cache_salt": uuid.uuid4().hex}
     reply = engine.client.call("/v1/completions", body)
     assert reply is not None
