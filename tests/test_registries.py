@@ -183,6 +183,10 @@ def test_without_its_registry_line_it_has_no_command_and_its_run_is_refused_in_o
 class EchoOptions(EngineOptions):
     stride: int = field(default=7, metadata={"help": "the next token is (last * stride + 3) mod the vocabulary"})
 
+    def check(self) -> None:
+        if self.stride < 1:
+            raise StageReplayError(f"--stride must be at least 1, got {self.stride}", "pass a positive stride")
+
 
 @dataclass(frozen=True)
 class EchoOptionsWithOffset(EchoOptions):
@@ -288,3 +292,12 @@ def test_an_option_the_registered_engine_does_not_take_is_refused(echo, tmp_path
     engines.unregister("echo")  # the control: unregistered, the engine is unknown
     result = runner.invoke(app, ["matched", "--engine", "echo", "--n", "1", "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and "unknown engine 'echo'" in result.stderr
+
+
+def test_an_engine_option_given_as_zero_is_given_and_checked(echo, tmp_path):
+    """0 is a value given on the command line, not an option left out: the engine's options refuse it in one line
+    (were it dropped, the run would go on with the default stride and exit 0)."""
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["matched", "--engine", "echo", "--stride", "0", "--n", "1", "--out", str(out)])
+    assert result.exit_code == 2 and "--stride must be at least 1, got 0" in result.stderr, result.output
+    assert not out.exists()

@@ -238,7 +238,7 @@ def test_a_speculating_server_records_its_drafts_and_compare_names_its_speculati
             assert sum(a["draft"]["drafted"] for a in arms if a["name"] == "live") > 0
         else:
             assert not [a for a in arms if "draft" in a]
-    differ = compare(plain, spec, tmp_path / "compare").differences
+    differ = compare(plain, spec, tmp_path / "compare").document.differences
     named = {d.field for d in differ.server}
     assert {"environment.engine.server.speculative", "environment.engine.server.speculative_types",
             "environment.engine.build.speculative", "environment.engine.server_args"} <= named, named

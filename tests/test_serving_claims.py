@@ -14,6 +14,7 @@ from stagereplay.cli import app
 from stagereplay.engine.boundary import After, Marker
 from stagereplay.engine.model import load_config_and_tokenizer
 from stagereplay.errors import StageReplayError
+from stagereplay.records.payloads import Arm, Load
 from stagereplay.serving import live as live_module
 from stagereplay.serving.evidence import took_place
 from stagereplay.serving.live import FIRST_STAGE1, request_live, stage1_sizes
@@ -158,8 +159,10 @@ def test_a_restore_the_server_did_not_use_is_reported_as_not_restored(tokenizer,
 
 
 def test_took_place_reads_the_engines_counts():
-    def arm(construction, cached, **more):
-        return {"construction": construction, "num_cached_tokens": cached, **more}
+    def arm(construction, cached, in_flight=None):
+        load = None if in_flight is None else Load(concurrency=1, in_flight_at_send=in_flight, returned_meanwhile=0)
+        return Arm(name=construction, construction=construction, precision="fp32", suffix_ids=[], suffix_fp="",
+                   cache_fp=None, stop="length", text="", correct=False, num_cached_tokens=cached, load=load)
 
     assert took_place(arm("slot-restore", 20), prompt_len=10, boundary=21) is True
     assert took_place(arm("slot-restore", 0), 10, 21) is False
@@ -168,8 +171,8 @@ def test_took_place_reads_the_engines_counts():
     assert took_place(arm("prefix-cache", 10), 10, 21) is False
     assert took_place(arm("oneshot", 0), 10, 21) is True and took_place(arm("oneshot", 5), 10, 21) is False
     assert took_place(arm("oneshot", None), 10, 21) is None  # an engine that does not say
-    assert took_place(arm("oneshot", 0, load={"in_flight_at_send": 0}), 10, 21) is False
-    assert took_place(arm("oneshot", 0, load={"in_flight_at_send": 3}), 10, 21) is True
+    assert took_place(arm("oneshot", 0, in_flight=0), 10, 21) is False
+    assert took_place(arm("oneshot", 0, in_flight=3), 10, 21) is True
 
 
 # -- a server that refuses our request ------------------------------------------------------------------------------

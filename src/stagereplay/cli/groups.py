@@ -153,7 +153,7 @@ def command(body: Callable[..., None], groups: Sequence[Group], extra: Sequence[
         for o in options:
             raw = values.pop(o.parameter.name)
             group = by_key[o.group]
-            if group.given_only and raw in (None, False):
+            if group.given_only and raw is None:  # not given (0 and --no-x are given)
                 continue
             if _comma_list(o.kind) and raw is None:
                 continue  # the field's own default

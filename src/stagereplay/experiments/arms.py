@@ -1,6 +1,10 @@
 """What one item's record is made of: its arms (suffix, fingerprints, label), the comparisons between them, the
 arms another stage may carry over, the token texts the report shows; an item that never reached its boundary.
-Built from the engine's results as the models of `records.payloads`, below the experiments that walk an item."""
+Built from the engine's results as the models of `records.payloads`, below the experiments that walk an item.
+
+Ours and a serving engine's arms are built here alike: `arm_record` from our engine's boundary state and
+continuation, `engine_arm` from the token IDs and top-k log-probabilities an engine returns (a serving run's arms,
+its `--cross` arms included), and `top_k_diagnostics` the diagnostics block those give (no logits, no cache)."""
 
 from __future__ import annotations
 
@@ -8,17 +12,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from stagereplay.engine.forwards import Lengths
-from stagereplay.engine.lm import LM, BoundaryState, Continuation
+from stagereplay.engine.lm import LM, BoundaryState, Continuation, ids_fingerprint
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.ledger import sha256_json
 from stagereplay.records.manifest import StageSection
 from stagereplay.records.payloads import (
     Arm,
     Comparison,
+    Diagnostics,
+    Divergence,
+    DivergenceSide,
     GeneratedBy,
     GridPayload,
     MatchedPayload,
     NoBoundaryPayload,
+    PairDiagnostics,
 )
 from stagereplay.tasks.base import Item
 from stagereplay.tasks.scoring import scorer_by_name
@@ -38,6 +46,51 @@ def arm_record(lm: LM, name: str, state: BoundaryState, cont: Continuation, stag
         arm = arm.model_copy(update={"generated": GeneratedBy.model_validate(state.generated)})
     # A field left unset is absent from the record: only a retokenized state has a round trip to report.
     return arm if state.roundtrip is None else arm.model_copy(update={"roundtrip": state.roundtrip})
+
+
+TopK = Sequence[Sequence[tuple[int, float]]]
+"""Per step, the engine's top-k candidates as (token id, log-probability), best first."""
+
+
+def engine_arm(lm: LM, name: str, construction: str, engine: str, suffix: Sequence[int], top: TopK,
+               stage1: Sequence[int], item: Item, scorer: str, cache_fp: str | None = None, **served: Any) -> Arm:
+    """An arm as a serving run records it, of either engine: its suffix, fingerprints, label (of stage 1 + suffix),
+    the engine that built it and each step's top-k log-probabilities. `cache_fp` None: the engine exposes no cache.
+    `served`: the fields only a serving engine's arms have (`num_cached_tokens`, `request`, `load`, ...)."""
+    text = lm.text([*stage1, *suffix])
+    return Arm(name=name, construction=construction, engine=engine, precision=lm.config.precision,
+               suffix_ids=list(suffix), suffix_fp=ids_fingerprint(suffix), cache_fp=cache_fp,
+               stop="eos" if suffix and suffix[-1] in lm.eos else "length", text=text,
+               correct=bool(scorer_by_name(scorer)(text, item.answer)),
+               top_logprobs=[[(int(t), float(v)) for t, v in step] for step in top], **served)
+
+
+def _margin(step: Sequence[tuple[int, float | None]]) -> float | None:
+    """Top-1 minus top-2 log-probability of one step: its logit margin (a softmax shifts a step's logits alike)."""
+    first, second = (step[0][1], step[1][1]) if len(step) > 1 else (None, None)
+    return None if first is None or second is None else float(first - second)
+
+
+def _top_k_divergence(a: Arm, b: Arm, step: int | None) -> Divergence | None:
+    top_a, top_b = a.top_logprobs or [], b.top_logprobs or []
+    if step is None or step >= len(top_a) or step >= len(top_b):
+        return None
+    return Divergence(step=step, logit_maxabs=None,
+                      a=DivergenceSide(margin=_margin(top_a[step]), top=list(top_a[step])),
+                      b=DivergenceSide(margin=_margin(top_b[step]), top=list(top_b[step])))
+
+
+def top_k_diagnostics(arms: Mapping[str, Arm], pairs: Sequence[tuple[str, str]],
+                      comparisons: Mapping[tuple[str, str], Comparison]) -> Diagnostics:
+    """`experiments.diagnose`'s block from top-k log-probabilities (a serving run's arms): every arm's margin at
+    each step and, per pair, both arms' margin and top-k at the first divergent step. A serving engine gives no
+    full logits and no cache, so the first-step logit difference and the cache difference are null."""
+    return Diagnostics(
+        margins={name: [_margin(step) for step in arm.top_logprobs or []] for name, arm in arms.items()},
+        pairs={f"{a} vs {b}": PairDiagnostics(
+            first_step_logit_maxabs=None, cache=None,
+            divergence=_top_k_divergence(arms[a], arms[b], comparisons[(a, b)].first_divergence))
+            for a, b in pairs})
 
 
 def matched_arms(stage: StageSection, matched_stage: StageSection | None, matched: dict[str, Any] | None,

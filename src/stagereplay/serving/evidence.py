@@ -16,20 +16,18 @@ unknown (None), as does an arm whose state the engine does not report on.
 
 from __future__ import annotations
 
-from typing import Any
+from stagereplay.records.payloads import Arm
 
 COUNTED = ("live", "oneshot", "prefix-cache", "slot-restore")
 """The constructions whose taking place an engine's counts show."""
 
 
-def took_place(arm: dict[str, Any], prompt_len: int, boundary: int) -> bool | None:
+def took_place(arm: Arm, prompt_len: int, boundary: int) -> bool | None:
     """Whether the arm's construction took place, as its engine reported the request (module docstring)."""
-    cached = arm.get("num_cached_tokens")
-    construction = arm.get("construction")
+    cached, construction = arm.num_cached_tokens, arm.construction
     if cached is None or construction not in COUNTED:
         return None
-    load = arm.get("load")
-    if load is not None and not load.get("in_flight_at_send"):
+    if arm.load is not None and not arm.load.in_flight_at_send:
         return False
     if construction in ("live", "oneshot"):
         return bool(cached == 0)

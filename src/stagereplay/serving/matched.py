@@ -37,16 +37,32 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stagereplay.engine.boundary import stage1_end
-from stagereplay.engine.lm import LM, ids_fingerprint
+from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import Work
-from stagereplay.experiments.arms import comparison, no_boundary_payload, with_token_texts
+from stagereplay.experiments.arms import (
+    compare,
+    engine_arm,
+    no_boundary_payload,
+    top_k_diagnostics,
+    with_token_texts,
+)
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import STAGE1_TOP
 from stagereplay.records.ledger import Run
 from stagereplay.records.manifest import StageSection
-from stagereplay.records.payloads import MatchedPayload, Payload
+from stagereplay.records.payloads import (
+    Arm,
+    Comparison,
+    Drafted,
+    LiveRequest,
+    Load,
+    LoadFinding,
+    MatchedPayload,
+    Payload,
+    SlotRestore,
+)
 from stagereplay.records.provenance import environment
 from stagereplay.serving.engines import ENGINES, OURS, config_from_dict, engine_config, kind_of
 from stagereplay.serving.evidence import took_place
@@ -64,7 +80,6 @@ from stagereplay.serving.seam import (
     ServingEngine,
 )
 from stagereplay.tasks.base import Item
-from stagereplay.tasks.scoring import scorer_by_name
 
 log = logging.getLogger(__name__)
 
@@ -180,63 +195,36 @@ def cached_engine(config: EngineConfig, lm: LM) -> ServingEngine:
     return _ENGINES[key]
 
 
-def _margins(top: Sequence[Sequence[Sequence[float]]]) -> list[float | None]:
-    """Top-1 minus top-2 logprob per step: the logit margin (a softmax shifts all logits of a step alike)."""
-    return [float(s[0][1] - s[1][1]) if len(s) > 1 else None for s in top]
-
-
-def _divergence(a: dict[str, Any], b: dict[str, Any], step: int | None) -> dict[str, Any] | None:
-    if step is None or step >= len(a["top_logprobs"]) or step >= len(b["top_logprobs"]):
-        return None
-    side = {}
-    for key, arm in (("a", a), ("b", b)):
-        top = arm["top_logprobs"][step]
-        side[key] = {"margin": float(top[0][1] - top[1][1]) if len(top) > 1 else None, "top": top}
-    return {"step": step, "logit_maxabs": None, **side}
-
-
-def diagnostics(arms: dict[str, dict[str, Any]], pairs: Sequence[tuple[str, str]],
-                comparisons: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
-    """`experiments.diagnose`'s block from top-k logprobs: margins of every arm's steps and, per pair, both arms'
-    margin and top-k at the first divergent step. A serving engine gives no full logits and no cache, so the
-    first-step logit difference and the cache difference are null."""
-    pair_entries = {}
-    for a, b in pairs:
-        d = comparisons[(a, b)]["first_divergence"]
-        pair_entries[f"{a} vs {b}"] = {"first_step_logit_maxabs": None,
-                                       "divergence": _divergence(arms[a], arms[b], d), "cache": None}
-    return {"margins": {name: _margins(arm["top_logprobs"]) for name, arm in arms.items()}, "pairs": pair_entries}
-
-
-def hf_top_logprobs(record: Any, k: int) -> list[list[list[float]]]:
+def hf_top_logprobs(record: Any, k: int) -> list[list[tuple[int, float]]]:
     """Our engine's per-step top-k (engine.steps) as the serving engine reports them: (id, logprob), ties by id."""
-    return [] if record is None else record.top_logprobs(k)
-
-
-def arm_of(lm: LM, name: str, construction: str, engine: str, suffix: Sequence[int], top: Any,
-           stage1: Sequence[int], item: Item, scorer: str, cache_fp: str | None = None) -> dict[str, Any]:
-    """One arm of either engine: suffix, fingerprints, label (of stage 1 + suffix), top-k logprobs per step."""
-    text = lm.text([*stage1, *suffix])
-    return {
-        "name": name, "construction": construction, "engine": engine, "precision": lm.config.precision,
-        "suffix_ids": list(suffix), "suffix_fp": ids_fingerprint(suffix), "cache_fp": cache_fp,
-        "stop": "eos" if suffix and suffix[-1] in lm.eos else "length", "text": text,
-        "correct": bool(scorer_by_name(scorer)(text, item.answer)),
-        "top_logprobs": [[[int(t), float(v)] for t, v in step] for step in top],
-    }
+    return [] if record is None else [[(int(t), float(v)) for t, v in step] for step in record.top_logprobs(k)]
 
 
 def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation, start: int, max_new: int,
-               stage1: Sequence[int], item: Item, scorer: str, prompt_len: int) -> dict[str, Any]:
-    """A serving engine's arm: the suffix from `start` in its output, and what its prefix cache supplied."""
-    arm = arm_of(lm, name, construction, engine, g.tokens[start : start + max_new], g.top[start : start + max_new],
-                 stage1, item, scorer)
-    arm["num_cached_tokens"] = g.cached  # None: the engine does not say
+               stage1: Sequence[int], item: Item, scorer: str, prompt_len: int, **more: Any) -> Arm:
+    """A serving engine's arm: the suffix from `start` in its output, and what its prefix cache supplied
+    (`num_cached_tokens` None: the engine does not say); `more`: the arm's other fields."""
+    served: dict[str, Any] = {"num_cached_tokens": g.cached, **more}
     if g.draft is not None:  # the request's speculation, over all it generated (a live request's stage 1 too)
-        arm["draft"] = {"drafted": g.draft.drafted, "accepted": g.draft.accepted}
+        served["draft"] = Drafted(drafted=g.draft.drafted, accepted=g.draft.accepted)
     if construction == "prefix-cache" and g.cached is not None:
-        arm["cached_from_decode"] = max(0, g.cached - prompt_len)  # cached positions past the prompt: decode's
-    return arm
+        served["cached_from_decode"] = max(0, g.cached - prompt_len)  # cached positions past the prompt: decode's
+    return engine_arm(lm, name, construction, engine, g.tokens[start : start + max_new],
+                      g.top[start : start + max_new], stage1, item, scorer, **served)
+
+
+def with_took_place(arms: Sequence[Arm], prompt_len: int, boundary: int) -> list[Arm]:
+    """Each served arm with `took_place`: whether its engine's counts say it was built as named
+    (`serving.evidence`); an arm of ours (no `num_cached_tokens`) as it is."""
+    return [arm.model_copy(update={"took_place": took_place(arm, prompt_len, boundary)})
+            if "num_cached_tokens" in arm.model_fields_set else arm for arm in arms]
+
+
+def _compared(item_id: str, arms: Sequence[Arm], pairs: Sequence[tuple[str, str]]
+              ) -> dict[tuple[str, str], Comparison]:
+    """The pairs whose two arms were both built, compared."""
+    by = {a.name: a for a in arms}
+    return {(a, b): compare(item_id, by[a], by[b]) for a, b in pairs if a in by and b in by}
 
 
 @dataclass
@@ -249,7 +237,7 @@ class _ItemArms:
     job: Job[ServingMatchedParams]
     first: Live
     stage1: list[int]
-    arms: list[dict[str, Any]]
+    arms: list[Arm]
     fresh: list[str]
 
     @property
@@ -264,14 +252,16 @@ class _ItemArms:
     def max_new(self) -> int:
         return self.job.settings.decode.max_new_tokens
 
-    def served(self, name: str, construction: str, g: Generation, start: int = 0, live: Live | None = None) -> None:
-        s = self.job.settings
-        self.arms.append(served_arm(self.lm, self.engine.name, name, construction, g, start, self.max_new,
-                                    self.stage1, self.job.item, s.scorer, len(self.prompt)))
+    def served(self, name: str, construction: str, g: Generation, start: int = 0, live: Live | None = None,
+               **more: Any) -> None:
+        """The arm `name` from the engine's output `g` (from `start`), with `more` of its fields; a live arm with
+        what its request asked for and the fingerprint of the boundary state it saved (an engine that saves one)."""
         if live is not None:
-            self.arms[-1]["request"] = live.request
-            if live.state is not None:  # the boundary state's cache, as saved
-                self.arms[-1]["cache_fp"] = live.state.fingerprint
+            more["request"] = LiveRequest(**live.request)
+            if live.state is not None:
+                more["cache_fp"] = live.state.fingerprint
+        self.arms.append(served_arm(self.lm, self.engine.name, name, construction, g, start, self.max_new,
+                                    self.stage1, self.job.item, self.job.settings.scorer, len(self.prompt), **more))
 
     def quiet(self, replica: Callable[[], Live]) -> tuple[Live, bool]:
         """live, prefix-cache (right after live: the blocks live filled) and oneshot, each with its replica (live's
@@ -299,9 +289,10 @@ class _ItemArms:
             return
         s = self.job.settings
 
-        def arm(name: str, g: Generation, cache_fp: str) -> dict[str, Any]:
-            return arm_of(self.lm, name, name.split("#")[0], engine.name, g.tokens[: self.max_new],
-                          g.top[: self.max_new], self.stage1, self.job.item, s.scorer, cache_fp)
+        def arm(name: str, g: Generation, cache_fp: str, restored_positions: int) -> Arm:
+            return engine_arm(self.lm, name, name.split("#")[0], engine.name, g.tokens[: self.max_new],
+                              g.top[: self.max_new], self.stage1, self.job.item, s.scorer, cache_fp,
+                              restored_positions=restored_positions)
 
         states = [self.first.state, again.state] if replica_prefix_equal else [self.first.state]
         self.arms += restore_arms(engine, self.prefix, states, self.max_new, arm)
@@ -314,9 +305,9 @@ class _ItemArms:
             return
         for name in ("slot-restore", "slot-restore#replica"):
             again_live, g, how = engine.slot_restore(self.prompt, first.max_tokens, self.prefix, self.max_new)
-            self.served(name, "slot-restore", g)
-            self.arms[-1]["slot"] = {**how, "live_equal": list(again_live.tokens) == list(first.generation.tokens),
-                                     "live_max_tokens": first.max_tokens}
+            self.served(name, "slot-restore", g, slot=SlotRestore(
+                **how, live_equal=list(again_live.tokens) == list(first.generation.tokens),
+                live_max_tokens=first.max_tokens))
         self.fresh += RestoresSlot.ARMS
 
     def loaded(self, rule: Any, size: int) -> None:
@@ -327,12 +318,10 @@ class _ItemArms:
         loaded, seen = engine.generate_loaded(self.prompt, self.first.max_tokens, traffic)
         loaded_end = stage1_end(loaded.tokens, rule.watch(), self.lm.eos, size)
         if loaded_end is not None:
-            self.served("live@load", "live", loaded, loaded_end + 1)
-            self.arms[-1]["load"] = {**seen, "prefix_equal": list(loaded.tokens[: loaded_end + 1]) == self.stage1}
-            self.arms[-1]["request"] = self.first.request
+            self.served("live@load", "live", loaded, loaded_end + 1, request=LiveRequest(**self.first.request),
+                        load=Load(**seen, prefix_equal=list(loaded.tokens[: loaded_end + 1]) == self.stage1))
         loaded, seen = engine.generate_loaded(self.prefix, self.max_new, traffic)
-        self.served("oneshot@load", "oneshot", loaded)
-        self.arms[-1]["load"] = seen
+        self.served("oneshot@load", "oneshot", loaded, load=Load(**seen))
         self.fresh += list(LOADED)
 
     def crossed(self) -> None:
@@ -346,9 +335,9 @@ class _ItemArms:
         for name in (f"{cross}-oneshot", f"{cross}-oneshot#replica"):
             built = lm.construct(state, "oneshot")
             cont = lm.continue_from(built, s.decode)
-            self.arms.append(arm_of(lm, name, "oneshot", cross, cont.suffix,
-                                    hf_top_logprobs(cont.record, TOP_LOGPROBS), self.stage1, self.job.item, s.scorer,
-                                    built.fingerprint()))
+            self.arms.append(engine_arm(lm, name, "oneshot", cross, cont.suffix,
+                                        hf_top_logprobs(cont.record, TOP_LOGPROBS), self.stage1, self.job.item,
+                                        s.scorer, built.fingerprint()))
             del built, cont
         self.fresh.append(f"{cross}-oneshot")
 
@@ -356,29 +345,20 @@ class _ItemArms:
         """The item's record: every arm, whether each was built as named (`serving.evidence`), the pairs compared
         and their diagnostics."""
         item, prompt, prefix, traffic = self.job.item, self.prompt, self.prefix, self.job.params.traffic
-        for arm in self.arms:
-            if "num_cached_tokens" in arm:
-                arm["took_place"] = took_place(arm, len(prompt), len(prefix))
-        by = {a["name"]: a for a in self.arms}
+        arms = with_took_place(self.arms, len(prompt), len(prefix))
         pairs = [("live", f) for f in self.fresh] + [(f, f"{f}#replica") for f in ("live", *self.fresh)]
         pairs += [("oneshot", "oneshot@load")] if traffic else []
-        comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs if a in by and b in by}
+        comparisons = _compared(item.id, arms, pairs)
         end = len(self.stage1) - 1
-        payload = MatchedPayload.model_validate({  # the record's shape, checked where it is made
-            "status": "ok",
-            "prompt_ids": prompt,
-            "prefix_ids": prefix,
-            "boundary": len(prefix),
-            **(self.first.match or {}),  # a marker matched on text: whether it ended inside the boundary token
-            "answer": item.answer,
-            "replica_prefix_equal": replica_prefix_equal,
-            "arms": self.arms,
-            "comparisons": list(comparisons.values()),
-            "diagnostics": diagnostics(by, [("live", f) for f in self.fresh], comparisons),
-            **({"load_finding": load_finding(comparisons)} if traffic else {}),
-            "stage1_top": [[(int(t), float(v)) for t, v in step[:STAGE1_TOP]]
-                           for step in self.first.generation.top[: end + 1]],
-        })
+        more: dict[str, Any] = dict(self.first.match or {})  # a marker matched on text: whether it ended inside
+        if traffic:                                          # the boundary token
+            more["load_finding"] = load_finding(comparisons)
+        payload = MatchedPayload(
+            status="ok", prompt_ids=prompt, prefix_ids=prefix, boundary=len(prefix), answer=item.answer,
+            replica_prefix_equal=replica_prefix_equal, arms=arms, comparisons=list(comparisons.values()),
+            diagnostics=top_k_diagnostics({a.name: a for a in arms}, [("live", f) for f in self.fresh], comparisons),
+            **more, stage1_top=[[(int(t), float(v)) for t, v in step[:STAGE1_TOP]]
+                        for step in self.first.generation.top[: end + 1]])
         return with_token_texts(self.lm, payload).as_payload()
 
 
@@ -415,20 +395,20 @@ def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> Payload:
     return item_arms.payload(replica_prefix_equal)
 
 
-def load_finding(comparisons: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
+def load_finding(comparisons: Mapping[tuple[str, str], Comparison]) -> dict[str, LoadFinding]:
     """What the replicas under load say about the server, apart from construction effects, for live's request and
     oneshot's: `batch-variant` when the quiet replica is exact and the one under load is not (other requests in
     the batch changed the bits), `not self-consistent` when even the quiet replica differs, `invariant` when both
     are exact, `unknown` when a replica did not reach the boundary."""
-    out = {}
+    out: dict[str, LoadFinding] = {}
     for arm in ("live", "oneshot"):
         quiet, loaded = comparisons.get((arm, f"{arm}#replica")), comparisons.get((arm, f"{arm}@load"))
         if quiet is None or loaded is None:
             out[arm] = "unknown"
-        elif not quiet["suffix_equal"]:
+        elif not quiet.suffix_equal:
             out[arm] = "not self-consistent"
         else:
-            out[arm] = "invariant" if loaded["suffix_equal"] else "batch-variant"
+            out[arm] = "invariant" if loaded.suffix_equal else "batch-variant"
     return out
 
 

@@ -17,23 +17,20 @@ Per item and precision p, in one engine at p (and ours at p for the cross arm):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from stagereplay.engine.constructions import Chunked, parse_construction
 from stagereplay.engine.lm import LM
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.arms import comparison, with_token_texts
+from stagereplay.experiments.arms import compare, engine_arm, top_k_diagnostics, with_token_texts
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.precision_2x2 import fixed_state
-from stagereplay.records.payloads import GridPayload, Payload
-from stagereplay.serving.evidence import took_place
+from stagereplay.records.payloads import Arm, GridPayload, Payload
 from stagereplay.serving.matched import (
     ServingArms,
-    arm_of,
     cached_engine,
-    diagnostics,
     hf_top_logprobs,
     served_arm,
+    with_took_place,
 )
 from stagereplay.serving.seam import TOP_LOGPROBS, PrefillsInChunks, SavesState
 
@@ -80,7 +77,7 @@ def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> Payload:
     engine = cached_engine(job.params.arms.engine, lm)
     prompt, max_new, precision = list(item.prompt_ids), s.decode.max_new_tokens, lm.config.precision
     stage1 = prefix[len(prompt) :]
-    arms: list[dict[str, Any]] = []
+    arms: list[Arm] = []
     for c in constructions:
         name = f"{c}@{precision}"
         if c == "oneshot":
@@ -89,30 +86,27 @@ def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> Payload:
         elif c == "prefix-cache":
             live = engine.generate(prompt, len(stage1))  # from a reset: live at this precision writes the blocks
             hit = engine.generate(prefix, max_new, reuse=True)
-            arm = served_arm(lm, engine.name, name, c, hit, 0, max_new, stage1, item, s.scorer, len(prompt))
-            arm["live_prefix_equal"] = list(live.tokens) == stage1
-            arms.append(arm)
+            arms.append(served_arm(lm, engine.name, name, c, hit, 0, max_new, stage1, item, s.scorer, len(prompt),
+                                   live_prefix_equal=list(live.tokens) == stage1))
         elif c == "oneshot-restore" and isinstance(engine, SavesState):
             state = engine.build_state(prefix[:-1])
             g, loaded = engine.restore(state, prefix[-1], max_new)
-            arms.append(arm_of(lm, name, c, engine.name, g.tokens[:max_new], g.top[:max_new], stage1, item,
-                               s.scorer, loaded))
+            arms.append(engine_arm(lm, name, c, engine.name, g.tokens[:max_new], g.top[:max_new], stage1, item,
+                                   s.scorer, loaded))
         elif (n := _chunk(c)) is not None and isinstance(engine, PrefillsInChunks):
             g = engine.chunked(prefix, max_new, n)
             arms.append(served_arm(lm, engine.name, name, c, g, 0, max_new, stage1, item, s.scorer, len(prompt)))
         else:  # <cross>-oneshot: ours, on the same IDs
             built = lm.construct(fixed_state(item, prefix, s, lm), "oneshot")
             cont = lm.continue_from(built, s.decode)
-            arms.append(arm_of(lm, name, "oneshot", c.removesuffix("-oneshot"), cont.suffix,
-                               hf_top_logprobs(cont.record, TOP_LOGPROBS), stage1, item, s.scorer, built.fingerprint()))
-    for arm in arms:  # whether the engine built each arm's state as its construction says (serving.evidence)
-        if "num_cached_tokens" in arm:
-            arm["took_place"] = took_place(arm, len(prompt), len(prefix))
-    by = {a["name"]: a for a in arms}
-    pairs = [(a["name"], b["name"]) for i, a in enumerate(arms) for b in arms[i + 1 :]]
-    comparisons = {(a, b): comparison(item.id, by[a], by[b]) for a, b in pairs}
-    payload = GridPayload.model_validate({  # the record's shape, checked where it is made
-        "status": "ok", "precision": precision, "prompt_ids": prompt, "prefix_ids": prefix, "boundary": len(prefix),
-        "answer": item.answer, "arms": arms, "comparisons": list(comparisons.values()),
-        "diagnostics": diagnostics(by, pairs, comparisons)})
+            arms.append(engine_arm(lm, name, "oneshot", c.removesuffix("-oneshot"), cont.suffix,
+                                   hf_top_logprobs(cont.record, TOP_LOGPROBS), stage1, item, s.scorer,
+                                   built.fingerprint()))
+    arms = with_took_place(arms, len(prompt), len(prefix))  # whether the engine built each as named
+    by = {a.name: a for a in arms}
+    pairs = [(a.name, b.name) for i, a in enumerate(arms) for b in arms[i + 1 :]]
+    comparisons = {(a, b): compare(item.id, by[a], by[b]) for a, b in pairs}
+    payload = GridPayload(status="ok", precision=precision, prompt_ids=prompt, prefix_ids=prefix,
+                          boundary=len(prefix), answer=item.answer, arms=arms,
+                          comparisons=list(comparisons.values()), diagnostics=top_k_diagnostics(by, pairs, comparisons))
     return with_token_texts(lm, payload).as_payload()

@@ -19,22 +19,22 @@ A restore arm's `cache_fp` is the cache re-read after the load (so a restore tha
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
+from stagereplay.records.payloads import Arm
 from stagereplay.serving.seam import Generation, SavedState, SavesState
 
 
 def restore_arms(engine: SavesState, prefix: Sequence[int], states: Sequence[SavedState | None], max_new: int,
-                 arm: Callable[[str, Generation, str], dict[str, Any]]) -> list[dict[str, Any]]:
+                 arm: Callable[[str, Generation, str, int], Arm]) -> list[Arm]:
     """state-restore from each of `states` (live's, live#replica's), then oneshot-restore and its replica.
-    `arm(name, generation, cache_fp)` builds an arm record."""
+    `arm(name, generation, cache_fp, restored_positions)` builds an arm."""
     out = []
     names = ("state-restore", "state-restore#replica")
     for name, state in zip(names, states, strict=False):
         if state is not None and list(state.ids) == list(prefix[:-1]):
             g, loaded = engine.restore(state, prefix[-1], max_new)
-            out.append({**arm(name, g, loaded), "restored_positions": len(state.ids)})
+            out.append(arm(name, g, loaded, len(state.ids)))
     for name in ("oneshot-restore", "oneshot-restore#replica"):
         g, loaded = engine.restore(engine.build_state(prefix[:-1]), prefix[-1], max_new)
-        out.append({**arm(name, g, loaded), "restored_positions": len(prefix) - 1})
+        out.append(arm(name, g, loaded, len(prefix) - 1))
     return out
