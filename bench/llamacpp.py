@@ -74,8 +74,8 @@ def convert(out: Path, source: Path, converter: Path) -> list[Path]:
 
 
 def matched(model: Path, items: Path, run: Path, extra: list[str], cross: bool = True) -> dict:
-    args = ["stagereplay", "matched", "--engine", "llama.cpp", "--model", str(model), "--data", str(items),
-            *STAGE, "--out", str(run), "--quiet", *(["--cross", "hf"] if cross else []), *extra]
+    args = [sys.executable, "-m", "stagereplay.cli", "matched", "--engine", "llama.cpp", "--model", str(model),
+            "--data", str(items), *STAGE, "--out", str(run), "--quiet", *(["--cross", "hf"] if cross else []), *extra]
     subprocess.run(args, check=True)
     return json.loads((run / "results.json").read_text())
 

@@ -125,12 +125,13 @@ that lacks it (stage 1's end), and never elsewhere; tokens in `avoid` (an EOS) a
 (drafted, accepted) makes it a speculating server, as llama-server with --spec-type is: its /slots say `speculative`
 and, once a slot ran a request, `speculative.types`; each reply's `timings` carry `draft_n` and `draft_n_accepted`,
 `draft` per 8 generated tokens, rounded down (absent where no token was drafted, as llama-server leaves them out).
+`ftype` is the model's type its /props say (`model_ftype`, as llama-server's do).
 """
 
     def __init__(self, tokenizer: Any, mode: str = "", stall: float = 5.0, slots: int = 1, n_ctx: int = 4096,
                  marker: tuple[int, int] | None = None, avoid: tuple[int, ...] = (),
-                 draft: tuple[int, int] | None = None):
-        self.tokenizer, self.mode, self.stall = tokenizer, mode, stall
+                 draft: tuple[int, int] | None = None, ftype: str | None = None):
+        self.tokenizer, self.mode, self.stall, self.ftype = tokenizer, mode, stall, ftype
         self.vocab = len(tokenizer)
         self.requests = 0  # completions answered: the task counter /slots shows
         self.fail_after: int | None = None  # completions past this many answer HTTP 500 (a server gone bad mid-run)
@@ -208,7 +209,8 @@ and, once a slot ran a request, `speculative.types`; each reply's `timings` carr
                 fake.authorization.append(self.headers.get("Authorization"))
                 if self.path == "/props":
                     self.reply(200, {"default_generation_settings": {"n_ctx": fake.n_ctx}, "build_info": "fake-1",
-                                     "model_alias": "toy", "model_path": "toy.gguf", "total_slots": fake.slots})
+                                     "model_alias": "toy", "model_path": "toy.gguf", "total_slots": fake.slots,
+                                     **({"model_ftype": fake.ftype} if fake.ftype else {})})
                 elif self.path == "/slots":
                     slot: dict[str, Any] = {"id": 0, "is_processing": False, "id_task": fake.requests,
                                             "speculative": fake.draft is not None}

@@ -280,7 +280,10 @@ def test_a_restore_a_sliding_window_model_cannot_use_is_reported_as_not_restored
     column = next(m for m in json.loads((tmp_path / "run" / "results.json").read_text())["matched"]
                   if m["construction"] == "slot-restore")
     assert column["built"]["not_built"] == 2 and column["suffix_disagreements"]["n"] == 0
-    assert "slot-restore @ fp32 was not built as named on 2 of 2 items" in (tmp_path / "run" / "report.md").read_text()
+    # Labelled with what the server ran (its model's type, as its /props say), not with our --precision.
+    assert column["precision"].startswith("the server's Q4_K") and "fp32" not in column["precision"], column
+    assert f"slot-restore @ {column['precision']} was not built as named on 2 of 2 items" in (
+        tmp_path / "run" / "report.md").read_text()
 
 
 # -- mismatch: the server as the RL rollout engine ------------------------------------------------------------------

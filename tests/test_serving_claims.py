@@ -155,7 +155,8 @@ def test_a_restore_the_server_did_not_use_is_reported_as_not_restored(tokenizer,
     assert column["built"]["k"] == (2 if restored else 0) and column["built"]["not_built"] == (0 if restored else 2)
     assert column["suffix_disagreements"]["n"] == (2 if restored else 0)
     report = (run / "report.md").read_text()
-    assert ("slot-restore @ fp32 was not built as named on 2 of 2 items" in report) is not restored
+    assert ("slot-restore @ the server's own types (it does not say which) was not built as named on 2 of 2 items"
+            in report) is not restored
 
 
 def test_took_place_reads_the_engines_counts():
@@ -271,3 +272,25 @@ def test_vllms_metrics_say_its_cache_configuration_and_its_speculation():
     plain = "\n".join(line for line in METRICS.splitlines() if "spec_decode" not in line)
     assert "speculative" not in metrics_identity(plain).as_json()
     assert SpecCounters.read(Metrics(plain)) == SpecCounters(0.0, 0.0)
+
+
+# -- what a served arm ran at -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", None])
+def test_a_servers_arms_are_labelled_with_what_the_server_runs_and_ours_with_our_precision(tokenizer, tmp_path, ftype):
+    """A server computes in its own types: its arms are labelled with the type its /props say (or that it does not
+    say), never with our --precision, which labels only the arm our engine builds (--cross hf)."""
+    run = tmp_path / "run"
+    with fake_server(tokenizer, ftype=ftype) as (url, _):
+        result = _matched(url, run, "--boundary-after", "4", "--cross", "hf")
+        assert result.exit_code == 0, result.output
+    said = f"the server's {ftype}" if ftype else "the server's own types (it does not say which)"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stages"]["matched/primary"]["runs_at"] == said
+    sections = {m["construction"]: m for m in json.loads((run / "results.json").read_text())["matched"]}
+    assert sections["oneshot"]["precision"] == sections["prefix-cache"]["precision"] == said
+    assert sections["hf-oneshot"]["precision"] == "fp32"
+    report = (run / "report.md").read_text()
+    assert f"live vs oneshot @ {said}" in report and f"Is replay faithful in {said}?" in report
+    assert "live vs oneshot @ fp32" not in report and "live vs hf-oneshot @ fp32" in report

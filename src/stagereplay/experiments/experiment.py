@@ -292,7 +292,8 @@ def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: 
 
     model, jobs = batch.model, batch.jobs
     pending = [j for j in jobs if not run.done(experiment, checkpoint, j.item.id, j.part)]
-    label = f"{experiment} [{checkpoint}]" + (f" {model.precision}" if model.precision else "")
+    at = batch.at or model.precision
+    label = f"{experiment} [{checkpoint}]" + (f" {at}" if at else "")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   disable=quiet, transient=False) as bar:
         # The description is rich markup: escaped, "[primary]" is shown, not taken for a style.

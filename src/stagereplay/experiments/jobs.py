@@ -84,6 +84,8 @@ class Batch:
 
     model: ModelConfig
     jobs: Sequence[Job]
+    at: str | None = None
+    """What its numbers are made at, where that is not the model's precision (a serving engine's own types)."""
 
 
 @dataclass(frozen=True)

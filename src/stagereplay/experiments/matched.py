@@ -523,7 +523,9 @@ class Matched(Experiment):
         own: MatchedStage = self.stage_of(stage)
         out = []
         for construction in own.arms or [own.construction]:
-            summary = summarize_matched(records, construction, checkpoint, own.model.precision)
+            ours = not own.engine or (own.cross and construction.startswith(f"{own.cross}-"))
+            at = own.model.precision if ours else (own.runs_at or own.model.precision)
+            summary = summarize_matched(records, construction, checkpoint, at)
             out.append({"engine": own.engine.name, **summary} if own.engine is not None else summary)
         return out
 
@@ -547,11 +549,13 @@ class Matched(Experiment):
 
     def verdict_questions(self, results: Any) -> list[Question]:
         """Its replicas and its faithfulness at its precision, and what its divergence asks next: is it faithful in
-        fp32, and does the cache carry the divergence (the 2x2 and the transplant answer). Its facts at another
-        precision answer no question of their own."""
+        fp32, and does the cache carry the divergence (the 2x2 and the transplant answer). A serving run's sections
+        are at what the engine ran (its own types) or, a --cross arm, at our precision: each asks its own. Its facts
+        at another precision answer no question of their own."""
         if not results:
             return []
-        raised = [REPLICAS, faithful(results[0]["precision"]), faithful("fp32"), CARRIES]
+        at = dict.fromkeys([results[0]["precision"], *(m["precision"] for m in results if "engine" in m), "fp32"])
+        raised = [REPLICAS, *(faithful(p) for p in at), CARRIES]
         return raised + [q for q in (MARGINS, FIRST_STEP) if any(f.question == q for f in self.verdict_facts(results))]
 
     def series(self, results: Any) -> dict[SharedFigure, list[Any]]:

@@ -159,6 +159,10 @@ class StageSection(Document):
     engine: EngineSection | None = Field(None, description="the serving engine that runs its arms (absent: ours)")
     cross: str | None = Field(None, description="a serving stage: the engine that also replays its prefixes "
                                                 "(hf: ours; '' none)")
+    runs_at: str | None = Field(None, description="a serving stage: what the engine's numbers are made at, as it "
+                                                  "says (vLLM's dtype; a GGUF's model, size and type and the K/V "
+                                                  "cache's; a server's model type); its arms are labelled with it, "
+                                                  "a --cross arm with the model's precision (absent: that precision)")
 
     def as_stage(self, kind: type[S]) -> S:
         """This section as the experiment's own model `kind` reads it."""

@@ -303,12 +303,13 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
         return http_rollout.score(self, ids, start, sampling)
 
     def precision_name(self) -> str:
-        """What the server says of its model's type (llama-server's file type), and the flags it was started with
-        as `--server-args` declares them (vLLM says nothing of its dtype)."""
-        said = self.identity.model_ftype or (self.identity.model_meta or {}).get("ftype")
-        declared = self.options.server_args
-        return ", ".join(x for x in (str(said) if said is not None else "",
-                                     f"started with {declared!r}" if declared else "") if x) or "not said"
+        """What the server says of its model's type (llama-server's file type); vLLM says nothing of its dtype. The
+        flags it was started with, as `--server-args` declares them, are the manifest's (`environment.engine`)."""
+        meta = self.identity.model_meta or {}
+        said, n = self.identity.model_ftype or meta.get("ftype"), meta.get("n_params")
+        size = f" ({n / 1e9:.3g}B parameters)" if isinstance(n, int) and n >= 10**8 else (
+            f" ({n / 1e6:.3g}M parameters)" if isinstance(n, int) and n > 0 else "")
+        return f"the server's {said}{size}" if said is not None else "the server's own types (it does not say which)"
 
     # -- identity and the check before any item -----------------------------------------------------------
 
@@ -442,6 +443,7 @@ class HttpKind(EngineKind):
 
     name: ClassVar[str] = "http"
     title: ClassVar[str] = "http (a running server)"
+    own_types: ClassVar[bool] = True  # the server's model, in the types it was loaded in
     options: ClassVar[type[EngineOptions]] = HttpOptions
     engine: ClassVar[type] = HttpEngine
 

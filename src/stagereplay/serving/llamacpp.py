@@ -369,6 +369,7 @@ class LlamaCppKind(EngineKind):
     options: ClassVar[type[EngineOptions]] = LlamaCppOptions
     engine: ClassVar[type] = LlamaCppEngine
     isolated: ClassVar[bool] = True  # its native code may crash: the items run in a worker process
+    own_types: ClassVar[bool] = True  # the GGUF's weight types; --precision sets the K/V cache's
 
     def require(self) -> None:
         require()

@@ -100,6 +100,19 @@ class Served(ABC):
         return None  # the engine's forwards are its own (a --cross arm's are ours, but not counted apart)
 
 
+def runs_at(arms: ServingArms, model: ModelConfig) -> str | None:
+    """What an engine that computes in its own types (`EngineKind.own_types`) says its numbers are made at
+    (`Samples.precision_name`: a GGUF's model, size and type and the K/V cache's; a server's model type); None for
+    an engine loaded at the precision asked (vLLM's dtype), which then stands. The engine is the one the manifest's
+    identity was read from."""
+    if not arms.kind.own_types:
+        return None
+    from stagereplay.execution.models import cached_lm
+
+    engine = cached_engine(arms.engine, cached_lm(model))
+    return engine.precision_name() if isinstance(engine, Samples) else None
+
+
 class ServedMatched(Served):
     """Matched in the engine (`serving.matched.serving_matched_item`)."""
 
@@ -117,7 +130,7 @@ class ServedMatched(Served):
     def section(self, arms: ServingArms, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
         return MatchedStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
                             construction="oneshot", engine=EngineSection.model_validate(arms.engine.as_dict()),
-                            cross=arms.cross, arms=list(arms.fresh))
+                            cross=arms.cross, arms=list(arms.fresh), runs_at=runs_at(arms, prepared.model))
 
     def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
         """Every item with the prompts of the items in flight around its under-load arms. A resumed run asks an
@@ -131,7 +144,7 @@ class ServedMatched(Served):
                 note_resume(run, done, engine)
         items = list(prepared.items)
         return [Batch(prepared.model, [Job(item, prepared.settings, ServingMatchedParams(arms, arms.traffic(items, i)))
-                                       for i, item in enumerate(items)])]
+                                       for i, item in enumerate(items)], at=stage.runs_at)]
 
     def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
         """One request at a time: the under-load arms are not re-executed (`serving.replay.replayable`)."""

@@ -329,6 +329,9 @@ class EngineKind(ABC):
     """The class `load` returns: its capability mixins say which arms it runs."""
     isolated: ClassVar[bool] = False
     """Its items run in a worker process: native code that crashes takes the worker down, not the run."""
+    own_types: ClassVar[bool] = False
+    """It computes in types of its own, not at the precision it is asked for (a GGUF's weights, a server's model):
+    its matched arms are labelled with what it says it runs at (`Samples.precision_name`)."""
 
     def require(self) -> None:  # noqa: B027  # an engine with nothing to install keeps this
         """Refuse in one line, before anything loads, an engine not installed here."""
