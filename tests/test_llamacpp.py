@@ -210,7 +210,8 @@ def test_the_benchmark_script_runs_on_a_tiny_gguf(toy_gguf, tmp_path):
     out = subprocess.run([sys.executable, str(bench), "matched", str(toy_gguf), str(items), str(tmp_path / "run"),
                           "--precision", "fp32", "--n", "1", "--boundary-after", "4", "--max-stage1-tokens", "4",
                           "--max-new-tokens", "8"], check=True, capture_output=True, text=True).stdout
-    assert "fp32 live vs oneshot: suffix" in out and "live vs state-restore" in out and "reused" in out
+    assert "K/V f32 live vs oneshot: suffix" in out and "live vs state-restore" in out and "reused" in out
+    assert "fp32 live vs hf-oneshot: suffix" in out  # the arm our engine builds, at our precision
     table = subprocess.run([sys.executable, str(bench), "table", str(tmp_path / "run")], check=True,
                            capture_output=True, text=True).stdout
     assert "live vs hf-oneshot" in table

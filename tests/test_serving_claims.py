@@ -294,3 +294,7 @@ def test_a_servers_arms_are_labelled_with_what_the_server_runs_and_ours_with_our
     report = (run / "report.md").read_text()
     assert f"live vs oneshot @ {said}" in report and f"Is replay faithful in {said}?" in report
     assert "live vs oneshot @ fp32" not in report and "live vs hf-oneshot @ fp32" in report
+    item = next(json.loads(line)["item_id"] for line in (run / "ledger.jsonl").read_text().splitlines()
+                if json.loads(line)["kind"] == "item")
+    shown = runner.invoke(app, ["show", str(run), item], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and f"live vs oneshot @ {said}" in shown.output, shown.output

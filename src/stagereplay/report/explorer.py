@@ -11,7 +11,7 @@ were recorded prints its tokens as `<id>`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
@@ -21,8 +21,9 @@ from pydantic import ValidationError
 
 from stagereplay.experiments.registry import experiment
 from stagereplay.records.ledger import Record
+from stagereplay.records.manifest import StageSection
 from stagereplay.records.payload_readers import DIAGNOSED, read_payload
-from stagereplay.records.payloads import BridgePayload, CacheDiff, Divergence
+from stagereplay.records.payloads import Arm, BridgePayload, CacheDiff, Divergence
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -72,9 +73,19 @@ class Story:
         return f"item-{self.item_id}"
 
 
-def stories(records: list[Record], item_id: str | None = None) -> list[Story]:
+def _precision(arm: Arm, stage: StageSection | None) -> str:
+    """What an arm ran at: a serving engine that computes in its own types says it (its stage's `runs_at`); any
+    other arm (ours, a --cross arm) ran at its recorded precision."""
+    if stage is not None and stage.runs_at and stage.engine is not None and arm.engine == stage.engine.name:
+        return stage.runs_at
+    return arm.precision
+
+
+def stories(records: list[Record], item_id: str | None = None,
+            stages: Mapping[str, StageSection] | None = None) -> list[Story]:
     """Every item record with diagnostics (of `item_id` only, when given), as the story of its first comparison:
-    live vs the construction (matched), the first two constructions (2x2, one per precision), and so on."""
+    live vs the construction (matched), the first two constructions (2x2, one per precision), and so on. `stages`:
+    the manifest's, which say what a serving engine's arms ran at."""
     out = []
     for r in records:
         if r.kind != "item" or (item_id is not None and r.item_id != item_id):
@@ -90,7 +101,8 @@ def stories(records: list[Record], item_id: str | None = None) -> list[Story]:
         arms = {arm.name: arm for arm in p.arms}
         diag = p.diagnostics.pairs.get(f"{a} vs {b}")
         out.append(Story(
-            item_id=r.item_id, checkpoint=r.checkpoint, precision=arms[a].precision, a=a, b=b,
+            item_id=r.item_id, checkpoint=r.checkpoint, a=a, b=b,
+            precision=_precision(arms[a], (stages or {}).get(f"{r.experiment}/{r.checkpoint}")),
             prompt=tuple(p.prompt_ids), stage1=tuple(p.prefix_ids[len(p.prompt_ids):]),
             suffixes=(tuple(arms[a].suffix_ids), tuple(arms[b].suffix_ids)),
             correct=(arms[a].correct, arms[b].correct),
@@ -199,10 +211,10 @@ def story_html(story: Story) -> str:
     )
 
 
-def explorer_html(records: list[Record]) -> str:
+def explorer_html(records: list[Record], stages: Mapping[str, StageSection] | None = None) -> str:
     """The explorer section: an index of divergent pairs (matched and 2x2), then one section per pair, the first of
     each item anchored. Empty if none."""
-    mine = [s for s in stories(records) if s.divergence is not None]
+    mine = [s for s in stories(records, stages=stages) if s.divergence is not None]
     if not mine:
         return ""
     seen: set[str] = set()
@@ -286,9 +298,9 @@ def show_item(run_dir: Path, item_id: str, checkpoint: str | None = None, consol
     from stagereplay.errors import StageReplayError
     from stagereplay.records.ledger import items, read_ledger, read_manifest
 
-    read_manifest(run_dir)  # a folder that is not a run stops here, with its one-line error
+    manifest = read_manifest(run_dir)  # a folder that is not a run stops here, with its one-line error
     records = [r for r in items(read_ledger(run_dir, strict=False)) if checkpoint in (None, r.checkpoint)]
-    found = stories(records, item_id)
+    found = stories(records, item_id, manifest.stages)
     if not found:
         known = any(r.item_id == item_id for r in records)
         why = "has no matched or 2x2 record with diagnostics" if known else "is not in this run"
