@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mismatch_runs import audit_finds_a_forged_logprob, by_part, logprob_array, one_set_of_tokens
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -271,36 +272,6 @@ def mismatch_run(toy_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return out
 
 
-def _parts(run: Path) -> dict[str, dict[str, dict]]:
-    """Per item, per part ('' the rollout's, else a trainer precision), the record's payload."""
-    out: dict[str, dict[str, dict]] = {}
-    for line in (run / "ledger.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["kind"] == "item" and r["experiment"] == "mismatch":
-            out.setdefault(r["item_id"], {})[r["part"]] = r["payload"]
-    return out
-
-
-def _logprobs(arm: dict):
-    from stagereplay.records import arrays
-
-    return arrays.decode(arm["logprobs"])
-
-
-def _one_set_of_tokens(parts: dict[str, dict]) -> None:
-    """Every arm of every part scored the rollout's tokens, and each replica is the bits of its arm."""
-    from stagereplay.engine.lm import ids_fingerprint
-
-    main = parts[""]
-    fp = ids_fingerprint([*main["prompt_ids"], *main["response_ids"]])
-    for payload in parts.values():
-        arms = _arms(payload)
-        assert payload["tokens_fp"] == fp and all(a["tokens_fp"] == fp for a in arms.values()), payload["arms"]
-        for name, arm in arms.items():
-            if name.endswith("#replica"):
-                assert _logprobs(arm).tobytes() == _logprobs(arms[name.removesuffix("#replica")]).tobytes(), name
-
-
 def test_llamacpp_rollouts_are_its_samplers_draws_replicate_and_every_arm_scores_their_tokens(mismatch_run, toy_gguf):
     """llama.cpp's rollout, its replica and its prefill of the same tokens (every position's logits, one prefill) are
     in the record beside our engine's scores; each replica is bit for bit its arm and every arm scored the rollout's
@@ -310,7 +281,7 @@ def test_llamacpp_rollouts_are_its_samplers_draws_replicate_and_every_arm_scores
 
     from stagereplay.serving.llamacpp import extra_buffers
 
-    parts = _parts(mismatch_run)
+    parts = by_part(mismatch_run)
     assert len(parts) == 3
     with extra_buffers(False):  # as the engine loads it (its defaults otherwise: 4096 positions, f32 K/V at fp32)
         llm = llama_cpp.Llama(model_path=str(toy_gguf), n_ctx=4096, n_threads=1, n_threads_batch=1, type_k=0,
@@ -319,7 +290,7 @@ def test_llamacpp_rollouts_are_its_samplers_draws_replicate_and_every_arm_scores
     others = []
     for item_parts in parts.values():
         assert set(item_parts) == {"", "fp32", "bf16"}
-        _one_set_of_tokens(item_parts)
+        one_set_of_tokens(item_parts)
         main = item_parts[""]
         arms = _arms(main)
         assert set(arms) == {"rollout", "rollout#replica", "incremental", "prefill", "prefill#replica"}
@@ -348,36 +319,7 @@ def test_the_audit_reexecutes_llamacpps_rollouts_and_catches_a_forged_logprob(mi
     """The audit samples again in llama.cpp with the recorded seeds and scores again in ours: every record
     reproduces. A forger who moves one prefill log-probability and recomputes every checksum passes --verify-only
     and fails the re-execution, on that arm."""
-    import forge
-
-    from stagereplay.records import arrays
-
-    run = tmp_path / "run"
-    shutil.copytree(mismatch_run, run)
-    result = runner.invoke(app, ["audit", str(run), "--quiet"])
-    assert result.exit_code == 0, result.output
-    audit = json.loads((run / "audit.json").read_text())
-    assert audit["reproduced"] and audit["trajectories"]["k"] == audit["trajectories"]["n"] == 3 * (5 + 2 + 2)
-    forged = tmp_path / "forged"
-    shutil.copytree(mismatch_run, forged)
-    chain, manifest = forge.load(forged)
-    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.experiment == "mismatch" and not r.part)
-    payload = forge.edit(chain[i])
-    arm = _arms(payload)["prefill"]
-    lps = _logprobs(arm).copy()
-    lps[5] = np.float32(lps[5] - 0.125)
-    arm["logprobs"] = arrays.encode(lps, "f32")
-    arm["logprobs_fp"] = arrays.fingerprint(arm["logprobs"])
-    chain[i] = forge.with_payload(chain[i], payload, recompare=False)
-    forge.save(forged, chain, manifest)
-    assert runner.invoke(app, ["audit", str(forged), "--verify-only"]).exit_code == 0
-    result = runner.invoke(app, ["audit", str(forged), "--quiet"])
-    assert result.exit_code == 1, result.output
-    found = json.loads((forged / "audit.json").read_text())["mismatches"]
-    arms = [m["what"] for m in found if ": arm " in m["what"]]  # and the results rebuilt from it differ
-    assert arms == [f"mismatch/primary {chain[i].item_id}: arm prefill: {f} not reproduced"
-                    for f in ("logprobs", "logprobs_fp")], found
-    assert all(m["kind"] == "integrity" for m in found), found
+    audit_finds_a_forged_logprob(mismatch_run, tmp_path, "prefill", 5, units=3 * (5 + 2 + 2))
 
 
 def test_processed_logprobs_are_llamacpps_sampler_chains_and_ours_agree_in_fp32(toy_gguf, tmp_path):
@@ -391,15 +333,15 @@ def test_processed_logprobs_are_llamacpps_sampler_chains_and_ours_agree_in_fp32(
                                      "fp32", "--precisions", "fp32", "--n", "2", "--max-new-tokens", "16", "--sample",
                                      "--top-k", "8", "--logprobs-mode", mode, "--out", str(out), "--quiet"])
         assert result.exit_code == 0, result.output
-    raw, processed = _parts(runs["raw"]), _parts(runs["processed"])
+    raw, processed = by_part(runs["raw"]), by_part(runs["processed"])
     for item, item_parts in processed.items():
-        _one_set_of_tokens(item_parts)
+        one_set_of_tokens(item_parts)
         arms = {**_arms(item_parts[""]), **_arms(item_parts["fp32"])}
         assert item_parts[""]["response_ids"] == raw[item][""]["response_ids"]  # one seed, one draw, either mode
         for name in ("rollout", "prefill", "incremental"):
-            gap = np.abs(_logprobs(arms[name]).astype(np.float64) - _logprobs(arms["trainer@fp32"]))
+            gap = np.abs(logprob_array(arms[name]).astype(np.float64) - logprob_array(arms["trainer@fp32"]))
             assert gap.max() < 1e-4, (name, gap.max())
-        assert not np.array_equal(_logprobs(arms["rollout"]), _logprobs(_arms(raw[item][""])["rollout"]))
+        assert not np.array_equal(logprob_array(arms["rollout"]), logprob_array(_arms(raw[item][""])["rollout"]))
 
 
 def smollm2_gguf() -> Path:
@@ -427,7 +369,7 @@ def test_smollm2s_rollouts_in_llamacpp_replicate_on_one_set_of_tokens(tmp_path):
                                  str(items), "--precision", "fp32", "--precisions", "fp32", "--max-new-tokens", "16",
                                  "--sample", "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
-    for item_parts in _parts(out).values():
-        _one_set_of_tokens(item_parts)
+    for item_parts in by_part(out).values():
+        one_set_of_tokens(item_parts)
         assert item_parts[""]["replica_tokens_equal"]
         assert "Q4_1" in _arms(item_parts[""])["rollout"]["precision"]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mismatch_runs import by_part, logprob_bits
 from servers import llama_server, start_llama_server
 from typer.testing import CliRunner
 
@@ -298,22 +299,6 @@ def _mismatch(url: str, model: Path, out: Path, *extra: str):
                                "--out", str(out), *extra])
 
 
-def _parts(run: Path) -> dict[str, dict[str, dict]]:
-    """Per item, per part ('' the rollout's, else a trainer precision), the record's payload."""
-    out: dict[str, dict[str, dict]] = {}
-    for line in (run / "ledger.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["kind"] == "item" and r["experiment"] == "mismatch":
-            out.setdefault(r["item_id"], {})[r["part"]] = r["payload"]
-    return out
-
-
-def _bits(arm: dict) -> bytes:
-    from stagereplay.records import arrays
-
-    return arrays.decode(arm["logprobs"]).tobytes()
-
-
 def _draw(url: str, prompt: list[int], seed: int) -> list[int]:
     """The server's own draw for a prompt and seed: /completion with the run's sampler, in generate()'s order."""
     import urllib.request
@@ -345,11 +330,11 @@ def test_a_servers_rollouts_are_its_draws_replicate_and_our_engine_scores_their_
     rows = {p["row"] for p in json.loads((out / "results.json").read_text())["mismatch"][0]["pairs"]}
     assert "total" in rows and not rows & {"construction", "engine"}
     others = []
-    for parts in _parts(out).values():
+    for parts in by_part(out).values():
         main = parts[""]
         arms = {a["name"]: a for a in main["arms"]}
         assert set(arms) == {"rollout", "rollout#replica", "incremental"} and main["replica_tokens_equal"]
-        assert _bits(arms["rollout"]) == _bits(arms["rollout#replica"])
+        assert logprob_bits(arms["rollout"]) == logprob_bits(arms["rollout#replica"])
         fp = ids_fingerprint([*main["prompt_ids"], *main["response_ids"]])
         assert {a["tokens_fp"] for p in parts.values() for a in p["arms"]} == {fp}
         seed = main["sampling"]["seed"]
@@ -372,14 +357,14 @@ def test_processed_logprobs_are_the_servers_after_its_sampler_and_a_dialect_with
         runs[name] = tmp_path / name
         result = _mismatch(server.url, toy_gguf, runs[name], *extra, "--quiet")
         assert result.exit_code == 0, result.output
-    raw, processed = _parts(runs["raw"]), _parts(runs["processed"])
-    for item, parts in _parts(runs["openai"]).items():
+    raw, processed = by_part(runs["raw"]), by_part(runs["processed"])
+    for item, parts in by_part(runs["openai"]).items():
         assert parts[""]["response_ids"] == raw[item][""]["response_ids"]
-        assert [_bits(a) for a in parts[""]["arms"]] == [_bits(a) for a in raw[item][""]["arms"]]
+        assert [logprob_bits(a) for a in parts[""]["arms"]] == [logprob_bits(a) for a in raw[item][""]["arms"]]
     for item, parts in processed.items():
         rollout = next(a for a in parts[""]["arms"] if a["name"] == "rollout")
         assert rollout["mode"] == "processed" and parts[""]["response_ids"] == raw[item][""]["response_ids"]
-        assert _bits(rollout) != _bits(next(a for a in raw[item][""]["arms"] if a["name"] == "rollout"))
+        assert logprob_bits(rollout) != logprob_bits(next(a for a in raw[item][""]["arms"] if a["name"] == "rollout"))
     file = tmp_path / "rollouts.jsonl"
     file.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3], "logprobs": [-0.5]}) + "\n")
     for extra, says in ((["--api", "openai", "--logprobs-mode", "processed"],

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from mismatch_runs import audit_finds_a_forged_logprob, by_part, logprob_bits, one_set_of_tokens
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -275,37 +276,6 @@ def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _parts(run: Path) -> dict[str, dict[str, dict]]:
-    """Per item, per part ('' the rollout's, else a trainer precision), the record's payload."""
-    out: dict[str, dict[str, dict]] = {}
-    for line in (run / "ledger.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["kind"] == "item" and r["experiment"] == "mismatch":
-            out.setdefault(r["item_id"], {})[r["part"]] = r["payload"]
-    return out
-
-
-def _bits(arm: dict) -> bytes:
-    from stagereplay.records import arrays
-
-    return arrays.decode(arm["logprobs"]).tobytes()
-
-
-def _one_set_of_tokens(parts: dict[str, dict]) -> None:
-    """Every arm of every part scored the rollout's tokens (replicas their own, equal ones), and each replica is the
-    bits of its arm."""
-    from stagereplay.engine.lm import ids_fingerprint
-
-    main = parts[""]
-    fp = ids_fingerprint([*main["prompt_ids"], *main["response_ids"]])
-    for payload in parts.values():
-        arms = _arms(payload)
-        assert payload["tokens_fp"] == fp and all(a["tokens_fp"] == fp for a in arms.values()), payload["arms"]
-        for name, arm in arms.items():
-            if name.endswith("#replica"):
-                assert _bits(arm) == _bits(arms[name.removesuffix("#replica")]), name
-
-
 def test_vllm_rollouts_are_its_own_draws_replicate_and_every_arm_scores_their_tokens(mismatch_run):
     """vLLM's rollout, its replica and its prefill of the same tokens (and that prefill's replica) are in the record
     beside our engine's scores; each replica is bit for bit its arm, every arm scored the rollout's tokens, and the
@@ -318,12 +288,12 @@ def test_vllm_rollouts_are_its_own_draws_replicate_and_every_arm_scores_their_to
     from stagereplay.records import arrays
 
     _, engine = _engine("fp32")  # the run's engine, still loaded in this process (the same settings)
-    parts = _parts(mismatch_run)
+    parts = by_part(mismatch_run)
     assert len(parts) == 3
     others = []
     for item_parts in parts.values():
         assert set(item_parts) == {"", "fp32", "bf16"}
-        _one_set_of_tokens(item_parts)
+        one_set_of_tokens(item_parts)
         main = item_parts[""]
         arms = _arms(main)
         assert set(arms) == {"rollout", "rollout#replica", "incremental", "prefill", "prefill#replica"}
@@ -351,39 +321,7 @@ def test_the_audit_reexecutes_vllms_rollouts_and_catches_a_forged_logprob(mismat
     """The audit samples again in vLLM with the recorded seeds and scores again in ours: every record reproduces. A
     forger who moves one rollout log-probability and recomputes every checksum passes --verify-only and fails the
     re-execution, on that arm."""
-    import shutil
-
-    import forge
-    import numpy as np
-
-    from stagereplay.records import arrays
-
-    run = tmp_path / "run"
-    shutil.copytree(mismatch_run, run)
-    result = runner.invoke(app, ["audit", str(run), "--quiet"])
-    assert result.exit_code == 0, result.output
-    audit = json.loads((run / "audit.json").read_text())
-    assert audit["reproduced"] and audit["trajectories"]["k"] == audit["trajectories"]["n"] == 3 * (5 + 2 + 2)
-    forged = tmp_path / "forged"
-    shutil.copytree(mismatch_run, forged)
-    chain, manifest = forge.load(forged)
-    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.experiment == "mismatch" and not r.part)
-    payload = forge.edit(chain[i])
-    arm = _arms(payload)["rollout"]
-    lps = arrays.decode(arm["logprobs"]).copy()
-    lps[3] = np.float32(lps[3] - 0.125)
-    arm["logprobs"] = arrays.encode(lps, "f32")
-    arm["logprobs_fp"] = arrays.fingerprint(arm["logprobs"])
-    chain[i] = forge.with_payload(chain[i], payload, recompare=False)
-    forge.save(forged, chain, manifest)
-    assert runner.invoke(app, ["audit", str(forged), "--verify-only"]).exit_code == 0
-    result = runner.invoke(app, ["audit", str(forged), "--quiet"])
-    assert result.exit_code == 1, result.output
-    found = json.loads((forged / "audit.json").read_text())["mismatches"]
-    arms = [m["what"] for m in found if ": arm " in m["what"]]  # and the results rebuilt from it differ
-    assert arms == [f"mismatch/primary {chain[i].item_id}: arm rollout: {f} not reproduced"
-                    for f in ("logprobs", "logprobs_fp")], found
-    assert all(m["kind"] == "integrity" for m in found), found
+    audit_finds_a_forged_logprob(mismatch_run, tmp_path, "rollout", 3, units=3 * (5 + 2 + 2))
 
 
 def test_a_tiny_qwen2_samples_in_vllm_with_exact_replicas_on_one_set_of_tokens(tmp_path):
@@ -402,18 +340,18 @@ def test_a_tiny_qwen2_samples_in_vllm_with_exact_replicas_on_one_set_of_tokens(t
         notes = [line for line in result.stderr.splitlines() if line.startswith("note: no prefill rows")]
         assert len(notes) == (mode == "processed"), result.stderr
     for mode, out in runs.items():
-        for item_parts in _parts(out).values():
-            _one_set_of_tokens(item_parts)
+        for item_parts in by_part(out).values():
+            one_set_of_tokens(item_parts)
             assert item_parts[""]["replica_tokens_equal"]
             assert ("prefill" in _arms(item_parts[""])) is (mode == "raw")
     stage = json.loads((runs["processed"] / "manifest.json").read_text())["stages"]["mismatch/primary"]
     assert stage["prefill"].startswith("not built: vLLM's prompt logprobs skip its sampler")
     assert stage["engine"]["logprobs_mode"] == "processed" and "logprobs_mode" not in json.loads(
         (runs["raw"] / "manifest.json").read_text())["stages"]["mismatch/primary"]["engine"]
-    raw, processed = (_parts(runs[m]) for m in ("raw", "processed"))
+    raw, processed = (by_part(runs[m]) for m in ("raw", "processed"))
     for item, item_parts in raw.items():
         assert item_parts[""]["response_ids"] == processed[item][""]["response_ids"]  # the same seed, the same draw
-        assert _bits(_arms(item_parts[""])["rollout"]) != _bits(_arms(processed[item][""])["rollout"])
+        assert logprob_bits(_arms(item_parts[""])["rollout"]) != logprob_bits(_arms(processed[item][""])["rollout"])
 
 
 @pytest.mark.parametrize(("extra", "says"), [
@@ -453,8 +391,8 @@ def test_vllm_serve_samples_rollouts_and_scores_them_with_echo(tmp_path):
     assert refused.exit_code == 2 and "gives no processed log-probabilities" in refused.stderr
     assert not (tmp_path / "refused").exists()
     assert result.exit_code == 0, result.output
-    for item_parts in _parts(tmp_path / "run").values():
-        _one_set_of_tokens(item_parts)
+    for item_parts in by_part(tmp_path / "run").values():
+        one_set_of_tokens(item_parts)
         arms = _arms(item_parts[""])
         assert set(arms) == {"rollout", "rollout#replica", "incremental", "prefill", "prefill#replica"}
         assert arms["prefill"]["engine"] == "http" and item_parts[""]["replica_tokens_equal"]
