@@ -8,8 +8,8 @@ IDs). Per item, on the same tokens:
                       each token's log-probability recorded as it was drawn; or read from a rollout file
     rollout#replica   generated again from scratch: the same tokens and bits, or the engine is not deterministic
     incremental       ours, teacher-forced one token per forward: the live loop's operations (the bridge)
-    prefill           the rollout engine's own one-shot prefill of prompt + response (ours: one forward, no cache)
-    prefill#replica
+    prefill           the rollout engine's own one-shot prefill of prompt + response (ours: one forward, no cache);
+    prefill#replica   none for a rollout file audited on ours: its engine is not here, and ours is the trainer
     trainer@<p>       ours, one-shot, at each trainer precision p (bf16, fp32, fp16, bf16-fp32-head: bf16 with the
                       LM head in fp32), each with its replica: one record part per precision
 
@@ -211,7 +211,7 @@ def mismatch_item(lm: LM, job: Job[MismatchParams]) -> Payload:
     precision = lm.config.precision
     arms.append(scored_arm("incremental", score_incremental(lm, prompt, response, dc, mode), fp, mode,  # type: ignore[arg-type]
                            len(prompt), precision, construction="incremental"))
-    for name in ("prefill", "prefill#replica"):
+    for name in ("prefill", "prefill#replica") if p.source != "file" else ():
         arms.append(scored_arm(name, score_oneshot(lm, prompt, response, dc, mode), fp, mode, len(prompt),  # type: ignore[arg-type]
                                precision))
     moved = transplant_at(lm, prompt, response, p.transplant_at, dc, mode, fp) if p.transplant_at else None
@@ -369,8 +369,8 @@ class Mismatch(Experiment):
         n, prompt = len(arrays.decode(p["arms"][0]["logprobs"])), int(p["arms"][0]["start"])
         if record.part:
             return [prompt + n - 1] * 2
-        steps = [prompt, *[1] * (n - 1)]
-        out = (steps * 2 if p.get("source") == "generated" else []) + steps + [prompt + n - 1] * 2
+        steps, generated = [prompt, *[1] * (n - 1)], p.get("source") == "generated"
+        out = (steps * 2 if generated else []) + steps + ([prompt + n - 1] * 2 if generated else [])
         moved = p.get("transplant")
         if moved:
             at = moved["at"]

@@ -34,8 +34,6 @@ from stagereplay.serving.matched import (
 )
 from stagereplay.serving.seam import TOP_LOGPROBS, PrefillsInChunks, SavesState
 
-EXPERIMENT = "precision_2x2"
-
 
 def _chunk(construction: str) -> int | None:
     """n of `chunked:<n>` (engine.constructions.Chunked), else None."""
