@@ -40,8 +40,11 @@ def rollouts(model: str, rows: list[tuple[str, list[int]]], args: argparse.Names
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # A step's token budget that holds every prompt whole: a prefill split across steps makes vLLM rewind a seeded
+    # request's generator, which its CPU build cannot (RuntimeError: CPU Generator does not use offset).
+    budget = max(2048, sum(len(p) for _, p in rows) + len(rows))
     llm = LLM(model=model, tokenizer=model, dtype=args.dtype, enforce_eager=True, seed=args.seed,
-              logprobs_mode=args.logprobs_mode)
+              logprobs_mode=args.logprobs_mode, max_num_batched_tokens=budget)
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed + i,
                              max_tokens=args.max_new_tokens, logprobs=0, detokenize=False)
               for i in range(len(rows))]
