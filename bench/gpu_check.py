@@ -166,7 +166,7 @@ def plan_estimate(run: Path, prefix: str) -> tuple[float, str]:
     from stagereplay.plan.stages import model_shape
     from stagereplay.records.ledger import read_manifest
 
-    shape = model_shape(read_manifest(run)["config"]["model"]["path"])
+    shape = model_shape(read_manifest(run).config.model.path)
     best, name = 0.0, "none"
     for s in plan_run(run, audited=False):
         if s.name.startswith(prefix):

@@ -70,7 +70,7 @@ class Clock:
 def instrument(clock: Clock, streamed: list[int]) -> None:
     """Time forwards, fingerprints, clones, ledger writes and the item loop; count bytes sent to the hasher."""
     from stagereplay.engine import cache, decode, lm, prover
-    from stagereplay.experiments import matched
+    from stagereplay.experiments import experiment
     from stagereplay.records import ledger
 
     clock.wrap(decode.Stepper, "forward", "forwards")
@@ -79,7 +79,7 @@ def instrument(clock: Clock, streamed: list[int]) -> None:
     clock.wrap(lm, "cache_fingerprint", "fingerprints")  # lm.py binds the name at import
     clock.wrap(lm, "clone_cache", "clones")
     clock.wrap(ledger.Run, "append", "ledger")
-    clock.wrap(matched, "run_matched", "item loop")
+    clock.wrap(experiment, "append_jobs", "item loop")  # every stage's jobs, run and recorded
     chunks: Callable[..., Any] = cache._host_chunks
 
     def counted(t: Any) -> Any:

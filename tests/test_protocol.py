@@ -134,9 +134,9 @@ def test_the_audit_reexecutes_the_units_of_one_model_setting_as_one_batch_of_job
     calls: list[tuple[tuple[str, str], set[str]]] = []
     run_jobs = jobs.run_jobs
 
-    def spy(config, work, units, ex, lm=None):
+    def spy(config, work, units, ex, lm=None, machine_store=None):
         calls.append(((Path(config.path).parent.name, config.precision), {u.params.experiment for u in units}))
-        return run_jobs(config, work, units, ex, lm)
+        return run_jobs(config, work, units, ex, lm, machine_store)
 
     monkeypatch.setattr(jobs, "run_jobs", spy)
     result = runner.invoke(app, ["audit", str(_copy(paper_run, tmp_path)), "--quiet"])
