@@ -16,8 +16,10 @@ of the same row [N]. `mode` says which distribution the log-probability is taken
 does: `raw` is log_softmax of the model's logits; `processed` is log_softmax after the sampler's temperature,
 top-k and top-p (a token they remove has -inf). Both sides of a comparison take the same mode.
 
-Memory: a one-shot score holds its sequence's logits [T, V] once (what a trainer's forward holds), reduced to [N]
-on the device before anything leaves it; the step-by-step scores reduce each step's [V] as it is made.
+Memory and time: a one-shot score holds its sequence's logits [T, V] once (what a trainer's forward holds), reduced
+to [N] on the device a few rows at a time (`chosen`: each chunk widened to fp32 and reduced while it is in cache, no
+[T, V] fp32 copy), so it costs little more than the forward (bench/mismatch.py throughput); the step-by-step scores
+reduce each step's [V] as it is made.
 """
 
 from __future__ import annotations
@@ -48,18 +50,64 @@ class Scored:
     argmax: np.ndarray | None
 
 
-def chosen(logits: torch.Tensor, targets: torch.Tensor, mode: Mode, decode: DecodeConfig
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+ROW_CHUNK_BYTES = 1 << 22
+"""How many bytes of fp32 rows `chosen` widens at once (4 MiB: a few rows of a 152k vocabulary, so each chunk is
+reduced while it sits in the core's cache instead of as a fresh [N, V] fp32 copy)."""
+ARGMAX_BLOCK = 1024
+"""The block length of `first_argmax`'s two-level search."""
+
+
+def chosen(logits: torch.Tensor, targets: torch.Tensor, mode: Mode, decode: DecodeConfig,
+           chunk_bytes: int = ROW_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `logits` [N, V]: the log-probability of its target [N] under `mode`, and the row's argmax [N],
-    on the logits' device. The rows are widened to fp32 first, as a sampler widens them."""
+    on the logits' device. The rows are widened to fp32 first, as a sampler widens them.
+
+    The bits are those of `log_softmax(logits.float(), -1).gather(1, targets)` and `logits.float().argmax(-1)`,
+    computed a chunk of rows at a time (`chunk_bytes` of fp32 each): log_softmax, the sampler's warpers
+    (an elementwise division, a per-row top-k, a per-row sort, softmax and cumsum) and the argmax each reduce a row
+    from that row's elements alone, with the operation chosen by dtype and row length, never by the number of rows,
+    so a row's result does not depend on the rows computed beside it. The argmax is `first_argmax`'s (comparisons
+    only). tests/test_scoring.py checks both against the whole-tensor formula bit for bit, with a near miss (the
+    same log-probability as target minus log-sum-exp) that it must tell apart."""
     import torch
 
-    scores = logits.float()
-    argmax = scores.argmax(dim=-1)
-    if mode == "processed":
-        scores = Sampler(replace(decode, sample=False), 0, str(logits.device)).warp(scores)  # no generator made
-    lp = torch.log_softmax(scores, dim=-1).gather(1, targets[:, None].to(scores.device))[:, 0]
-    return lp, argmax
+    n, vocab = logits.shape
+    rows = max(1, chunk_bytes // (4 * max(vocab, 1)))
+    targets = targets.to(logits.device)
+    lps, argmaxes = [], []
+    warp = (Sampler(replace(decode, sample=False), 0, str(logits.device)).warp  # no generator made
+            if mode == "processed" else None)
+    for a in range(0, n, rows):
+        scores = logits[a : a + rows].float()  # [rows, V]
+        argmaxes.append(first_argmax(scores))
+        if warp is not None:
+            scores = warp(scores)
+        lps.append(torch.log_softmax(scores, dim=-1).gather(1, targets[a : a + rows, None])[:, 0])
+    if len(lps) == 1:
+        return lps[0], argmaxes[0]
+    return torch.cat(lps), torch.cat(argmaxes)
+
+
+def first_argmax(scores: torch.Tensor, block: int = ARGMAX_BLOCK) -> torch.Tensor:
+    """`scores.argmax(-1)` of [R, V] rows, found in two levels: each block of `block` columns' maximum (`amax`, a
+    vectorised reduction), the first block holding the row's maximum, then the first maximum inside that block.
+    It is the same index by construction, on any CPU: the first block whose maximum is the row's maximum holds the
+    row's first maximal element (a NaN counts as the maximum at both levels, as it does for argmax), and only
+    comparisons are made, so no rounding enters. torch's argmax keeps an index beside every comparison and runs
+    element by element; this reads the row once vectorised and then `block` elements."""
+    import torch
+
+    r, vocab = scores.shape
+    if vocab <= block:
+        return scores.argmax(-1)
+    whole = vocab // block * block
+    maxima = scores[:, :whole].reshape(r, -1, block).amax(-1)  # [R, V // block]
+    if whole < vocab:
+        maxima = torch.cat([maxima, scores[:, whole:].amax(-1, keepdim=True)], dim=1)
+    # The columns of each row's first maximal block; a short last block repeats its last column, after the originals.
+    columns = (maxima.argmax(-1, keepdim=True) * block + torch.arange(block, device=scores.device)).clamp_max(vocab - 1)
+    inside = scores.gather(1, columns).argmax(-1, keepdim=True)  # [R, 1]
+    return columns.gather(1, inside)[:, 0]
 
 
 def _scored(lps: list[torch.Tensor] | torch.Tensor, argmax: list[torch.Tensor] | torch.Tensor) -> Scored:
