@@ -10,7 +10,10 @@
 - processed log-probabilities are the sampler's warped distribution (control: raw ones are not);
 - a rollout file is audited against the trainer with no engine, and a malformed file is refused in one line;
 - the run verifies, re-executes clean in the audit, and plan prices it;
-- `compare` of two rollout files finds a planted log-probability and nothing else (control: the same file twice).
+- `compare` of two rollout files finds a planted log-probability and nothing else (control: the same file twice);
+- with --micro-batch the trainer also scores each sequence inside a micro-batch: the row "batch composition"
+  appears (fp32 within 1e-4 of alone), its record re-executes in the audit (control: a run without it has no such
+  row or arm).
 """
 
 from __future__ import annotations
@@ -128,6 +131,24 @@ def test_the_run_attributes_the_gap_on_one_set_of_tokens(toy_run):
     assert section["replica_tokens_equal"] == {"k": 3, "n": 3} and section["tokens"] == 60
     total = _row(toy_run, "total")
     assert set(total["weights"]) == {"token", "sequence", "geometric"} and total["ci"]["k3"] is not None
+
+
+def test_micro_batches_add_the_batch_composition_row_and_re_execute(toy_run, tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["mismatch", "--n", "2", "--max-new-tokens", "12", "--sample", "--transplant-at", "0",
+                                 "--micro-batch", "3", "--micro-batch-layout", "packed", "--quiet", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for precision in ("bf16", "fp32"):
+        arms = _arms(out, precision)
+        assert len(arms) == 2 and all(f"trainer@{precision}#batch" in a for a in arms.values())
+        row = _row(out, f"batch composition @ {precision}")
+        assert row["tokens"] == sum(a[f"trainer@{precision}"].size for a in arms.values())
+    assert _row(out, "batch composition @ fp32")["abs_max"] < 1e-4
+    audited = runner.invoke(app, ["audit", str(out), "--quiet"])
+    assert audited.exit_code == 0 and json.loads((out / "audit.json").read_text())["reproduced"], audited.output
+    # The control: a run made without --micro-batch has neither the arm nor the row.
+    assert not any(p["row"].startswith("batch composition") for p in _section(toy_run)["pairs"])
+    assert not any(name.endswith("#batch") for a in _arms(toy_run, "bf16").values() for name in a)
 
 
 def test_a_record_whose_arm_scored_other_tokens_is_a_finding(toy_run, tmp_path):

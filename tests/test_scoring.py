@@ -5,7 +5,11 @@
   a one-shot score (control: the same log-probability as target minus log-sum-exp, or a log-sum-exp over vocabulary
   chunks as verl computes it, lies within 1e-5 and is told apart by the same comparison);
 - `first_argmax` finds torch's argmax, ties across blocks, NaN and a short last block included (control: the last
-  maximal block instead of the first is caught).
+  maximal block instead of the first is caught);
+- a sequence scored inside a trainer's micro-batch, padded or packed, at any place in it, is its score alone in fp32
+  to 1e-5, sliding-window layers included (control: a packed mask that lets a sequence see those before it moves
+  the score far beyond that); the micro-batch is a function of the item alone, and its forward's token count is
+  the one the plan prices.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stagereplay.engine import scoring
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import load
-from stagereplay.engine.scoring import chosen, first_argmax, score_oneshot
+from stagereplay.engine.scoring import chosen, first_argmax, score_in_batch, score_oneshot
+from stagereplay.experiments.mismatch_item import MicroBatch
 
 PROMPT = "Q: what is 12+7? Think.\n"
 WARPED = DecodeConfig(sample=True, temperature=0.7, top_k=20, top_p=0.9)
@@ -102,3 +108,41 @@ def test_the_two_level_argmax_is_torchs_first_maximum_and_the_last_block_is_caug
         return torch.stack([a * block + scores[r, a * block : (a + 1) * block].argmax() for r, a in enumerate(at)])
 
     assert not torch.equal(last_block(rows, 7), rows.argmax(-1))  # control: the tie row tells them apart
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_a_sequence_in_a_micro_batch_scores_as_alone_and_a_leaking_mask_is_caught(tiny_dir, arch, monkeypatch):
+    lm = load(str(tiny_dir(arch)), precision="fp32")
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(4, 90, (n,), generator=g).tolist() for n in (30, 41, 17)]  # longer than the window (8)
+    dc = DecodeConfig()
+    gaps = {}
+    correct = scoring.packed_masks
+
+    def leaking(lm, lengths):
+        return correct(lm, lengths, leak=True)
+
+    for at, ids in enumerate(batch):
+        prompt, response = ids[:6], [*ids[6:], 5]
+        alone = score_oneshot(lm, prompt, response, dc, "raw").logprobs
+        for layout in ("padded", "packed"):
+            scored = score_in_batch(lm, prompt, response, batch, at, layout, dc, "raw")
+            assert scored.logprobs.shape == alone.shape
+            assert float(abs(scored.logprobs - alone).max()) < 1e-5, (layout, at)
+        monkeypatch.setattr(scoring, "packed_masks", leaking)
+        gaps[at] = float(abs(score_in_batch(lm, prompt, response, batch, at, "packed", dc, "raw").logprobs
+                             - alone).max())
+        monkeypatch.setattr(scoring, "packed_masks", correct)
+    assert gaps[0] < 1e-5 and gaps[1] > 1e-2 and gaps[2] > 1e-2  # control: the first sequence has none before it
+
+
+def test_an_items_micro_batch_is_its_own_and_its_forward_is_priced():
+    ids = list(range(10, 50))
+    for layout in ("padded", "packed"):
+        mb = MicroBatch(4, layout)
+        batch, at = mb.around("item-7", 3, ids)
+        assert (batch, at) == mb.around("item-7", 3, ids) and len(batch) == 4 and batch[at] == ids
+        assert all(20 <= len(seq) <= 60 and set(seq) <= set(ids) for seq in batch)
+        width = max(map(len, batch)) * 4 if layout == "padded" else sum(map(len, batch))
+        assert mb.forward_tokens("item-7", 3, len(ids)) == width
+    assert MicroBatch(4, "padded").around("item-8", 3, ids) != MicroBatch(4, "padded").around("item-7", 3, ids)

@@ -8,6 +8,8 @@ samples, and what a trainer recomputes, teacher-forced, on the same token IDs.
     score_oneshot(lm, prompt, response, ..., head)        teacher-forced in one forward over prompt + response[:-1]
                                                           with no cache: a trainer's `model(input_ids)`; `head` fp32
                                                           computes the LM head in fp32 (MiniMax-M1's fix)
+    score_in_batch(lm, prompt, response, batch, at, layout, ...)  `score_oneshot`'s score with the sequence at index
+                                                          `at` of a trainer's micro-batch, padded or packed
     score_from(lm, cache, ids, at, ...)                    teacher-forced one token at a time from a cache over
                                                           ids[0:at] (a transplant's continuation)
 
@@ -39,6 +41,10 @@ if TYPE_CHECKING:
 Mode = Literal["raw", "processed"]
 MODES: tuple[Mode, ...] = ("raw", "processed")
 HEADS = ("model", "fp32")
+Layout = Literal["padded", "packed"]
+LAYOUTS: tuple[Layout, ...] = ("padded", "packed")
+"""How a trainer lays out a micro-batch: padded (a row per sequence, right padding and an attention mask) or packed
+(one row of the sequences end to end, verl's remove-padding: a block-diagonal causal mask, positions per sequence)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,69 @@ def score_oneshot(lm: LM, prompt: Sequence[int], response: Sequence[int], decode
             logits = lm.model(input_ids=input_ids, use_cache=False).logits[0, rows]  # [N, V]
         lp, am = chosen(logits, torch.tensor(list(response)), mode, decode)
         return _scored(lp, am)
+
+
+def score_in_batch(lm: LM, prompt: Sequence[int], response: Sequence[int], batch: Sequence[Sequence[int]], at: int,
+                   layout: Layout, decode: DecodeConfig, mode: Mode, head: str = "model") -> Scored:
+    """`score_oneshot` of prompt + response in one forward over a trainer's micro-batch: `batch` holds each
+    sequence's input IDs, `batch[at]` being prompt + response[:-1]. Padded: a row per sequence, right-padded to the
+    longest, with an attention mask (positions from 0 in every row). Packed: one row of the sequences end to end,
+    positions restarting at each, and a block-diagonal causal mask (`packed_masks`). Only the sequence's own rows are
+    reduced; its score differs from the one alone only where the batch's shapes change the arithmetic."""
+    import torch
+
+    ids = [*prompt, *response[:-1]]
+    if list(batch[at]) != ids:
+        raise ValueError("batch[at] is not prompt + response[:-1]")
+    device = lm.config.device
+    lengths = [len(seq) for seq in batch]
+    if layout == "padded":
+        pad = lm.model.config.get_text_config().pad_token_id or 0
+        width = max(lengths)
+        inputs: dict[str, Any] = {
+            "input_ids": torch.tensor([[*seq, *[pad] * (width - len(seq))] for seq in batch], device=device),
+            "attention_mask": torch.tensor([[1] * n + [0] * (width - n) for n in lengths], device=device)}
+        row, first = at, len(prompt) - 1
+    else:
+        inputs = {"input_ids": torch.tensor([[t for seq in batch for t in seq]], device=device),
+                  "position_ids": torch.cat([torch.arange(n) for n in lengths])[None].to(device),
+                  "attention_mask": packed_masks(lm, lengths)}
+        row, first = 0, sum(lengths[:at]) + len(prompt) - 1
+    rows = slice(first, first + len(response))
+    with torch.inference_mode():
+        if head == "fp32":
+            hidden = lm.model.get_decoder()(**inputs, use_cache=False).last_hidden_state[row, rows]
+            logits = head_logits(lm, hidden)  # [N, V]
+        else:
+            logits = lm.model(**inputs, use_cache=False).logits[row, rows]  # [N, V]
+        lp, am = chosen(logits, torch.tensor(list(response)), mode, decode)
+        return _scored(lp, am)
+
+
+def packed_masks(lm: LM, lengths: Sequence[int], leak: bool = False) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The 4-D mask [1, 1, L, L] of sequences of `lengths` packed in one row: a query sees the keys of its own
+    sequence up to itself, and within the model's window on a sliding-window layer. transformers uses a prepared 4-D
+    mask as it is, so a model with both kinds of layer gets one per kind (`full_attention`, `sliding_attention`,
+    the dict its layers look theirs up in), a model with one kind gets that one. Boolean for sdpa (True: seen),
+    additive for eager. `leak`: plain causal over the whole row, each sequence seeing those before it (a trainer's
+    bug; the tests' negative control)."""
+    import torch
+
+    impl = lm.model.config._attn_implementation
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(f"a packed micro-batch needs sdpa or eager attention, not {impl}")
+    text = lm.model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    kinds = set(getattr(text, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
+    n = sum(lengths)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))  # [L]
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    full = (q >= k) & (leak | (seq[:, None] == seq[None, :]))  # [L, L]
+    masks = {"full_attention": full, "sliding_attention": full & (q - k < window) if window else full}
+    dtype = lm.model.dtype
+    prepared = {kind: (m if impl == "sdpa" else torch.zeros(m.shape, dtype=dtype).masked_fill(~m, torch.finfo(dtype).min)
+                       )[None, None].to(lm.config.device) for kind, m in masks.items() if kind in kinds}
+    return prepared if len(prepared) > 1 else next(iter(prepared.values()))
 
 
 def prefill_cache(lm: LM, ids: Sequence[int], prompt_len: int, length: int | None) -> Any:

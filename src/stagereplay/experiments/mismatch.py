@@ -12,14 +12,17 @@ IDs). Per item, on the same tokens:
     prefill#replica   none for a rollout file audited on ours: its engine is not here, and ours is the trainer
     trainer@<p>       ours, one-shot, at each trainer precision p (bf16, fp32, fp16, bf16-fp32-head: bf16 with the
                       LM head in fp32), each with its replica: one record part per precision
+    trainer@<p>#batch with --micro-batch N: the same tokens scored inside a trainer's micro-batch of N sequences,
+                      padded or packed (`experiments.mismatch_item.MicroBatch`), in the precision's part
 
 and on our engine, the paper's causal test: at position t the two caches (built as decoding builds it, and by one
 forward) swap their K/V, both directions, and each continues teacher-forced; a continuation follows the donor when
 its log-probabilities are the donor's own, bit for bit (the zero-layer control must follow the recipient).
 
 The summary splits the gap: total (rollout vs trainer), construction (rollout vs the engine's own prefill), engine
-(the engine's prefill vs the trainer's, both one-shot), precision (trainer bf16 vs fp32 and the rest), and each
-side's replica, with the metrics RL frameworks read (`experiments.mismatch_stats`).
+(the engine's prefill vs the trainer's, both one-shot), precision (trainer bf16 vs fp32 and the rest), batch
+composition (the trainer's sequence alone vs in a micro-batch), and each side's replica, with the metrics RL
+frameworks read (`experiments.mismatch_stats`).
 """
 
 from __future__ import annotations
@@ -29,25 +32,23 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field, TypeAdapter
 
-from stagereplay.engine.decode import DecodeConfig, derive_seed
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
-from stagereplay.engine.scoring import MODES, Scored
+from stagereplay.engine.scoring import LAYOUTS, MODES, Layout, Mode, Scored
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
 from stagereplay.experiments.figures import ReportFigure, png
 from stagereplay.experiments.format import Table, slug
-from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.jobs import Job
+from stagereplay.experiments.mismatch_item import MicroBatch, MismatchParams, Source, mismatch_item, outcome
 from stagereplay.experiments.verdict import Fact
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Followed, Payload
-from stagereplay.records.scored import MismatchPayload, ScoredArm, ScoreOutcome, ScoreTransplant
+from stagereplay.records.payloads import Payload
+from stagereplay.records.scored import MismatchPayload
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from stagereplay.engine.lm import LM
     from stagereplay.experiments.compared import RunComparison
     from stagereplay.experiments.prepared import PreparedRun
@@ -70,11 +71,17 @@ class MismatchOptions:
         "id=COL)")})
     precisions: tuple[str, ...] = field(default=("bf16", "fp32"), metadata={"help": (
         "the trainer's precisions: bf16, fp32, fp16, bf16-fp32-head (bf16 with the LM head in fp32)")})
-    mode: str = field(default="raw", metadata={"flag": "--logprobs-mode", "help": (
+    mode: Mode = field(default="raw", metadata={"flag": "--logprobs-mode", "help": (
         "the distribution every side's log-probabilities are taken from: raw (log_softmax of the logits) | processed "
         "(after temperature, top-k and top-p, as vLLM's logprobs_mode names it)")})
     transplant_at: float = field(default=0.5, metadata={"help": (
         "where in the response the K/V transplant happens, as a fraction of its length (0: no transplant)")})
+    micro_batch: int = field(default=0, metadata={"help": (
+        "also score each trainer sequence inside a micro-batch of N sequences, as trainers batch them (0: alone "
+        "only): recorded as trainer@<precision>#batch, beside it the row 'batch composition'")})
+    micro_batch_layout: Layout = field(default="padded", metadata={"help": (
+        "padded (a row per sequence, right padding and an attention mask) | packed (one row, sequences end to end, "
+        "a block-diagonal causal mask, positions per sequence: verl's remove-padding)")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precisions", tuple(self.precisions))
@@ -85,6 +92,12 @@ class MismatchOptions:
             raise StageReplayError("no trainer precision given", "pass --precisions bf16,fp32")
         if self.mode not in MODES:
             raise StageReplayError(f"unknown --logprobs-mode {self.mode!r}", f"use {' or '.join(MODES)}")
+        if self.micro_batch < 0 or self.micro_batch == 1:
+            raise StageReplayError(f"--micro-batch {self.micro_batch} is not a micro-batch of other sequences",
+                                   "pass --micro-batch 2 or more, or 0 to score each sequence alone only")
+        if self.micro_batch_layout not in LAYOUTS:
+            raise StageReplayError(f"unknown --micro-batch-layout {self.micro_batch_layout!r}",
+                                   f"use {' or '.join(LAYOUTS)}")
         if not 0 <= self.transplant_at < 1:
             raise StageReplayError(f"--transplant-at must lie in [0, 1), got {self.transplant_at}",
                                    "pass e.g. 0.5 (half-way through the response), or 0 for none")
@@ -93,10 +106,17 @@ class MismatchOptions:
 class MismatchStage(StageSection):
     """Mismatch's frozen section."""
 
-    source: str = Field(description="generated (the run's own rollouts) | file (a rollout file's)")
+    source: Source = Field(description="generated (the run's own rollouts) | file (a rollout file's)")
     precisions: list[str] = Field(description="the trainer's precisions, each a part of every item's unit")
-    mode: str = Field(description="raw | processed: the distribution the log-probabilities are taken from")
+    mode: Mode = Field(description="raw | processed: the distribution the log-probabilities are taken from")
     transplant_at: float = Field(description="the transplant's place in the response (0: none)")
+    micro_batch: int | None = Field(None, description="the trainer's micro-batch size, where its sequences are also "
+                                                      "scored inside one (absent: alone only)")
+    micro_batch_layout: Layout | None = Field(None, description="padded | packed, with micro_batch")
+
+    def batch(self) -> MicroBatch | None:
+        """The trainer's micro-batches (None: each sequence alone only)."""
+        return MicroBatch(self.micro_batch, self.micro_batch_layout or "padded") if self.micro_batch else None
 
 
 def trainer_model(model: ModelConfig, precision: str) -> ModelConfig:
@@ -104,143 +124,10 @@ def trainer_model(model: ModelConfig, precision: str) -> ModelConfig:
     return model.with_precision("bf16" if precision == "bf16-fp32-head" else precision)
 
 
-@dataclass(frozen=True)
-class MismatchParams(Params):
-    """A mismatch job: the part (the run's precision '' for the rollout and its engine's arms, else a trainer
-    precision), how to score, and for a trainer part the tokens the rollout recorded."""
-
-    precision: str
-    mode: str
-    source: str
-    transplant_at: float = 0.0
-    columns: str | None = None
-    prompt: tuple[int, ...] = ()
-    response: tuple[int, ...] = ()
-
-    @property
-    def part(self) -> str:
-        return self.precision
-
-
-def scored_arm(name: str, scored: Scored, tokens_fp: str, mode: str, start: int, precision: str,
-               engine: str = "hf", construction: str = "oneshot") -> ScoredArm:
-    logprobs = arrays.encode(scored.logprobs, "f32")
-    return ScoredArm(name=name, engine=engine, construction=construction, precision=precision, mode=mode,  # type: ignore[arg-type]  # a mode checked by the options
-                     start=start, tokens_fp=tokens_fp, logprobs=logprobs, logprobs_fp=arrays.fingerprint(logprobs),
-                     argmax=None if scored.argmax is None else arrays.encode(scored.argmax, "i32"))
-
-
-def _outcome(cont: Scored, donor: Scored, recipient: Scored) -> ScoreOutcome:
-    import numpy as np
-
-    def same(a: np.ndarray, b: np.ndarray) -> bool:
-        return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
-
-    def gap(a: np.ndarray, b: np.ndarray) -> float:
-        return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
-
-    which: Followed = ("donor" if same(cont.logprobs, donor.logprobs) else
-             "recipient" if same(cont.logprobs, recipient.logprobs) else "neither")
-    return ScoreOutcome(outcome=which, max_abs_to_donor=gap(cont.logprobs, donor.logprobs),
-                        max_abs_to_recipient=gap(cont.logprobs, recipient.logprobs))
-
-
-def transplant_at(lm: LM, prompt: list[int], response: list[int], fraction: float, decode: DecodeConfig, mode: str,
-                  tokens_fp: str) -> tuple[ScoreTransplant, list[ScoredArm]] | None:
-    """The K/V transplant at `fraction` of the response (None where fewer than two tokens would follow it)."""
-    from stagereplay.engine.scoring import incremental_cache, prefill_cache, score_from
-    from stagereplay.engine.transplant import TransplantSpec, transplant
-
-    ids = [*prompt, *response]
-    at = len(prompt) + max(1, int(fraction * len(response)))
-    if len(ids) - at < 3:
-        return None
-    length = lm.cache_len(len(prompt), DecodeConfig(max_new_tokens=len(response), max_stage1_tokens=1))
-    caches = {"incremental": incremental_cache(lm, ids[:at], len(prompt), length),
-              "prefill": prefill_cache(lm, ids[:at], len(prompt), length)}
-    own = {name: score_from(lm, cache, ids, at, len(ids), decode, mode, prompt)  # type: ignore[arg-type]
-           for name, cache in caches.items()}
-    arms = [scored_arm(f"from@{at}:{name}", s, tokens_fp, mode, at + 1, lm.config.precision, construction=name)
-            for name, s in own.items()]
-    out: dict[str, dict[str, ScoreOutcome]] = {"directions": {}, "control": {}}
-    for key, layers in (("directions", tuple(range(lm.n_layers))), ("control", ())):
-        for donor, recipient in (("prefill", "incremental"), ("incremental", "prefill")):
-            cache = transplant(caches[recipient], caches[donor], TransplantSpec(layers))
-            cont = score_from(lm, cache, ids, at, len(ids), decode, mode, prompt)  # type: ignore[arg-type]
-            name = f"{'control:' if key == 'control' else ''}{donor}->{recipient}"
-            arms.append(scored_arm(name, cont, tokens_fp, mode, at + 1, lm.config.precision, construction="transplant"))
-            out[key][f"{donor}->{recipient}"] = _outcome(cont, own[donor], own[recipient])
-            del cache
-    return ScoreTransplant(at=at, directions=out["directions"], control=out["control"]), arms
-
-
-def mismatch_item(lm: LM, job: Job[MismatchParams]) -> Payload:
-    """One item's part: the rollout and our engine's scores of it (part ''), or the trainer at one precision."""
-    from stagereplay.engine.scoring import rollout, score_incremental, score_oneshot
-
-    item, s, p = job.item, job.settings, job.params
-    dc, mode = s.decode, p.mode
-    if p.precision:  # a trainer part: one-shot at this precision, and its replica
-        prompt, response = list(p.prompt), list(p.response)
-        fp = ids_fingerprint([*prompt, *response])
-        head = "fp32" if p.precision == "bf16-fp32-head" else "model"
-        trainer = [scored_arm(name, score_oneshot(lm, prompt, response, dc, mode, head), fp, mode,  # type: ignore[arg-type]
-                              len(prompt), p.precision)
-                   for name in (f"trainer@{p.precision}", f"trainer@{p.precision}#replica")]
-        return MismatchPayload(status="ok", source=p.source, precision=p.precision, tokens_fp=fp,  # type: ignore[arg-type]
-                               arms=trainer).as_payload()
-    prompt = list(item.prompt_ids)
-    arms: list[ScoredArm] = []
-    extra: dict[str, Any] = {}
-    if p.source == "file":
-        response, arm, sampling = rollout_of_file(item, p.columns, mode, len(prompt))
-        fp = arm.tokens_fp
-        arms.append(arm)
-        extra["sampling"] = sampling or _sampling(dc)
-    else:
-        seed = derive_seed(dc.seed, item.id, "rollout")
-        tokens, first = rollout(lm, prompt, dc.max_new_tokens, dc, seed, mode)  # type: ignore[arg-type]
-        again, second = rollout(lm, prompt, dc.max_new_tokens, dc, seed, mode)  # type: ignore[arg-type]
-        response = tokens
-        fp = ids_fingerprint([*prompt, *response])
-        arms.append(scored_arm("rollout", first, fp, mode, len(prompt), lm.config.precision, construction="live"))
-        arms.append(scored_arm("rollout#replica", second, ids_fingerprint([*prompt, *again]), mode, len(prompt),
-                               lm.config.precision, construction="live"))
-        extra.update(stop="eos" if tokens[-1] in lm.eos else "length", sampling={**_sampling(dc), "seed": seed},
-                     replica_tokens_equal=again == tokens)
-    precision = lm.config.precision
-    arms.append(scored_arm("incremental", score_incremental(lm, prompt, response, dc, mode), fp, mode,  # type: ignore[arg-type]
-                           len(prompt), precision, construction="incremental"))
-    for name in ("prefill", "prefill#replica") if p.source != "file" else ():
-        arms.append(scored_arm(name, score_oneshot(lm, prompt, response, dc, mode), fp, mode, len(prompt),  # type: ignore[arg-type]
-                               precision))
-    moved = transplant_at(lm, prompt, response, p.transplant_at, dc, mode, fp) if p.transplant_at else None
-    if moved is not None:
-        extra["transplant"], more = moved
-        arms += more
-    return MismatchPayload(status="ok", source=p.source, precision="", tokens_fp=fp, prompt_ids=prompt,  # type: ignore[arg-type]
-                           response_ids=response, arms=arms, **extra).as_payload()
-
-
-def rollout_of_file(item: Any, columns: str | None, mode: str, start: int
-                    ) -> tuple[list[int], ScoredArm, dict[str, float | int]]:
-    """A rollout file's row for `item`: its response, its rollout arm (the file's log-probabilities) and the
-    sampling settings the row says (empty where it says none)."""
-    import numpy as np
-
-    from stagereplay.tasks.rollouts import RolloutItem, read
-
-    assert isinstance(item, RolloutItem)
-    row = read(item, columns)
-    response = list(row.response_ids)
-    fp = ids_fingerprint([*item.prompt_ids, *response])
-    arm = scored_arm("rollout", Scored(np.asarray(row.logprobs, dtype=np.float32), None), fp, mode, start, "file",
-                     engine="file", construction="file")
-    return response, arm, row.sampling
-
-
-def _sampling(dc: DecodeConfig) -> dict[str, float | int | bool]:
-    return {"sample": dc.sample, "temperature": dc.temperature, "top_k": dc.top_k, "top_p": dc.top_p}
+def _micro_batch(options: MismatchOptions) -> dict[str, Any]:
+    """The micro-batch fields of the stage and the run's identity: none unless asked for."""
+    return ({"micro_batch": options.micro_batch, "micro_batch_layout": options.micro_batch_layout}
+            if options.micro_batch else {})
 
 
 def main_records(run: Run, checkpoint: str) -> dict[str, Payload]:
@@ -283,12 +170,12 @@ class Mismatch(Experiment):
 
     def identity(self, options: MismatchOptions) -> dict[str, Any]:
         return {"source": "file" if options.rollouts else "generated", "precisions": list(options.precisions),
-                "mode": options.mode, "transplant_at": options.transplant_at}
+                "mode": options.mode, "transplant_at": options.transplant_at, **_micro_batch(options)}
 
     def section(self, prepared: PreparedRun, options: MismatchOptions, run: Run) -> StageSection:
         return MismatchStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
                              source="file" if options.rollouts else "generated", precisions=list(options.precisions),
-                             mode=options.mode, transplant_at=options.transplant_at)
+                             mode=options.mode, transplant_at=options.transplant_at, **_micro_batch(options))
 
     def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Any:
         """The rollouts and our engine's scores of them at the run's precision first; then, once their tokens are
@@ -302,7 +189,7 @@ class Mismatch(Experiment):
             recorded = main_records(run, prepared.checkpoint)
             yield Batch(trainer_model(prepared.model, p), [
                 Job(item, prepared.settings, MismatchParams(p, own.mode, own.source, prompt=tuple(r["prompt_ids"]),
-                                                            response=tuple(r["response_ids"])))
+                                                            response=tuple(r["response_ids"]), batch=own.batch()))
                 for item in prepared.items if item.id in ids and (r := recorded.get(item.id)) is not None])
 
     def unit_positions(self, record: Record) -> int:
@@ -347,7 +234,7 @@ class Mismatch(Experiment):
                         bad.append(f"transplant {direction}: its arms are missing")
                         continue
                     cont, d, r = (Scored(arrays.decode(by[n]["logprobs"]), None) for n in names)
-                    if _outcome(cont, d, r).as_payload() != recorded:
+                    if outcome(cont, d, r).as_payload() != recorded:
                         bad.append(f"transplant.{key}.{direction} does not follow from its arms")
         return bad
 
@@ -358,7 +245,7 @@ class Mismatch(Experiment):
         if part:
             main = replay.matched or {}
             params = MismatchParams(part, own.mode, own.source, prompt=tuple(main.get("prompt_ids") or ()),
-                                    response=tuple(main.get("response_ids") or ()))
+                                    response=tuple(main.get("response_ids") or ()), batch=own.batch())
         return Job(replay.item, replay.settings, params)
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
@@ -368,7 +255,9 @@ class Mismatch(Experiment):
             return None
         n, prompt = len(arrays.decode(p["arms"][0]["logprobs"])), int(p["arms"][0]["start"])
         if record.part:
-            return [prompt + n - 1] * 2
+            batch = self.stage_of(stage).batch()
+            seed = self.stage_of(stage).settings.decode.seed
+            return [prompt + n - 1] * 2 + ([batch.forward_tokens(record.item_id, seed, prompt + n - 1)] if batch else [])
         steps, generated = [prompt, *[1] * (n - 1)], p.get("source") == "generated"
         out = (steps * 2 if generated else []) + steps + ([prompt + n - 1] * 2 if generated else [])
         moved = p.get("transplant")

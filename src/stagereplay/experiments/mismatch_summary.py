@@ -50,6 +50,7 @@ def attribution(run_precision: str, precisions: Sequence[str]) -> list[tuple[str
     rows += [("bridge", "rollout", "incremental"), ("replica: rollout", "rollout", "rollout#replica"),
              ("replica: prefill", "prefill", "prefill#replica")]
     rows += [(f"replica: trainer@{p}", f"trainer@{p}", f"trainer@{p}#replica") for p in precisions]
+    rows += [(f"batch composition @ {p}", f"trainer@{p}", f"trainer@{p}#batch") for p in precisions]
     rows += [(f"total @ {p}", "rollout", f"trainer@{p}") for p in precisions if f"trainer@{p}" != trainer]
     return rows
 

@@ -26,17 +26,20 @@ from pydantic import Field
 
 from stagereplay.engine.decode import derive_seed
 from stagereplay.engine.lm import LM, ids_fingerprint
+from stagereplay.engine.scoring import Mode
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.jobs import Job, Params
-from stagereplay.experiments.mismatch import (
+from stagereplay.experiments.mismatch import MismatchStage
+from stagereplay.experiments.mismatch_item import (
     MismatchParams,
-    MismatchStage,
+    RolloutEngine,
+    Sampled,
     mismatch_item,
-    rollout_of_file,
+    rollout_part,
     scored_arm,
 )
 from stagereplay.records.payloads import Payload
-from stagereplay.records.scored import MismatchPayload, ScoredArm
+from stagereplay.records.scored import ScoredArm
 from stagereplay.serving.matched import ServingArms, cached_engine
 from stagereplay.serving.seam import Generation, PromptScores, Samples, Sampling, ScoresPrompt
 
@@ -71,7 +74,7 @@ def sampling_of(job: Job[Any]) -> Sampling:
     return Sampling.of(dc.sample, dc.temperature, dc.top_k, dc.top_p, derive_seed(dc.seed, job.item.id, "rollout"))
 
 
-def _served(name: str, engine: Any, scores: Generation | PromptScores, tokens_fp: str, mode: str, start: int,
+def _served(name: str, engine: Any, scores: Generation | PromptScores, tokens_fp: str, mode: Mode, start: int,
             construction: str) -> ScoredArm:
     """An arm the engine computed: its log-probabilities (a rollout's `chosen`, a score's `logprobs`), and the argmax
     of each step where the engine said it."""
@@ -90,46 +93,51 @@ def _served(name: str, engine: Any, scores: Generation | PromptScores, tokens_fp
                       construction=construction)
 
 
+@dataclass(frozen=True)
+class ServedEngine(RolloutEngine):
+    """A serving engine as the rollout engine: its own sampler with the item's seed (`Samples.sample`), its prefill
+    where it scores a sequence in one request (`ScoresPrompt.score`), no transplant (it exposes no cache)."""
+
+    engine: Samples
+    sampled: Sampling
+    mode: Mode
+    prefill: bool
+    max_new: int
+
+    def sampling(self) -> dict[str, float | int | bool]:
+        return self.sampled.as_dict()
+
+    def sample(self, prompt: list[int]) -> Sampled:
+        engine, dc = self.engine, self.sampled
+        first = engine.sample(prompt, self.max_new, dc)
+        again = engine.sample(prompt, self.max_new, dc)
+        response = list(first.tokens)
+        fp = ids_fingerprint([*prompt, *response])
+        arms = [_served("rollout", engine, first, fp, self.mode, len(prompt), "live"),
+                _served("rollout#replica", engine, again, ids_fingerprint([*prompt, *again.tokens]), self.mode,
+                        len(prompt), "live")]
+        return Sampled(response, arms, "eos" if first.finish == "stop" else "length", dc.as_dict(),
+                       again.tokens == first.tokens)
+
+    def prefills(self, prompt: list[int], response: list[int], tokens_fp: str) -> list[ScoredArm]:
+        if not self.prefill:
+            return []
+        assert isinstance(self.engine, ScoresPrompt)
+        return [_served(name, self.engine, self.engine.score([*prompt, *response], len(prompt), self.sampled),
+                        tokens_fp, self.mode, len(prompt), "oneshot") for name in ("prefill", "prefill#replica")]
+
+
 def served_mismatch_item(lm: LM, job: Job[Any]) -> Payload:
     """One item's part: part '' in the engine and ours (module docstring); a trainer part, ours
-    (`experiments.mismatch.mismatch_item`)."""
-    from stagereplay.engine.scoring import score_incremental
-
+    (`experiments.mismatch_item.mismatch_item`)."""
     if not isinstance(job.params, ServedMismatchParams):
         return mismatch_item(lm, job)
     p = job.params
     engine = cached_engine(p.arms.engine, lm)
     if not isinstance(engine, Samples):
         raise StageReplayError(f"the {engine.name} engine does not sample rollouts", "run mismatch on our engine")
-    item, dc, mode = job.item, job.settings.decode, p.mismatch.mode
-    prompt = list(item.prompt_ids)
-    sampling = sampling_of(job)
-    arms: list[ScoredArm] = []
-    extra: dict[str, Any] = {}
-    if p.mismatch.source == "file":
-        response, arm, sampled = rollout_of_file(item, p.mismatch.columns, mode, len(prompt))
-        arms.append(arm)
-        extra["sampling"] = sampled or sampling.as_dict()
-        fp = ids_fingerprint([*prompt, *response])
-    else:
-        first = engine.sample(prompt, dc.max_new_tokens, sampling)
-        again = engine.sample(prompt, dc.max_new_tokens, sampling)
-        response = list(first.tokens)
-        fp = ids_fingerprint([*prompt, *response])
-        arms.append(_served("rollout", engine, first, fp, mode, len(prompt), "live"))
-        arms.append(_served("rollout#replica", engine, again, ids_fingerprint([*prompt, *again.tokens]), mode,
-                            len(prompt), "live"))
-        extra.update(stop="eos" if first.finish == "stop" else "length", sampling=sampling.as_dict(),
-                     replica_tokens_equal=again.tokens == first.tokens)
-    arms.append(scored_arm("incremental", score_incremental(lm, prompt, response, dc, mode), fp, mode,  # type: ignore[arg-type]  # a mode checked by the options
-                           len(prompt), lm.config.precision, construction="incremental"))
-    if p.prefill:
-        assert isinstance(engine, ScoresPrompt)
-        for name in ("prefill", "prefill#replica"):
-            arms.append(_served(name, engine, engine.score([*prompt, *response], len(prompt), sampling), fp, mode,
-                                len(prompt), "oneshot"))
-    return MismatchPayload(status="ok", source=p.mismatch.source, precision="", tokens_fp=fp,  # type: ignore[arg-type]
-                           prompt_ids=prompt, response_ids=response, arms=arms, **extra).as_payload()
+    side = ServedEngine(engine, sampling_of(job), p.mismatch.mode, p.prefill, job.settings.decode.max_new_tokens)
+    return rollout_part(lm, job, p.mismatch, side)
 
 
 def served_params(params: MismatchParams, arms: ServingArms, prefill: bool) -> Params:
