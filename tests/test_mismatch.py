@@ -294,3 +294,51 @@ def test_weights_and_kl_estimators_on_known_numbers():
     assert w["ess"] == pytest.approx(1 / np.mean((np.array([1, 1, 1, 4]) / 1.75) ** 2))
     assert w["outside_2"] == 0.25 and w["outside_5"] == 0.0
     assert weights_summary(np.zeros(3))["ess"] == 1.0  # control: equal weights are all effective
+
+
+def test_part_one_on_a_serving_engine_is_the_same_skeleton_as_on_ours(tiny_dir):
+    """A serving engine that samples and scores with our own engine's functions gives part '' the arms ours gives,
+    bit for bit and in the same order, with its name on the arms it computed (control: another seed draws another
+    rollout)."""
+    from stagereplay.engine.decode import derive_seed
+    from stagereplay.experiments.jobs import Job, ReplaySettings
+    from stagereplay.experiments.mismatch_item import MismatchParams, mismatch_item, rollout_part
+    from stagereplay.serving.mismatch import ServedEngine
+    from stagereplay.serving.seam import Generation, PromptScores, Samples, Sampling, ScoresPrompt
+    from stagereplay.tasks.base import Item
+
+    lm = load(str(tiny_dir("qwen2")), precision="bf16")
+    dc = DecodeConfig(max_new_tokens=12, sample=True, temperature=1.0, seed=4)
+
+    class Ours(Samples, ScoresPrompt):
+        name = "ours-served"
+
+        def __init__(self, seed_offset: int = 0):
+            self.offset = seed_offset
+
+        def sample(self, ids, max_tokens, sampling):
+            tokens, scored = rollout(lm, ids, max_tokens, dc, derive_seed(dc.seed, "q", "rollout") + self.offset,
+                                     "raw")
+            return Generation(tuple(tokens), (), None, "stop" if tokens[-1] in lm.eos else "length",
+                              chosen=tuple(float(x) for x in scored.logprobs))
+
+        def score(self, ids, start, sampling):
+            scored = score_oneshot(lm, ids[:start], ids[start:], dc, "raw")
+            return PromptScores(tuple(float(x) for x in scored.logprobs), tuple(int(x) for x in scored.argmax))
+
+        def precision_name(self):
+            return "bf16"
+
+    job = Job(Item("q", tuple(lm.tokenizer.encode(PROMPT)), ""), ReplaySettings("after:1", dc),
+              MismatchParams("", "raw", "generated"))
+    ours = mismatch_item(lm, job)
+    sampling = Sampling.of(True, 1.0, 0, 1.0, 0)
+    served = rollout_part(lm, job, job.params, ServedEngine(Ours(), sampling, "raw", True, dc.max_new_tokens))
+    assert [a["name"] for a in served["arms"]] == [a["name"] for a in ours["arms"]]
+    for a, b in zip(served["arms"], ours["arms"], strict=True):
+        assert a["logprobs"] == b["logprobs"] and a["tokens_fp"] == b["tokens_fp"], a["name"]
+        assert a["engine"] == ("hf" if a["name"] == "incremental" else "ours-served")
+    assert served["response_ids"] == ours["response_ids"] and served["sampling"] == sampling.as_dict()
+    other = rollout_part(lm, job, job.params, ServedEngine(Ours(1), sampling, "raw", False, dc.max_new_tokens))
+    assert other["response_ids"] != ours["response_ids"]  # control
+    assert [a["name"] for a in other["arms"]] == ["rollout", "rollout#replica", "incremental"]  # no prefill asked
