@@ -7,10 +7,12 @@ rollout file costs in memory.
     python bench/mismatch.py memory --small 20 --large 200   # a quick look
 
 `throughput`: per rollout, our trainer score (`engine.scoring.score_oneshot`: one forward over prompt +
-response[:-1], no cache, each row reduced to its token's log-probability and argmax on the device) against a bare
-`model(input_ids)` forward over the same tokens, one sequence per forward on both sides, interleaved rollout by
-rollout; prints rollouts and tokens per second of each and ours / bare (target: at most 1.2x). The last line is
-`scoring: ours X tok/s, bare forward Y tok/s, ours / bare R`.
+response[:-1], no cache, the response's rows reduced a few at a time to each token's log-probability and argmax,
+the bits of log_softmax over the fp32 logits) against a bare `model(input_ids)` forward over the same tokens (a
+trainer's plain forward: every position's logits, as the model returns them), one sequence per forward on both
+sides, interleaved rollout by rollout; prints rollouts and tokens per second of each and ours / bare (target: at
+most 1.2x). The last line is `scoring: ours X tok/s, bare forward Y tok/s, ours / bare R`. `--clock cpu` times
+the process's CPU time instead of the wall's (steadier on a shared CPU).
 
 `memory`: a rollout file of `--small` and of `--large` rollouts (the same tiny random model's own samples, repeated)
 audited by `stagereplay mismatch --rollouts FILE` (trainer at bf16, no transplant) in a fresh process each, its peak
