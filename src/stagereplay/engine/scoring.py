@@ -78,20 +78,24 @@ def chosen(logits: torch.Tensor, targets: torch.Tensor, mode: Mode, decode: Deco
     import torch
 
     n, vocab = logits.shape
-    rows = max(1, chunk_bytes // (4 * max(vocab, 1)))
+    rows = max(1, min(n, chunk_bytes // (4 * max(vocab, 1))))
     targets = targets.to(logits.device)
-    lps, argmaxes = [], []
     warp = (Sampler(replace(decode, sample=False), 0, str(logits.device)).warp  # no generator made
             if mode == "processed" else None)
+    # Two buffers [rows, V] reused by every chunk: the widened rows and their log_softmax (fresh ones each chunk
+    # would cost a page fault per page where the allocator maps them anew).
+    widened = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+    logsm = torch.empty_like(widened)
+    lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    argmax = torch.empty(n, dtype=torch.long, device=logits.device)
     for a in range(0, n, rows):
-        scores = logits[a : a + rows].float()  # [rows, V]
-        argmaxes.append(first_argmax(scores))
-        if warp is not None:
-            scores = warp(scores)
-        lps.append(torch.log_softmax(scores, dim=-1).gather(1, targets[a : a + rows, None])[:, 0])
-    if len(lps) == 1:
-        return lps[0], argmaxes[0]
-    return torch.cat(lps), torch.cat(argmaxes)
+        b = min(n, a + rows)
+        scores = widened[: b - a]
+        scores.copy_(logits[a:b])  # [rows, V] fp32: the exact widening `.float()` makes
+        argmax[a:b] = first_argmax(scores)
+        torch.log_softmax(warp(scores) if warp is not None else scores, dim=-1, out=logsm[: b - a])
+        lp[a:b] = logsm[: b - a].gather(1, targets[a:b, None])[:, 0]
+    return lp, argmax
 
 
 def first_argmax(scores: torch.Tensor, block: int = ARGMAX_BLOCK) -> torch.Tensor:
