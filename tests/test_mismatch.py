@@ -342,3 +342,15 @@ def test_part_one_on_a_serving_engine_is_the_same_skeleton_as_on_ours(tiny_dir):
     other = rollout_part(lm, job, job.params, ServedEngine(Ours(1), sampling, "raw", False, dc.max_new_tokens))
     assert other["response_ids"] != ours["response_ids"]  # control
     assert [a["name"] for a in other["arms"]] == ["rollout", "rollout#replica", "incremental"]  # no prefill asked
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--micro-batch", "1"], "--micro-batch 1 is not a micro-batch"),
+    (["--micro-batch-layout", "packed"], "none is asked for"),
+    (["--micro-batch", "2", "--batch", "2"], "one sequence at a time"),
+])
+def test_micro_batch_options_that_mean_nothing_are_refused_in_one_line(tmp_path, args, says):
+    result = runner.invoke(app, ["mismatch", *args, "--quiet", "--out", str(tmp_path / "run")])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and says in lines[0], result.stderr
+    assert not (tmp_path / "run").exists()

@@ -98,6 +98,9 @@ class MismatchOptions:
         if self.micro_batch_layout not in LAYOUTS:
             raise StageReplayError(f"unknown --micro-batch-layout {self.micro_batch_layout!r}",
                                    f"use {' or '.join(LAYOUTS)}")
+        if self.micro_batch_layout != "padded" and not self.micro_batch:
+            raise StageReplayError(f"--micro-batch-layout {self.micro_batch_layout} lays out micro-batches, and none "
+                                   "is asked for", "pass --micro-batch N with it")
         if not 0 <= self.transplant_at < 1:
             raise StageReplayError(f"--transplant-at must lie in [0, 1), got {self.transplant_at}",
                                    "pass e.g. 0.5 (half-way through the response), or 0 for none")

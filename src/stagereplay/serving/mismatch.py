@@ -100,23 +100,25 @@ class ServedEngine(RolloutEngine):
 
     engine: Samples
     sampled: Sampling
+    """The rollout's sampling (`sampling_of`)."""
     mode: Mode
     prefill: bool
+    """Whether the engine's prefill arms are built."""
     max_new: int
 
     def sampling(self) -> dict[str, float | int | bool]:
         return self.sampled.as_dict()
 
     def sample(self, prompt: list[int]) -> Sampled:
-        engine, dc = self.engine, self.sampled
-        first = engine.sample(prompt, self.max_new, dc)
-        again = engine.sample(prompt, self.max_new, dc)
+        engine, sampling = self.engine, self.sampled
+        first = engine.sample(prompt, self.max_new, sampling)
+        again = engine.sample(prompt, self.max_new, sampling)
         response = list(first.tokens)
         fp = ids_fingerprint([*prompt, *response])
         arms = [_served("rollout", engine, first, fp, self.mode, len(prompt), "live"),
                 _served("rollout#replica", engine, again, ids_fingerprint([*prompt, *again.tokens]), self.mode,
                         len(prompt), "live")]
-        return Sampled(response, arms, "eos" if first.finish == "stop" else "length", dc.as_dict(),
+        return Sampled(response, arms, "eos" if first.finish == "stop" else "length", sampling.as_dict(),
                        again.tokens == first.tokens)
 
     def prefills(self, prompt: list[int], response: list[int], tokens_fp: str) -> list[ScoredArm]:
