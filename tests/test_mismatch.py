@@ -263,3 +263,27 @@ def test_a_malformed_rollout_file_is_refused_in_one_line_naming_the_row(toy_run,
     assert result.exit_code == 2 and len(lines) == 1 and says in lines[0] and "; " in lines[0], result.stderr
     assert "line " in lines[0]  # the row is named
     assert not (tmp_path / "run").exists()
+
+
+def test_the_verdict_tells_the_toys_gap_from_rollouts_scored_with_another_tokenizer(toy_run, tmp_path):
+    """The toy's rollouts read 'not bit for bit, negligible'; the same rows with every token ID mapped to another
+    valid one (another tokenizer's IDs, the file's log-probabilities kept) read 'wrong model', their sequence
+    weights named as clamped."""
+    from stagereplay.experiments.mismatch_verdict import mismatch_verdict
+
+    def seen(run):
+        return next(f.phrase for f in mismatch_verdict(_section(run)) if f.question.key == "trainer sees rollout")
+
+    def remap(row):
+        row.update(prompt_ids=[t * 7919 % 250 + 3 for t in row["prompt_ids"]],
+                   response_ids=[t * 7919 % 250 + 3 for t in row["response_ids"]])
+
+    path = tmp_path / "other.jsonl"
+    _write_rollouts(toy_run, path, edit=remap)
+    ran = runner.invoke(app, ["mismatch", "--rollouts", str(path), "--precisions", "bf16", "--transplant-at", "0",
+                              "--quiet", "--out", str(tmp_path / "other")])
+    assert ran.exit_code == 0, ran.output
+    toy, other = seen(toy_run), seen(tmp_path / "other")
+    assert "size negligible" in toy and "another tokenizer or model" not in toy and "clamp" not in toy
+    assert "size wrong model" in other and "another tokenizer or model" in other
+    assert "sequence weights is at the clamp" in other

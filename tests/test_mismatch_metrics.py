@@ -26,7 +26,15 @@ import pytest
 
 from stagereplay import mismatch_metrics
 from stagereplay.experiments.mismatch_fields import MismatchMetrics
-from stagereplay.experiments.mismatch_stats import INTERVALS, Padded, Pair, interval, metrics, parts, summarize_pairs
+from stagereplay.experiments.mismatch_stats import (
+    INTERVALS,
+    Padded,
+    Pair,
+    interval,
+    metrics,
+    parts,
+    summarize_pairs,
+)
 from stagereplay.experiments.mismatch_summary import Band, Intervals, MismatchSummary, PairSummary
 from stagereplay.experiments.mismatch_verdict import mismatch_verdict
 from stagereplay.experiments.stats import paired_bootstrap_ci
