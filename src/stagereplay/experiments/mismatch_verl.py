@@ -52,10 +52,10 @@ def _mmean(x: np.ndarray, m: np.ndarray, axis: int | None = None) -> np.ndarray:
     return _msum(x, m, axis) / (m.sum(axis=axis) + EPS)
 
 
-def _f(x: float | np.floating) -> float | None:
-    """A number, None where it is undefined (never NaN)."""
-    x = float(x)
-    return None if math.isnan(x) else x
+def _f(x: float | np.floating | np.ndarray) -> float | None:
+    """A number (a float or a 0-d array), None where it is undefined (never NaN)."""
+    v = float(x)
+    return None if math.isnan(v) else v
 
 
 def offpolicy(train: np.ndarray, rollout: np.ndarray, m: np.ndarray) -> dict[str, float | None]:
