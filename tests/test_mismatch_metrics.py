@@ -30,7 +30,7 @@ from stagereplay.experiments.mismatch_stats import (
     INTERVALS,
     Padded,
     Pair,
-    interval,
+    intervals,
     metrics,
     parts,
     summarize_pairs,
@@ -176,7 +176,7 @@ def test_every_interval_is_of_the_statistic_beside_it(seed):
     # control: a statistic of other parts (the per-sequence mean of |log-ratio|) is not the printed pooled one
     n = split["abs_mean"][1]
     assert (split["abs_mean"][0] / n).mean() != pytest.approx(s.metrics["abs_mean"], rel=1e-3)
-    assert interval(split["abs_mean"][0], n, np.random.default_rng(0), 100) is not None
+    assert intervals(split, np.random.default_rng(0), 100).keys() == set(INTERVALS)
 
 
 def test_tensors_and_arrays_padded_and_ragged_read_alike():

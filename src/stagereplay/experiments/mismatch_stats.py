@@ -65,7 +65,11 @@ class Pair:
         return np.isfinite(self.a) & np.isfinite(self.b)
 
     def equal_bits(self) -> np.ndarray:
-        return self.a.astype(np.float32).view(np.uint32) == self.b.astype(np.float32).view(np.uint32)
+        """Per token, whether the two log-probabilities are the same bits (fp32 records as fp32; wider inputs in
+        their common dtype)."""
+        dtype = np.result_type(self.a.dtype, self.b.dtype, np.float32)
+        unsigned = np.dtype(f"u{dtype.itemsize}")
+        return self.a.astype(dtype).view(unsigned) == self.b.astype(dtype).view(unsigned)
 
     def argmax_agree(self) -> np.ndarray | None:
         if self.argmax_a is None or self.argmax_b is None:
@@ -156,24 +160,24 @@ def parts(padded: Padded) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             "log_ppl_abs_diff": (np.abs(d), np.ones_like(d))}
 
 
-def interval(num: np.ndarray, den: np.ndarray, rng: np.random.Generator, n_resamples: int = 10_000,
-             confidence: float = 0.95) -> list[float] | None:
-    """Percentile bootstrap interval of sum(num) / sum(den), resampling sequences with replacement (counts drawn
-    from `rng`, in blocks of bounded memory)."""
-    k = num.size
+def intervals(split: dict[str, tuple[np.ndarray, np.ndarray]], rng: np.random.Generator, n_resamples: int = 10_000,
+              confidence: float = 0.95) -> dict[str, list[float] | None]:
+    """Per statistic of `split` (numerator, denominator per sequence: `parts`), the percentile bootstrap interval of
+    sum(numerator) / sum(denominator), every statistic on the same resamples of the sequences (drawn with
+    replacement from `rng`, in blocks of bounded memory)."""
+    k = next(iter(split.values()))[0].size if split else 0
     if k == 0:
-        return None
+        return dict.fromkeys(split)
     if k == 1:
-        x = float(num[0] / den[0])
-        return [x, x]
+        return {name: [float(num[0] / den[0])] * 2 for name, (num, den) in split.items()}
     block = max(1, 2_000_000 // k)
-    stats = []
+    drawn: dict[str, list[np.ndarray]] = {name: [] for name in split}
     for start in range(0, n_resamples, block):
-        counts = rng.multinomial(k, np.full(k, 1.0 / k), size=min(block, n_resamples - start)).astype(np.float64)
-        stats.append((counts @ num) / (counts @ den))
+        idx = rng.integers(0, k, size=(min(block, n_resamples - start), k))
+        for name, (num, den) in split.items():
+            drawn[name].append(num[idx].sum(axis=1) / den[idx].sum(axis=1))
     alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(np.concatenate(stats), [alpha, 1 - alpha])
-    return [float(lo), float(hi)]
+    return {name: [float(x) for x in np.quantile(np.concatenate(d), [alpha, 1 - alpha])] for name, d in drawn.items()}
 
 
 def metrics(pairs: Sequence[Pair], upper: float = IS_THRESHOLD, lower: float | None = None,
@@ -212,10 +216,9 @@ class PairStats:
 
 
 def summarize_pairs(pairs: Sequence[Pair], seed: int = 0, n_resamples: int = 10_000) -> PairStats:
-    """The metrics of one pair of sides over a run's sequences, the intervals (one Generator seeded with `seed`,
-    drawn in the order of `INTERVALS`) and the position bands."""
-    rng = np.random.default_rng(seed)
+    """The metrics of one pair of sides over a run's sequences, the intervals (`intervals`, one Generator seeded
+    with `seed`) and the position bands."""
     padded = Padded.of(pairs)
-    split = parts(padded) if padded.mask.any() else {}
-    cis = {name: interval(*split[name], rng, n_resamples) if split else None for name in INTERVALS}
+    cis = intervals(parts(padded), np.random.default_rng(seed), n_resamples) if padded.mask.any() \
+        else dict.fromkeys(INTERVALS)
     return PairStats(metrics(pairs), cis, band_summary(pairs))
