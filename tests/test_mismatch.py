@@ -29,7 +29,8 @@ from stagereplay.cli import app
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import load
 from stagereplay.engine.scoring import chosen, rollout, score_incremental, score_oneshot
-from stagereplay.experiments.mismatch_stats import Pair, token_summary, weights_summary
+from stagereplay.experiments.mismatch_stats import Pair, metrics
+from stagereplay.experiments.mismatch_summary import MismatchSummary
 from stagereplay.records import arrays
 from stagereplay.records.ledger import items, read_ledger
 
@@ -53,12 +54,12 @@ def _arms(run, part=""):
             for r in items(read_ledger(run)) if r.experiment == "mismatch" and r.part == part}
 
 
-def _section(run):
-    return json.loads((run / "results.json").read_text())["mismatch"][0]
+def _section(run) -> MismatchSummary:
+    return MismatchSummary.model_validate(json.loads((run / "results.json").read_text())["mismatch"][0])
 
 
 def _row(run, label):
-    return next(p for p in _section(run)["pairs"] if p["row"] == label)
+    return _section(run).row(label)
 
 
 def test_a_rollout_is_generates_draw_and_its_logprobs_are_the_drawing_logits(tiny_dir):
@@ -91,8 +92,8 @@ def test_our_engine_against_itself_is_bitwise_zero_in_fp32_and_a_planted_logit_i
     incremental = score_incremental(lm, prompt, tokens, SAMPLED, "raw")
     oneshot, again = (score_oneshot(lm, prompt, tokens, SAMPLED, "raw") for _ in range(2))
     for a, b in ((live, incremental), (oneshot, again)):
-        summary = token_summary([Pair(a.logprobs, b.logprobs)])
-        assert summary["bitwise_equal"] == 1.0 and summary["abs_max"] == 0.0 and summary["k3"] == 0.0
+        summary = metrics([Pair(a.logprobs, b.logprobs)])
+        assert summary["bitwise_equal"] == 1.0 and summary["abs_max"] == 0.0 and summary["k3_kl"] == 0.0
     # The control: one logit moved at one position of the teacher-forced score moves that token's log-probability,
     # and no other (teacher-forced, a position's log-probability reads the tokens, never the logits before it).
     planted = 7
@@ -124,13 +125,14 @@ def test_the_run_attributes_the_gap_on_one_set_of_tokens(toy_run):
     assert len(by_item) == 3 and all(len(fps) == 1 for fps in by_item.values())  # every side, the same tokens
     for label in ("bridge", "engine", "replica: rollout", "replica: prefill", "replica: trainer@bf16",
                   "replica: trainer@fp32"):
-        row = _row(toy_run, label)
-        assert row["bitwise_equal"] == 1.0 and row["abs_max"] == 0.0, label
-    assert _row(toy_run, "precision bf16 -> fp32")["bitwise_equal"] < 1.0  # bf16 and fp32 trainers differ
+        row = _row(toy_run, label).metrics
+        assert row.bitwise_equal == 1.0 and row.abs_max == 0.0, label
+    assert _row(toy_run, "precision bf16 -> fp32").metrics.bitwise_equal < 1.0  # bf16 and fp32 trainers differ
     section = _section(toy_run)
-    assert section["replica_tokens_equal"] == {"k": 3, "n": 3} and section["tokens"] == 60
+    replicas = section.replica_tokens_equal
+    assert replicas is not None and (replicas.k, replicas.n) == (3, 3) and section.tokens == 60
     total = _row(toy_run, "total")
-    assert set(total["weights"]) == {"token", "sequence", "geometric"} and total["ci"]["k3"] is not None
+    assert total.metrics.tokens == 60 and total.ci.k3_kl is not None and total.metrics.sequence_is_mean is not None
 
 
 def test_micro_batches_add_the_batch_composition_row_and_re_execute(toy_run, tmp_path):
@@ -173,9 +175,10 @@ def test_a_record_whose_arm_scored_other_tokens_is_a_finding(toy_run, tmp_path):
 
 
 def test_the_transplant_moves_the_logprobs_to_the_donor_and_the_control_does_not(toy_run):
-    moved = _section(toy_run)["transplant"]
-    assert all(d["follows_donor"] == d["n"] == 3 for d in moved["directions"])
-    assert all(d["follows_recipient"] == d["n"] == 3 for d in moved["control"])
+    moved = _section(toy_run).transplant
+    assert moved is not None
+    assert all(d.follows_donor == d.n == 3 for d in moved.directions)
+    assert all(d.follows_recipient == d.n == 3 for d in moved.control)
 
 
 def test_the_run_verifies_and_its_audit_re_executes_it(toy_run, tmp_path):
@@ -220,7 +223,7 @@ def test_a_rollout_file_is_audited_against_the_trainer_and_a_planted_logprob_is_
     ran = runner.invoke(app, ["mismatch", "--rollouts", str(good), "--columns",
                               "prompt_ids=q,response_ids=r,logprobs=lp", *common, "--out", str(tmp_path / "a")])
     assert ran.exit_code == 0, ran.output
-    assert _row(tmp_path / "a", "bridge")["bitwise_equal"] == 1.0
+    assert _row(tmp_path / "a", "bridge").metrics.bitwise_equal == 1.0
     ran = runner.invoke(app, ["mismatch", "--rollouts", str(bad), *common, "--out", str(tmp_path / "b")])
     assert ran.exit_code == 0, ran.output
     file_arms = _arms(tmp_path / "b")
@@ -249,7 +252,7 @@ def test_compare_of_two_rollout_files_finds_the_one_planted_logprob_and_nothing_
         assert done.exit_code == 0, done.output
         doc = json.loads((tmp_path / f"{a}{b}" / "compare.json").read_text())
         assert doc["kind"] == "mismatch" and doc["items"] == doc["tokens_equal"] == 3
-        return doc, {p["side"]: p for p in doc["pairs"]}
+        return doc, {p["side"]: p["metrics"] for p in doc["pairs"]}
 
     doc, planted = sides("a", "b")
     assert planted["rollout"]["bitwise_equal"] == 1 - 3 / planted["rollout"]["tokens"]
@@ -281,19 +284,6 @@ def test_a_malformed_rollout_file_is_refused_in_one_line_naming_the_row(toy_run,
     assert result.exit_code == 2 and len(lines) == 1 and says in lines[0] and "; " in lines[0], result.stderr
     assert "line " in lines[0]  # the row is named
     assert not (tmp_path / "run").exists()
-
-
-def test_weights_and_kl_estimators_on_known_numbers():
-    a = np.log(np.array([0.5, 0.25], dtype=np.float32))
-    b = np.log(np.array([0.25, 0.25], dtype=np.float32))
-    s = token_summary([Pair(a, b)])
-    lr = np.array([np.log(0.5), 0.0])
-    assert s["k1"] == pytest.approx(np.mean(-lr)) and s["k3"] == pytest.approx(np.mean(np.exp(lr) - 1 - lr))
-    assert s["chi2"] == pytest.approx(np.mean((np.exp(lr) - 1) ** 2)) and s["bitwise_equal"] == 0.5
-    w = weights_summary(np.log(np.array([1.0, 1.0, 1.0, 4.0])))
-    assert w["ess"] == pytest.approx(1 / np.mean((np.array([1, 1, 1, 4]) / 1.75) ** 2))
-    assert w["outside_2"] == 0.25 and w["outside_5"] == 0.0
-    assert weights_summary(np.zeros(3))["ess"] == 1.0  # control: equal weights are all effective
 
 
 def test_part_one_on_a_serving_engine_is_the_same_skeleton_as_on_ours(tiny_dir):
@@ -354,3 +344,27 @@ def test_micro_batch_options_that_mean_nothing_are_refused_in_one_line(tmp_path,
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and says in lines[0], result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_verdict_tells_the_toys_gap_from_rollouts_scored_with_another_tokenizer(toy_run, tmp_path):
+    """The toy's rollouts read 'not bit for bit, negligible'; the same rows with every token ID mapped to another
+    valid one (another tokenizer's IDs, the file's log-probabilities kept) read 'wrong model', their sequence
+    weights named as clamped."""
+    from stagereplay.experiments.mismatch_verdict import mismatch_verdict
+
+    def seen(run):
+        return next(f.phrase for f in mismatch_verdict(_section(run)) if f.question.key == "trainer sees rollout")
+
+    def remap(row):
+        row.update(prompt_ids=[t * 7919 % 250 + 3 for t in row["prompt_ids"]],
+                   response_ids=[t * 7919 % 250 + 3 for t in row["response_ids"]])
+
+    path = tmp_path / "other.jsonl"
+    _write_rollouts(toy_run, path, edit=remap)
+    ran = runner.invoke(app, ["mismatch", "--rollouts", str(path), "--precisions", "bf16", "--transplant-at", "0",
+                              "--quiet", "--out", str(tmp_path / "other")])
+    assert ran.exit_code == 0, ran.output
+    toy, other = seen(toy_run), seen(tmp_path / "other")
+    assert "size negligible" in toy and "another tokenizer or model" not in toy and "clamp" not in toy
+    assert "size wrong model" in other and "another tokenizer or model" in other
+    assert "sequence weights is at the clamp" in other

@@ -421,7 +421,7 @@ def test_the_rollout_benchmark_writes_a_file_our_engine_audits(tmp_path):
         assert result.exit_code == 0, result.output
         section = json.loads((out / "results.json").read_text())["mismatch"][0]
         total = next(p for p in section["pairs"] if p["row"] == "total")
-        assert section["source"] == "file" and total["tokens"] == sum(len(r["response_ids"]) for r in rows)
+        assert section["source"] == "file" and total["metrics"]["tokens"] == sum(len(r["response_ids"]) for r in rows)
         # On vLLM, its own prefill of the file's tokens is measured too (the construction row: batched rollouts
         # against one prefill each).
         assert any(p["row"] == "construction" for p in section["pairs"]) is (engine == "vllm")

@@ -11,6 +11,7 @@ from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, load
 from stagereplay.engine.transplant import TransplantSpec, transplant
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.mismatch_metrics import mismatch_metrics
 from stagereplay.runs import matched
 from stagereplay.tasks import Item
 
@@ -30,6 +31,7 @@ __all__ = [
     "compare_caches",
     "load",
     "matched",
+    "mismatch_metrics",
     "transplant",
 ]
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ its log-probabilities are the donor's own, bit for bit (the zero-layer control m
 The summary splits the gap: total (rollout vs trainer), construction (rollout vs the engine's own prefill), engine
 (the engine's prefill vs the trainer's, both one-shot), precision (trainer bf16 vs fp32 and the rest), batch
 composition (the trainer's sequence alone vs in a micro-batch), and each side's replica, with the metrics RL
-frameworks read (`experiments.mismatch_stats`).
+frameworks read (`experiments.mismatch_stats`, under verl's names).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import LAYOUTS, MODES, Layout, Mode, Scored
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
-from stagereplay.experiments.figures import ReportFigure, png
-from stagereplay.experiments.format import Table, slug
+from stagereplay.experiments.figures import ReportFigure
+from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job
 from stagereplay.experiments.mismatch_item import MicroBatch, MismatchParams, Source, mismatch_item, outcome
 from stagereplay.experiments.verdict import Fact
@@ -276,10 +276,10 @@ class Mismatch(Experiment):
     def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
         from stagereplay.experiments.mismatch_summary import summarize_mismatch
 
-        return [summarize_mismatch(records, self.stage_of(stage), checkpoint)]
+        return [summarize_mismatch(records, self.stage_of(stage), checkpoint).model_dump(mode="json")]
 
     def tables(self, results: Any) -> list[Table]:
-        from stagereplay.experiments.mismatch_summary import mismatch_tables
+        from stagereplay.experiments.mismatch_tables import mismatch_tables
 
         return [t for section in results or [] for t in mismatch_tables(section)]
 
@@ -293,17 +293,11 @@ class Mismatch(Experiment):
         return compared(records, item_ids, checkpoint, runs, sections, differences)
 
     def verdict_facts(self, results: Any) -> list[Fact]:
-        from stagereplay.experiments.mismatch_summary import mismatch_verdict
+        from stagereplay.experiments.mismatch_verdict import mismatch_verdict
 
         return [f for section in results or [] for f in mismatch_verdict(section)]
 
     def figures(self, results: Any) -> list[ReportFigure]:
-        from stagereplay.experiments.mismatch_summary import ratio_figure
+        from stagereplay.experiments.mismatch_tables import mismatch_figures
 
-        return [ReportFigure(f"fig-mismatch-{slug(s['checkpoint'])}", f"Rollout vs trainer, per token ({s['checkpoint']})",
-                             "The total row's per-token ratio pi_trainer / pi_rollout on a log axis against the position "
-                             "in the response (a sample of at most 4,000 tokens, evenly spaced), with the 2x (dashed) and "
-                             "5x (dotted) bands RL frameworks clip at; right: its distribution.",
-                             png(ratio_figure(s)), after=(f"table-mismatch-bands-{s['checkpoint']}",
-                                                          f"table-mismatch-{s['checkpoint']}"))
-                for s in results or [] if s.get("figure", {}).get("position")]
+        return [f for section in results or [] for f in mismatch_figures(section)]
