@@ -56,7 +56,7 @@ def _panel(experiment: Any) -> str:
 
 
 def _exit(experiment: Any, results: dict[str, Any]) -> None:
-    code = experiment.exit_code(results)
+    code = experiment.exit_code(experiment.results_of(results[experiment.name]))
     if code:
         raise typer.Exit(code)
 

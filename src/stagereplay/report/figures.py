@@ -21,7 +21,7 @@ def build_figures(results: dict[str, Any]) -> list[ReportFigure]:
     slots: list[ReportFigure | SharedFigure] = []
     series: dict[SharedFigure, list[Any]] = {}
     for e in all_experiments():
-        section = results.get(e.name)
+        section = e.results_of(results.get(e.name))
         for figure, own in e.series(section).items():
             if own and figure not in series:
                 series[figure] = []

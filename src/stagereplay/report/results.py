@@ -36,11 +36,11 @@ def build_results(run_dir: Path, manifest: Manifest, records: list[Record]) -> d
         experiment = of_stage(name)
         checkpoint = name.partition("/")[2]
         mine = [r for r in records if r.experiment == experiment.name and r.checkpoint == checkpoint]
-        sections = experiment.summarize(mine, stage, checkpoint)
+        entry = experiment.entry_of(experiment.summarize(mine, stage, checkpoint))
         if experiment.many:
-            results[experiment.name].extend(sections)
+            results[experiment.name].extend(entry)
         else:
-            results[experiment.name] = sections[0] if sections else None
+            results[experiment.name] = entry
     audit = run_dir / AUDIT_FILE
     if audit.exists():
         results["audit"] = json.loads(audit.read_text())

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stagereplay.experiments.diagnostics_summary import Diagnosed
 from stagereplay.experiments.format import (
     NA,
     Table,
@@ -25,6 +26,7 @@ from stagereplay.experiments.format import (
     yes_no,
 )
 from stagereplay.experiments.registry import all_experiments
+from stagereplay.experiments.summary import Count
 from stagereplay.records.findings import Break, Finding
 from stagereplay.records.kernels import describe
 from stagereplay.report.results import RESULTS_VERSION
@@ -50,8 +52,8 @@ def load_results(path: Path) -> dict[str, Any]:
 def build_tables(results: dict[str, Any]) -> list[Table]:
     """Every experiment's tables that the results contain, in the registry's order; the diagnostics of the compared
     pairs after those of the last experiment whose sections carry them; the audit's last."""
-    per_experiment = [(e.tables(results.get(e.name)), bool(e.diagnosed(results.get(e.name))))
-                      for e in all_experiments()]
+    per_experiment = [(e.tables(own), bool(e.diagnosed(own)))
+                      for e in all_experiments() for own in [e.results_of(results.get(e.name))]]
     last = max((i for i, (_, diagnosed) in enumerate(per_experiment) if diagnosed), default=None)
     tables: list[Table] = []
     for i, (own, _) in enumerate(per_experiment):
@@ -76,22 +78,23 @@ def _median(values: Any) -> float | None:
     return float(median(xs)) if xs else None
 
 
-def diagnosed_pairs(results: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(label, summary, its disagreement counts {k, n}) of every compared pair whose summary carries diagnostics,
+def diagnosed_pairs(results: dict[str, Any]) -> list[tuple[str, Diagnosed, Count]]:
+    """(label, summary, its disagreement counts) of every compared pair whose summary carries diagnostics,
     experiment by experiment."""
-    return [pair for e in all_experiments() for pair in e.diagnosed(results.get(e.name))]
+    return [pair for e in all_experiments() for pair in e.diagnosed(e.results_of(results.get(e.name)))]
 
 
 def diagnostics_table(results: dict[str, Any]) -> Table | None:
     """Why pairs diverged, one row per compared pair: margins, first-step logit difference, cache difference."""
     rows = []
     for label, s, kn in diagnosed_pairs(results):
-        steps, at = s["margins"].get("steps") or {}, s["margins"]["at_divergence"]
-        layers = s.get("cache_diff") or []
-        k = _median([r["k_rel_l2"] for r in layers])
-        v = _median([r["v_rel_l2"] for r in layers])
-        rows.append([label, f"{kn['k']}/{kn['n']}", f"{_logit(at['median'])} / {_logit(steps.get('median'))}",
-                     _logit(_median(s.get("first_step_logit_maxabs"))), f"{_logit(k)} / {_logit(v)}"])
+        assert s.margins is not None  # a diagnosed pair's summary carries its margins
+        steps, at = s.margins.steps, s.margins.at_divergence
+        layers = s.cache_diff or []
+        k = _median([r.k_rel_l2 for r in layers])
+        v = _median([r.v_rel_l2 for r in layers])
+        rows.append([label, f"{kn.k}/{kn.n}", f"{_logit(at.median)} / {_logit(steps.median if steps else None)}",
+                     _logit(_median(s.first_step_logit_maxabs)), f"{_logit(k)} / {_logit(v)}"])
     if not rows:
         return None
     headers = ("pair", "diverged", "margin: div / all", "step-1 logit diff", "cache K / V")
@@ -111,8 +114,8 @@ def audit_tables(audit: dict[str, Any]) -> list[Table]:
         ["items audited", str(audit["items"])],
         ["records re-executed", f"a seeded sample of {sample['re_executed']} of {sample['of']} ({sample['per_stage']} "
                                 f"per stage, seed {sample['seed']}); every record verified" if sample else "every record"],
-        ["trajectory fingerprints reproduced", count_of(audit["trajectories"])],
-        ["comparison fingerprints reproduced", count_of(audit["comparisons"])],
+        ["trajectory fingerprints reproduced", count_of(Count(**audit["trajectories"]))],
+        ["comparison fingerprints reproduced", count_of(Count(**audit["comparisons"]))],
         ["ledger hash chain intact", yes_no(audit["chain_ok"])],
         ["broken ledger records", ", ".join(_record(b) for b in broken) if broken else "none"],
         *_environment_rows(audit),

@@ -22,7 +22,7 @@ def verdict(results: dict[str, Any]) -> list[tuple[str, str]]:
     asked: dict[Question, list[Fact]] = {}
     facts: list[Fact] = []
     for e in all_experiments():
-        section = results.get(e.name)
+        section = e.results_of(results.get(e.name))
         for question in e.verdict_questions(section):
             asked.setdefault(question, [])
         facts += e.verdict_facts(section)

@@ -85,5 +85,5 @@ def make_run(out: str | Path, experiment: Experiment, options: Any = None, input
     with open_run(Path(out), new_manifest(prepared, identity)) as run:
         experiment.run(run, prepared, options)
         results = finish(run, quiet)
-    experiment.check_outcome(results, prepared)
+    experiment.check_outcome(experiment.results_of(results[experiment.name]), prepared)
     return results
