@@ -86,6 +86,7 @@ def _paper_results() -> dict[str, Any]:
                 "follows_recipient": 0,
                 "neither": 0,
                 "donor_wilson": None,
+                "divergence_from_donor": [None] * n,
             }
             for d in ("live->oneshot", "oneshot->live")
         ]

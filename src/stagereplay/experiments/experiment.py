@@ -144,11 +144,12 @@ class Experiment(ABC):
     def results_of(self, entry: Any) -> Any:
         """Its results.json entry (a list of sections if `many`, else one or null) as its `Summary`s: a list of them,
         one, or None."""
-        if self.Summary is Untyped:
-            return entry
         if self.many:
-            return [self.Summary.model_validate(s) for s in entry or []]
-        return None if entry is None else self.Summary.model_validate(entry)
+            return [self._summary(s) for s in entry or []]
+        return None if entry is None else self._summary(entry)
+
+    def _summary(self, section: dict[str, Any]) -> Any:
+        return section if self.Summary is Untyped else self.Summary.model_validate(section)
 
     def entry_of(self, sections: list[Any]) -> Any:
         """Its results.json entry from the sections `summarize` made, as JSON: a list if `many`, else the last or
