@@ -259,7 +259,8 @@ class Resample(Experiment):
         return resample_figures(results)
 
     def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[ResampleSummary]:
-        return summarize_resample(records, self.stage_of(stage), checkpoint)
+        own: ResampleStage = self.stage_of(stage)
+        return summarize_resample(records, own.precisions, own.config, checkpoint)
 
     def tables(self, results: list[ResampleSummary]) -> list[Table]:
         return resample_tables(results) if results else []

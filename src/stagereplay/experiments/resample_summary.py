@@ -6,7 +6,7 @@ accuracy bias with its paired bootstrap CI.
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import Field
 
@@ -22,9 +22,6 @@ from stagereplay.experiments.stats import (
 )
 from stagereplay.experiments.summary import SummaryModel
 from stagereplay.records.ledger import Record
-
-if TYPE_CHECKING:
-    from stagereplay.experiments.resample import ResampleStage
 
 FDR = 0.05
 """False-discovery rate of the Benjamini-Hochberg procedure over the items' answer-distribution tests."""
@@ -92,6 +89,23 @@ class ResampleSummary(SummaryModel):
     accuracy_bias_null: MeanCI = Field(description="live minus more live draws' accuracy (the null)")
 
 
+class Sampling(Protocol):
+    """The settings of a resample stage a summary repeats (`experiments.resample.ResampleConfig`)."""
+
+    @property
+    def construction(self) -> str: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+
+
 def _draws(record: Record, state: str, stream: str) -> list[dict[str, Any]]:
     return sorted((a for a in record.payload["arms"] if a["state"] == state and a["stream"] == stream),
                   key=lambda a: a["draw"])
@@ -105,12 +119,12 @@ def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
     return {"estimate": sum(a) / len(a) - sum(b) / len(b), "ci": [lo, hi]}
 
 
-def summarize_resample(records: list[Record], stage: ResampleStage, checkpoint: str) -> list[ResampleSummary]:
+def summarize_resample(records: list[Record], precisions: list[str], sampling: Sampling,
+                       checkpoint: str) -> list[ResampleSummary]:
     """One entry per precision: coupled differences, independent answer distributions, the accuracy bias."""
-    cfg = stage.config
-    fresh = cfg.construction
+    fresh = sampling.construction
     out = []
-    for precision in stage.precisions:
+    for precision in precisions:
         mine = [r for r in records if r.part == precision]
         ok = [r for r in mine if r.payload["status"] == "ok"]
         coupled = {"draws": 0, "replica_differ": 0, "fresh_differ": 0, "answer_differ": 0, "label_differ": 0}
@@ -135,8 +149,8 @@ def summarize_resample(records: list[Record], stage: ResampleStage, checkpoint: 
             acc_null.append(sum(d["correct"] for d in lc) / len(lc))
         out.append(ResampleSummary(
             checkpoint=checkpoint, precision=precision, construction=fresh,
-            k=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            seed=cfg.seed, n_items=len(ok), n_not_reproduced=len(mine) - len(ok),
+            k=sampling.k, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            seed=sampling.seed, n_items=len(ok), n_not_reproduced=len(mine) - len(ok),
             live_source=ok[0].payload["live_source"] if ok else None,
             items=[r.item_id for r in ok],
             coupled=Coupled(**coupled),

@@ -369,7 +369,10 @@ class Transplant(Experiment):
         return transplant_figures(results)
 
     def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[TransplantSummary]:
-        return [summarize_transplant(records, self.stage_of(stage), checkpoint)]
+        own: TransplantStage = self.stage_of(stage)
+        cfg = own.config
+        return [summarize_transplant(records, checkpoint, selection=cfg.select, layers=cfg.layers, kv=cfg.kv,
+                                     positions=cfg.positions, n_selected=len(own.selected), sweep_layers=cfg.sweep)]
 
     def tables(self, results: list[TransplantSummary]) -> list[Table]:
         return [table for section in results for table in transplant_tables(section)]

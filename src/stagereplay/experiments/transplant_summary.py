@@ -5,8 +5,6 @@ control's, and where the layers were swept, per band.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import Field
 
 from stagereplay.experiments.figures import BLUE, GREY, ORANGE, ReportFigure, png, share_bars, share_heatmap
@@ -15,9 +13,6 @@ from stagereplay.experiments.stats import wilson_interval
 from stagereplay.experiments.summary import SummaryModel
 from stagereplay.experiments.verdict import CARRIES, Fact
 from stagereplay.records.ledger import Record
-
-if TYPE_CHECKING:
-    from stagereplay.experiments.transplant import TransplantStage
 
 
 class Direction(SummaryModel):
@@ -94,12 +89,14 @@ def _directions(records: list[Record], key: str) -> list[Direction]:
     return out
 
 
-def summarize_transplant(records: list[Record], stage: TransplantStage, checkpoint: str) -> TransplantSummary:
-    cfg = stage.config
+def summarize_transplant(records: list[Record], checkpoint: str, *, selection: str, layers: str, kv: str,
+                         positions: str | None, n_selected: int, sweep_layers: bool) -> TransplantSummary:
+    """The stage's outcomes, under its settings (its frozen config, the number of items it selected); `sweep_layers`:
+    whether it swept the layers."""
     ok = [r for r in records if r.payload["status"] == "ok"]
     directions = _directions(ok, "directions")
     sweep = None
-    if cfg.sweep and ok:
+    if sweep_layers and ok:
         bands = ok[0].payload["sweep"]
         n_layers = max(max(b["layers"]) for b in bands) + 1
         rows: list[SweepBand] = []
@@ -116,8 +113,8 @@ def summarize_transplant(records: list[Record], stage: TransplantStage, checkpoi
                     smallest[d] = layers
         sweep = Sweep(n_layers=n_layers, rows=rows, smallest_band=smallest)
     return TransplantSummary(
-        checkpoint=checkpoint, selection=cfg.select, layers=cfg.layers, kv=cfg.kv, positions=cfg.positions,
-        n_items=len(ok), n_selected=len(stage.selected), n_not_reproduced=len(records) - len(ok),
+        checkpoint=checkpoint, selection=selection, layers=layers, kv=kv, positions=positions,
+        n_items=len(ok), n_selected=n_selected, n_not_reproduced=len(records) - len(ok),
         directions=directions, control=Control(layers="none", directions=_directions(ok, "control")), sweep=sweep)
 
 
