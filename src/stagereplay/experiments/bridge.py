@@ -23,7 +23,6 @@ from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Plann
 from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, yes_no
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import fixed_prefixes, matched_ok
-from stagereplay.experiments.summary import SummaryModel
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import (
@@ -33,6 +32,7 @@ from stagereplay.records.payloads import (
     NoBoundaryPayload,
     Payload,
 )
+from stagereplay.records.summary import SummaryModel
 
 if TYPE_CHECKING:
     from stagereplay.experiments.prepared import PreparedRun

@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import Field
 
-from stagereplay.experiments.summary import SummaryModel
 from stagereplay.records.ledger import Record
+from stagereplay.records.summary import SummaryModel
 
 PERCENTILES = tuple(range(0, 101, 5))
 """Where the distribution of step margins is sampled: enough to draw its curve, small enough to store."""

@@ -50,15 +50,15 @@ from stagereplay.execution.executors import run_jobs
 from stagereplay.experiments.diagnostics_summary import Diagnosed
 from stagereplay.experiments.figures import ReportFigure, SharedFigure
 from stagereplay.experiments.format import Table
-from stagereplay.experiments.jobs import Batch, Job, Replay, with_environment
+from stagereplay.experiments.jobs import Batch, Job, JobResult, Replay, with_environment
 from stagereplay.experiments.prepared import PreparedRun
-from stagereplay.experiments.summary import Count, Untyped, section_json
 from stagereplay.experiments.verdict import Fact, Question
 from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import RunConfig, StageSection
 from stagereplay.records.payloads import Payload
 from stagereplay.records.proofs import machine_store
+from stagereplay.records.summary import Count, Untyped
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
@@ -150,13 +150,6 @@ class Experiment(ABC):
 
     def _summary(self, section: dict[str, Any]) -> Any:
         return section if self.Summary is Untyped else self.Summary.model_validate(section)
-
-    def entry_of(self, sections: list[Any]) -> Any:
-        """Its results.json entry from the sections `summarize` made, as JSON: a list if `many`, else the last or
-        null; a stage of a single section gives its first."""
-        if self.many:
-            return [section_json(s) for s in sections]
-        return section_json(sections[0]) if sections else None
 
     # -- making its stage of a run --------------------------------------------------------------------------
 
@@ -312,8 +305,8 @@ class Experiment(ABC):
         return section.as_stage(self.Stage)
 
 
-def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: Work, ex: Any, quiet: bool,
-                env_work: Work | None = None) -> None:
+def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: Work[dict[str, Any]], ex: Any,
+                quiet: bool, env_work: Work[JobResult] | None = None) -> None:
     """Run every job of `batch` not yet in the ledger, appending records in job order with the environment that
     computed each, under a progress bar. `env_work` returns a job's payload and environment itself (a serving
     engine adds its own to the environment); by default `work`'s payload gets `with_environment`'s."""
@@ -330,5 +323,5 @@ def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: 
         task = bar.add_task(escape(label), total=len(jobs), completed=len(jobs) - len(pending))
         done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, machine_store=machine_store)
         for job, out in zip(pending, done, strict=False):
-            run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
+            run.append(experiment, checkpoint, job.item.id, out.payload, job.part, out.environment)
             bar.advance(task)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagereplay.experiments.stats import wilson_interval
-from stagereplay.experiments.summary import Count
+from stagereplay.records.summary import Count
 
 NA = "-"
 """How a value that cannot be computed prints."""

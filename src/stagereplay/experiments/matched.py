@@ -40,11 +40,11 @@ from stagereplay.experiments.matched_summary import (
     matched_table,
     summarize_matched,
 )
-from stagereplay.experiments.summary import Count
 from stagereplay.experiments.verdict import CARRIES, FIRST_STEP, MARGINS, REPLICAS, Fact, Question, faithful
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, Payload
+from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
 if TYPE_CHECKING:

@@ -14,7 +14,6 @@ from pydantic import Field
 from stagereplay.experiments.diagnostics_summary import Diagnosed, summarize_pair
 from stagereplay.experiments.format import NA, Table, as_rows, count_of, k_of_n, p_value, pct, points
 from stagereplay.experiments.stats import mcnemar_exact, paired_bootstrap_ci
-from stagereplay.experiments.summary import Count, SummaryModel
 from stagereplay.experiments.verdict import (
     FIRST_STEP,
     MARGINS,
@@ -26,6 +25,7 @@ from stagereplay.experiments.verdict import (
     median_of,
 )
 from stagereplay.records.ledger import Record
+from stagereplay.records.summary import Count, SummaryModel
 
 
 class AccuracyDiff(SummaryModel):

@@ -45,11 +45,11 @@ from stagereplay.experiments.precision_2x2_summary import (
     summarize_2x2,
 )
 from stagereplay.experiments.stats import first_divergence
-from stagereplay.experiments.summary import Count
 from stagereplay.experiments.verdict import FIRST_STEP, Fact, Question
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, Payload
+from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ from pydantic import Field
 from stagereplay.experiments.diagnostics_summary import Diagnosed, summarize_pair
 from stagereplay.experiments.format import NA, Table, as_rows, interval, k_of_n, pct, wilson_or_given
 from stagereplay.experiments.stats import wilson_interval
-from stagereplay.experiments.summary import SummaryModel
 from stagereplay.experiments.verdict import FIRST_STEP, Fact, faithful, logit, median_of
 from stagereplay.records.ledger import Record
+from stagereplay.records.summary import SummaryModel
 
 
 class Cell(SummaryModel):

@@ -20,8 +20,8 @@ from stagereplay.experiments.stats import (
     total_variation,
     two_sample_answer_test,
 )
-from stagereplay.experiments.summary import SummaryModel
 from stagereplay.records.ledger import Record
+from stagereplay.records.summary import SummaryModel
 
 FDR = 0.05
 """False-discovery rate of the Benjamini-Hochberg procedure over the items' answer-distribution tests."""

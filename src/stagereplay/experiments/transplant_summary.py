@@ -10,9 +10,9 @@ from pydantic import Field
 from stagereplay.experiments.figures import BLUE, GREY, ORANGE, ReportFigure, png, share_bars, share_heatmap
 from stagereplay.experiments.format import NA, Table, as_rows, bound, k_of_n, slug, wilson_or_given
 from stagereplay.experiments.stats import wilson_interval
-from stagereplay.experiments.summary import SummaryModel
 from stagereplay.experiments.verdict import CARRIES, Fact
 from stagereplay.records.ledger import Record
+from stagereplay.records.summary import SummaryModel
 
 
 class Direction(SummaryModel):
@@ -104,13 +104,13 @@ def summarize_transplant(records: list[Record], checkpoint: str, *, selection: s
         for j, band in enumerate(bands):
             for d in (x.direction for x in directions):
                 k = sum(r.payload["sweep"][j][d] == "donor" for r in ok)
-                layers = band["layers"]
-                label = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
-                rows.append(SweepBand(band=label, kind=band["kind"], layers=layers, direction=d, follows_donor=k,
+                moved = band["layers"]
+                label = str(moved[0]) if len(moved) == 1 else f"{moved[0]}-{moved[-1]}"
+                rows.append(SweepBand(band=label, kind=band["kind"], layers=moved, direction=d, follows_donor=k,
                                       n=len(ok)))
                 best = smallest.get(d)
-                if k == len(ok) and (best is None or (len(layers), layers[0]) < (len(best), best[0])):
-                    smallest[d] = layers
+                if k == len(ok) and (best is None or (len(moved), moved[0]) < (len(best), best[0])):
+                    smallest[d] = moved
         sweep = Sweep(n_layers=n_layers, rows=rows, smallest_band=smallest)
     return TransplantSummary(
         checkpoint=checkpoint, selection=selection, layers=layers, kv=kv, positions=positions,

@@ -6,10 +6,11 @@ only). A run recorded before diagnostics existed draws none of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stagereplay.experiments.diagnostics_summary import Diagnosed
 from stagereplay.experiments.figures import ReportFigure, png
+from stagereplay.report.results import Results
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -18,14 +19,14 @@ _COLOURS = ("#2b6cb0", "#dd6b20", "#38a169", "#805ad5", "#d53f8c", "#718096")
 _AFTER = ("table-diagnostics",)
 
 
-def diagnostic_series(results: dict[str, Any]) -> list[tuple[str, Diagnosed]]:
+def diagnostic_series(results: Results) -> list[tuple[str, Diagnosed]]:
     """(label, summary) per compared pair that carries diagnostics (`report.tables.diagnosed_pairs`)."""
     from stagereplay.report.tables import diagnosed_pairs
 
     return [(label, summary) for label, summary, _ in diagnosed_pairs(results)]
 
 
-def diagnostic_figures(results: dict[str, Any]) -> list[ReportFigure]:
+def diagnostic_figures(results: Results) -> list[ReportFigure]:
     series = diagnostic_series(results)
     figures = []
     margins = [(label, s) for label, s in series if s.margins and s.margins.steps]

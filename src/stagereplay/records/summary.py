@@ -1,4 +1,4 @@
-"""A section of results.json as a model: what an experiment's `Summary` is made of.
+"""A section of results.json as a model: what an experiment's `Summary` and the audit's summary are made of.
 
 A summary is built from records (`Experiment.summarize`) and read back from results.json
 (`Experiment.results_of`). A field left unset is absent from the file, a field set to None is written as null, and
