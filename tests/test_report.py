@@ -352,6 +352,28 @@ def test_write_report_files(tmp_path: Path) -> None:
     assert not list(run.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("fixture", ["run_paper", "toy_matched", "schema1"])
+def test_results_json_reads_back_typed_and_writes_its_own_bytes(fixture: str) -> None:
+    """results.json read as `Results` holds each experiment's entry as its `Summary`s and writes the file's bytes
+    again: the same keys in the same order, absent fields absent, nulls null, floats as they were."""
+    from stagereplay.experiments.matched_summary import MatchedSummary
+
+    text = (FIXTURES / fixture / "results.json").read_text()
+    results = Results.model_validate_json(text)
+    assert results.sections["matched"] and all(isinstance(m, MatchedSummary) for m in results.sections["matched"])
+    assert json.dumps(results.as_json(), indent=2) + "\n" == text
+
+
+def test_a_summary_writes_only_the_fields_it_was_given() -> None:
+    """Negative control: the same section dumped with every field it declares (its unset ones as null) is not the
+    file's: a field a section never had stays absent only because it was never set."""
+    entry = _results()["matched"][0]
+    summary = Results.model_validate(_results()).sections["matched"][0]
+    assert summary.as_json() == entry
+    assert "built" not in entry and summary.model_dump(mode="json")["built"] is None
+    assert summary.model_dump(mode="json") != entry
+
+
 def test_write_report_refuses_other_schema_versions(tmp_path: Path) -> None:
     run = _copy_run(tmp_path)
     results = _results()

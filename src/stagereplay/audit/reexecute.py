@@ -23,7 +23,13 @@ from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.experiment import Replay
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.registry import experiment, of_stage, starts_run
-from stagereplay.records.audit_summary import AuditSummary, Elsewhere, EnvironmentSummary, Sample
+from stagereplay.records.audit_summary import (
+    AuditSummary,
+    Elsewhere,
+    EnvironmentSummary,
+    KernelDifference,
+    Sample,
+)
 from stagereplay.records.findings import Break, Finding, FindingKind
 from stagereplay.records.kernels import NOT_RECORDED, describe, kernel_differences
 from stagereplay.records.ledger import Record, diff_fields, items
@@ -244,13 +250,12 @@ def _other_kernels(run_dir: Path, manifest: Manifest, stages: Mapping[str, Stage
         here = {**here, "engine": {"build": build}}
     differences = {env: kernel_differences(recorded, here) for env, recorded in environments.items()}
     other = [r for r in records if differences.get(r.env, [("environment", NOT_RECORDED, "this machine's")])]
-    env_summary = _environment_summary(records, other, differences)
-    said = {}
-    if env_summary["differences"]:  # the line the CLI says first (`stagereplay audit`)
-        said = {"line": f"environment: this machine's kernels differ from the run's for {len(other)} of "
-                        f"{len(records)} records: {describe(env_summary['first'])}"}
-    return {r.seq for r in other}, EnvironmentSummary(**{k: v for k, v in env_summary.items() if k != "first"},
-                                                      **said)
+    env_summary, first = _environment_summary(records, other, differences)
+    if env_summary.differences:  # the line the CLI says first (`stagereplay audit`)
+        env_summary = env_summary.model_copy(update={
+            "line": f"environment: this machine's kernels differ from the run's for {len(other)} of "
+                    f"{len(records)} records: {describe(first)}"})
+    return {r.seq for r in other}, env_summary
 
 
 def _items(manifest: Manifest, relocated: list[dict[str, str]] | None, tally: _Tally) -> dict[str, Item]:
@@ -389,18 +394,23 @@ def _collapse_diagnostics(item_id: str, bad: list[str]) -> list[str]:
 
 
 def _environment_summary(records: list[Record], other: list[Record],
-                         differences: dict[str, list[tuple[str, Any, Any]]]) -> dict[str, Any]:
-    """The kernel-choosing fields that differ from this machine's, with how many records each covers."""
-    fields: dict[str, dict[str, Any]] = {}
+                         differences: dict[str, list[tuple[str, Any, Any]]]
+                         ) -> tuple[EnvironmentSummary, list[tuple[str, Any, Any]]]:
+    """The kernel-choosing fields that differ from this machine's, with how many records each covers; and the
+    first record's differences (what the command names)."""
+    counts: dict[str, int] = {}
+    found: dict[str, tuple[str, Any, Any]] = {}
     first: list[tuple[str, Any, Any]] = []
     for r in other:
         diff = differences.get(r.env, [("environment", NOT_RECORDED, "this machine's")])
         first = first or diff
         for name, a, b in diff:
-            entry = fields.setdefault(f"{name}\0{a!r}", {"field": name, "recorded": a, "here": b, "records": 0})
-            entry["records"] += 1
-    return {"records": len(records), "records_other_kernels": len(other), "differences": list(fields.values()),
-            "first": first}
+            key = f"{name}\0{a!r}"
+            found.setdefault(key, (name, a, b))
+            counts[key] = counts.get(key, 0) + 1
+    fields = [KernelDifference(field=name, recorded=a, here=b, records=counts[key])
+              for key, (name, a, b) in found.items()]
+    return EnvironmentSummary(records=len(records), records_other_kernels=len(other), differences=fields), first
 
 
 def _elsewhere_summary(units: list[tuple[Record, str, bool]]) -> Elsewhere:
