@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from stagereplay.records.differences import Differences
     from stagereplay.tasks import DataConfig
 
-__all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "Section", "append_jobs"]
+__all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "append_jobs"]
 
 Section = dict[str, Any]
 
