@@ -16,7 +16,7 @@ An experiment declares
                              item holds at once
     planned_forwards(...)    the forwards its stage would make on lengths a plan assumes (`Assumed`), and
                              `planned_stage` its section as a plan sees it before the run
-    Summary                  its section of results.json, a model (`experiments.summary`)
+    Summary                  its section of results.json, a model (`records.summary.SummaryModel`)
     summarize(...)           its section(s) of results.json (`Summary`s), from its records, and `results_of` its
                              entry read back from results.json as them
     tables(sections)         the report's tables of those sections
