@@ -149,14 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = [(p["boundary"], len(p["arms"][0]["suffix_ids"])) for p in ledger]
     positions = max(b + n for b, n in lengths)
     cache_mib = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2 * positions / 2**20  # K and V, bf16, every position
-    m = results["matched"][0]
+    m = results.sections["matched"][0]
     print(f"model: random Qwen2, {LAYERS} layers, {KV_HEADS} KV heads of {HEAD_DIM}, hidden {HIDDEN}; "
           f"weights {weights:.0f} MiB; {args.precision}, {args.device}, {torch.get_num_threads()} thread(s), "
           f"{args.cache} cache")
     print(f"items {len(ledger)}: prefix lengths (prompt + stage 1) {[b for b, _ in lengths]}, "
           f"suffixes {[n for _, n in lengths]}; one cache of {positions} positions = {cache_mib:.1f} MiB")
-    print(f"matched: live replica exact {m['replica_exact']['live']['k']}/{m['n_boundary']}, "
-          f"suffix disagreements {m['suffix_disagreements']['k']}/{m['n_boundary']}")
+    print(f"matched: live replica exact {m.replica_exact['live'].k}/{m.n_boundary}, "
+          f"suffix disagreements {m.suffix_disagreements.k}/{m.n_boundary}")
     print(f"{'':24}{'seconds':>10}{'calls':>9}")
     print(f"{'command total':24}{total:10.2f}")
     print(f"{'item loop':24}{loop:10.2f}")

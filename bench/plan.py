@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape = model_shape(model)
         rates = calibrate(model, sorted({s.precision for s in stages}), threads=args.threads, clock=timer)
         if before is not None:
-            divergent = results["matched"][0]["suffix_disagreements"]["k"]
+            divergent = results.sections["matched"][0].suffix_disagreements.k
             before = replace(before, divergent=divergent)
             prompts = prompt_lengths(model, options["data"], args.n, None)
             ahead = plan_paper(before, shape, prompts, before.stage1_tokens)

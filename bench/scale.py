@@ -200,13 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     caches_mib = caches.peak * cache_mib
     logits_mib = logits.peak / 2**20
     target = 1.15 * (floor + weights + caches_mib)
-    m = results["matched"][0]
+    m = results.sections["matched"][0]
     print(f"model: random Qwen2, vocab {shape['vocab']:,}, {shape['layers']} layers, hidden {shape['hidden']}, "
           f"{shape['kv_heads']} KV heads of {head_dim}, context {shape['context']}; weights {weights:.0f} MiB; "
           f"bf16, cpu, {torch.get_num_threads()} thread(s)")
     print(f"matched --n {shape['items']} --boundary-after {shape['stage1']} --max-new-tokens {shape['suffix']}: "
           f"{seconds:.1f} s; prefixes {[b for b, _ in lengths]}, suffixes {[n for _, n in lengths]}; "
-          f"suffix disagreements {m['suffix_disagreements']['k']}/{m['n_boundary']}")
+          f"suffix disagreements {m.suffix_disagreements.k}/{m.n_boundary}")
     print(f"process floor (torch, transformers, the model, its captured step): {floor:.0f} MiB")
     print(f"one cache of {positions} positions {cache_mib:.2f} MiB; most caches alive at once {caches.peak} "
           f"= {caches_mib:.2f} MiB (--batch {args.batch}: at most {args.batch} x {PER_ITEM} = "

@@ -40,7 +40,7 @@ def save(run: Path, chain: list[Record], edited: dict[str, Any]) -> None:
         prev = r.hash
     (run / "ledger.jsonl").write_bytes(b"".join(lines))
     results = build_results(run, manifest, items(rebuilt))
-    (run / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (run / "results.json").write_text(json.dumps(results.as_json(), indent=2) + "\n")
 
 
 def with_payload(record: Record, payload: dict[str, Any], recompare: bool = True) -> Record:

@@ -153,16 +153,20 @@ def test_findings_and_breaks_are_written_as_audit_json_holds_them():
     """audit.json holds a finding as {item_id, what[, kind]} and a chain break as {seq, reason}: `audit_json` writes
     the models so, a finding's kind only once the audit has told integrity from other kernels (the control: a
     model-free check's finding has none), and they read back as the models they were."""
-    from stagereplay.records.findings import Break, Finding, audit_json
+    from stagereplay.records.audit_summary import AuditSummary, audit_json
+    from stagereplay.records.findings import Break, Finding
 
     found = Finding(item_id="q1", what="matched/primary arm live: suffix_fp not reproduced")
-    summary = {"broken_records": [Break(seq=3, reason="content does not match its hash")],
-               "mismatches": [found, found.of_kind("not_reproduced_here"), Finding(what="results.json x")]}
+    summary = AuditSummary(chain_ok=False, broken_records=[Break(seq=3, reason="content does not match its hash")],
+                           findings=[found, found.of_kind("not_reproduced_here"), Finding(what="results.json x")],
+                           reproduced=False)
     text = audit_json(summary)
     assert json.loads(text) == {
+        "chain_ok": False,
         "broken_records": [{"seq": 3, "reason": "content does not match its hash"}],
         "mismatches": [{"item_id": "q1", "what": found.what},
                        {"item_id": "q1", "what": found.what, "kind": "not_reproduced_here"},
-                       {"item_id": "", "what": "results.json x"}]}
-    assert [Finding.model_validate(m) for m in json.loads(text)["mismatches"]] == summary["mismatches"]
+                       {"item_id": "", "what": "results.json x"}],
+        "reproduced": False}
+    assert AuditSummary.model_validate_json(text) == summary
     assert found.integrity and not found.of_kind("not_reproduced_here").integrity

@@ -16,6 +16,7 @@ from stagereplay.cli import app
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.ledger import Record, canonical_json, read_ledger
 from stagereplay.report.render import render_tables_text, write_report
+from stagereplay.report.results import Results
 
 runner = CliRunner()
 
@@ -80,7 +81,7 @@ def test_verdict_answers_each_question_with_its_number(run):
 
     results = json.loads((run / "results.json").read_text())
     m = results["matched"][0]
-    answers = dict(verdict(results))
+    answers = dict(verdict(Results.model_validate(results)))
     k, n = m["suffix_disagreements"]["k"], m["suffix_disagreements"]["n"]
     assert answers["Are replicas exact?"].startswith("yes")
     assert answers["Is replay faithful in bf16?"].startswith("no") and f"{k}/{n}" in answers["Is replay faithful in bf16?"]
@@ -89,11 +90,11 @@ def test_verdict_answers_each_question_with_its_number(run):
     assert "at the first divergent token" in answers["How close were the decisions where the arms diverged?"]
     # Negative control: a replica that is not exact turns the first answer.
     m["replica_exact"]["live"]["k"] -= 1
-    assert dict(verdict(results))["Are replicas exact?"].startswith("no")
+    assert dict(verdict(Results.model_validate(results)))["Are replicas exact?"].startswith("no")
 
 
 def test_every_table_reads_at_80_columns(run):
-    text = render_tables_text(json.loads((run / "results.json").read_text()), width=80)
+    text = render_tables_text(Results.model_validate_json((run / "results.json").read_text()), width=80)
     assert "Why pairs diverged" in text and "…" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
 

@@ -195,18 +195,18 @@ def _reported(findings: list[Finding], item: str, field: str) -> bool:
 
 
 def test_the_untouched_run_passes_verify_only(run):
-    assert verify_run(run, read_manifest(run))["reproduced"]
+    assert verify_run(run, read_manifest(run)).reproduced
 
 
 @pytest.mark.parametrize(("forgery", "without_model"), TABLE, ids=[f.__name__ for f, _ in TABLE])
 def test_verify_only_reports_each_forgery_it_can(run, tmp_path, forgery, without_model):
     [(item, field)] = forge(run, tmp_path / "run", [forgery])
     checked = verify_run(tmp_path / "run", read_manifest(tmp_path / "run"))
-    assert checked["chain_ok"], "the forger recomputed the chain"
+    assert checked.chain_ok, "the forger recomputed the chain"
     if without_model:
-        assert _reported(checked["mismatches"], item, field), checked["mismatches"]
+        assert _reported(checked.findings, item, field), checked.findings
     else:
-        assert checked["reproduced"], "consistent with everything recorded: only re-execution can tell"
+        assert checked.reproduced, "consistent with everything recorded: only re-execution can tell"
 
 
 def test_the_full_audit_reports_every_forgery(run, tmp_path):

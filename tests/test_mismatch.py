@@ -163,14 +163,14 @@ def test_a_record_whose_arm_scored_other_tokens_is_a_finding(toy_run, tmp_path):
 
     run = tmp_path / "run"
     shutil.copytree(toy_run, run)
-    assert verify_run(run, read_manifest(run))["reproduced"]  # the control: as made, it verifies
+    assert verify_run(run, read_manifest(run)).reproduced  # the control: as made, it verifies
     chain, manifest = load(run)
     forged = next(r for r in chain if r.kind == "item" and r.experiment == "mismatch" and r.part == "fp32")
     payload = json.loads(json.dumps(forged.payload))
     payload["arms"][0]["tokens_fp"] = "0" * 64
     chain[forged.seq] = forged.model_copy(update={"payload": payload})
     save(run, chain, manifest)
-    found = [m.what for m in verify_run(run, read_manifest(run))["mismatches"]]
+    found = [m.what for m in verify_run(run, read_manifest(run)).findings]
     assert any("trainer@fp32: scored other tokens" in w for w in found), found
 
 

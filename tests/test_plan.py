@@ -72,7 +72,7 @@ def counted_run(tmp_path_factory, tiny_dir, items_file):
                         workers=1, quiet=True)
     finally:
         mp.undo()
-    assert results["audit"]["reproduced"]
+    assert results.audit is not None and results.audit.reproduced
     # Proofs are a process's set-up, once per model setting (plan_paper's proof rows), not a unit's work: the plan
     # of the run as it ran counts its units' forwards.
     # bf16 proven once before the first item, to the reach after:16 fixes; fp32 (no prepare: its stage's first
@@ -207,7 +207,7 @@ def test_the_2x2_arms_are_the_matched_arms_and_verify_checks_it(counted_run, tmp
                 k: v for k, v in source.items() if k not in ("name", "construction")}
             assert r.payload["diagnostics"]["margins"][arm["name"]] == matched[r.item_id]["diagnostics"]["margins"][
                 name]
-    assert audit(out, verify_only=True)["reproduced"]
+    assert audit(out, verify_only=True).reproduced
     # Negative control: a carried arm whose cache fingerprint is not the matched arm's (chain recomputed).
     forged = tmp_path / "forged"
     shutil.copytree(out, forged)
@@ -219,8 +219,8 @@ def test_the_2x2_arms_are_the_matched_arms_and_verify_checks_it(counted_run, tmp
     chain[k] = with_payload(chain[k], payload)
     save(forged, chain, manifest)
     found = audit(forged, verify_only=True)
-    assert not found["reproduced"]
-    assert any("cache_fp is not the one of matched/primary:oneshot" in m.what for m in found["mismatches"])
+    assert not found.reproduced
+    assert any("cache_fp is not the one of matched/primary:oneshot" in m.what for m in found.findings)
 
 
 def test_the_transplants_own_arms_are_the_matched_arms_and_verify_checks_it(counted_run, tmp_path):
@@ -255,7 +255,7 @@ def test_the_transplants_own_arms_are_the_matched_arms_and_verify_checks_it(coun
     chain[k] = with_payload(chain[k], payload, recompare=False)
     save(forged, chain, manifest)
     found = audit(forged, verify_only=True)
-    assert any("cache_fp is not the one of matched/" in m.what for m in found["mismatches"])
+    assert any("cache_fp is not the one of matched/" in m.what for m in found.findings)
 
 
 def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(counted_run, tiny_dir):

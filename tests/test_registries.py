@@ -253,13 +253,13 @@ def test_a_serving_engine_registered_here_runs_matched_audits_and_reports(echo, 
     out = tmp_path / "run"
     inputs = Inputs(Input(n=3), Boundary(after=4), DecodeConfig(max_new_tokens=8), Numerics(precision="fp32"))
     results = matched(out, inputs, engine=engine_of("echo", None, {"stride": 5}), quiet=True)
-    columns = {m["construction"]: m for m in results["matched"]}
-    assert set(columns) == {"oneshot", "prefix-cache"} and all(m["engine"] == "echo" for m in columns.values())
-    assert columns["prefix-cache"]["built"]["k"] == 3  # its counts say the hit reached decode-written positions
+    columns = {m.construction: m for m in results.sections["matched"]}
+    assert set(columns) == {"oneshot", "prefix-cache"} and all(m.engine == "echo" for m in columns.values())
+    assert columns["prefix-cache"].built.k == 3  # its counts say the hit reached decode-written positions
     assert read_manifest(out).stages["matched/primary"].engine.as_json() == {"name": "echo", "seed": 0, "stride": 5}
     assert "echo primary: live vs oneshot" in (out / "report.md").read_text()
     summary = audit(out)
-    assert summary["reproduced"], summary["mismatches"]
+    assert summary.reproduced, summary.findings
 
 
 def test_an_option_added_to_an_engines_options_class_is_on_the_command_line_and_in_the_manifest(

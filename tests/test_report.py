@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from stagereplay.experiments.format import bound, points
 from stagereplay.experiments.stats import wilson_interval
 from stagereplay.report.render import print_tables, render_tables_text, write_report
+from stagereplay.report.results import Results
 from stagereplay.report.tables import build_tables, load_results
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -85,6 +87,7 @@ def _paper_results() -> dict[str, Any]:
                 "follows_recipient": 0,
                 "neither": 0,
                 "donor_wilson": None,
+                "divergence_from_donor": [None] * n,
             }
             for d in ("live->oneshot", "oneshot->live")
         ]
@@ -102,7 +105,7 @@ def test_fixture_is_an_intact_real_run(tmp_path: Path) -> None:
 
     run = _copy_run(tmp_path)
     checked = verify_run(run, read_manifest(run))
-    assert checked["reproduced"], checked
+    assert checked.reproduced, checked
     results = _results()
     assert [m["checkpoint"] for m in results["matched"]] == ["primary", "later"]
     assert results["matched"][0]["n_no_boundary"] >= 1
@@ -111,7 +114,7 @@ def test_fixture_is_an_intact_real_run(tmp_path: Path) -> None:
 
 
 def test_paper_numbers_print_in_the_documented_format() -> None:
-    text = render_tables_text(_paper_results())
+    text = render_tables_text(Results.model_validate(_paper_results()))
     assert "+1.0 [-3.5, +5.5]" in text  # accuracy difference and paired CI, in points
     assert "[0.00%, 1.88%]" in text  # fp32: 0/200 with its Wilson upper bound
     assert "166/200 (83.0%)" in text
@@ -137,11 +140,11 @@ def test_points_format(value: float, expected: str) -> None:
 def test_missing_sections_are_omitted() -> None:
     results = _results()
     results.update(precision_2x2=None, bridge=None, transplant=[], audit=None)
-    ids = [t.id for t in build_tables(results)]
+    ids = [t.id for t in build_tables(Results.model_validate(results))]
     assert ids[0] == "table-matched"
     assert not [i for i in ids if i.startswith(("table-2x2", "table-bridge", "table-transplant", "table-audit"))]
     results["matched"] = []
-    assert build_tables(results) == []
+    assert build_tables(Results.model_validate(results)) == []
 
 
 def test_null_values_print_as_dash() -> None:
@@ -149,7 +152,7 @@ def test_null_values_print_as_dash() -> None:
     m = results["matched"][0]
     m.update(n_boundary=0, n_no_boundary=m["n"], accuracy={"live": None, "oneshot": None}, accuracy_diff=None)
     m.update(mcnemar_p=None, suffix_disagreements={"k": 0, "n": 0}, label_disagreements={"k": 0, "n": 0})
-    matched = build_tables(results)[0]
+    matched = build_tables(Results.model_validate(results))[0]
     rows = {row[0]: row[1] for row in matched.rows}
     assert rows["accuracy, live"] == "-" and rows["McNemar exact p"] == "-"
     assert rows["suffix disagreements"] == "0/0"
@@ -159,15 +162,15 @@ def test_markers_inside_a_token_are_a_row_of_the_matched_table() -> None:
     results = _results()
     m = results["matched"][0]
     assert "n_marker_inside_token" not in m  # negative control: a marker matched on its token ID has no such row
-    assert not [r for r in build_tables(results)[0].rows if "inside a token" in r[0]]
+    assert not [r for r in build_tables(Results.model_validate(results))[0].rows if "inside a token" in r[0]]
     m["n_marker_inside_token"] = 1
-    rows = {row[0]: row[1] for row in build_tables(results)[0].rows}
+    rows = {row[0]: row[1] for row in build_tables(Results.model_validate(results))[0].rows}
     assert rows["boundary marker ended inside a token"] == f"1/{m['n_boundary']} ({100 / m['n_boundary']:.1f}%)"
 
 
 def test_transplant_table_has_control_row_and_recomputes_missing_wilson() -> None:
     results = _paper_results()
-    primary = next(t for t in build_tables(results) if t.id == "table-transplant-primary")
+    primary = next(t for t in build_tables(Results.model_validate(results)) if t.id == "table-transplant-primary")
     assert [r[1] for r in primary.rows] == ["all", "all", "none (control)", "none (control)"]
     assert primary.rows[0][3:5] == ("24/24 (100.0%)", "86.2%")  # donor_wilson was null: computed
 
@@ -178,9 +181,9 @@ def test_audit_mismatches_and_bridge_differences_get_detail_tables() -> None:
         chain_ok=False, broken_records=[7], mismatches=[{"item_id": "toy-1", "what": "suffix_fp of oneshot"}]
     )
     results["bridge"]["items"][0].update(
-        cache_equal=False, first_difference={"layer": 3, "tensor": "v", "position": 17}
+        cache_equal=False, first_difference={"layer": 3, "tensor": "v", "position": 17, "reason": "value"}
     )
-    tables = {t.id: t for t in build_tables(results)}
+    tables = {t.id: t for t in build_tables(Results.model_validate(results))}
     assert ("toy-1", "suffix_fp of oneshot") in tables["table-audit-mismatches"].rows
     assert ("broken ledger records", "seq 7") in tables["table-audit"].rows
     assert tables["table-bridge-differences"].rows[0][2] == "layer 3, v, position 17"
@@ -190,7 +193,7 @@ def test_print_tables_to_a_console() -> None:
     from rich.console import Console
 
     console = Console(record=True, width=140)
-    print_tables(_results(), console)
+    print_tables(Results.model_validate(_results()), console)
     out = console.export_text()
     assert "Matched: live cache vs fresh prefill" in out and "Transplant (later)" in out
     assert "follows donor per band" not in out  # the long sweep table stays in the files
@@ -199,7 +202,7 @@ def test_print_tables_to_a_console() -> None:
 @pytest.mark.parametrize("results", [_results, _paper_results], ids=["run_small", "paper"])
 def test_every_terminal_table_reads_at_80_columns(results) -> None:
     """Cells wrap between words; a one-word cell such as a transplant direction is never cut."""
-    text = render_tables_text(results(), width=80)
+    text = render_tables_text(Results.model_validate(results()), width=80)
     assert "…" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
     assert re.search(r"│ live->oneshot +│", text) and re.search(r"│ oneshot->live +│", text)
@@ -212,7 +215,7 @@ def test_rich_default_widths_cut_the_transplant_direction_at_80_columns() -> Non
     from rich.console import Console
     from rich.table import Table as RichTable
 
-    table = next(t for t in build_tables(_paper_results()) if t.id == "table-transplant-primary")
+    table = next(t for t in build_tables(Results.model_validate(_paper_results())) if t.id == "table-transplant-primary")
     rich = RichTable(title=table.title)
     for header in table.headers:
         rich.add_column(header)
@@ -226,7 +229,7 @@ def test_rich_default_widths_cut_the_transplant_direction_at_80_columns() -> Non
 def test_verdict_gives_each_answer_its_number() -> None:
     from stagereplay.report.verdict import verdict
 
-    answers = dict(verdict(_paper_results()))
+    answers = dict(verdict(Results.model_validate(_paper_results())))
     assert answers["Is replay faithful in bf16?"].startswith("no: 166/200 (83.0%)")
     assert answers["Is replay faithful in fp32?"].startswith("yes") and "upper bound 1.88%" in answers[
         "Is replay faithful in fp32?"]
@@ -235,7 +238,7 @@ def test_verdict_gives_each_answer_its_number() -> None:
     # Without the 2x2 the fp32 question is not answered from thin air.
     results = _paper_results()
     results["precision_2x2"] = None
-    assert dict(verdict(results))["Is replay faithful in fp32?"].startswith("not measured")
+    assert dict(verdict(Results.model_validate(results)))["Is replay faithful in fp32?"].startswith("not measured")
 
 
 class Ratios:
@@ -251,6 +254,9 @@ class Ratios:
         self.question = Question("ratios near one", "Are the per-token ratios near one?",
                                lambda facts: "; ".join(f.phrase for f in facts) + ".",
                                "not measured (run the ratios experiment).")
+
+    def results_of(self, entry: Any) -> Any:
+        return entry  # its section read as the JSON object it is
 
     def tables(self, results: Any) -> list:
         return []
@@ -300,7 +306,7 @@ def _verdict_and_figures(results: dict[str, Any]) -> tuple[list[tuple[str, str]]
     from stagereplay.report.figures import build_figures
     from stagereplay.report.verdict import verdict
 
-    return verdict(results), {f.id: f.png for f in build_figures(results)}
+    return verdict(Results.model_validate(results)), {f.id: f.png for f in build_figures(Results.model_validate(results))}
 
 
 def test_a_registered_experiment_adds_its_verdict_lines_and_figures(ratios) -> None:
@@ -340,10 +346,32 @@ def test_write_report_files(tmp_path: Path) -> None:
     assert "http://" not in page and "https://" not in page
     from stagereplay.report.figures import build_figures
 
-    figures = build_figures(_results())
+    figures = build_figures(Results.model_validate(_results()))
     assert {"fig-divergence", "fig-transplant", "fig-sweep-primary"} <= {f.id for f in figures}
     assert page.count('<img alt="') >= len(figures)  # every figure the results call for, inline
     assert not list(run.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("fixture", ["run_paper", "toy_matched", "schema1"])
+def test_results_json_reads_back_typed_and_writes_its_own_bytes(fixture: str) -> None:
+    """results.json read as `Results` holds each experiment's entry as its `Summary`s and writes the file's bytes
+    again: the same keys in the same order, absent fields absent, nulls null, floats as they were."""
+    from stagereplay.experiments.matched_summary import MatchedSummary
+
+    text = (FIXTURES / fixture / "results.json").read_text()
+    results = Results.model_validate_json(text)
+    assert results.sections["matched"] and all(isinstance(m, MatchedSummary) for m in results.sections["matched"])
+    assert json.dumps(results.as_json(), indent=2) + "\n" == text
+
+
+def test_a_summary_writes_only_the_fields_it_was_given() -> None:
+    """Negative control: the same section dumped with every field it declares (its unset ones as null) is not the
+    file's: a field a section never had stays absent only because it was never set."""
+    entry = _results()["matched"][0]
+    summary = Results.model_validate(_results()).sections["matched"][0]
+    assert summary.as_json() == entry
+    assert "built" not in entry and summary.model_dump(mode="json")["built"] is None
+    assert summary.model_dump(mode="json") != entry
 
 
 def test_write_report_refuses_other_schema_versions(tmp_path: Path) -> None:
@@ -366,7 +394,7 @@ def test_failed_report_leaves_previous_files_intact(tmp_path: Path) -> None:
     broken = _results()
     del broken["matched"][0]["discordant"]
     (run / "results.json").write_text(json.dumps(broken))
-    with pytest.raises(KeyError):
+    with pytest.raises(ValidationError, match="discordant"):
         write_report(run)
     assert (run / "report.html").read_bytes() == before
     assert not list(run.glob(".*.tmp"))
@@ -471,7 +499,7 @@ def test_figures_leave_the_pyplot_backend_alone() -> None:
     from stagereplay.report.figures import build_figures
 
     before = matplotlib.rcParams["backend"]
-    figures = build_figures(_results())
+    figures = build_figures(Results.model_validate(_results()))
     assert matplotlib.rcParams["backend"] == before
     assert [f.id for f in figures] == ["fig-divergence", "fig-transplant", "fig-sweep-primary"]
     assert all(f.png.startswith(b"\x89PNG\r\n\x1a\n") for f in figures)

@@ -102,7 +102,7 @@ def test_the_arms_record_the_cache_hits_and_the_engine(fp32_run):
 
 def test_replicas_are_exact_and_the_table_counts_a_broken_one(fp32_run):
     """Every arm's replica gives the same tokens; the matched table counts them (and counts a forged miss)."""
-    from stagereplay.experiments.matched import summarize_matched
+    from stagereplay.experiments.matched_summary import summarize_matched
     from stagereplay.records.ledger import read_ledger
 
     results = json.loads((fp32_run / "results.json").read_text())
@@ -120,7 +120,7 @@ def test_replicas_are_exact_and_the_table_counts_a_broken_one(fp32_run):
             c["suffix_equal"] = False
     forged = [records[0].model_copy(update={"payload": payload}), *records[1:]]
     m = summarize_matched(forged, "prefix-cache", "primary", "fp32")
-    assert m["replica_exact"]["prefix-cache"]["k"] == N - 1
+    assert m.replica_exact["prefix-cache"].k == N - 1
 
 
 def test_fp32_our_engine_continues_vllms_prefix_as_vllm_did(fp32_run):

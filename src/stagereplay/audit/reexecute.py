@@ -23,12 +23,20 @@ from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.experiment import Replay
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.registry import experiment, of_stage, starts_run
+from stagereplay.records.audit_summary import (
+    AuditSummary,
+    Elsewhere,
+    EnvironmentSummary,
+    KernelDifference,
+    Sample,
+)
 from stagereplay.records.findings import Break, Finding, FindingKind
 from stagereplay.records.kernels import NOT_RECORDED, describe, kernel_differences
 from stagereplay.records.ledger import Record, diff_fields, items
 from stagereplay.records.manifest import Manifest, RunConfig, StageSection, binds, stage_name
 from stagereplay.records.provenance import environment, model_hashes
 from stagereplay.records.shards import parse_shard, shard_items
+from stagereplay.records.summary import Count
 from stagereplay.report.results import build_results, comparable_results
 from stagereplay.serving.runs import stage_engine
 from stagereplay.tasks import DataConfig, Item, load_items
@@ -189,7 +197,7 @@ class _Tally:
 
 def audit_run(run_dir: Path, manifest: Manifest, records: list[Record], ex: ExecConfig,
               quiet: bool = False, stored_results: bool = True, config: AuditConfig | None = None,
-              relocated: list[dict[str, str]] | None = None, server: str | None = None) -> dict[str, Any]:
+              relocated: list[dict[str, str]] | None = None, server: str | None = None) -> AuditSummary:
     """Check what needs no model (`verify.verify_run`), then compare the environment each record was computed
     in with this one, re-execute every item record (or a sample, `config`) and compare every field; rebuild
     the results from the re-executed records. Returns the audit summary (results.json's `audit`).
@@ -204,7 +212,7 @@ def audit_run(run_dir: Path, manifest: Manifest, records: list[Record], ex: Exec
 
     config = config or AuditConfig()
     checked = verify_run(run_dir, manifest, stored_results)
-    tally = _Tally([m.of_kind("integrity") for m in checked["mismatches"]])
+    tally = _Tally([m.of_kind("integrity") for m in checked.findings])
     stages: Mapping[str, StageSection] = manifest.stages
     if server is not None:  # the run's server, moved (--url)
         from stagereplay.serving.replay import at_server
@@ -217,7 +225,8 @@ def audit_run(run_dir: Path, manifest: Manifest, records: list[Record], ex: Exec
     chosen = sample_units(_declared(stages, manifest.config, records), config)
     _reexecute(chosen, stages, records, by_id, ex, quiet, binds(manifest), other, tally)
     again_records = [tally.again.get(r.seq, r) for r in records]  # a sample: the rest as recorded
-    recorded, rebuilt = (comparable_results(build_results(run_dir, manifest, rs)) for rs in (records, again_records))
+    recorded, rebuilt = (comparable_results(build_results(run_dir, manifest, rs).as_json())
+                         for rs in (records, again_records))
     kind: FindingKind = "not_reproduced_here" if tally.elsewhere else "integrity"
     tally.mismatches += [Finding(what=f"results {f} is not what the re-executed records give", kind=kind)
                          for f in diff_fields(recorded, rebuilt, lists=True)]
@@ -225,7 +234,7 @@ def audit_run(run_dir: Path, manifest: Manifest, records: list[Record], ex: Exec
 
 
 def _other_kernels(run_dir: Path, manifest: Manifest, stages: Mapping[str, StageSection], records: list[Record]
-                   ) -> tuple[set[int], dict[str, Any]]:
+                   ) -> tuple[set[int], EnvironmentSummary]:
     """The records computed under other kernels than this machine's (their seqs), and the summary of the
     differences (said on stderr): a difference there is "not reproduced here", not an integrity finding."""
     from stagereplay.audit.verify import read_chain
@@ -241,12 +250,12 @@ def _other_kernels(run_dir: Path, manifest: Manifest, stages: Mapping[str, Stage
         here = {**here, "engine": {"build": build}}
     differences = {env: kernel_differences(recorded, here) for env, recorded in environments.items()}
     other = [r for r in records if differences.get(r.env, [("environment", NOT_RECORDED, "this machine's")])]
-    env_summary = _environment_summary(records, other, differences)
-    said = {}
-    if env_summary["differences"]:  # the line the CLI says first (`stagereplay audit`)
-        said = {"line": f"environment: this machine's kernels differ from the run's for {len(other)} of "
-                        f"{len(records)} records: {describe(env_summary['first'])}"}
-    return {r.seq for r in other}, {**{k: v for k, v in env_summary.items() if k != "first"}, **said}
+    env_summary, first = _environment_summary(records, other, differences)
+    if env_summary.differences:  # the line the CLI says first (`stagereplay audit`)
+        env_summary = env_summary.model_copy(update={
+            "line": f"environment: this machine's kernels differ from the run's for {len(other)} of "
+                    f"{len(records)} records: {describe(first)}"})
+    return {r.seq for r in other}, env_summary
 
 
 def _items(manifest: Manifest, relocated: list[dict[str, str]] | None, tally: _Tally) -> dict[str, Item]:
@@ -341,26 +350,25 @@ def _compare(record: Record, again: dict[str, Any], served: bool, bound: bool, e
     tally.again[record.seq] = record.model_copy(update={"payload": again})
 
 
-def _summary(records: list[Record], checked: dict[str, Any], tally: _Tally, env_summary: dict[str, Any],
+def _summary(records: list[Record], checked: AuditSummary, tally: _Tally, env_summary: EnvironmentSummary,
              chosen: dict[str, list[Record]], config: AuditConfig, relocated: list[dict[str, str]] | None
-             ) -> dict[str, Any]:
-    broken = checked["broken_records"]
-    mismatches = tally.mismatches
-    summary = {"items": len({r.item_id for r in records}), "records": len(records),
-               "trajectories": {"k": tally.trajectories[0], "n": tally.trajectories[1]},
-               "comparisons": {"k": tally.comparisons[0], "n": tally.comparisons[1]},
-               "chain_ok": not broken, "broken_records": broken, "mismatches": mismatches,
-               "notes": checked["notes"],
-               "integrity_ok": not broken and not any(m.integrity for m in mismatches),
-               "environment": env_summary, "not_reproduced_here": _elsewhere_summary(tally.elsewhere),
-               "reproduced": not mismatches and not broken}
-    if relocated:
-        summary["relocated"] = relocated
+             ) -> AuditSummary:
+    broken = checked.broken_records
+    findings = tally.mismatches
+    optional: dict[str, Any] = {"relocated": relocated} if relocated else {}
     if config.sample is not None:
-        summary["sample"] = {"per_stage": config.sample, "seed": config.seed,
-                             "units": {name: [[r.item_id, r.part] for r in rs] for name, rs in sorted(chosen.items())},
-                             "re_executed": sum(len(rs) for rs in chosen.values()), "of": len(records)}
-    return summary
+        optional["sample"] = Sample(
+            per_stage=config.sample, seed=config.seed,
+            units={name: [[r.item_id, r.part] for r in rs] for name, rs in sorted(chosen.items())},
+            re_executed=sum(len(rs) for rs in chosen.values()), of=len(records))
+    return AuditSummary(
+        items=len({r.item_id for r in records}), records=len(records),
+        trajectories=Count(k=tally.trajectories[0], n=tally.trajectories[1]),
+        comparisons=Count(k=tally.comparisons[0], n=tally.comparisons[1]),
+        chain_ok=not broken, broken_records=broken, findings=findings, notes=checked.notes,
+        integrity_ok=not broken and not any(m.integrity for m in findings),
+        environment=env_summary, not_reproduced_here=_elsewhere_summary(tally.elsewhere),
+        reproduced=not findings and not broken, **optional)
 
 
 EXIT_INTEGRITY, EXIT_NOT_REPRODUCED_HERE = 1, 3
@@ -369,10 +377,10 @@ broken run, whatever the machine), 3 when integrity holds but some units were no
 machine's other kernels."""
 
 
-def exit_code(summary: dict[str, Any]) -> int:
-    if summary.get("reproduced"):
+def exit_code(summary: AuditSummary) -> int:
+    if summary.reproduced:
         return 0
-    integrity = summary.get("integrity_ok", False)  # an older audit.json, or verify-only: no split
+    integrity = summary.integrity_ok or False  # an older audit.json, or verify-only: no split
     return EXIT_NOT_REPRODUCED_HERE if integrity else EXIT_INTEGRITY
 
 
@@ -386,21 +394,26 @@ def _collapse_diagnostics(item_id: str, bad: list[str]) -> list[str]:
 
 
 def _environment_summary(records: list[Record], other: list[Record],
-                         differences: dict[str, list[tuple[str, Any, Any]]]) -> dict[str, Any]:
-    """The kernel-choosing fields that differ from this machine's, with how many records each covers."""
-    fields: dict[str, dict[str, Any]] = {}
+                         differences: dict[str, list[tuple[str, Any, Any]]]
+                         ) -> tuple[EnvironmentSummary, list[tuple[str, Any, Any]]]:
+    """The kernel-choosing fields that differ from this machine's, with how many records each covers; and the
+    first record's differences (what the command names)."""
+    counts: dict[str, int] = {}
+    found: dict[str, tuple[str, Any, Any]] = {}
     first: list[tuple[str, Any, Any]] = []
     for r in other:
         diff = differences.get(r.env, [("environment", NOT_RECORDED, "this machine's")])
         first = first or diff
         for name, a, b in diff:
-            entry = fields.setdefault(f"{name}\0{a!r}", {"field": name, "recorded": a, "here": b, "records": 0})
-            entry["records"] += 1
-    return {"records": len(records), "records_other_kernels": len(other), "differences": list(fields.values()),
-            "first": first}
+            key = f"{name}\0{a!r}"
+            found.setdefault(key, (name, a, b))
+            counts[key] = counts.get(key, 0) + 1
+    fields = [KernelDifference(field=name, recorded=a, here=b, records=counts[key])
+              for key, (name, a, b) in found.items()]
+    return EnvironmentSummary(records=len(records), records_other_kernels=len(other), differences=fields), first
 
 
-def _elsewhere_summary(units: list[tuple[Record, str, bool]]) -> dict[str, Any]:
+def _elsewhere_summary(units: list[tuple[Record, str, bool]]) -> Elsewhere:
     """How many units were not reproduced under other kernels, by precision; fp32 units whose tokens or
     labels differ are suspicious (other kernels move fp32 bits, rarely its tokens)."""
     by_precision: dict[str, int] = {}
@@ -408,6 +421,6 @@ def _elsewhere_summary(units: list[tuple[Record, str, bool]]) -> dict[str, Any]:
         by_precision[precision] = by_precision.get(precision, 0) + 1
     suspicious = [f"{r.experiment}/{r.checkpoint} {r.item_id}{'@' + r.part if r.part else ''}"
                   for r, precision, tokens in units if tokens and precision.startswith("fp32")]
-    return {"units": len(units), "by_precision": by_precision,
-            "reduced_precision_only": all(p in ("bf16", "fp16") for p in by_precision),
-            "fp32_token_differences": suspicious}
+    return Elsewhere(units=len(units), by_precision=by_precision,
+                     reduced_precision_only=all(p in ("bf16", "fp16") for p in by_precision),
+                     fp32_token_differences=suspicious)

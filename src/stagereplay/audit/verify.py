@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from stagereplay.audit.versions import claimed, derived_comparison
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments import registry
+from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.findings import Break, Finding
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
 from stagereplay.records.manifest import (
@@ -69,7 +70,7 @@ def read_chain(run_dir: Path) -> tuple[list[Record], list[Break]]:
     return records, problems
 
 
-def verify_run(run_dir: Path, manifest: Manifest, stored_results: bool = True) -> dict[str, Any]:
+def verify_run(run_dir: Path, manifest: Manifest, stored_results: bool = True) -> AuditSummary:
     """Chain, binding, completeness and every derivable claim; `reproduced` is False on any finding.
     `stored_results=False` leaves out results.json (a run about to rewrite it)."""
     chain, broken = read_chain(run_dir)
@@ -89,9 +90,9 @@ def verify_run(run_dir: Path, manifest: Manifest, stored_results: bool = True) -
                     claim_findings, r, stage, matched.get((r.checkpoint, r.item_id)), binds(manifest)))
         if stored_results:
             findings += _guarded("", "results.json", lambda: results_findings(run_dir, manifest, records))
-    return {"chain_ok": not broken, "broken_records": broken, "mismatches": findings,
-            "notes": [] if binds(manifest) else [SCHEMA_1_NOTE], "reproduced": not broken and not findings,
-            "verify_only": True}
+    return AuditSummary(chain_ok=not broken, broken_records=broken, findings=findings,
+                        notes=[] if binds(manifest) else [SCHEMA_1_NOTE], reproduced=not broken and not findings,
+                        verify_only=True)
 
 
 def _guarded(item: str, where: str, check: Callable[[], list[Finding]]) -> list[Finding]:
@@ -283,6 +284,6 @@ def results_findings(run_dir: Path, manifest: Manifest, records: list[Record]) -
         stored = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return [Finding(what="results.json is not valid JSON")]
-    rebuilt = claimed(comparable_results(build_results(run_dir, manifest, records)), stored)
+    rebuilt = claimed(comparable_results(build_results(run_dir, manifest, records).as_json()), stored)
     differ = diff_fields(comparable_results(stored), rebuilt, lists=True)
     return [Finding(what=f"results.json {f} is not what the ledger gives") for f in differ]

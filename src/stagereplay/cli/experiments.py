@@ -11,13 +11,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from stagereplay.cli.app import COMMANDS, app, guarded
 from stagereplay.cli.groups import Group, command, run_dir_argument
 from stagereplay.cli.options import quiet_option
+
+if TYPE_CHECKING:
+    from stagereplay.report.results import Results
 
 
 def _experiments() -> list[Any]:
@@ -55,8 +58,8 @@ def _panel(experiment: Any) -> str:
     return getattr(experiment.Options, "panel", None) or f"{experiment.command} options"
 
 
-def _exit(experiment: Any, results: dict[str, Any]) -> None:
-    code = experiment.exit_code(results)
+def _exit(experiment: Any, results: Results) -> None:
+    code = experiment.exit_code(results.of(experiment))
     if code:
         raise typer.Exit(code)
 
@@ -121,8 +124,8 @@ def _paper_command() -> Callable[..., None]:
 
             res = run(out, inputs, protocol, workers, executor, quiet)
             typer.echo(f"report: {out / 'report.html'}")
-            if exit_code(res["audit"]):
-                raise typer.Exit(exit_code(res["audit"]))
+            if res.audit is not None and exit_code(res.audit):
+                raise typer.Exit(exit_code(res.audit))
 
         guarded(go)
 

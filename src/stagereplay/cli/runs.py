@@ -21,31 +21,33 @@ def _audit(on: Any, config: Any, run_dir: Path, verify_only: bool, quiet: bool) 
 
     def go() -> None:
         from stagereplay.audit.reexecute import exit_code
+        from stagereplay.records.findings import Break
         from stagereplay.report.audit_lines import finding_lines, verdict_line
         from stagereplay.runs import audit as run
 
         res = run(run_dir, config, verify_only, on, quiet)
-        line = (res.get("environment") or {}).get("line")
+        line = res.environment.line if res.environment else None
         if line:  # why units may not reproduce here: the kernels that made them are not this machine's
             typer.echo(line, err=True)
-        for moved in res.get("relocated", []):
+        for moved in res.relocated or []:
             typer.echo(f"note: {moved['input']} found at {moved['here']} ({moved['how']}), recorded at "
                        f"{moved['recorded']}", err=True)
-        for note in res.get("notes", []):
+        for note in res.notes:
             typer.echo(f"note: {note}", err=True)
-        for b in res.get("broken_records", []):
-            typer.echo(f"  ledger record {b.seq}: {b.reason}", err=True)
+        for b in res.broken_records:
+            typer.echo(f"  ledger record {b.seq}: {b.reason}" if isinstance(b, Break) else f"  ledger record {b}",
+                       err=True)
         for line in finding_lines(res):
             typer.echo(line, err=True)
-        if res.get("verify_only"):
-            typer.echo("ledger intact, bound and complete" if res["reproduced"] else "ledger damaged" if not
-                       res["chain_ok"] else "ledger intact, but its claims or completeness fail")
+        if res.verify_only:
+            typer.echo("ledger intact, bound and complete" if res.reproduced else "ledger damaged" if not
+                       res.chain_ok else "ledger intact, but its claims or completeness fail")
         else:
-            t, c = res["trajectories"], res["comparisons"]
-            sampled = res.get("sample")
-            of = f" (a sample of {sampled['re_executed']} of {sampled['of']} records, seed {sampled['seed']})" \
+            t, c, sampled = res.trajectories, res.comparisons, res.sample
+            of = f" (a sample of {sampled.re_executed} of {sampled.of} records, seed {sampled.seed})" \
                 if sampled else ""
-            typer.echo(f"trajectories reproduced {t['k']}/{t['n']}, comparisons reproduced {c['k']}/{c['n']}{of}")
+            typer.echo(f"trajectories reproduced {t.k}/{t.n}, comparisons reproduced {c.k}/{c.n}{of}" if t and c
+                       else "trajectories and comparisons not counted")
             typer.echo(verdict_line(res))
         code = exit_code(res)
         if code:

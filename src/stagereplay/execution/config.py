@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from stagereplay.errors import StageReplayError
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
 
-Work = Callable[["LM", Any], dict[str, Any]]
+R = TypeVar("R")
+Work = Callable[["LM", Any], R]
+"""A job function: `work(lm, job)` gives the job's result (`Work[R]`: an item's payload, or a job's result with its
+environment, `experiments.jobs.JobResult`), whichever process runs it."""
 EXECUTORS = ("local", "ray")
 
 

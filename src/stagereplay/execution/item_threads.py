@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from stagereplay.execution.config import Work
+from stagereplay.execution.config import R, Work
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
 
 
-def run_batched(lm: LM, work: Work, jobs: Sequence[Any], rows: int) -> Iterator[dict[str, Any]]:
+def run_batched(lm: LM, work: Work[R], jobs: Sequence[Any], rows: int) -> Iterator[R]:
     """`work(lm, job)` for every job, up to `rows` at once as item threads whose steps share batched forwards
     (engine.batcher), yielded in job order."""
     from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +69,6 @@ def chunks(jobs: Sequence[Any], rows: int, workers: int) -> list[Sequence[Any]]:
     return [jobs[i : i + size] for i in range(0, len(jobs), size)]
 
 
-def run_chunk(lm: LM, jobs: Sequence[Any], work: Work, rows: int) -> list[dict[str, Any]]:
+def run_chunk(lm: LM, jobs: Sequence[Any], work: Work[R], rows: int) -> list[R]:
     """`run_batched` on one chunk of jobs, as a list (what a worker process or a Ray actor returns)."""
     return list(run_batched(lm, work, jobs, rows))

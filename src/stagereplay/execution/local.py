@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import Work
+from stagereplay.execution.config import R, Work
 from stagereplay.execution.item_threads import chunks, run_batched, run_chunk
 from stagereplay.execution.models import cached_lm, release_models
 from stagereplay.execution.ray_cluster import shutdown_actors
@@ -92,7 +92,7 @@ def check_worker_devices(device: str, workers: int, executor: str = "local") -> 
                                f"pass --workers {max(count, 1)} or fewer (or pin one GPU with --device cuda:0)")
 
 
-def _call(config: ModelConfig, work: Work, job: Any, machine_store: MachineStore | None) -> dict[str, Any]:
+def _call(config: ModelConfig, work: Work[R], job: Any, machine_store: MachineStore | None) -> R:
     return work(cached_lm(worker_config(config, _WORKER_INDEX), machine_store=machine_store), job)
 
 
@@ -107,8 +107,8 @@ class WorkerDied(StageReplayError):
     """A worker process ended without a result: killed by a signal or exited in native code."""
 
 
-def run_local(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int, lm: LM | None = None,
-              isolated: bool = False, machine_store: MachineStore | None = None) -> Iterator[dict[str, Any]]:
+def run_local(config: ModelConfig, work: Work[R], jobs: Sequence[Any], workers: int, lm: LM | None = None,
+              isolated: bool = False, machine_store: MachineStore | None = None) -> Iterator[R]:
     """`work(lm, job)` for every job, in this process (`workers == 1`, unless `isolated`) or a pool, yielded in
     job order; a model loaded for them keeps its proofs where `machine_store` finds (execution.models.cached_lm).
     A worker that dies raises `WorkerDied` naming the job's item and how the process ended."""
@@ -170,8 +170,8 @@ def _how_ended(processes: Sequence[Any]) -> str:
     return "it ended without saying why"
 
 
-def _call_batched(config: ModelConfig, work: Work, jobs: Sequence[Any], machine_store: MachineStore | None
-                  ) -> list[dict[str, Any]]:
+def _call_batched(config: ModelConfig, work: Work[R], jobs: Sequence[Any], machine_store: MachineStore | None
+                  ) -> list[R]:
     lm = cached_lm(worker_config(config, _WORKER_INDEX), machine_store=machine_store)
     return run_chunk(lm, jobs, work, config.batch)
 

@@ -33,7 +33,7 @@ from stagereplay.execution.models import cached_lm
 if TYPE_CHECKING:
     from stagereplay.engine.model import ModelConfig
     from stagereplay.engine.proof_stores import MachineStore
-    from stagereplay.execution.config import Work
+    from stagereplay.execution.config import R, Work
 
 JOBS_PER_ACTOR = 1
 """Jobs in flight per actor. One: an actor idles for the parent's round trip (milliseconds) between jobs, and
@@ -64,8 +64,8 @@ def _connect(ray: Any) -> None:
 class Replica:
     """A Ray actor's state: the models this process has loaded (`cached_lm`), reused for every job it takes."""
 
-    def run(self, config: ModelConfig, work: Work, job: Any, machine_store: MachineStore | None = None
-            ) -> dict[str, Any]:
+    def run(self, config: ModelConfig, work: Work[R], job: Any, machine_store: MachineStore | None = None
+            ) -> R:
         # Loaded on the first job that needs it, so that a load error reaches the parent as that job's error; its
         # proofs kept in the store found on the actor's own machine.
         return work(cached_lm(config, machine_store=machine_store), job)
@@ -111,8 +111,8 @@ def shutdown_actors() -> None:
                 ray.kill(actor)
 
 
-def run_ray(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int,
-            per_actor: int = JOBS_PER_ACTOR, machine_store: MachineStore | None = None) -> Iterator[dict[str, Any]]:
+def run_ray(config: ModelConfig, work: Work[R], jobs: Sequence[Any], workers: int,
+            per_actor: int = JOBS_PER_ACTOR, machine_store: MachineStore | None = None) -> Iterator[R]:
     """`work(lm, job)` for every job on `workers` persistent Ray actors, handed out as actors free up, yielded
     in job order. `per_actor` jobs are in flight on each actor at most (`JOBS_PER_ACTOR`); a model an actor loads
     keeps its proofs where `machine_store` finds on the actor's machine (execution.models.cached_lm)."""
@@ -127,7 +127,7 @@ def run_ray(config: ModelConfig, work: Work, jobs: Sequence[Any], workers: int,
     actor_config = _actor_config(config)
     idle = [pool[i % len(pool)] for i in range(per_actor * len(pool))]  # one entry per free slot
     in_flight: dict[Any, tuple[int, Any]] = {}  # ObjectRef -> (job index, actor)
-    done: dict[int, dict[str, Any]] = {}
+    done: dict[int, R] = {}
     submitted = yielded = 0
     finished = False
     try:

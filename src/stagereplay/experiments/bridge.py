@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from stagereplay.engine.cache import cache_fingerprints, compare_caches
 from stagereplay.engine.forwards import (
@@ -19,7 +19,7 @@ from stagereplay.engine.lm import LM, NoBoundary
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import arm_record, compare, no_boundary, record_lengths
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, yes_no
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import fixed_prefixes, matched_ok
@@ -32,6 +32,7 @@ from stagereplay.records.payloads import (
     NoBoundaryPayload,
     Payload,
 )
+from stagereplay.records.summary import SummaryModel
 
 if TYPE_CHECKING:
     from stagereplay.experiments.prepared import PreparedRun
@@ -103,33 +104,52 @@ def bridge_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
     return bad
 
 
-def summarize_bridge(records: list[Record], checkpoint: str) -> Section:
+class BridgeRow(SummaryModel):
+    """One row of the bridge: an item's incremental cache against live's."""
+
+    item_id: str = Field(description="the item")
+    cache_equal: bool = Field(description="whether the two boundary caches are bit-exact")
+    first_difference: BitDifference | None = Field(description="where they first differ (null: nowhere)")
+    suffix_equal: bool = Field(description="whether their continuations' suffixes are equal")
+
+
+class BridgeSummary(SummaryModel):
+    """The bridge at one checkpoint: its section of results.json."""
+
+    checkpoint: str = Field(description="the stage's checkpoint")
+    rows: int = Field(description="items compared (those that reached the boundary)")
+    cache_bit_exact: int = Field(description="rows whose caches are bit-exact")
+    suffix_equal: int = Field(description="rows whose suffixes are equal")
+    items: list[BridgeRow] = Field(description="every row")
+
+
+def summarize_bridge(records: list[Record], checkpoint: str) -> BridgeSummary:
     ok = [r for r in records if r.payload["status"] == "ok"]
-    items = [{"item_id": r.item_id, "cache_equal": r.payload["cache_equal"],
-              "first_difference": (r.payload["differences"] or [None])[0],
-              "suffix_equal": r.payload["comparisons"][0]["suffix_equal"]} for r in ok]
-    return {"checkpoint": checkpoint, "rows": len(ok), "cache_bit_exact": sum(i["cache_equal"] for i in items),
-            "suffix_equal": sum(i["suffix_equal"] for i in items), "items": items}
+    items = [BridgeRow(item_id=r.item_id, cache_equal=r.payload["cache_equal"],
+                       first_difference=(r.payload["differences"] or [None])[0],
+                       suffix_equal=r.payload["comparisons"][0]["suffix_equal"]) for r in ok]
+    return BridgeSummary(checkpoint=checkpoint, rows=len(ok), cache_bit_exact=sum(i.cache_equal for i in items),
+                         suffix_equal=sum(i.suffix_equal for i in items), items=items)
 
 
-def bridge_tables(bridge: dict[str, Any]) -> list[Table]:
-    n = int(bridge["rows"])
-    summary = [[str(n), k_of_n(int(bridge["cache_bit_exact"]), n), k_of_n(int(bridge["suffix_equal"]), n)]]
+def bridge_tables(bridge: BridgeSummary) -> list[Table]:
+    n = bridge.rows
+    summary = [[str(n), k_of_n(bridge.cache_bit_exact, n), k_of_n(bridge.suffix_equal, n)]]
     tables = [
         Table(
             "table-bridge",
-            f"Bridge ({bridge['checkpoint']}): incremental vs live cache",
+            f"Bridge ({bridge.checkpoint}): incremental vs live cache",
             ("rows", "caches bit-exact", "suffixes equal"),
             as_rows(summary),
         )
     ]
     rows = []
-    for i in bridge.get("items") or []:
-        if i["cache_equal"] and i["suffix_equal"]:
+    for i in bridge.items:
+        if i.cache_equal and i.suffix_equal:
             continue
-        fd = i.get("first_difference")
-        where = f"layer {fd['layer']}, {fd['tensor']}, position {fd['position']}" if fd else NA
-        rows.append([i["item_id"], yes_no(i["cache_equal"]), where, yes_no(i["suffix_equal"])])
+        fd = i.first_difference
+        where = f"layer {fd.layer}, {fd.tensor}, position {fd.position}" if fd else NA
+        rows.append([i.item_id, yes_no(i.cache_equal), where, yes_no(i.suffix_equal)])
     if rows:
         headers = ("item", "cache equal", "first difference", "suffix equal")
         tables.append(Table("table-bridge-differences", "Bridge rows that differ", headers, as_rows(rows)))
@@ -163,6 +183,7 @@ class Bridge(Experiment):
     label: ClassVar[str] = "bridge"
     many: ClassVar[bool] = False
     replays_diagnostics: ClassVar[bool] = True
+    Summary: ClassVar[type[BaseModel]] = BridgeSummary
 
     def section(self, prepared: PreparedRun, options: BridgeOptions, run: Run) -> StageSection:
         return BridgeStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
@@ -174,10 +195,9 @@ class Bridge(Experiment):
                 for item, prefix in fixed_prefixes(run, prepared.checkpoint)]
         return [Batch(prepared.model, jobs[:rows])]
 
-    def exit_code(self, results: dict[str, Any]) -> int:
+    def exit_code(self, summaries: BridgeSummary | None) -> int:
         """1 where a row's caches are not bit-exact: the bridge's claim failed."""
-        bridge = results[EXPERIMENT]
-        return int(bridge["cache_bit_exact"] != bridge["rows"])
+        return int(summaries is not None and summaries.cache_bit_exact != summaries.rows)
 
     def work(self, lm: LM, job: Job) -> Payload:
         return bridge_item(lm, job)
@@ -203,8 +223,8 @@ class Bridge(Experiment):
         """Its first `rows` items (live and incremental are assumed not to diverge: nothing replayed)."""
         return {"": [(u, forwards(u)) for u in assumed.items[: options.rows]]}
 
-    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[BridgeSummary]:
         return [summarize_bridge(records, checkpoint)]
 
-    def tables(self, results: Any) -> list[Table]:
+    def tables(self, results: BridgeSummary | None) -> list[Table]:
         return bridge_tables(results) if results else []

@@ -11,11 +11,84 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-from stagereplay.experiments.experiment import Section
+from pydantic import Field
+
 from stagereplay.records.ledger import Record
+from stagereplay.records.summary import SummaryModel
 
 PERCENTILES = tuple(range(0, 101, 5))
 """Where the distribution of step margins is sampled: enough to draw its curve, small enough to store."""
+
+
+class DivergenceAt(SummaryModel):
+    """One item's pair at its first divergent step."""
+
+    item_id: str = Field(description="the item")
+    first_divergence: int = Field(description="the first suffix step where the two arms' tokens differ")
+    margin: dict[str, float | None] = Field(description="per arm (the pair's two), top-1 minus top-2 logit there")
+    logit_maxabs: float | None = Field(description="max |logit a - logit b| there (null: not recorded)")
+
+
+class StepMargins(SummaryModel):
+    """The reference arm's margins over all its steps."""
+
+    n: int = Field(description="steps with a margin")
+    median: float | None = Field(description="their median")
+    percentiles: list[float] = Field(description="their `PERCENTILES` (0, 5, .., 100)")
+
+
+class DivergenceMargins(SummaryModel):
+    """The reference arm's margins at the first divergent steps."""
+
+    n: int = Field(description="divergent items")
+    median: float | None = Field(description="the median margin there (null: none diverged, or no margin)")
+
+
+class Margins(SummaryModel):
+    """Top-1 minus top-2 logit margins of the reference arm."""
+
+    arm: str = Field(description="the reference arm (the pair's first)")
+    steps: StepMargins | None = Field(description="over all steps (null: no step recorded a margin)")
+    at_divergence: DivergenceMargins = Field(description="at the first divergent step of each divergent item")
+
+
+class LayerMedians(SummaryModel):
+    """One layer's cache difference, median over items."""
+
+    layer: int = Field(description="layer index")
+    k_rel_l2: float | None = Field(description="keys: relative L2 ||a-b||/||a||")
+    k_maxabs: float | None = Field(description="keys: max |a-b|")
+    v_rel_l2: float | None = Field(description="values: relative L2 ||a-b||/||a||")
+    v_maxabs: float | None = Field(description="values: max |a-b|")
+
+
+class BandMedians(SummaryModel):
+    """One position band's cache difference, median over the items that have it."""
+
+    band: str = Field(description="prompt, s1.q1 .. s1.q4 (stage 1 in quartiles) or last16")
+    n: int = Field(description="items with this band")
+    k_rel_l2: float | None = Field(description="keys: relative L2 ||a-b||/||a||")
+    k_maxabs: float | None = Field(description="keys: max |a-b|")
+    v_rel_l2: float | None = Field(description="values: relative L2 ||a-b||/||a||")
+    v_maxabs: float | None = Field(description="values: max |a-b|")
+
+
+class Diagnosed(SummaryModel):
+    """The diagnostics of one compared pair across a stage's records: the fields a section that carries them holds
+    (unset where no record has a pair to diagnose)."""
+
+    divergences: list[DivergenceAt] | None = Field(default=None, description="each divergent item at its first "
+                                                                             "divergent step")
+    first_step_logit_maxabs: dict[str, float | None] | None = Field(
+        default=None, description="per item, max |logit a - logit b| at the first suffix step")
+    margins: Margins | None = Field(default=None, description="the reference arm's margins")
+    cache_diff: list[LayerMedians] | None = Field(default=None, description="per layer, median cache differences")
+    cache_bands: list[BandMedians] | None = Field(default=None, description="per position band (in first-seen "
+                                                                            "order), median cache differences")
+
+    def diagnostics(self) -> dict[str, Any]:
+        """Its diagnostic fields, to set on a section that carries them."""
+        return {f: getattr(self, f) for f in Diagnosed.model_fields if f in self.model_fields_set}
 
 
 def pair_diagnostics(record: Record, a: str, b: str) -> dict[str, Any] | None:
@@ -36,13 +109,13 @@ def percentiles(values: list[float]) -> list[float]:
     return [float(x) for x in np.percentile(np.asarray(values, dtype=np.float64), PERCENTILES)]
 
 
-def summarize_pair(records: list[Record], a: str, b: str) -> Section:
+def summarize_pair(records: list[Record], a: str, b: str) -> Diagnosed:
     """Divergences with their margins, the first-step logit difference per item, median cache differences.
 
     The margin distribution over all steps is the reference arm `a`'s (the live arm in a matched run), so the
     margin at divergence and the margins it is read against come from the same continuations.
     """
-    divergences: list[dict[str, Any]] = []
+    divergences: list[DivergenceAt] = []
     first_step: dict[str, float | None] = {}
     caches: list[dict[str, Any]] = []
     steps: list[float] = []
@@ -56,36 +129,36 @@ def summarize_pair(records: list[Record], a: str, b: str) -> Section:
             caches.append(diag["cache"])
         d = diag.get("divergence")
         if d is not None:
-            divergences.append({"item_id": r.item_id, "first_divergence": d["step"],
-                                "margin": {a: d["a"]["margin"], b: d["b"]["margin"]},
-                                "logit_maxabs": d["logit_maxabs"]})
-    at_divergence = [d["margin"][a] for d in divergences]
-    return {
-        "divergences": divergences,
-        "first_step_logit_maxabs": first_step,
-        "margins": {
-            "arm": a,
-            "steps": {"n": len(steps), "median": _median(list(steps)), "percentiles": percentiles(steps)}
+            divergences.append(DivergenceAt(item_id=r.item_id, first_divergence=d["step"],
+                                            margin={a: d["a"]["margin"], b: d["b"]["margin"]},
+                                            logit_maxabs=d["logit_maxabs"]))
+    at_divergence = [d.margin[a] for d in divergences]
+    return Diagnosed(
+        divergences=divergences,
+        first_step_logit_maxabs=first_step,
+        margins=Margins(
+            arm=a,
+            steps=StepMargins(n=len(steps), median=_median(list(steps)), percentiles=percentiles(steps))
             if steps else None,
-            "at_divergence": {"n": len(at_divergence), "median": _median(at_divergence)},
-        },
-        "cache_diff": _layer_medians(caches),
-        "cache_bands": _band_medians(caches),
-    }
+            at_divergence=DivergenceMargins(n=len(at_divergence), median=_median(at_divergence)),
+        ),
+        cache_diff=_layer_medians(caches),
+        cache_bands=_band_medians(caches),
+    )
 
 
-def _layer_medians(caches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _layer_medians(caches: list[dict[str, Any]]) -> list[LayerMedians]:
     """Per layer, medians over items of K and V relative L2 and max-abs differences."""
     n_layers = max((len(c["layers"]) for c in caches), default=0)
     out = []
     for i in range(n_layers):
         rows = [c["layers"][i] for c in caches if i < len(c["layers"])]
-        out.append({"layer": i, **{f"{t}_{s}": _median([row[t][s] for row in rows])
-                                   for t in ("k", "v") for s in ("rel_l2", "maxabs")}})
+        out.append(LayerMedians(layer=i, **{f"{t}_{s}": _median([row[t][s] for row in rows])
+                                            for t in ("k", "v") for s in ("rel_l2", "maxabs")}))
     return out
 
 
-def _band_medians(caches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _band_medians(caches: list[dict[str, Any]]) -> list[BandMedians]:
     """Per position band (in first-seen order), medians over items of K and V relative L2 and max-abs."""
     names: list[str] = []
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -94,7 +167,7 @@ def _band_medians(caches: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if band["band"] not in rows:
                 names.append(band["band"])
             rows.setdefault(band["band"], []).append(band)
-    return [{"band": name, "n": len(rows[name]),
-             **{f"{t}_{s}": _median([row[t][s] for row in rows[name]]) for t in ("k", "v") for s in ("rel_l2",
-                                                                                                    "maxabs")}}
+    return [BandMedians(band=name, n=len(rows[name]),
+                        **{f"{t}_{s}": _median([row[t][s] for row in rows[name]]) for t in ("k", "v")
+                           for s in ("rel_l2", "maxabs")})
             for name in names]

@@ -16,7 +16,9 @@ An experiment declares
                              item holds at once
     planned_forwards(...)    the forwards its stage would make on lengths a plan assumes (`Assumed`), and
                              `planned_stage` its section as a plan sees it before the run
-    summarize(...)           its section(s) of results.json, from its records
+    Summary                  its section of results.json, a model (`records.summary.SummaryModel`)
+    summarize(...)           its section(s) of results.json (`Summary`s), from its records, and `results_of` its
+                             entry read back from results.json as them
     tables(sections)         the report's tables of those sections
     verdict_facts(sections)  what those sections say to the verdict's questions (`experiments.verdict`), and
                              `verdict_questions` the questions they raise
@@ -39,13 +41,16 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pydantic import BaseModel
+
 from stagereplay.engine.forwards import Lengths, continuation_forwards
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import Work
 from stagereplay.execution.executors import run_jobs
+from stagereplay.experiments.diagnostics_summary import Diagnosed
 from stagereplay.experiments.figures import ReportFigure, SharedFigure
 from stagereplay.experiments.format import Table
-from stagereplay.experiments.jobs import Batch, Job, Replay, with_environment
+from stagereplay.experiments.jobs import Batch, Job, JobResult, Replay, with_environment
 from stagereplay.experiments.prepared import PreparedRun
 from stagereplay.experiments.verdict import Fact, Question
 from stagereplay.records.findings import Finding
@@ -53,6 +58,7 @@ from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import RunConfig, StageSection
 from stagereplay.records.payloads import Payload
 from stagereplay.records.proofs import machine_store
+from stagereplay.records.summary import Count, Untyped
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
@@ -60,10 +66,9 @@ if TYPE_CHECKING:
     from stagereplay.records.differences import Differences
     from stagereplay.tasks import DataConfig
 
-__all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "Section", "append_jobs"]
+__all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "append_jobs"]
 
 Section = dict[str, Any]
-"""One section of results.json: what an experiment's summary says of one stage (or one arm or precision of it)."""
 
 
 Planned = dict[str, list[tuple[Lengths, list[int]]]]
@@ -130,6 +135,22 @@ class Experiment(ABC):
     replays_diagnostics: ClassVar[bool] = False
     """Whether its diagnostics decode an arm again to a pair's first divergent step (`plan.recorded`)."""
 
+    # -- its section of results.json ------------------------------------------------------------------------
+
+    Summary: ClassVar[type[BaseModel]] = Untyped
+    """Its section of results.json (`summarize` makes them, `results_of` reads them back); `Untyped` where it declares
+    none: its sections are then JSON objects, passed through as they are."""
+
+    def results_of(self, entry: Any) -> Any:
+        """Its results.json entry (a list of sections if `many`, else one or null) as its `Summary`s: a list of them,
+        one, or None."""
+        if self.many:
+            return [self._summary(s) for s in entry or []]
+        return None if entry is None else self._summary(entry)
+
+    def _summary(self, section: dict[str, Any]) -> Any:
+        return section if self.Summary is Untyped else self.Summary.model_validate(section)
+
     # -- making its stage of a run --------------------------------------------------------------------------
 
     def data(self, path: str | None, n: int | None, columns: str | None, options: Any) -> DataConfig:
@@ -156,11 +177,12 @@ class Experiment(ABC):
         """What of its options the identity of a run it makes records (`manifest.config`): every field."""
         return json.loads(json.dumps(asdict(options)))
 
-    def check_outcome(self, results: dict[str, Any], prepared: PreparedRun) -> None:  # noqa: B027  # most accept any
-        """Refuse in one line, once its records are kept, an outcome that says the run was set up wrong."""
+    def check_outcome(self, summaries: Any, prepared: PreparedRun) -> None:  # noqa: B027  # most accept any
+        """Refuse in one line, once its records are kept, an outcome that says the run was set up wrong (`summaries`:
+        its results.json entry as `results_of` reads it)."""
 
-    def exit_code(self, results: dict[str, Any]) -> int:
-        """Its command's exit code for these results (0: nothing to flag)."""
+    def exit_code(self, summaries: Any) -> int:
+        """Its command's exit code for its results.json entry as `results_of` reads it (0: nothing to flag)."""
         return 0
 
     def run(self, run: Run, prepared: PreparedRun, options: Any) -> None:
@@ -207,8 +229,8 @@ class Experiment(ABC):
         """The most K/V caches one item holds at once."""
 
     @abstractmethod
-    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
-        """Its sections of results.json from one stage's records (one, or one per arm or precision)."""
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Any]:
+        """Its sections of results.json from one stage's records (one, or one per arm or precision): `Summary`s."""
 
     def planned_stage(self, options: Any) -> StageSection:
         """Its section as a plan sees it before the run: what `peak_caches` reads, from its options (no model,
@@ -226,7 +248,8 @@ class Experiment(ABC):
 
     @abstractmethod
     def tables(self, results: Any) -> list[Table]:
-        """The report's tables of its results.json entry (a list of sections if `many`, else one)."""
+        """The report's tables of its results.json entry as `results_of` reads it (a list of `Summary`s if `many`,
+        else one or None); so the methods below."""
 
     def verdict_facts(self, results: Any) -> list[Fact]:
         """What its results.json entry says to the verdict's questions (`experiments.verdict`), in its order."""
@@ -246,7 +269,7 @@ class Experiment(ABC):
         results.json entry: none where it has nothing to draw."""
         return {}
 
-    def diagnosed(self, results: Any) -> list[tuple[str, Section, dict[str, int]]]:
+    def diagnosed(self, results: Any) -> list[tuple[str, Diagnosed, Count]]:
         """(label, summary, its disagreement counts {k, n}) of each compared pair in its results.json entry whose
         summary carries diagnostics (margins, logits, caches): the report's diagnostics table and figures."""
         return []
@@ -282,8 +305,8 @@ class Experiment(ABC):
         return section.as_stage(self.Stage)
 
 
-def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: Work, ex: Any, quiet: bool,
-                env_work: Work | None = None) -> None:
+def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: Work[dict[str, Any]], ex: Any,
+                quiet: bool, env_work: Work[JobResult] | None = None) -> None:
     """Run every job of `batch` not yet in the ledger, appending records in job order with the environment that
     computed each, under a progress bar. `env_work` returns a job's payload and environment itself (a serving
     engine adds its own to the environment); by default `work`'s payload gets `with_environment`'s."""
@@ -300,5 +323,5 @@ def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: 
         task = bar.add_task(escape(label), total=len(jobs), completed=len(jobs) - len(pending))
         done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, machine_store=machine_store)
         for job, out in zip(pending, done, strict=False):
-            run.append(experiment, checkpoint, job.item.id, out["payload"], job.part, out["environment"])
+            run.append(experiment, checkpoint, job.item.id, out.payload, job.part, out.environment)
             bar.advance(task)

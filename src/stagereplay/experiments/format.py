@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagereplay.experiments.stats import wilson_interval
+from stagereplay.records.summary import Count
 
 NA = "-"
 """How a value that cannot be computed prints."""
@@ -58,8 +59,8 @@ def p_value(p: float | None) -> str:
     return NA if p is None else f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
 
 
-def count_of(d: dict[str, Any] | None) -> str:
-    return NA if d is None else k_of_n(int(d["k"]), int(d["n"]))
+def count_of(d: Count | None) -> str:
+    return NA if d is None else k_of_n(d.k, d.n)
 
 
 def wilson_or_given(k: int, n: int, given: Any) -> tuple[float, float] | None:

@@ -108,6 +108,17 @@ class Replay:
         return None if self.matched is None else self.matched.get("prefix_ids")
 
 
-def with_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
+@dataclass(frozen=True)
+class JobResult:
+    """What a job gives back to the run that appends its record."""
+
+    payload: dict[str, Any]
+    """The record's payload, as the ledger holds it."""
+    environment: dict[str, Any]
+    """The environment of the process that computed it (`records.provenance.environment`: JSON, an engine's own
+    settings included)."""
+
+
+def with_environment(work: Work[dict[str, Any]], lm: LM, job: Job) -> JobResult:
     """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one)."""
-    return {"payload": work(lm, job), "environment": environment(lm.config.device, lm.determinism)}
+    return JobResult(work(lm, job), environment(lm.config.device, lm.determinism))

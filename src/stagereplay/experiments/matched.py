@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from stagereplay.engine.constructions import parse_construction
 from stagereplay.engine.forwards import (
@@ -29,27 +29,22 @@ from stagereplay.experiments.arms import (
     with_token_texts,
 )
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.diagnostics_summary import summarize_pair
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
+from stagereplay.experiments.diagnostics_summary import Diagnosed
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import DIVERGENCE, SharedFigure, Strip
-from stagereplay.experiments.format import NA, Table, as_rows, count_of, k_of_n, p_value, pct, points
+from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
-from stagereplay.experiments.stats import mcnemar_exact, paired_bootstrap_ci
-from stagereplay.experiments.verdict import (
-    CARRIES,
-    FIRST_STEP,
-    MARGINS,
-    REPLICAS,
-    Fact,
-    Question,
-    faithful,
-    items,
-    logit,
-    median_of,
+from stagereplay.experiments.matched_summary import (
+    MatchedSummary,
+    matched_facts,
+    matched_table,
+    summarize_matched,
 )
+from stagereplay.experiments.verdict import CARRIES, FIRST_STEP, MARGINS, REPLICAS, Fact, Question, faithful
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, Payload
+from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
 if TYPE_CHECKING:
@@ -223,235 +218,6 @@ def matched_records(run: Run, checkpoint: str) -> dict[str, Payload]:
     return {r.item_id: r.payload for r in run.find(EXPERIMENT, checkpoint)}
 
 
-# -- results.json and the report ---------------------------------------------------------------------------------
-
-
-def _cmp(record: Record, a: str, b: str) -> dict[str, Any] | None:
-    for c in record.payload["comparisons"]:
-        if c["a"] == a and c["b"] == b:
-            return dict(c)
-    return None
-
-
-def summarize_matched(records: list[Record], construction: str, checkpoint: str, precision: str,
-                      seed: int = 0, n_resamples: int = 10_000) -> dict[str, Any]:
-    """The matched table: replica exactness, disagreements, accuracies, paired CI, McNemar, divergence indices.
-
-    A serving engine's arm whose construction did not take place (`took_place` false: its engine reported a fresh
-    prefill where a restore was asked for, say; `serving.evidence`) is not that construction: such items are
-    counted apart (`not_built`) and left out of this column's statistics."""
-    reached = [r for r in records if r.payload["status"] == "ok"]
-    built = [_built(r, construction) for r in reached]
-    ok = [r for r, b in zip(reached, built, strict=True) if b is not False]
-    rep_live = rep_other = 0
-    replicated = False  # whether the construction has replicas (a server's under-load arms are replicas themselves)
-    suffix_k = label_k = live_only = other_only = 0
-    live_acc, other_acc, divergence = [], [], []
-    for r in ok:
-        arms = {a["name"]: a for a in r.payload["arms"]}
-        lr, orr = _cmp(r, "live", "live#replica"), _cmp(r, construction, f"{construction}#replica")
-        # cache_equal is None where an engine records no cache fingerprint: the tokens then decide alone.
-        rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] is not False
-                         and r.payload["replica_prefix_equal"])
-        rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"] is not False)
-        replicated = replicated or orr is not None
-        main = _cmp(r, "live", construction)
-        assert main is not None
-        if not main["suffix_equal"]:
-            suffix_k += 1
-            divergence.append(main["first_divergence"])
-        a, b = arms["live"]["correct"], arms[construction]["correct"]
-        label_k += a != b
-        live_only += a and not b
-        other_only += b and not a
-        live_acc.append(int(a))
-        other_acc.append(int(b))
-    n = len(ok)
-    summary: dict[str, Any] = {
-        "checkpoint": checkpoint, "construction": construction, "precision": precision,
-        "n": len(records), "n_boundary": len(reached), "n_no_boundary": len(records) - len(reached),
-        "replica_exact": {"live": {"k": rep_live, "n": n},
-                          construction: {"k": rep_other, "n": n} if replicated or not n else None},
-        "suffix_disagreements": {"k": suffix_k, "n": n},
-        "label_disagreements": {"k": label_k, "n": n},
-        "accuracy": {"live": None, construction: None},
-        "accuracy_diff": None,
-        "discordant": {"live_only": live_only, "other_only": other_only},
-        "mcnemar_p": None,
-        "first_divergence": divergence,
-        **summarize_pair(ok, "live", construction),
-    }
-    if any(b is not None for b in built):  # a serving engine's counts say whether each arm was built as named
-        summary["built"] = {"k": built.count(True), "n": len(reached), "not_built": built.count(False),
-                            "unknown": built.count(None),
-                            "not_built_cached": [_arm(r, construction).get("num_cached_tokens")
-                                                 for r, b in zip(reached, built, strict=True) if b is False]}
-    cached = [a for r in reached for a in r.payload["arms"] if a["name"] == construction
-              and a.get("num_cached_tokens") is not None]
-    if cached:  # a serving engine's arm: how much of the prefix its cache supplied, and how much decoding wrote
-        summary["prefix_cache"] = {
-            "n": len(cached), "hits": sum(a["num_cached_tokens"] > 0 for a in cached),
-            "num_cached_tokens": sum(a["num_cached_tokens"] for a in cached),
-            "cached_from_decode": sum(a.get("cached_from_decode", 0) for a in cached),
-            "hits_with_decode_blocks": sum(a.get("cached_from_decode", 0) > 0 for a in cached)}
-    findings = [r.payload["load_finding"] for r in records if "load_finding" in r.payload]
-    if findings and construction == "live@load":  # a server's replicas under load (serving.matched.load_finding)
-        summary["load"] = {arm: {f: [x.get(arm) for x in findings].count(f)
-                                 for f in ("invariant", "batch-variant", "not self-consistent", "unknown")}
-                           for arm in ("live", "oneshot")}
-    if any("marker_inside_token" in r.payload for r in ok):  # a marker matched on text (engine.boundary)
-        summary["n_marker_inside_token"] = sum(bool(r.payload.get("marker_inside_token")) for r in ok)
-    if n:
-        la, oa = sum(live_acc) / n, sum(other_acc) / n
-        lo, hi = paired_bootstrap_ci(live_acc, other_acc, n_resamples=n_resamples, seed=seed)
-        summary["accuracy"] = {"live": la, construction: oa}
-        summary["accuracy_diff"] = {"estimate": la - oa, "ci": [lo, hi], "confidence": 0.95,
-                                    "n_resamples": n_resamples, "seed": seed}
-        summary["mcnemar_p"] = mcnemar_exact(live_only, other_only)
-    return summary
-
-
-def _arm(record: Record, name: str) -> dict[str, Any]:
-    return next((a for a in record.payload["arms"] if a["name"] == name), {})
-
-
-def _built(record: Record, construction: str) -> bool | None:
-    """Whether the record's arm of `construction` was built as named (None: nothing says; `serving.evidence`)."""
-    took = _arm(record, construction).get("took_place")
-    return None if took is None else bool(took)
-
-
-
-def matched_table(matched: list[dict[str, Any]]) -> Table:
-    """Rows are quantities, columns checkpoints, so two checkpoints read side by side."""
-    fresh = {m["construction"] for m in matched}
-    other = fresh.pop() if len(fresh) == 1 else "rebuilt"
-    labels = [
-        "items (boundary / no boundary)",
-        "replica exact, live",
-        f"replica exact, {other}",
-        "suffix disagreements",
-        "correctness-label disagreements",
-        "accuracy, live",
-        f"accuracy, {other}",
-        f"accuracy difference, live - {other} (points) [95% CI]",
-        f"discordant labels: live only / {other} only",
-        "McNemar exact p",
-    ]
-    columns = []
-    for m in matched:
-        c, diff = m["construction"], m.get("accuracy_diff")
-        accuracy, discordant = m.get("accuracy") or {}, m["discordant"]
-        ci = f"{points(diff['estimate'])} [{points(diff['ci'][0])}, {points(diff['ci'][1])}]" if diff else NA
-        columns.append(
-            [
-                f"{m['n']} ({m['n_boundary']} / {m['n_no_boundary']})",
-                count_of(m["replica_exact"].get("live")),
-                count_of(m["replica_exact"].get(c)),
-                count_of(m["suffix_disagreements"]),
-                count_of(m["label_disagreements"]),
-                pct(accuracy.get("live")),
-                pct(accuracy.get(c)),
-                ci,
-                f"{discordant['live_only']} / {discordant['other_only']}",
-                p_value(m.get("mcnemar_p")),
-            ]
-        )
-    if any("n_marker_inside_token" in m for m in matched):  # a marker matched on text (engine.boundary)
-        labels.insert(1, "boundary marker ended inside a token")
-        for m, col in zip(matched, columns, strict=True):
-            inside = m.get("n_marker_inside_token")
-            col.insert(1, NA if inside is None else k_of_n(inside, m["n_boundary"]))
-    if any(m.get("built") for m in matched):  # a serving engine's counts: was each arm built as its name says?
-        labels.insert(1, "built as named, by the engine's counts (the rest left out below)")
-        for m, col in zip(matched, columns, strict=True):
-            b = m.get("built")
-            col.insert(1, NA if not b or b["k"] + b["not_built"] == 0 else k_of_n(b["k"], b["k"] + b["not_built"]))
-    rows = [[label, *(col[i] for col in columns)] for i, label in enumerate(labels)]
-    headers = ("", *(f"{m['engine'] + ' ' if m.get('engine') else ''}{m['checkpoint']}: live vs {m['construction']} "
-                     f"@ {m['precision']}" for m in matched))
-    note = "Disagreements and accuracies are over items that reached the stage boundary."
-    for m in matched:
-        b = m.get("built")
-        if b and b["not_built"]:
-            why = NOT_BUILT.get(m["construction"].split("@")[0], "by the engine's counts")
-            note += (f" {m['construction']} @ {m['precision']} was not built as named on {b['not_built']} of "
-                     f"{b['n']} items ({why}; "
-                     f"cached positions reported: {_spread(b['not_built_cached'])}): those items are counted apart "
-                     "and left out of its column.")
-    for m in matched:
-        pc = m.get("prefix_cache")
-        if pc and pc["hits"]:
-            note += (f" {m['construction']} @ {m['precision']}: {pc['hits']}/{pc['n']} requests hit the prefix cache, "
-                     f"{pc['hits_with_decode_blocks']} of them on blocks live's decoding wrote "
-                     f"({pc['cached_from_decode']} of {pc['num_cached_tokens']} cached positions).")
-        load = m.get("load")
-        if load:
-            note += f" Under load (@ {m['precision']}, the server's replicas with other requests in flight), per item:"
-            for arm, n in load.items():
-                note += (f" {arm}: {n['invariant']} invariant, {n['batch-variant']} batch-variant (exact alone, "
-                         f"different under load), {n['not self-consistent']} not self-consistent (different even "
-                         f"alone), {n['unknown']} unknown;")
-    d = next((m["accuracy_diff"] for m in matched if m.get("accuracy_diff")), None)
-    if d:
-        note += (
-            f" CI: paired percentile bootstrap over items, {d.get('n_resamples')} resamples, "
-            f"seed {d.get('seed')}, confidence {d.get('confidence')}."
-        )
-    return Table("table-matched", "Matched: live cache vs fresh prefill", headers, as_rows(rows), note)
-
-
-NOT_BUILT = {
-    "live": "the engine took positions from a cache",
-    "oneshot": "the engine took positions from a cache: not a fresh prefill",
-    "prefix-cache": "no position written by live's decoding came from the cache",
-    "slot-restore": "the server did not continue from the restored slot but prefilled afresh",
-}
-"""Per arm, what it means that the engine did not build it as named (`serving.evidence.took_place`)."""
-
-
-def _spread(values: list[Any]) -> str:
-    """A list of counts as `a` or `a-b`."""
-    known = sorted(int(v) for v in values if v is not None)
-    if not known:
-        return NA
-    return str(known[0]) if known[0] == known[-1] else f"{known[0]}-{known[-1]}"
-
-
-def matched_facts(matched: list[dict[str, Any]]) -> list[Fact]:
-    """Per section: its replicas, its suffix disagreements at its precision, and where it recorded diagnostics the
-    margins at the first divergent token and the first step's logit difference."""
-    facts = []
-    for m in matched:
-        arms, exact = [], True
-        for arm, kn in m["replica_exact"].items():
-            if kn is None:  # an arm without replicas (a server's under-load arms)
-                continue
-            exact &= kn["k"] == kn["n"]
-            arms.append(f"{arm} {kn['k']}/{kn['n']}")
-        facts.append(Fact(REPLICAS, f"{m['checkpoint']} " + ", ".join(arms), holds=exact,
-                          caveat="caches where the engine exposes them" if m.get("engine") else ""))
-    for m in matched:
-        d = m["suffix_disagreements"]
-        facts.append(Fact(faithful(m["precision"]), f"live vs {m['construction']} ({m['checkpoint']})",
-                          holds=d["k"] == 0, k=d["k"], n=d["n"]))
-    for m in matched:
-        mg = m.get("margins")
-        if not mg or not mg.get("steps") or not mg["at_divergence"]["n"]:
-            continue
-        at, steps = mg["at_divergence"], mg["steps"]
-        facts.append(Fact(MARGINS, (
-            f"{m['checkpoint']} @ {m['precision']}: median top-1/top-2 logit margin {logit(at['median'])} at the first "
-            f"divergent token ({items(at['n'])}, {mg['arm']} arm) against {logit(steps['median'])} over all "
-            f"{steps['n']} steps")))
-    for m in matched:
-        value = median_of(m.get("first_step_logit_maxabs"))
-        if value is not None:
-            facts.append(Fact(FIRST_STEP, f"{logit(value)} live vs {m['construction']} @ {m['precision']} "
-                                          f"({m['checkpoint']})"))
-    return facts
-
-
 class Matched(Experiment):
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
@@ -461,6 +227,7 @@ class Matched(Experiment):
     command: ClassVar[str] = "matched"
     starts_run: ClassVar[bool] = True
     replays_diagnostics: ClassVar[bool] = True
+    Summary: ClassVar[type[BaseModel]] = MatchedSummary
 
     def check(self, model: ModelConfig, options: MatchedOptions) -> None:
         generated = options.generated()
@@ -471,13 +238,13 @@ class Matched(Experiment):
         generated = options.generated()
         return {"construction": options.construction, **({"generate": generated.as_dict()} if generated else {})}
 
-    def check_outcome(self, results: dict[str, Any], prepared: PreparedRun) -> None:
+    def check_outcome(self, summaries: list[MatchedSummary], prepared: PreparedRun) -> None:
         """Every item missing its boundary means the rule is wrong: the records are kept, but the command fails."""
-        summary, settings = results[EXPERIMENT][0], prepared.settings
-        if summary["n"] and not summary["n_boundary"]:
+        summary, settings = summaries[0], prepared.settings
+        if summary.n and not summary.n_boundary:
             raise StageReplayError(
                 f"no item reached the boundary {settings.boundary} within {settings.decode.max_stage1_tokens} "
-                f"stage-1 tokens ({summary['n']} recorded as no_boundary)",
+                f"stage-1 tokens ({summary.n} recorded as no_boundary)",
                 "check the boundary rule against the model's output, or raise --max-stage1-tokens",
             )
 
@@ -518,23 +285,23 @@ class Matched(Experiment):
         own: MatchedStage = self.stage_of(stage)
         return 3 + len(own.arms or [own.construction])
 
-    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[MatchedSummary]:
         """One section per arm set against live: the construction, or a serving engine's arms (one column each)."""
         own: MatchedStage = self.stage_of(stage)
         out = []
         for construction in own.arms or [own.construction]:
             ours = not own.engine or (own.cross and construction.startswith(f"{own.cross}-"))
             at = own.model.precision if ours else (own.runs_at or own.model.precision)
-            summary = summarize_matched(records, construction, checkpoint, at)
-            out.append({"engine": own.engine.name, **summary} if own.engine is not None else summary)
+            out.append(summarize_matched(records, construction, checkpoint, at,
+                                         engine=own.engine.name if own.engine is not None else None))
         return out
 
-    def tables(self, results: Any) -> list[Table]:
+    def tables(self, results: list[MatchedSummary]) -> list[Table]:
         return [matched_table(results)] if results else []
 
-    def diagnosed(self, results: Any) -> list[tuple[str, Section, dict[str, int]]]:
-        return [(f"{m['checkpoint']}: live vs {m['construction']} @ {m['precision']}", m, m["suffix_disagreements"])
-                for m in results or [] if m.get("margins") is not None]
+    def diagnosed(self, results: list[MatchedSummary]) -> list[tuple[str, Diagnosed, Count]]:
+        return [(f"{m.checkpoint}: live vs {m.construction} @ {m.precision}", m, m.suffix_disagreements)
+                for m in results if m.margins is not None]
 
     def planned_stage(self, options: MatchedOptions) -> StageSection:
         cs = constructions(options.construction)
@@ -544,23 +311,23 @@ class Matched(Experiment):
         """Every item, its divergent pair's first-run arm replayed by the diagnostics."""
         return {"": [(u, forwards(u, options.construction) + assumed.replay(i)) for i, u in enumerate(assumed.items)]}
 
-    def verdict_facts(self, results: Any) -> list[Fact]:
-        return matched_facts(results or [])
+    def verdict_facts(self, results: list[MatchedSummary]) -> list[Fact]:
+        return matched_facts(results)
 
-    def verdict_questions(self, results: Any) -> list[Question]:
+    def verdict_questions(self, results: list[MatchedSummary]) -> list[Question]:
         """Its replicas and its faithfulness at its precision, and what its divergence asks next: is it faithful in
         fp32, and does the cache carry the divergence (the 2x2 and the transplant answer). A serving run's sections
         are at what the engine ran (its own types) or, a --cross arm, at our precision: each asks its own. Its facts
         at another precision answer no question of their own."""
         if not results:
             return []
-        at = dict.fromkeys([results[0]["precision"], *(m["precision"] for m in results if "engine" in m), "fp32"])
+        at = dict.fromkeys([results[0].precision, *(m.precision for m in results if m.engine is not None), "fp32"])
         raised = [REPLICAS, *(faithful(p) for p in at), CARRIES]
         return raised + [q for q in (MARGINS, FIRST_STEP) if any(f.question == q for f in self.verdict_facts(results))]
 
-    def series(self, results: Any) -> dict[SharedFigure, list[Any]]:
+    def series(self, results: list[MatchedSummary]) -> dict[SharedFigure, list[Any]]:
         """Each section's pair on the first-divergence figure."""
-        strips: list[Strip] = [(f"matched {m['checkpoint']}: live vs {m['construction']} @ {m['precision']}",
-                                list(m.get("first_divergence") or []), int(m["suffix_disagreements"]["n"]))
-                               for m in results or []]
+        strips: list[Strip] = [(f"matched {m.checkpoint}: live vs {m.construction} @ {m.precision}",
+                                list(m.first_divergence), m.suffix_disagreements.n)
+                               for m in results]
         return {DIVERGENCE: strips} if strips else {}

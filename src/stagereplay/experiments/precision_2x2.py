@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from stagereplay.engine.constructions import parse_construction
 from stagereplay.engine.decode import derive_seed
@@ -22,10 +22,10 @@ from stagereplay.experiments.arms import (
     with_token_texts,
 )
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.diagnostics_summary import summarize_pair
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
+from stagereplay.experiments.diagnostics_summary import Diagnosed
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import DIVERGENCE, SharedFigure, Strip
-from stagereplay.experiments.format import NA, Table, as_rows, interval, k_of_n, pct, wilson_or_given
+from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings
 from stagereplay.experiments.matched import (
     EXPERIMENT as MATCHED,
@@ -37,11 +37,19 @@ from stagereplay.experiments.matched import (
     matched_records,
     matched_stage,
 )
-from stagereplay.experiments.stats import first_divergence, wilson_interval
-from stagereplay.experiments.verdict import FIRST_STEP, Fact, Question, faithful, logit, median_of
+from stagereplay.experiments.precision_2x2_summary import (
+    GridSummary,
+    first_pair,
+    grid_facts,
+    precision_2x2_tables,
+    summarize_2x2,
+)
+from stagereplay.experiments.stats import first_divergence
+from stagereplay.experiments.verdict import FIRST_STEP, Fact, Question
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, Payload
+from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
 if TYPE_CHECKING:
@@ -204,105 +212,6 @@ def check_fixed_constructions(constructions: tuple[str, ...]) -> None:
                                                                           "or retokenized")
 
 
-# -- results.json and the report ---------------------------------------------------------------------------------
-
-
-def summarize_2x2(records: list[Record], stage: GridStage, checkpoint: str) -> Section:
-    constructions, precisions = stage.constructions, stage.precisions
-    cells, disagreements = [], []
-    for precision in precisions:
-        mine = [r for r in records if r.part == precision]
-        for c in constructions:
-            name = f"{c}@{precision}"
-            correct = [a["correct"] for r in mine for a in r.payload["arms"] if a["name"] == name]
-            cells.append({"construction": c, "precision": precision, "n": len(correct),
-                          "accuracy": sum(correct) / len(correct) if correct else None})
-        first = [r.payload["comparisons"][0] for r in mine if r.payload["comparisons"]]
-        k = sum(not c["suffix_equal"] for c in first)
-        n = len(first)
-        more = _more_pairs(mine)
-        disagreements.append({
-            **({"pairs": more} if more else {}),
-            "precision": precision, "k": k, "n": n,
-            "wilson": list(wilson_interval(k, n)) if n else None,
-            "label_k": sum(not c["label_equal"] for c in first),
-            "first_divergence": [c["first_divergence"] for c in first if not c["suffix_equal"]],
-            **(summarize_pair(mine, first[0]["a"], first[0]["b"]) if first else {}),
-        })
-    return {"checkpoint": checkpoint, "constructions": constructions, "precisions": precisions,
-            "n": max((d["n"] for d in disagreements), default=0), "cells": cells, "disagreements": disagreements}
-
-
-def _more_pairs(records: list[Record]) -> list[dict[str, Any]]:
-    """With three or more arms (a serving engine's run), every compared pair past the first: its disagreements."""
-    ok = [r for r in records if len(r.payload["comparisons"]) > 1]
-    if not ok:
-        return []
-    out = []
-    for j, c in enumerate(ok[0].payload["comparisons"][1:], start=1):
-        cs = [r.payload["comparisons"][j] for r in ok]
-        k, n = sum(not x["suffix_equal"] for x in cs), len(cs)
-        out.append({"a": c["a"], "b": c["b"], "k": k, "n": n, "wilson": list(wilson_interval(k, n)),
-                    "label_k": sum(not x["label_equal"] for x in cs)})
-    return out
-
-
-def precision_2x2_tables(grid: dict[str, Any]) -> list[Table]:
-    """Accuracy per cell (construction x precision), then disagreements per precision with Wilson 95%."""
-    precisions = list(grid["precisions"])
-    cells = {(c["construction"], c["precision"]): c for c in grid["cells"]}
-    accuracy = []
-    for construction in grid["constructions"]:
-        row = [construction]
-        for p in precisions:
-            cell = cells.get((construction, p))
-            row.append(f"{pct(cell.get('accuracy'))} (n={cell['n']})" if cell else NA)
-        accuracy.append(row)
-    a, b = [*grid["constructions"], "?", "?"][:2]
-    disagreements = []
-    for d in grid["disagreements"]:
-        k, n = int(d["k"]), int(d["n"])
-        label = k_of_n(int(d["label_k"]), n) if d.get("label_k") is not None else NA
-        disagreements.append([d["precision"], k_of_n(k, n), interval(wilson_or_given(k, n, d.get("wilson"))), label])
-        for pair in d.get("pairs") or []:  # a serving engine's run crosses three arms: every other pair too
-            pk, pn = int(pair["k"]), int(pair["n"])
-            names = f"{pair['a'].split('@')[0]} vs {pair['b'].split('@')[0]}"
-            disagreements.append([f"{d['precision']}: {names}", k_of_n(pk, pn),
-                                  interval(wilson_or_given(pk, pn, pair.get("wilson"))), k_of_n(int(pair["label_k"]), pn)])
-    ckpt = grid["checkpoint"]
-    return [
-        Table(
-            "table-2x2",
-            f"Fixed-prefix 2x2 ({ckpt}): accuracy",
-            ("construction", *precisions),
-            as_rows(accuracy),
-            f"All {grid['n']} prefixes held fixed; only construction and precision change.",
-        ),
-        Table(
-            "table-2x2-disagreements",
-            f"Fixed-prefix 2x2 ({ckpt}): {a} vs {b} disagreements",
-            ("precision", "suffix disagreements", "Wilson 95%", "label disagreements"),
-            as_rows(disagreements),
-            "0/n is reported with its Wilson upper bound.",
-        ),
-    ]
-
-
-def grid_facts(grid: dict[str, Any]) -> list[Fact]:
-    """Per precision: the first pair's suffix disagreements, and the first step's logit difference where recorded."""
-    rows = grid.get("disagreements") or []
-    if not rows:
-        return []
-    a, b = [*grid["constructions"], "?", "?"][:2]
-    facts = [Fact(faithful(d["precision"]), f"fixed-prefix {a} vs {b}", holds=d["k"] == 0, k=d["k"], n=d["n"])
-             for d in rows]
-    for d in rows:
-        value = median_of(d.get("first_step_logit_maxabs"))
-        if value is not None:
-            facts.append(Fact(FIRST_STEP, f"{logit(value)} fixed-prefix @ {d['precision']}"))
-    return facts
-
-
 def planned_grid(assumed: Assumed, constructions: tuple[str, ...], precision: str) -> list[tuple[Lengths, list[int]]]:
     """Every item at `precision`. At the run's precision the matched arms are carried over (`reused_arms`): each
     decoded only to the first divergence, at most all of it where the arms diverge, its first step where they do not;
@@ -341,6 +250,7 @@ class PrecisionGrid(Experiment):
     many: ClassVar[bool] = False
     fixed_prefix: ClassVar[bool] = True
     replays_diagnostics: ClassVar[bool] = True
+    Summary: ClassVar[type[BaseModel]] = GridSummary
 
     def check(self, model: ModelConfig, options: GridOptions) -> None:
         check_fixed_constructions(options.constructions or DEFAULT_CONSTRUCTIONS)
@@ -388,18 +298,19 @@ class PrecisionGrid(Experiment):
     def peak_caches(self, stage: StageSection) -> int:
         return len(self.stage_of(stage).constructions) + 1  # every construction's state, and one continuation's
 
-    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
-        return [summarize_2x2(records, self.stage_of(stage), checkpoint)]
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[GridSummary]:
+        own: GridStage = self.stage_of(stage)
+        return [summarize_2x2(records, own.constructions, own.precisions, checkpoint)]
 
-    def tables(self, results: Any) -> list[Table]:
+    def tables(self, results: GridSummary | None) -> list[Table]:
         return precision_2x2_tables(results) if results else []
 
-    def diagnosed(self, results: Any) -> list[tuple[str, Section, dict[str, int]]]:
+    def diagnosed(self, results: GridSummary | None) -> list[tuple[str, Diagnosed, Count]]:
         if not results:
             return []
-        a, b = [*results["constructions"], "?", "?"][:2]
-        return [(f"2x2 {results['checkpoint']}: {a} vs {b} @ {d['precision']}", d, d)
-                for d in results.get("disagreements") or [] if d.get("margins") is not None]
+        a, b = first_pair(results)
+        return [(f"2x2 {results.checkpoint}: {a} vs {b} @ {d.precision}", d, Count(k=d.k, n=d.n))
+                for d in results.disagreements if d.margins is not None]
 
     def planned_stage(self, options: GridOptions) -> StageSection:
         return self.unmade_stage({"constructions": list(options.constructions or DEFAULT_CONSTRUCTIONS),
@@ -409,20 +320,20 @@ class PrecisionGrid(Experiment):
         cs = tuple(options.constructions or DEFAULT_CONSTRUCTIONS)
         return {p: planned_grid(assumed, cs, p) for p in options.precisions}
 
-    def verdict_facts(self, results: Any) -> list[Fact]:
+    def verdict_facts(self, results: GridSummary | None) -> list[Fact]:
         return grid_facts(results) if results else []
 
-    def verdict_questions(self, results: Any) -> list[Question]:
+    def verdict_questions(self, results: GridSummary | None) -> list[Question]:
         """None of its precisions: its rows answer the faithfulness questions the run asks (matched's), a 2x2 at
         fp16 says nothing of a run at bf16; only its first-step logits raise their question."""
         return [FIRST_STEP] if any(f.question == FIRST_STEP for f in self.verdict_facts(results)) else []
 
-    def series(self, results: Any) -> dict[SharedFigure, list[Any]]:
+    def series(self, results: GridSummary | None) -> dict[SharedFigure, list[Any]]:
         """Each precision's first pair on the first-divergence figure."""
         if not results:
             return {}
-        a, b = [*(results.get("constructions") or []), "incremental", "oneshot"][:2]
-        strips: list[Strip] = [(f"2x2 {results['checkpoint']}: {a} vs {b} @ {d['precision']}",
-                                list(d.get("first_divergence") or []), int(d["n"]))
-                               for d in results.get("disagreements") or []]
+        a, b = [*results.constructions, "incremental", "oneshot"][:2]
+        strips: list[Strip] = [(f"2x2 {results.checkpoint}: {a} vs {b} @ {d.precision}", list(d.first_divergence),
+                                d.n)
+                               for d in results.disagreements]
         return {DIVERGENCE: strips} if strips else {}

@@ -21,11 +21,10 @@ record, so the audit re-executes and checks every one, and the export gives one 
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from stagereplay.engine.constructions import parse_construction
 from stagereplay.engine.decode import DecodeConfig, derive_seed
@@ -34,19 +33,17 @@ from stagereplay.engine.lm import LM, BoundaryState, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import record_lengths
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
-from stagereplay.experiments.figures import ReportFigure, diagonal_panels, png
-from stagereplay.experiments.format import NA, Table, k_of_n, points
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.figures import ReportFigure
+from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import fixed_prefixes
 from stagereplay.experiments.precision_2x2 import fixed_state
-from stagereplay.experiments.stats import (
-    MONTE_CARLO_TABLES,
-    TWO_SAMPLE_TEST,
-    benjamini_hochberg,
-    paired_bootstrap_ci,
-    total_variation,
-    two_sample_answer_test,
+from stagereplay.experiments.resample_summary import (
+    ResampleSummary,
+    resample_figures,
+    resample_tables,
+    summarize_resample,
 )
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
@@ -196,163 +193,11 @@ def resample_params(stage: ResampleStage, precision: str, prefix: list[int] | No
     return ResampleParams(tuple(prefix or ()), stage.config, precision, live_source)
 
 
-# -- results.json and the report ---------------------------------------------------------------------------------
-
-
-FDR = 0.05
-"""False-discovery rate of the Benjamini-Hochberg procedure over the items' answer-distribution tests."""
-
-
-def _draws(record: Record, state: str, stream: str) -> list[dict[str, Any]]:
-    return sorted((a for a in record.payload["arms"] if a["state"] == state and a["stream"] == stream),
-                  key=lambda a: a["draw"])
-
-
-def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
-    """mean(a - b) with its paired percentile bootstrap 95% CI over items."""
-    if not a:
-        return {"estimate": None, "ci": None}
-    lo, hi = paired_bootstrap_ci(a, b, seed=seed)
-    return {"estimate": sum(a) / len(a) - sum(b) / len(b), "ci": [lo, hi]}
-
-
-def summarize_resample(records: list[Record], stage: ResampleStage, checkpoint: str) -> list[Section]:
-    """One entry per precision: coupled differences, independent answer distributions, the accuracy bias."""
-    cfg = stage.config
-    fresh = cfg.construction
-    out = []
-    for precision in stage.precisions:
-        mine = [r for r in records if r.part == precision]
-        ok = [r for r in mine if r.payload["status"] == "ok"]
-        coupled = {"draws": 0, "replica_differ": 0, "fresh_differ": 0, "answer_differ": 0, "label_differ": 0}
-        tv_fresh, tv_null, p_fresh, p_null = [], [], [], []
-        acc_live, acc_fresh, acc_null = [], [], []
-        for r in ok:
-            live, rep, fa = _draws(r, "live", "A"), _draws(r, "live#replica", "A"), _draws(r, fresh, "A")
-            fb, lc = _draws(r, fresh, "B"), _draws(r, "live", "C")
-            coupled["draws"] += len(live)
-            coupled["replica_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, rep, strict=True))
-            coupled["fresh_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, fa, strict=True))
-            coupled["answer_differ"] += sum(x["answer"] != y["answer"] for x, y in zip(live, fa, strict=True))
-            coupled["label_differ"] += sum(x["correct"] != y["correct"] for x, y in zip(live, fa, strict=True))
-            answers = {name: [d["answer"] for d in draws] for name, draws in (("A", live), ("B", fb), ("C", lc))}
-            test_seed = zlib.crc32(r.item_id.encode())  # per item, so a resumed or merged run gets the same p
-            tv_fresh.append(total_variation(answers["A"], answers["B"]))
-            tv_null.append(total_variation(answers["A"], answers["C"]))
-            p_fresh.append(two_sample_answer_test(answers["A"], answers["B"], test_seed))
-            p_null.append(two_sample_answer_test(answers["A"], answers["C"], test_seed))
-            acc_live.append(sum(d["correct"] for d in live) / len(live))
-            acc_fresh.append(sum(d["correct"] for d in fb) / len(fb))
-            acc_null.append(sum(d["correct"] for d in lc) / len(lc))
-        bias = _mean_ci(acc_live, acc_fresh)
-        out.append({
-            "checkpoint": checkpoint, "precision": precision, "construction": fresh,
-            "k": cfg.k, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-            "seed": cfg.seed, "n_items": len(ok), "n_not_reproduced": len(mine) - len(ok),
-            "live_source": ok[0].payload["live_source"] if ok else None,
-            "items": [r.item_id for r in ok],
-            "coupled": coupled,
-            "independent": {
-                "test": TWO_SAMPLE_TEST, "monte_carlo_tables": MONTE_CARLO_TABLES, "fdr": FDR,
-                "tv_fresh": tv_fresh, "tv_null": tv_null, "excess_tv": _mean_ci(tv_fresh, tv_null),
-                "p_values": p_fresh, "p_values_null": p_null,
-                "rejected_bh": sum(benjamini_hochberg(p_fresh, FDR)),
-                "rejected_bh_null": sum(benjamini_hochberg(p_null, FDR)),
-            },
-            "accuracy": {"live": _mean(acc_live), fresh: _mean(acc_fresh)},
-            "accuracy_bias": {**bias, "per_item": [a - b for a, b in zip(acc_live, acc_fresh, strict=True)]},
-            "accuracy_bias_null": _mean_ci(acc_live, acc_null),
-        })
-    return out
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
-def _resample_where(e: dict[str, Any]) -> str:
-    return f"{e['checkpoint']} @ {e['precision']}"
-
-
-def _points_ci(d: dict[str, Any] | None) -> str:
-    """'+1.0 [-3.5, +5.5]' in points, or '-'."""
-    if not d or d.get("estimate") is None:
-        return NA
-    return f"{points(d['estimate'])} [{points(d['ci'][0])}, {points(d['ci'][1])}]"
-
-
-def _mean3(xs: list[float]) -> str:
-    return f"{sum(xs) / len(xs):.3f}" if xs else NA
-
-
-def _tv_ci(d: dict[str, Any] | None) -> str:
-    """A difference of TV distances with its CI, three decimals: '+0.012 [-0.004, +0.031]'."""
-    if not d or d.get("estimate") is None:
-        return NA
-    return f"{d['estimate'] + 0.0:+.3f} [{d['ci'][0] + 0.0:+.3f}, {d['ci'][1] + 0.0:+.3f}]"
-
-
-def resample_tables(entries: list[dict[str, Any]]) -> list[Table]:
-    """Coupled draws (shared seeds), then independent answer distributions and the accuracy bias."""
-    first = entries[0]
-    top_k = first["top_k"] or "off"
-    setting = (f"K = {first['k']} draws per state and seed stream, temperature {first['temperature']}, "
-               f"top-p {first['top_p']}, top-k {top_k}, seed {first['seed']}.")
-    coupled = []
-    independent = []
-    for e in entries:
-        c, ind = e["coupled"], e["independent"]
-        coupled.append([_resample_where(e), str(e["n_items"]), k_of_n(c["replica_differ"], c["draws"]),
-                        k_of_n(c["fresh_differ"], c["draws"]), k_of_n(c["answer_differ"], c["draws"])])
-        n = len(ind["p_values"])
-        independent.append([_resample_where(e), _mean3(ind["tv_fresh"]), _mean3(ind["tv_null"]),
-                            _tv_ci(ind["excess_tv"]), f"{ind['rejected_bh']}/{n} ({ind['rejected_bh_null']}/{n})",
-                            _points_ci(e["accuracy_bias"])])
-    fresh = first["construction"]
-    return [
-        Table(
-            "table-resample-coupled",
-            f"Resample, coupled: live vs {fresh}, draw j seeded alike on both sides",
-            ("where", "items", "replica differs", "fresh differs", "answer differs"),
-            tuple(tuple(r) for r in coupled),
-            f"{setting} Counts are over items x K draws. 'replica differs': live vs a live replica, the "
-            "negative control (must be 0). A differing draw is the cache's doing: the seed is shared.",
-        ),
-        Table(
-            "table-resample-independent",
-            f"Resample, independent: answer distributions, live vs {fresh}",
-            ("where", "TV fresh", "TV null", "excess TV [95% CI]", "BH rejects (null)", "acc. bias pts [CI]"),
-            tuple(tuple(r) for r in independent),
-            f"Mean total-variation distance between the answer distributions of live draws (seeds A) and fresh "
-            f"draws (seeds B), and of live against more live draws (seeds C: the null). Excess TV = mean TV "
-            f"fresh - mean TV null, paired bootstrap over items. Per item, {first['independent']['test']} test "
-            f"(exact with two answers, else {first['independent']['monte_carlo_tables']} seeded Monte Carlo "
-            f"tables), Benjamini-Hochberg at FDR {first['independent']['fdr']}. Accuracy bias: per item, "
-            "accuracy of live draws minus fresh draws (what resampling-importance methods compute), mean "
-            "and paired bootstrap CI, in points.",
-        ),
-    ]
-
-
-def resample_figures(entries: list[dict[str, Any]]) -> list[ReportFigure]:
-    """Per item, TV(live, fresh) against TV(live, live), one panel per precision: points above the diagonal move the
-    distribution."""
-    if not entries:
-        return []
-    panels = [(_resample_where(e), e["independent"]["tv_null"], e["independent"]["tv_fresh"], "TV live vs live (null)",
-               f"TV live vs {e['construction']}") for e in entries]
-    return [ReportFigure(
-        "fig-resample", "Resample: per-item answer distributions",
-        "Per item, total-variation distance between the answer distributions of live draws and fresh draws (y) "
-        "against that of live draws and more live draws (x: the null, sampling noise alone). Points on the diagonal: "
-        "replay keeps the distribution as well as live does itself.",
-        png(diagonal_panels(panels)), after=("table-resample-independent",))]
-
-
 class Resample(Experiment):
     """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
 
     name: ClassVar[str] = EXPERIMENT
+    Summary: ClassVar[type[BaseModel]] = ResampleSummary
     Stage: ClassVar[type[StageSection]] = ResampleStage
     Options: ClassVar[type] = ResampleConfig
     command: ClassVar[str] = "resample"
@@ -410,11 +255,12 @@ class Resample(Experiment):
                     for u in assumed.items[: options.n]]
                 for p in options.precisions or (assumed.precision,)}
 
-    def figures(self, results: Any) -> list[ReportFigure]:
-        return resample_figures(results or [])
+    def figures(self, results: list[ResampleSummary]) -> list[ReportFigure]:
+        return resample_figures(results)
 
-    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
-        return summarize_resample(records, self.stage_of(stage), checkpoint)
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[ResampleSummary]:
+        own: ResampleStage = self.stage_of(stage)
+        return summarize_resample(records, own.precisions, own.config, checkpoint)
 
-    def tables(self, results: Any) -> list[Table]:
+    def tables(self, results: list[ResampleSummary]) -> list[Table]:
         return resample_tables(results) if results else []

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards, live_forwards
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary
@@ -18,15 +18,22 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms, record_lengths
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
-from stagereplay.experiments.figures import BLUE, GREY, ORANGE, ReportFigure, png, share_bars, share_heatmap
-from stagereplay.experiments.format import NA, Table, as_rows, bound, k_of_n, slug, wilson_or_given
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.figures import ReportFigure
+from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.experiments.matched import MatchedStage, matched_records, matched_stage
 from stagereplay.experiments.selection import divergent_ids, divergent_items, parse_selection, select
-from stagereplay.experiments.stats import first_divergence, wilson_interval
-from stagereplay.experiments.verdict import CARRIES, Fact
+from stagereplay.experiments.stats import first_divergence
+from stagereplay.experiments.transplant_summary import (
+    TransplantSummary,
+    summarize_transplant,
+    transplant_facts,
+    transplant_figures,
+    transplant_tables,
+)
+from stagereplay.experiments.verdict import Fact
 from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run, diff_fields
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
@@ -265,180 +272,6 @@ def selection_findings(name: str, stage: TransplantStage, records: list[Record])
             for i in changed]
 
 
-def _directions(records: list[Record], key: str) -> list[dict[str, Any]]:
-    names = list(records[0].payload[key]) if records else []
-    out = []
-    for name in names:
-        outcomes = [r.payload[key][name]["outcome"] for r in records]
-        n, k = len(outcomes), outcomes.count("donor")
-        out.append({"direction": name, "n": n, "follows_donor": k, "follows_recipient": outcomes.count("recipient"),
-                    "neither": outcomes.count("neither"), "donor_wilson": list(wilson_interval(k, n)) if n else None,
-                    "divergence_from_donor": [r.payload[key][name]["divergence_from_donor"] for r in records]})
-    return out
-
-
-def summarize_transplant(records: list[Record], stage: TransplantStage, checkpoint: str) -> Section:
-    cfg = stage.config
-    ok = [r for r in records if r.payload["status"] == "ok"]
-    summary: dict[str, Any] = {
-        "checkpoint": checkpoint, "selection": cfg.select, "layers": cfg.layers, "kv": cfg.kv,
-        "positions": cfg.positions, "n_items": len(ok), "n_selected": len(stage.selected),
-        "n_not_reproduced": len(records) - len(ok),
-        "directions": _directions(ok, "directions"),
-        "control": {"layers": "none", "directions": _directions(ok, "control")},
-        "sweep": None,
-    }
-    if cfg.sweep and ok:
-        bands = ok[0].payload["sweep"]
-        n_layers = max(max(b["layers"]) for b in bands) + 1
-        rows: list[dict[str, Any]] = []
-        smallest: dict[str, list[int]] = {}
-        for j, band in enumerate(bands):
-            for d in (x["direction"] for x in summary["directions"]):
-                k = sum(r.payload["sweep"][j][d] == "donor" for r in ok)
-                layers = band["layers"]
-                label = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
-                rows.append({"band": label, "kind": band["kind"], "layers": layers, "direction": d,
-                             "follows_donor": k, "n": len(ok)})
-                best = smallest.get(d)
-                if k == len(ok) and (best is None or (len(layers), layers[0]) < (len(best), best[0])):
-                    smallest[d] = layers
-        summary["sweep"] = {"n_layers": n_layers, "rows": rows, "smallest_band": smallest}
-    return summary
-
-
-_TRANSPLANT_HEADERS = (
-    "direction",
-    "layers",
-    "K/V",
-    "follows donor",
-    "Wilson 95% lower",
-    "follows recipient",
-    "neither",
-)
-
-
-def transplant_tables(t: dict[str, Any]) -> list[Table]:
-    ckpt = str(t["checkpoint"])
-    rows = [_direction_row(d, str(t.get("layers", "all")), str(t.get("kv", "kv"))) for d in t["directions"]]
-    control = t.get("control")
-    if control:
-        rows += [_direction_row(d, f"{control['layers']} (control)", NA) for d in control["directions"]]
-    note = (
-        f"Selection {t['selection']} ({t['n_items']} items), frozen before outcomes were seen; positions "
-        f"{t.get('positions') or 'all'}. Direction is donor->recipient; 'Wilson 95% lower' bounds the "
-        "donor-following rate."
-    )
-    tables = [
-        Table(
-            f"table-transplant-{slug(ckpt)}", f"Transplant ({ckpt})", _TRANSPLANT_HEADERS, as_rows(rows), note
-        )
-    ]
-    if t.get("sweep") and t["sweep"].get("rows"):
-        tables.extend(_sweep_tables(t["sweep"], ckpt))
-    return tables
-
-
-def _direction_row(d: dict[str, Any], layers: str, kv: str) -> list[str]:
-    n, donor = int(d["n"]), int(d["follows_donor"])
-    ci = wilson_or_given(donor, n, d.get("donor_wilson"))
-    return [
-        d["direction"],
-        layers,
-        kv,
-        k_of_n(donor, n),
-        bound(ci[0]) if ci else NA,
-        k_of_n(int(d["follows_recipient"]), n),
-        k_of_n(int(d["neither"]), n),
-    ]
-
-
-def _sweep_tables(sweep: dict[str, Any], ckpt: str) -> list[Table]:
-    directions = list(dict.fromkeys(r["direction"] for r in sweep["rows"]))
-    bands: dict[tuple[str, str], dict[str, str]] = {}
-    for r in sweep["rows"]:
-        bands.setdefault((r["kind"], r["band"]), {})[r["direction"]] = f"{r['follows_donor']}/{r['n']}"
-    smallest = sweep.get("smallest_band") or {}
-    summary = [[d, _layers(smallest.get(d), sweep.get("n_layers"))] for d in directions]
-    detail = [[kind, band, *(cells.get(d, NA) for d in directions)] for (kind, band), cells in bands.items()]
-    return [
-        Table(
-            f"table-sweep-summary-{slug(ckpt)}",
-            f"Layer sweep ({ckpt}): smallest band whose K/V makes every continuation follow the donor",
-            ("direction", "smallest band"),
-            as_rows(summary),
-        ),
-        Table(
-            f"table-sweep-{slug(ckpt)}",
-            f"Layer sweep ({ckpt}): follows donor per band",
-            ("kind", "layers", *directions),
-            as_rows(detail),
-            terminal=False,
-        ),
-    ]
-
-
-def _layers(layers: list[int] | None, n_layers: Any) -> str:
-    if not layers:
-        return "none found"
-    span = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
-    return f"layers {span} ({len(layers)} of {n_layers})"
-
-
-def transplant_facts(transplants: list[dict[str, Any]]) -> list[Fact]:
-    """Per checkpoint and direction with items: how many continuations followed the donor; then the zero-layer
-    control's (how many followed the recipient), the negative control."""
-    facts = [Fact(CARRIES, f"{t['checkpoint']} {d['direction']}", holds=d["follows_donor"] == d["n"],
-                  k=d["follows_donor"], n=d["n"]) for t in transplants for d in t.get("directions") or [] if d["n"]]
-    return facts + [Fact(CARRIES, f"{t['checkpoint']} {d['direction']} control", k=d["follows_recipient"], n=d["n"],
-                         control=True)
-                    for t in transplants for d in (t.get("control") or {}).get("directions") or [] if d["n"]]
-
-
-OUTCOMES = {"follows_donor": (BLUE, "follows donor"), "follows_recipient": (ORANGE, "follows recipient"),
-            "neither": (GREY, "neither")}
-"""Each outcome's colour and legend, in the order the bars stack them."""
-
-
-def transplant_figures(transplants: list[dict[str, Any]]) -> list[ReportFigure]:
-    """The outcome shares of every checkpoint and direction (controls included), then each checkpoint's sweep."""
-    import numpy as np
-
-    transplants = [t for t in transplants if t.get("directions")]
-    if not transplants:
-        return []
-    bars = [(f"{t['checkpoint']}: {d['direction']}{suffix} (n={d['n']})", d, d["n"]) for t in transplants
-            for suffix, rows in (("", t["directions"]), (" control", (t.get("control") or {}).get("directions") or []))
-            for d in rows]
-    figures = [ReportFigure(
-        "fig-transplant", "Transplant outcomes",
-        "Share of transplanted continuations that follow the cache donor, the recipient, or neither, per checkpoint "
-        "and direction (donor->recipient); control rows move no layers.",
-        png(share_bars(bars, OUTCOMES, "share of transplanted continuations")), after=("table-transplant-",))]
-    for t in transplants:
-        sweep = t.get("sweep") or {}
-        if not sweep.get("rows"):
-            continue
-        ckpt = str(t["checkpoint"])
-        bands = list(dict.fromkeys((r["kind"], r["band"]) for r in sweep["rows"]))
-        directions = list(dict.fromkeys(r["direction"] for r in sweep["rows"]))
-        share = np.full((len(bands), len(directions)), np.nan)  # (bands, directions)
-        counts: dict[tuple[int, int], str] = {}
-        for r in sweep["rows"]:
-            i, j = bands.index((r["kind"], r["band"])), directions.index(r["direction"])
-            share[i, j] = r["follows_donor"] / r["n"] if r["n"] else np.nan
-            counts[i, j] = f"{r['follows_donor']}/{r['n']}"
-        title = f"{ckpt}: K/V layers transplanted ({sweep.get('n_layers', '?')} layers)"
-        figures.append(ReportFigure(
-            f"fig-sweep-{slug(ckpt)}", f"Layer sweep ({ckpt})",
-            "Fraction of continuations that follow the donor when only the listed layers' K/V are transplanted: "
-            "single layers, bands growing from the bottom, bands growing from the top.",
-            png(share_heatmap(share, counts, [f"{kind} {band}" for kind, band in bands], directions, title,
-                              "share following donor")),
-            after=(f"table-sweep-{slug(ckpt)}",)))
-    return figures
-
-
 class TransplantStage(StageSection):
     """The transplant's frozen section: what is swapped, the rule, and the items it picked, frozen before any
     outcome exists."""
@@ -451,6 +284,7 @@ class Transplant(Experiment):
     """Swap K/V between live and fresh boundary states of divergent items, both directions, and continue."""
 
     name: ClassVar[str] = EXPERIMENT
+    Summary: ClassVar[type[BaseModel]] = TransplantSummary
     Stage: ClassVar[type[StageSection]] = TransplantStage
     Options: ClassVar[type] = TransplantConfig
     command: ClassVar[str] = "transplant"
@@ -528,17 +362,20 @@ class Transplant(Experiment):
         carried = tuple((name, 0) for name in own) if assumed.dedup else ()
         return {"": [(u, forwards(replace(u, looks=carried), options, assumed.layers)) for u in chosen]}
 
-    def verdict_facts(self, results: Any) -> list[Fact]:
-        return transplant_facts(results or [])
+    def verdict_facts(self, results: list[TransplantSummary]) -> list[Fact]:
+        return transplant_facts(results)
 
-    def figures(self, results: Any) -> list[ReportFigure]:
-        return transplant_figures(results or [])
+    def figures(self, results: list[TransplantSummary]) -> list[ReportFigure]:
+        return transplant_figures(results)
 
-    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
-        return [summarize_transplant(records, self.stage_of(stage), checkpoint)]
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[TransplantSummary]:
+        own: TransplantStage = self.stage_of(stage)
+        cfg = own.config
+        return [summarize_transplant(records, checkpoint, selection=cfg.select, layers=cfg.layers, kv=cfg.kv,
+                                     positions=cfg.positions, n_selected=len(own.selected), sweep_layers=cfg.sweep)]
 
-    def tables(self, results: Any) -> list[Table]:
-        return [table for section in results or [] for table in transplant_tables(section)]
+    def tables(self, results: list[TransplantSummary]) -> list[Table]:
+        return [table for section in results for table in transplant_tables(section)]
 
 
 def _model_layers(stage: StageSection) -> int:

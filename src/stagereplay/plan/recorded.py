@@ -4,12 +4,12 @@ experiment's own `forwards(...)`), and the audit's re-executions of the units it
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from stagereplay.experiments.registry import of_stage
 from stagereplay.plan.stages import StagePlan, allocate, new_stage
+from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 from stagereplay.records.manifest import Manifest, StageSection
 
@@ -53,10 +53,9 @@ def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = Tru
     if not audited:
         return out
     if audit_sample is None:
-        recorded: dict[str, Any] = {}
-        if (run_dir / "audit.json").exists():
-            recorded = json.loads((run_dir / "audit.json").read_text()).get("sample") or {}
-        audit_sample, seed = recorded.get("per_stage"), recorded.get("seed", 0)
+        path = run_dir / "audit.json"
+        recorded = AuditSummary.model_validate_json(path.read_text()).sample if path.exists() else None
+        audit_sample, seed = (recorded.per_stage, recorded.seed) if recorded else (None, 0)
     else:
         seed = 0
     chosen = sample_units(units, AuditConfig(audit_sample or None, seed))

@@ -3,12 +3,12 @@ line that does not parse, a hash or link that does not hold, a manifest the chai
 `Finding` about the records (a claim that does not follow, a record missing, a unit not reproduced).
 
 audit.json and results.json's `audit` hold them as JSON (`as_json`: a finding's `kind` only once the audit has
-told integrity from other kernels, as before it did); `audit_json` writes an audit's summary with them in it.
+told integrity from other kernels, as before it did); `records.audit_summary` holds an audit's summary with them
+in it.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,7 +25,7 @@ class Break(BaseModel):
 
     seq: int = Field(description="the ledger line (0-based) where the chain breaks (its length: a stage record "
                                  "missing at the end)")
-    reason: str = Field(description="what does not hold there")
+    reason: str = Field("", description="what does not hold there ('' : an older audit.json named none)")
 
     def as_json(self) -> dict[str, Any]:
         return self.model_dump()
@@ -53,14 +53,3 @@ class Finding(BaseModel):
         """Whether it says something of the run's integrity (every finding but one not reproduced here)."""
         return (self.kind or "integrity") == "integrity"
 
-
-def as_json(value: Any) -> Any:
-    """`json.dumps`' `default`: a finding or a break as the JSON it is written as."""
-    if isinstance(value, Finding | Break):
-        return value.as_json()
-    raise TypeError(f"{type(value).__name__} is not JSON")
-
-
-def audit_json(summary: dict[str, Any]) -> str:
-    """audit.json's text: an audit's summary, its breaks and findings as JSON."""
-    return json.dumps(summary, indent=2, default=as_json) + "\n"

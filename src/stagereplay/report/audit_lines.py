@@ -3,8 +3,7 @@ under other kernels, and a closing verdict that says which of the two kinds the 
 
 from __future__ import annotations
 
-from typing import Any
-
+from stagereplay.records.audit_summary import AuditSummary, Elsewhere
 from stagereplay.records.findings import Finding
 
 SHOWN_ELSEWHERE = 40
@@ -12,10 +11,10 @@ SHOWN_ELSEWHERE = 40
 may be thousands); audit.json holds them all. Integrity findings are printed in full."""
 
 
-def finding_lines(res: dict[str, Any]) -> list[str]:
+def finding_lines(res: AuditSummary) -> list[str]:
     """Each finding names its item (unless it is about the whole run) and the field."""
     lines = []
-    findings: list[Finding] = res.get("mismatches", [])
+    findings: list[Finding] = res.findings
     for integrity, header in ((True, None), (False, "not reproduced here (other kernels):")):
         mine = [m for m in findings if m.integrity == integrity]
         if mine and header:
@@ -29,17 +28,18 @@ def finding_lines(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-def verdict_line(res: dict[str, Any]) -> str:
-    if res["reproduced"]:
+def verdict_line(res: AuditSummary) -> str:
+    if res.reproduced:
         return "audit: every record reproduced"
-    if not res.get("integrity_ok", False):
+    if not res.integrity_ok:
         return "audit: integrity findings (tampering or a broken run)"
-    here = res.get("not_reproduced_here", {})
-    by = ", ".join(f"{n} {p}" for p, n in sorted(here.get("by_precision", {}).items()))
-    line = (f"audit: integrity holds; {here.get('units', 0)} units not reproduced under this machine's other "
+    here = res.not_reproduced_here or Elsewhere(units=0, by_precision={}, reduced_precision_only=False,
+                                                fp32_token_differences=[])
+    by = ", ".join(f"{n} {p}" for p, n in sorted(here.by_precision.items()))
+    line = (f"audit: integrity holds; {here.units} units not reproduced under this machine's other "
             f"kernels ({by})")
-    line += "; confined to bf16/fp16" if here.get("reduced_precision_only") else ""
-    suspicious = here.get("fp32_token_differences", [])
+    line += "; confined to bf16/fp16" if here.reduced_precision_only else ""
+    suspicious = here.fp32_token_differences
     if suspicious:
         line += (f"; {len(suspicious)} fp32 units with other tokens or labels, which other kernels rarely cause: "
                  f"suspicious ({', '.join(suspicious[:3])}{', ...' if len(suspicious) > 3 else ''})")

@@ -16,7 +16,7 @@ suffixes continue different prefixes: they are compared all the same, and counte
 
 Then per arm the two runs share by name (live, the fresh construction, a server's prefix-cache ...): suffix and
 correctness-label disagreements, each side's accuracy, the paired 95% CI of the accuracy difference (A - B) and
-McNemar's exact p, as the matched table computes them (`experiments.matched.summarize_matched`). A difference
+McNemar's exact p, as the matched table computes them (`experiments.matched_summary.summarize_matched`). A difference
 between the runs means something only where each run is self-consistent, so each run's replicas are counted too
 (an arm and its `#replica` equal in tokens and cache, live's replica reaching live's stage 1).
 

@@ -6,9 +6,11 @@ only). A run recorded before diagnostics existed draws none of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from stagereplay.experiments.diagnostics_summary import Diagnosed
 from stagereplay.experiments.figures import ReportFigure, png
+from stagereplay.report.results import Results
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -17,17 +19,17 @@ _COLOURS = ("#2b6cb0", "#dd6b20", "#38a169", "#805ad5", "#d53f8c", "#718096")
 _AFTER = ("table-diagnostics",)
 
 
-def diagnostic_series(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def diagnostic_series(results: Results) -> list[tuple[str, Diagnosed]]:
     """(label, summary) per compared pair that carries diagnostics (`report.tables.diagnosed_pairs`)."""
     from stagereplay.report.tables import diagnosed_pairs
 
     return [(label, summary) for label, summary, _ in diagnosed_pairs(results)]
 
 
-def diagnostic_figures(results: dict[str, Any]) -> list[ReportFigure]:
+def diagnostic_figures(results: Results) -> list[ReportFigure]:
     series = diagnostic_series(results)
     figures = []
-    margins = [(label, s) for label, s in series if s["margins"].get("steps")]
+    margins = [(label, s) for label, s in series if s.margins and s.margins.steps]
     if margins:
         figures.append(ReportFigure(
             "fig-margins", "Margins at the first divergent token",
@@ -36,19 +38,19 @@ def diagnostic_figures(results: dict[str, Any]) -> list[ReportFigure]:
             "on their own cumulative curve). LayerCast's observation is that flips happen where the margin is small: "
             "the dots sit left of the line.",
             png(margin_figure(margins)), after=_AFTER))
-    caches = [(label, s) for label, s in series if s.get("cache_diff")]
+    caches = [(label, s) for label, s in series if s.cache_diff]
     if caches:
         figures.append(ReportFigure(
             "fig-cache-layers", "Cache difference by layer",
             "Median over items of the relative L2 difference ||a-b||/||a|| of the boundary caches, per layer, K and "
             "V: live vs fresh in the matched run, incremental vs oneshot per precision in the 2x2. A log scale; "
             "a bit-exact series has nothing to draw and says so in the legend.",
-            png(cache_figure(caches, "cache_diff", "layer")), after=_AFTER))
+            png(cache_figure(caches, "layer")), after=_AFTER))
         figures.append(ReportFigure(
             "fig-cache-bands", "Cache difference by position band",
             "The same relative L2 difference per band of absolute positions, over all layers: the prompt, the "
             "quartiles of stage 1, and the last 16 positions before the boundary.",
-            png(cache_figure(caches, "cache_bands", "band")), after=_AFTER))
+            png(cache_figure(caches, "band")), after=_AFTER))
     return figures
 
 
@@ -57,7 +59,7 @@ def _ecdf(values: list[float]) -> tuple[list[float], list[float]]:
     return xs, [(i + 1) / len(xs) for i in range(len(xs))]
 
 
-def margin_figure(series: list[tuple[str, dict[str, Any]]]) -> Figure:
+def margin_figure(series: list[tuple[str, Diagnosed]]) -> Figure:
     from matplotlib.figure import Figure
 
     from stagereplay.experiments.diagnostics_summary import PERCENTILES
@@ -66,11 +68,11 @@ def margin_figure(series: list[tuple[str, dict[str, Any]]]) -> Figure:
     ax = fig.add_subplot()
     for i, (label, s) in enumerate(series):
         colour = _COLOURS[i % len(_COLOURS)]
-        steps = s["margins"]["steps"]
-        ax.plot(steps["percentiles"], [p / 100 for p in PERCENTILES], color=colour,
-                label=f"{label}: all steps (median {steps['median']:.3g})")
-        at = [d["margin"][s["margins"]["arm"]] for d in s.get("divergences") or []]
-        at = [x for x in at if x is not None]
+        assert s.margins is not None and s.margins.steps is not None  # only series with step margins are drawn
+        steps, arm = s.margins.steps, s.margins.arm
+        ax.plot(steps.percentiles, [p / 100 for p in PERCENTILES], color=colour,
+                label=f"{label}: all steps (median {steps.median:.3g})")
+        at = [x for x in (d.margin[arm] for d in s.divergences or []) if x is not None]
         if at:
             xs, ys = _ecdf(at)
             ax.plot(xs, ys, "o", color=colour, markersize=4, alpha=0.8,
@@ -84,7 +86,14 @@ def margin_figure(series: list[tuple[str, dict[str, Any]]]) -> Figure:
     return fig
 
 
-def cache_figure(series: list[tuple[str, dict[str, Any]]], key: str, axis: str) -> Figure:
+def _cache_rows(summary: Diagnosed, axis: str) -> list[tuple[str, dict[str, float | None]]]:
+    """(layer or band, its median relative L2 per tensor k, v) of a summary's cache differences along `axis`."""
+    if axis == "layer":
+        return [(str(r.layer), {"k": r.k_rel_l2, "v": r.v_rel_l2}) for r in summary.cache_diff or []]
+    return [(r.band, {"k": r.k_rel_l2, "v": r.v_rel_l2}) for r in summary.cache_bands or []]
+
+
+def cache_figure(series: list[tuple[str, Diagnosed]], axis: str) -> Figure:
     """Two panels (K, V): median relative L2 per layer or band, one line per series."""
     from matplotlib.figure import Figure
 
@@ -92,11 +101,11 @@ def cache_figure(series: list[tuple[str, dict[str, Any]]], key: str, axis: str) 
     axes = fig.subplots(1, 2, sharey=True)
     names: list[str] = []
     for _, summary in series:
-        names += [str(r[axis]) for r in summary[key] if str(r[axis]) not in names]
+        names += [name for name, _ in _cache_rows(summary, axis) if name not in names]
     for ax, tensor in zip(axes, ("k", "v"), strict=True):
         drawn = False
         for i, (label, summary) in enumerate(series):
-            points = [(names.index(str(r[axis])), r[f"{tensor}_rel_l2"]) for r in summary[key]]
+            points = [(names.index(name), rel[tensor]) for name, rel in _cache_rows(summary, axis)]
             shown = [(x, y) for x, y in points if y]
             exact = all(y == 0 for _, y in points)
             ax.plot([x for x, _ in shown], [y for _, y in shown], "o-", color=_COLOURS[i % len(_COLOURS)],

@@ -9,19 +9,20 @@ from typing import Any
 
 from stagereplay.experiments.figures import ReportFigure, SharedFigure, png
 from stagereplay.experiments.registry import all_experiments
+from stagereplay.report.results import Results
 
 _png = png  # the name `report.compare_render` draws its figure with
 
 __all__ = ["ReportFigure", "_png", "build_figures"]
 
 
-def build_figures(results: dict[str, Any]) -> list[ReportFigure]:
+def build_figures(results: Results) -> list[ReportFigure]:
     """Every figure the results support; a section that is null or empty draws nothing. A shared figure stands where
     the first experiment with a series for it puts its figures, drawn from every experiment's series."""
     slots: list[ReportFigure | SharedFigure] = []
     series: dict[SharedFigure, list[Any]] = {}
     for e in all_experiments():
-        section = results.get(e.name)
+        section = results.of(e)
         for figure, own in e.series(section).items():
             if own and figure not in series:
                 series[figure] = []

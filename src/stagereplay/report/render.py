@@ -6,13 +6,14 @@ All three render the same `Table`s (`stagereplay.report.tables`), so they cannot
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stagereplay.records.ledger import atomic_output
 from stagereplay.report.diagnostic_figures import diagnostic_figures
 from stagereplay.report.explorer import explorer_html
 from stagereplay.report.figures import build_figures
 from stagereplay.report.html import render_html
+from stagereplay.report.results import Results
 from stagereplay.report.tables import Table, build_tables, load_results, run_summary
 from stagereplay.report.verdict import verdict, verdict_text
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-def render_markdown(results: dict[str, Any], tables: list[Table]) -> str:
+def render_markdown(results: Results, tables: list[Table]) -> str:
     lines = ["# stagereplay report", ""]
     lines += [f"- **{k}**: {v}" for k, v in run_summary(results)]
     said = verdict_text(results)
@@ -44,7 +45,7 @@ def _md_row(cells: tuple[str, ...]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
-def print_tables(results: dict[str, Any], console: Console | None = None) -> None:
+def print_tables(results: Results, console: Console | None = None) -> None:
     """Print the tables to the terminal, as a CLI command does when it finishes."""
     from rich.console import Console
     from rich.table import Table as RichTable
@@ -81,7 +82,7 @@ def fit_widths(table: Table, width: int) -> list[int]:
     return [m + spare * w // total for m, w in zip(least, want, strict=True)]
 
 
-def render_tables_text(results: dict[str, Any], width: int = 120) -> str:
+def render_tables_text(results: Results, width: int = 120) -> str:
     """The terminal tables as plain text (no colour codes), for logs and tests."""
     import io
 

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stagereplay.experiments.diagnostics_summary import Diagnosed
 from stagereplay.experiments.format import (
     NA,
     Table,
@@ -25,14 +26,16 @@ from stagereplay.experiments.format import (
     yes_no,
 )
 from stagereplay.experiments.registry import all_experiments
-from stagereplay.records.findings import Break, Finding
+from stagereplay.records.audit_summary import AuditSummary
+from stagereplay.records.findings import Break
 from stagereplay.records.kernels import describe
-from stagereplay.report.results import RESULTS_VERSION
+from stagereplay.records.summary import Count
+from stagereplay.report.results import RESULTS_VERSION, Results
 
 # --- results -> tables ---------------------------------------------------------------------------
 
 
-def load_results(path: Path) -> dict[str, Any]:
+def load_results(path: Path) -> Results:
     """Read `results.json` (or `<run_dir>/results.json`) and refuse a schema version we cannot render."""
     path = Path(path)
     if path.is_dir():
@@ -44,14 +47,14 @@ def load_results(path: Path) -> dict[str, Any]:
             f"{path}: results schema_version {version!r} is not supported (this stagereplay reads "
             f"{RESULTS_VERSION}); rebuild results.json from the ledger with a matching stagereplay"
         )
-    return results
+    return Results.model_validate(results)
 
 
-def build_tables(results: dict[str, Any]) -> list[Table]:
+def build_tables(results: Results) -> list[Table]:
     """Every experiment's tables that the results contain, in the registry's order; the diagnostics of the compared
     pairs after those of the last experiment whose sections carry them; the audit's last."""
-    per_experiment = [(e.tables(results.get(e.name)), bool(e.diagnosed(results.get(e.name))))
-                      for e in all_experiments()]
+    per_experiment = [(e.tables(own), bool(e.diagnosed(own)))
+                      for e in all_experiments() for own in [results.of(e)]]
     last = max((i for i, (_, diagnosed) in enumerate(per_experiment) if diagnosed), default=None)
     tables: list[Table] = []
     for i, (own, _) in enumerate(per_experiment):
@@ -59,8 +62,8 @@ def build_tables(results: dict[str, Any]) -> list[Table]:
         diagnostics = diagnostics_table(results) if i == last else None
         if diagnostics is not None:
             tables.append(diagnostics)
-    if results.get("audit"):
-        tables.extend(audit_tables(results["audit"]))
+    if results.audit:
+        tables.extend(audit_tables(results.audit))
     return tables
 
 
@@ -76,22 +79,23 @@ def _median(values: Any) -> float | None:
     return float(median(xs)) if xs else None
 
 
-def diagnosed_pairs(results: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(label, summary, its disagreement counts {k, n}) of every compared pair whose summary carries diagnostics,
+def diagnosed_pairs(results: Results) -> list[tuple[str, Diagnosed, Count]]:
+    """(label, summary, its disagreement counts) of every compared pair whose summary carries diagnostics,
     experiment by experiment."""
-    return [pair for e in all_experiments() for pair in e.diagnosed(results.get(e.name))]
+    return [pair for e in all_experiments() for pair in e.diagnosed(results.of(e))]
 
 
-def diagnostics_table(results: dict[str, Any]) -> Table | None:
+def diagnostics_table(results: Results) -> Table | None:
     """Why pairs diverged, one row per compared pair: margins, first-step logit difference, cache difference."""
     rows = []
     for label, s, kn in diagnosed_pairs(results):
-        steps, at = s["margins"].get("steps") or {}, s["margins"]["at_divergence"]
-        layers = s.get("cache_diff") or []
-        k = _median([r["k_rel_l2"] for r in layers])
-        v = _median([r["v_rel_l2"] for r in layers])
-        rows.append([label, f"{kn['k']}/{kn['n']}", f"{_logit(at['median'])} / {_logit(steps.get('median'))}",
-                     _logit(_median(s.get("first_step_logit_maxabs"))), f"{_logit(k)} / {_logit(v)}"])
+        assert s.margins is not None  # a diagnosed pair's summary carries its margins
+        steps, at = s.margins.steps, s.margins.at_divergence
+        layers = s.cache_diff or []
+        k = _median([r.k_rel_l2 for r in layers])
+        v = _median([r.v_rel_l2 for r in layers])
+        rows.append([label, f"{kn.k}/{kn.n}", f"{_logit(at.median)} / {_logit(steps.median if steps else None)}",
+                     _logit(_median(s.first_step_logit_maxabs)), f"{_logit(k)} / {_logit(v)}"])
     if not rows:
         return None
     headers = ("pair", "diverged", "margin: div / all", "step-1 logit diff", "cache K / V")
@@ -102,18 +106,18 @@ def diagnostics_table(results: dict[str, Any]) -> Table | None:
     return Table("table-diagnostics", "Why pairs diverged: margins, logits, caches", headers, as_rows(rows), note)
 
 
-def audit_tables(audit: dict[str, Any]) -> list[Table]:
-    """The audit's summary as results.json holds it (audit.json's JSON)."""
-    broken = audit.get("broken_records") or []
-    mismatches = [Finding.model_validate(m) for m in audit.get("mismatches") or []]
-    sample = audit.get("sample")
+def audit_tables(audit: AuditSummary) -> list[Table]:
+    """The audit's summary as results.json holds it (audit.json's)."""
+    broken = audit.broken_records
+    mismatches = audit.findings
+    sample = audit.sample
     rows = [
-        ["items audited", str(audit["items"])],
-        ["records re-executed", f"a seeded sample of {sample['re_executed']} of {sample['of']} ({sample['per_stage']} "
-                                f"per stage, seed {sample['seed']}); every record verified" if sample else "every record"],
-        ["trajectory fingerprints reproduced", count_of(audit["trajectories"])],
-        ["comparison fingerprints reproduced", count_of(audit["comparisons"])],
-        ["ledger hash chain intact", yes_no(audit["chain_ok"])],
+        ["items audited", str(audit.items)],
+        ["records re-executed", f"a seeded sample of {sample.re_executed} of {sample.of} ({sample.per_stage} "
+                                f"per stage, seed {sample.seed}); every record verified" if sample else "every record"],
+        ["trajectory fingerprints reproduced", count_of(audit.trajectories)],
+        ["comparison fingerprints reproduced", count_of(audit.comparisons)],
+        ["ledger hash chain intact", yes_no(audit.chain_ok)],
         ["broken ledger records", ", ".join(_record(b) for b in broken) if broken else "none"],
         *_environment_rows(audit),
         ["mismatches", str(len(mismatches))],
@@ -130,36 +134,32 @@ def audit_tables(audit: dict[str, Any]) -> list[Table]:
 MISMATCH_ROWS = 50
 
 
-def _environment_rows(audit: dict[str, Any]) -> list[list[str]]:
+def _environment_rows(audit: AuditSummary) -> list[list[str]]:
     """The kernels the audit ran under against the run's, and the findings split by kind (audits since the
     split; an older audit.json has neither)."""
-    env = audit.get("environment")
+    env = audit.environment
     if env is None:
         return []
-    differ = env.get("differences") or []
-    kernels = "the run's" if not differ else "other for {} of {} records: {}".format(
-        env["records_other_kernels"], env["records"],
-        describe([(d["field"], d["recorded"], d["here"]) for d in differ]))
-    here = audit.get("not_reproduced_here") or {}
-    by = ", ".join(f"{n} {p}" for p, n in sorted((here.get("by_precision") or {}).items()))
-    rows = [["kernels", kernels], ["integrity", "holds" if audit.get("integrity_ok") else "findings"],
-            ["not reproduced under other kernels", f"{here.get('units', 0)}" + (f" ({by})" if by else "")]]
-    if here.get("fp32_token_differences"):
-        rows.append(["fp32 units with other tokens (suspicious)", ", ".join(here["fp32_token_differences"])])
-    for moved in audit.get("relocated") or []:
+    differ = env.differences
+    kernels = "the run's" if not differ else f"other for {env.records_other_kernels} of {env.records} records: {describe([(d.field, d.recorded, d.here) for d in differ])}"
+    here = audit.not_reproduced_here
+    by = ", ".join(f"{n} {p}" for p, n in sorted(here.by_precision.items())) if here else ""
+    rows = [["kernels", kernels], ["integrity", "holds" if audit.integrity_ok else "findings"],
+            ["not reproduced under other kernels", f"{here.units if here else 0}" + (f" ({by})" if by else "")]]
+    if here and here.fp32_token_differences:
+        rows.append(["fp32 units with other tokens (suspicious)", ", ".join(here.fp32_token_differences)])
+    for moved in audit.relocated or []:
         rows.append([f"{moved['input']} relocated", f"{moved['here']} ({moved['how']})"])
     return rows
 
 
-def _record(b: Any) -> str:
+def _record(b: Break | int) -> str:
     """A broken record as `seq N (reason)`, or `seq N` where an older audit.json stored the bare seq."""
-    if isinstance(b, dict) and "seq" in b:
-        broken = Break.model_validate({"reason": "", **b})
-        return f"seq {broken.seq}" + (f" ({broken.reason})" if broken.reason else "")
-    return f"seq {b}" if isinstance(b, int) else json.dumps(b)
+    if isinstance(b, Break):
+        return f"seq {b.seq}" + (f" ({b.reason})" if b.reason else "")
+    return f"seq {b}"
 
 
-def run_summary(results: dict[str, Any]) -> list[tuple[str, str]]:
-    run = results.get("run") or {}
-    keys = ("model", "later_model", "precision", "n_items", "created", "tool_version")
-    return [(k.replace("_", " "), str(run[k])) for k in keys if run.get(k) is not None]
+def run_summary(results: Results) -> list[tuple[str, str]]:
+    run = results.run.as_json()
+    return [(k.replace("_", " "), str(v)) for k, v in run.items() if v is not None]

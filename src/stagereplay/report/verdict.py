@@ -10,19 +10,18 @@ is asked, since without replicas nothing is attributable to a construction.
 
 from __future__ import annotations
 
-from typing import Any
-
 from stagereplay.experiments.registry import all_experiments
 from stagereplay.experiments.verdict import REPLICAS, Fact, Question
+from stagereplay.report.results import Results
 
 
-def verdict(results: dict[str, Any]) -> list[tuple[str, str]]:
+def verdict(results: Results) -> list[tuple[str, str]]:
     """(question, answer) pairs, in the order the report prints them; empty when no experiment asks whether
     replicas are exact."""
     asked: dict[Question, list[Fact]] = {}
     facts: list[Fact] = []
     for e in all_experiments():
-        section = results.get(e.name)
+        section = results.of(e)
         for question in e.verdict_questions(section):
             asked.setdefault(question, [])
         facts += e.verdict_facts(section)
@@ -35,6 +34,6 @@ def verdict(results: dict[str, Any]) -> list[tuple[str, str]]:
     return [(text, answer) for text, answer in answers if answer is not None]
 
 
-def verdict_text(results: dict[str, Any]) -> str:
+def verdict_text(results: Results) -> str:
     """The verdict as one paragraph of plain text."""
     return " ".join(f"{q} {a[0].upper()}{a[1:]}" for q, a in verdict(results))

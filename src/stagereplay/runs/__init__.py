@@ -1,4 +1,4 @@
-"""The library entry points the CLI wraps; each makes or extends a run directory and returns its results. Each
+"""The library entry points the CLI wraps; each makes or extends a run directory and returns its results (`Results`: results.json as a model). Each
 takes typed configs, built by the CLI or in a notebook:
 
     make_run(out, experiment, options, Inputs(...), engine, ExecConfig(...))   a run from a model and items
@@ -17,7 +17,6 @@ takes typed configs, built by the CLI or in a notebook:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from stagereplay.audit.reexecute import AuditConfig
 from stagereplay.audit.relocate import Relocation
@@ -30,6 +29,7 @@ from stagereplay.experiments.precision_2x2 import GridOptions, PrecisionGrid
 from stagereplay.experiments.prepared import OURS, RunEngine
 from stagereplay.experiments.resample import Resample, ResampleConfig
 from stagereplay.experiments.transplant import Transplant, TransplantConfig
+from stagereplay.report.results import Results
 from stagereplay.runs.compare import compare
 from stagereplay.runs.extend import Extension, audit, extend, merge
 from stagereplay.runs.inputs import Boundary, EngineChoice, Input, Inputs, Numerics
@@ -39,43 +39,43 @@ from stagereplay.serving.runs import engine_of
 
 
 def matched(out: str | Path, inputs: Inputs | None = None, options: MatchedOptions | None = None,
-            engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> dict[str, Any]:
+            engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> Results:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
     return make_run(out, Matched(), options, inputs, engine, ex, quiet)
 
 
 def mismatch(out: str | Path, inputs: Inputs | None = None, options: MismatchOptions | None = None,
-             engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> dict[str, Any]:
+             engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> Results:
     """The training-inference mismatch: rollouts (generated, or a rollout file's) scored by the rollout engine and
     by a trainer's one-shot prefill on the same tokens, the gap attributed."""
     return make_run(out, Mismatch(), options, inputs, engine, ex, quiet)
 
 
 def precision_2x2(run_dir: str | Path, options: GridOptions | None = None, on: Extension | None = None,
-                  quiet: bool = False) -> dict[str, Any]:
+                  quiet: bool = False) -> Results:
     """Hold the matched run's prefixes fixed; cross construction with precision."""
     return extend(run_dir, PrecisionGrid(), options, on, quiet)
 
 
 def bridge(run_dir: str | Path, options: BridgeOptions | None = None, on: Extension | None = None,
-           quiet: bool = False) -> dict[str, Any]:
+           quiet: bool = False) -> Results:
     """Incremental vs live boundary caches, bitwise, on the first rows that reached the boundary."""
     return extend(run_dir, Bridge(), options, on, quiet)
 
 
 def transplant(run_dir: str | Path, config: TransplantConfig | None = None, on: Extension | None = None,
-               quiet: bool = False) -> dict[str, Any]:
+               quiet: bool = False) -> Results:
     """Swap K/V between live and fresh boundary states of the selected divergent items, both directions."""
     return extend(run_dir, Transplant(), config, on, quiet)
 
 
 def resample(run_dir: str | Path, config: ResampleConfig | None = None, on: Extension | None = None,
-             quiet: bool = False) -> dict[str, Any]:
+             quiet: bool = False) -> Results:
     """K seeded draws from the live, live-replica and fresh boundary states of each item."""
     return extend(run_dir, Resample(), config, on, quiet)
 
 
 __all__ = ["AuditConfig", "Boundary", "BridgeOptions", "DecodeConfig", "EngineChoice", "ExecConfig", "Extension",
            "GridOptions", "Input", "Inputs", "MatchedOptions", "MismatchOptions", "Numerics", "PaperConfig",
-           "Relocation", "ResampleConfig", "TransplantConfig", "audit", "bridge", "compare", "engine_of", "extend",
+           "Relocation", "ResampleConfig", "Results", "TransplantConfig", "audit", "bridge", "compare", "engine_of", "extend",
            "make_run", "matched", "merge", "mismatch", "paper", "precision_2x2", "resample", "transplant"]

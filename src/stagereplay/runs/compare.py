@@ -14,6 +14,7 @@ from pathlib import Path
 from stagereplay.audit.verify import verify_run
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.compared import RunComparison
+from stagereplay.records.findings import Break
 from stagereplay.records.ledger import read_ledger, read_manifest
 from stagereplay.report.compare import build_comparison
 from stagereplay.report.compare_manifests import RunSide, check_comparable, manifest_differences
@@ -72,12 +73,13 @@ def verified(run: Path) -> RunSide:
         raise StageReplayError(f"{run} is not a run directory", "pass the folders two `stagereplay matched` runs made")
     manifest = read_manifest(run)
     res = verify_run(run, manifest)
-    if not res["chain_ok"]:
-        first = res["broken_records"][0]
-        raise StageReplayError(f"{run}'s ledger is broken (record {first.seq}: {first.reason}): its records "
+    if not res.chain_ok:
+        broken = res.broken_records[0]
+        where = f"record {broken.seq}: {broken.reason}" if isinstance(broken, Break) else f"record {broken}"
+        raise StageReplayError(f"{run}'s ledger is broken ({where}): its records "
                                f"cannot be compared", f"`stagereplay audit {run} --verify-only` lists every break")
-    if not res["reproduced"]:
-        findings = res["mismatches"]
+    if not res.reproduced:
+        findings = res.findings
         first = findings[0]
         what = f"{first.item_id}: {first.what}" if first.item_id else first.what
         raise StageReplayError(f"{run}'s records do not verify ({len(findings)} finding(s), the first: {what})",

@@ -22,9 +22,11 @@ from stagereplay.experiments.experiment import Experiment
 from stagereplay.experiments.jobs import ReplaySettings
 from stagereplay.experiments.prepared import PreparedRun, frozen
 from stagereplay.experiments.registry import all_experiments
+from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.ledger import open_run, read_ledger, read_manifest
 from stagereplay.records.manifest import Manifest, StageSection
 from stagereplay.records.shards import merge_runs
+from stagereplay.report.results import Results
 from stagereplay.runs.make import finish
 from stagereplay.serving.runs import stage_engine
 
@@ -86,7 +88,7 @@ def prepared_at(manifest: Manifest, command: str, on: Extension, quiet: bool) ->
 
 
 def extend(run_dir: str | Path, experiment: Experiment, options: Any = None, on: Extension | None = None,
-           quiet: bool = False) -> dict[str, Any]:
+           quiet: bool = False) -> Results:
     """Run `experiment` with `options` into the run at `run_dir` (its stage at `on.checkpoint`), then rebuild its
     results and report."""
     options = experiment.Options() if options is None else options
@@ -101,14 +103,14 @@ def extend(run_dir: str | Path, experiment: Experiment, options: Any = None, on:
 
 
 def audit(run_dir: str | Path, config: AuditConfig | None = None, verify_only: bool = False,
-          on: Extension | None = None, quiet: bool = False) -> dict[str, Any]:
+          on: Extension | None = None, quiet: bool = False) -> AuditSummary:
     """Check what needs no model (chain, binding to the manifest, completeness, derivable claims), then
     (unless `verify_only`) re-execute the ledger, or a seeded sample of it (`config`), and compare every field;
     `reproduced` says if all held. `on.where` says where inputs that moved are now: each is checked against the
     run's hashes before anything runs."""
     from stagereplay.audit.reexecute import audit_run
     from stagereplay.audit.verify import verify_run
-    from stagereplay.records.findings import audit_json
+    from stagereplay.records.audit_summary import audit_json
     from stagereplay.records.ledger import atomic_write
     from stagereplay.report.results import AUDIT_FILE
 
@@ -123,12 +125,12 @@ def audit(run_dir: str | Path, config: AuditConfig | None = None, verify_only: b
             raise
         # A manifest this version cannot read beside a ledger it cannot either (a newer schema): the ledger's
         # damage is the finding, named line by line.
-        return {"chain_ok": False, "broken_records": broken, "mismatches": [], "notes": [], "reproduced": False,
-                "verify_only": True, "integrity_ok": False}
+        return AuditSummary(chain_ok=False, broken_records=broken, findings=[], notes=[], reproduced=False,
+                            verify_only=True, integrity_ok=False)
     here, moved = relocate(manifest, on.where, need_inputs=not verify_only)
     checked = verify_run(path, here)
-    if verify_only or checked["broken_records"]:
-        return {**checked, "integrity_ok": checked["reproduced"], **({"relocated": moved} if moved else {})}
+    if verify_only or checked.broken_records:
+        return checked.model_copy(update={"integrity_ok": checked.reproduced, **({"relocated": moved} if moved else {})})
     with open_run(path, manifest, extend=False) as run:
         summary = audit_run(path, here, run.records, on.ex, quiet, config=config, relocated=moved,
                             server=on.where.server)

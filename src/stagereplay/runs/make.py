@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.experiment import Experiment
@@ -21,6 +21,9 @@ from stagereplay.records.manifest import Manifest, RunConfig
 from stagereplay.records.provenance import environment, model_hashes, now, package_versions
 from stagereplay.runs.inputs import Inputs
 from stagereplay.runs.prepare import prepare
+
+if TYPE_CHECKING:
+    from stagereplay.report.results import Results
 
 
 def new_manifest(prepared: PreparedRun, options: Mapping[str, Any], models: Mapping[str, str] | None = None
@@ -49,19 +52,19 @@ def new_manifest(prepared: PreparedRun, options: Mapping[str, Any], models: Mapp
                     created=now(), command=prepared.command, config=config, environment=env)
 
 
-def finish(run: Run, quiet: bool = False) -> dict[str, Any]:
+def finish(run: Run, quiet: bool = False) -> Results:
     """Rebuild results.json from the whole ledger, write the report, print the tables."""
     from stagereplay.execution.local import shutdown_workers
     from stagereplay.report.results import build_results
 
     shutdown_workers()
     results = build_results(run.path, run.manifest, run.records)
-    run.write_results(results)
+    run.write_results(results.as_json())
     write_and_print_report(run.path, results, quiet)
     return results
 
 
-def write_and_print_report(run_dir: Path, results: dict[str, Any], quiet: bool) -> None:
+def write_and_print_report(run_dir: Path, results: Results, quiet: bool) -> None:
     from stagereplay.report.render import print_tables, write_report
 
     write_report(run_dir)
@@ -72,9 +75,9 @@ def write_and_print_report(run_dir: Path, results: dict[str, Any], quiet: bool) 
 
 
 def make_run(out: str | Path, experiment: Experiment, options: Any = None, inputs: Inputs | None = None,
-             engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> dict[str, Any]:
+             engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> Results:
     """Run (or resume) `experiment` with `options` (its `Options`) into a new run directory `out`, on `engine`;
-    return results.json's content. With `inputs.input.shard="I/N"` only every N-th item from the I-th runs;
+    return results.json's content (`Results`). With `inputs.input.shard="I/N"` only every N-th item from the I-th runs;
     `stagereplay merge` joins the shards."""
     options = experiment.Options() if options is None else options
     inputs = inputs or Inputs()
@@ -85,5 +88,5 @@ def make_run(out: str | Path, experiment: Experiment, options: Any = None, input
     with open_run(Path(out), new_manifest(prepared, identity)) as run:
         experiment.run(run, prepared, options)
         results = finish(run, quiet)
-    experiment.check_outcome(results, prepared)
+    experiment.check_outcome(results.of(experiment), prepared)
     return results

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from stagereplay.audit.reexecute import AuditConfig, audit_run
 from stagereplay.engine.decode import DecodeConfig
@@ -16,9 +15,9 @@ from stagereplay.engine.model import check_model_dir
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.paper import AUDIT_SAMPLE, PRECISION, PaperConfig, Step, paper_steps
 from stagereplay.experiments.prepared import OURS, PreparedRun
-from stagereplay.records.findings import audit_json
+from stagereplay.records.audit_summary import audit_json
 from stagereplay.records.ledger import Run, atomic_write, open_run
-from stagereplay.report.results import AUDIT_FILE
+from stagereplay.report.results import AUDIT_FILE, Results
 from stagereplay.runs.inputs import Inputs
 from stagereplay.runs.make import finish, new_manifest
 from stagereplay.runs.prepare import prepare
@@ -59,7 +58,7 @@ def auto_workers(device: str) -> int:
 
 
 def paper(out: str | Path, inputs: Inputs | None = None, protocol: PaperConfig | None = None,
-          workers: int = 0, executor: str = "local", quiet: bool = False) -> dict[str, Any]:
+          workers: int = 0, executor: str = "local", quiet: bool = False) -> Results:
     """The whole protocol (`experiments.paper.paper_steps`): matched (bf16), bridge, transplant, 2x2, outcome-blind
     replication at a later checkpoint, audit, report. With `protocol.resample` = K > 0, also K sampled draws per
     boundary state on the first `resample_items` items, at bf16 and fp32 (the primary checkpoint). The audit verifies
@@ -109,4 +108,4 @@ def check_outcome(run: Run, step: Step, prepared: PreparedRun) -> None:
     it is made: a boundary rule no item reaches fails here, its records kept, not after the whole protocol."""
     e, checkpoint = step.experiment, step.checkpoint
     sections = e.summarize(run.find(e.name, checkpoint), run.manifest.stages[f"{e.name}/{checkpoint}"], checkpoint)
-    e.check_outcome({e.name: sections if e.many else sections[0]}, prepared)
+    e.check_outcome(sections if e.many else sections[0], prepared)

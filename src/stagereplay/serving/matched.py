@@ -48,7 +48,7 @@ from stagereplay.experiments.arms import (
     top_k_diagnostics,
     with_token_texts,
 )
-from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.jobs import Job, JobResult, Params
 from stagereplay.experiments.matched import STAGE1_TOP
 from stagereplay.records.ledger import Run
 from stagereplay.records.manifest import StageSection
@@ -412,7 +412,7 @@ def load_finding(comparisons: Mapping[tuple[str, str], Comparison]) -> dict[str,
     return out
 
 
-def with_engine_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
+def with_engine_environment(work: Work[dict[str, Any]], lm: LM, job: Job) -> JobResult:
     """`work(lm, job)` and the environment that ran it, the engine's version and settings included. An engine's
     error names the item it stopped (the records before it stay; a rerun resumes from it)."""
     try:
@@ -420,8 +420,7 @@ def with_engine_environment(work: Work, lm: LM, job: Job) -> dict[str, Any]:
     except StageReplayError as e:
         raise StageReplayError(f"item {job.item.id}: {e.problem}", e.fix) from e
     engine = cached_engine(job.params.arms.engine, lm)
-    return {"payload": payload, "environment": {**environment(lm.config.device, lm.determinism),
-                                                "engine": engine.settings()}}
+    return JobResult(payload, {**environment(lm.config.device, lm.determinism), "engine": engine.settings()})
 
 
 REQUESTS_PER_ITEM = 6

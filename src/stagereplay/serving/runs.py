@@ -31,7 +31,7 @@ from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.local import WorkerDied
 from stagereplay.experiments.experiment import Batch, Experiment, Replay
-from stagereplay.experiments.jobs import Job, with_environment
+from stagereplay.experiments.jobs import Job, JobResult, with_environment
 from stagereplay.experiments.matched import Matched, MatchedOptions, MatchedStage, fixed_prefixes
 from stagereplay.experiments.mismatch import Mismatch, MismatchOptions
 from stagereplay.experiments.precision_2x2 import GridOptions, GridStage, PrecisionGrid
@@ -264,7 +264,7 @@ class ServedMismatch(Served):
         return [int(ours["start"]), *[1] * (n - 1)]
 
 
-def _mismatch_environment(lm: Any, job: Job, arms: ServingArms) -> dict[str, Any]:
+def _mismatch_environment(lm: Any, job: Job, arms: ServingArms) -> JobResult:
     """Part '' with the engine's settings in its environment; a trainer part, which the engine does not run, with
     the engine's build as installed here (what the audit compares for every record of the stage), the engine not
     loaded."""
@@ -272,7 +272,7 @@ def _mismatch_environment(lm: Any, job: Job, arms: ServingArms) -> dict[str, Any
         return with_engine_environment(served_mismatch_item, lm, job)
     out = with_environment(served_mismatch_item, lm, job)
     build = _build(arms.engine)
-    return out if build is None else {**out, "environment": {**out["environment"], "engine": {"build": build}}}
+    return out if build is None else replace(out, environment={**out.environment, "engine": {"build": build}})
 
 
 @lru_cache(maxsize=4)
