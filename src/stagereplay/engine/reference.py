@@ -4,8 +4,11 @@ scored on the row of reference logits that predicts it.
 
     reference_scores(lm, prompt, served, decode, seed, head, chunk)   one response: prefill, then `reduce_rows`
                                                                        chunk by chunk
+    logits_scores(logits, served, decode, seed, chunk)                 the same from reference logits in hand [N, V]
     reduce_rows(logits, served, decode, generator)                     the per-token scores of rows [C, V] of
                                                                        reference logits, on their device
+    TokenScores.difr(), difr_summary(scores)                           the same tokens in Token-DiFR's terms
+                                                                       (`TokenMetrics`, `compute_metrics_summary`)
     gumbel_noise(rows, width, generator)                               vLLM's per-request exponential noise [C, V]
 
 Per served token (`TokenScores`, each field [N]):
@@ -64,6 +67,46 @@ class TokenScores:
     def __len__(self) -> int:
         return len(self.match)
 
+    def difr(self) -> dict[str, np.ndarray]:
+        """Token-DiFR's `TokenMetrics` fields for these tokens, each [N], as its `verify_outputs` defines them for
+        this claim: with the Gumbel-max scores, `exact_match`, `margin` and `gumbel_rank` are theirs; for a greedy
+        claim (its temperature 0) they are `match`, `margin` and the rank of 1 / E one-hot on the argmax (0 on a
+        match, else 1). Token-DiFR also filters a greedy claim's raw logits with top-p 1.0, which removes tokens whose
+        fp32 probability underflows to 0 (their margin inf there); vLLM skips top-p at 1.0, and so does this."""
+        import numpy as np
+
+        if self.gumbel_match is not None and self.gumbel_margin is not None and self.gumbel_rank is not None:
+            exact, margin, gumbel_rank = self.gumbel_match, self.gumbel_margin, self.gumbel_rank
+        else:
+            exact, margin, gumbel_rank = self.match, self.margin, (~self.match).astype(np.float32)
+        return {"exact_match": exact, "prob": self.prob, "margin": margin,
+                "logit_rank": self.logit_rank.astype(np.float64), "gumbel_rank": gumbel_rank}
+
+
+def difr_summary(scores: Sequence[TokenScores]) -> dict[str, float | int]:
+    """Token-DiFR's `compute_metrics_summary` of these responses' tokens, its keys and its arithmetic: every rate
+    and average over all tokens pooled (each token one data point), `avg_margin` over the finite margins only."""
+    import numpy as np
+
+    fields = [s.difr() for s in scores]
+    pooled = {k: np.concatenate([f[k] for f in fields]) if fields else np.zeros(0) for k in
+              ("exact_match", "prob", "margin", "logit_rank", "gumbel_rank")}
+    total = int(pooled["exact_match"].size)
+    if total == 0:
+        return {"total_tokens": 0, "exact_match_rate": 0.0, "avg_prob": 0.0, "avg_margin": 0.0,
+                "infinite_margin_rate": 0.0, "avg_logit_rank": 0.0, "avg_gumbel_rank": 0.0}
+    finite = np.isfinite(pooled["margin"])
+    n_finite = int(finite.sum())
+    return {
+        "total_tokens": total,
+        "exact_match_rate": int(np.count_nonzero(pooled["exact_match"])) / total,
+        "avg_prob": float(pooled["prob"].astype(np.float64).sum()) / total,
+        "avg_margin": float(pooled["margin"][finite].astype(np.float64).sum()) / n_finite if n_finite else float("inf"),
+        "infinite_margin_rate": (total - n_finite) / total,
+        "avg_logit_rank": float(pooled["logit_rank"].astype(np.float64).sum()) / total,
+        "avg_gumbel_rank": float(pooled["gumbel_rank"].astype(np.float64).sum()) / total,
+    }
+
 
 def gumbel_noise(rows: int, width: int, generator: torch.Generator) -> torch.Tensor:
     """E ~ Exp(1), [rows, width] fp32 on the generator's device, one row of `width` drawn after another: what vLLM's
@@ -118,16 +161,14 @@ def reduce_rows(logits: torch.Tensor, served: torch.Tensor, decode: DecodeConfig
     return out
 
 
-def _check(lm: LM, prompt: Sequence[int], served: Sequence[int], width: int) -> None:
+def _check_served(served: Sequence[int], width: int) -> None:
+    """A one-line error for a response without tokens or with a token outside the vocabulary of `width`."""
     if not served:
         raise StageReplayError("a served response has no tokens", "drop empty responses before scoring")
     bad = [t for t in served if not 0 <= t < width]
     if bad:
         raise StageReplayError(f"served token {bad[0]} lies outside the claimed model's vocabulary of {width}",
                                "check that the served outputs came from a model with this tokenizer")
-    if len(prompt) + len(served) > lm.context:
-        raise StageReplayError(f"prompt + served tokens ({len(prompt) + len(served)}) exceed the claimed model's "
-                               f"context of {lm.context}", "drop or truncate the response")
 
 
 def _model_head(lm: LM, hidden: torch.Tensor) -> torch.Tensor:
@@ -147,7 +188,6 @@ def reference_scores(lm: LM, prompt: Sequence[int], served: Sequence[int], decod
     LM head (`head` "model", or "fp32": engine.scoring.head_logits) and `reduce_rows` on `chunk` rows at a time.
     `decode` is the claimed sampler (greedy, or sampling with its temperature, top-k and top-p); `seed`, where
     the server drew with vLLM's per-request seed, adds the Gumbel-max scores."""
-    import numpy as np
     import torch
 
     if head not in HEADS:
@@ -157,7 +197,10 @@ def reference_scores(lm: LM, prompt: Sequence[int], served: Sequence[int], decod
     prompt, served = [int(t) for t in prompt], [int(t) for t in served]
     lm.check_prompt(prompt)
     width = int(lm.model.get_output_embeddings().weight.shape[0])
-    _check(lm, prompt, served, width)
+    _check_served(served, width)
+    if len(prompt) + len(served) > lm.context:
+        raise StageReplayError(f"prompt + served tokens ({len(prompt) + len(served)}) exceed the claimed model's "
+                               f"context of {lm.context}", "drop or truncate the response")
     generator = None
     if seed is not None and decode.sample:
         generator = torch.Generator(device=lm.config.device).manual_seed(seed)
@@ -172,7 +215,33 @@ def reference_scores(lm: LM, prompt: Sequence[int], served: Sequence[int], decod
             h = hidden[start : start + chunk]  # [C, H]
             logits = head_logits(lm, h) if head == "fp32" else _model_head(lm, h)  # [C, V]
             parts.append(reduce_rows(logits, targets[start : start + chunk], decode, generator))
+    return _collected(parts)
+
+
+def _collected(parts: Sequence[dict[str, torch.Tensor]]) -> TokenScores:
+    """`reduce_rows`' chunks, in order, joined into one response's `TokenScores` on the host."""
+    import numpy as np
+
     fields = {k: np.concatenate([p[k].cpu().numpy() for p in parts]) for k in parts[0]}
     for k in ("margin", "logprob", "prob"):
         fields[k] = fields[k].astype(np.float32)
     return TokenScores(**fields)
+
+
+def logits_scores(logits: torch.Tensor, served: Sequence[int], decode: DecodeConfig, seed: int | None = None,
+                  chunk: int = CHUNK) -> TokenScores:
+    """`TokenScores` of served tokens [N] from reference logits already in hand, [N, V] (row i predicts served[i]),
+    reduced `chunk` rows at a time with one generator seeded with `seed` (sampled claims only) across them."""
+    import torch
+
+    if len(served) != logits.shape[0]:
+        raise StageReplayError(f"{len(served)} served tokens for {logits.shape[0]} rows of logits",
+                               "give one row of reference logits per served token")
+    if chunk < 1:
+        raise StageReplayError(f"chunk must be at least 1, got {chunk}", "pass a positive chunk")
+    served = [int(t) for t in served]
+    _check_served(served, int(logits.shape[1]))
+    generator = torch.Generator(device=logits.device).manual_seed(seed) if seed is not None and decode.sample else None
+    targets = torch.tensor(served, device=logits.device)
+    return _collected([reduce_rows(logits[a : a + chunk], targets[a : a + chunk], decode, generator)
+                       for a in range(0, len(served), chunk)])
