@@ -113,3 +113,15 @@ def test_bad_scores_are_refused():
         Items.of([[0.0, np.inf]])
     with pytest.raises(ValueError, match="empty"):
         Items.of([[0.0], []])
+
+
+@pytest.mark.parametrize(("module", "torch_expected"), [("stagereplay.experiments.attest_stats", False),
+                                                        ("torch", True)])
+def test_the_decision_imports_no_torch(module, torch_expected):
+    """attest_stats is numpy only (a report or a planner may read decisions where torch is absent); the second case is
+    the control that the probe sees an import of torch."""
+    import subprocess
+    import sys
+
+    code = f"import sys; import {module}; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == int(torch_expected)
