@@ -130,6 +130,9 @@ def reduce_rows(logits: torch.Tensor, served: torch.Tensor, decode: DecodeConfig
     advanced by C rows here), which needs a sampling `decode`."""
     import torch
 
+    if generator is not None and not decode.sample:
+        raise StageReplayError("a Gumbel-max check needs a sampled claim",
+                               "pass the claimed sampler (sample=True, its temperature) or no generator")
     x = logits.float()  # [C, V]
     served = served.to(x.device)
     gold = x.gather(1, served[:, None])[:, 0]  # [C]
@@ -141,8 +144,6 @@ def reduce_rows(logits: torch.Tensor, served: torch.Tensor, decode: DecodeConfig
     }
     if not decode.sample:
         out["prob"] = out["match"].float()
-        if generator is not None:
-            raise StageReplayError("a Gumbel-max check needs a sampled claim", "claim --sample with its temperature")
         return out
     warped = Sampler(replace(decode, sample=False), 0, str(x.device)).warp(x)  # [C, V], -inf where removed
     probs = torch.softmax(warped, dim=-1)  # [C, V]
