@@ -59,6 +59,10 @@ TINY: dict[str, tuple[list[str], str]] = {
                                      rf"^overhead -?{NUMBER}% of forward time, peak RSS \d+ MiB$"),
     "matched_floor.py": (["--n", "2", "--max-new-tokens", "8", "--repeats", "1"],
                          rf"^matched / floor\s+{NUMBER}x\s+\(target <= 1\.15x\)$"),
+    "attest.py": (["--n", "6", "--max-new-tokens", "8", "--draws", "199"],
+                  rf"^attest: honest FPR at 1% \d+/\d+ \[{NUMBER}, {NUMBER}\]; greedy later checkpoint: AUC {NUMBER} at "
+                  rf"128 tokens, 99% power (?:<=|>) \d+; seeded later checkpoint: AUC {NUMBER} at 128 tokens, 99% power "
+                  rf"(?:<=|>) \d+$"),
     "mismatch.py": (["throughput", "--shape", "tiny", "--rollouts", "2", "--prompt", "8", "--response", "16"],
                     rf"^scoring: ours {NUMBER} tok/s, bare forward {NUMBER} tok/s, ours / bare {NUMBER}$"),
     "mismatch.py memory": (["memory", "--small", "2", "--large", "4", "--response", "8", "--distinct", "2"],
@@ -169,7 +173,7 @@ def test_last_line_rejects_a_crash() -> None:
 
 
 SLOW = ("paper.py", "constructions.py", "long_trace.py", "long_trace.py --cache static", "gpu_check.sh", "plan.py",
-        "matched_floor.py", "mismatch.py memory")
+        "matched_floor.py", "mismatch.py memory", "attest.py")
 """Scripts whose smoke run is a whole protocol run (or several): the slow tier, which CI also runs."""
 SERVER = ("server.py",)
 """Scripts whose smoke run starts llama-server: the server tier (tests/test_server.py says how to run it)."""
