@@ -320,7 +320,7 @@ def _reexecute(chosen: dict[str, list[Record]], stages: Mapping[str, StageSectio
 def _compare(record: Record, again: dict[str, Any], served: bool, bound: bool, elsewhere: bool, precision: str,
              tally: _Tally) -> None:
     """One re-executed unit against its record: every field, as the record's version claims them."""
-    again = as_recorded(record.item_id, again, record.payload, bound)
+    again = as_recorded(experiment(record.experiment), record.item_id, again, record.payload, bound)
     recorded = record.payload
     if served:  # what a serving engine re-executes one request at a time (serving.replay.replayable)
         from stagereplay.serving.replay import replayable, with_unreplayed

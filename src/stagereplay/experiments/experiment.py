@@ -4,6 +4,7 @@ found by name in the registry (`experiments.registry`).
 An experiment declares
 
     Stage                    its frozen section of the manifest (a `StageSection` with its own fields)
+    payload                  its records' payload model(s): `read(record)` gives a record's payload as its model
     Options                  its own options (a frozen dataclass: its command's options come from its fields)
     check(model, opts)       what it refuses before anything loads
     section(prepared, opts)  the section it freezes before its first item, from the prepared run and its options
@@ -39,6 +40,8 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pydantic import TypeAdapter
+
 from stagereplay.engine.forwards import Lengths, continuation_forwards
 from stagereplay.engine.model import ModelConfig
 from stagereplay.execution.config import Work
@@ -51,7 +54,7 @@ from stagereplay.experiments.verdict import Fact, Question
 from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import RunConfig, StageSection
-from stagereplay.records.payloads import Payload
+from stagereplay.records.payloads import Payload, PayloadModel
 from stagereplay.records.proofs import machine_store
 
 if TYPE_CHECKING:
@@ -107,6 +110,8 @@ class Experiment(ABC):
     """The ledger's `experiment` field and the first half of a stage's name."""
     Stage: ClassVar[type[StageSection]] = StageSection
     """Its frozen section of the manifest."""
+    payload: ClassVar[TypeAdapter[Any]]
+    """Its records' payload model (a union where a status has its own): what `read` validates a payload as."""
     Options: ClassVar[type] = NoOptions
     """Its own options: a frozen dataclass, each field with its `help` (its command's options come from them)."""
     command: ClassVar[str] = ""
@@ -185,6 +190,29 @@ class Experiment(ABC):
               ) -> list[tuple[str, str]]:
         """The (item id, part) units its stage at `checkpoint` names, from the run's `config` and the records it
         starts from."""
+
+    def read(self, record: Record) -> PayloadModel:
+        """One of its records' payload as its model (`payload`); raises pydantic's ValidationError (a ValueError) when
+        it is not one."""
+        model: PayloadModel = self.payload.validate_python(record.payload)
+        return model
+
+    def told(self, records: list[Record]) -> list[str]:
+        """One item's story for `stagereplay show`, as lines, from its records of this experiment at one checkpoint
+        (each read as its model, `read`): by default, per record, each of its payload's own fields that is a number,
+        a label or a list (token IDs counted, arms named)."""
+        lines = []
+        for record in records:
+            lines.append(f"{self.where(record)}:")
+            for name, value in self.read(record):
+                if isinstance(value, (bool, int, float, str)) or value is None:
+                    lines.append(f"  {name}: {value}")
+                elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+                    lines.append(f"  {name}: {len(value)} token IDs")
+                elif isinstance(value, list):
+                    names = [str(getattr(v, "name", "")) for v in value]
+                    lines.append(f"  {name}: {', '.join(n for n in names if n) or len(value)}")
+        return lines
 
     def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
         """What one of its records claims that follows from its other fields, checked: the problems found."""

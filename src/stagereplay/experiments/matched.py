@@ -455,6 +455,7 @@ def matched_facts(matched: list[dict[str, Any]]) -> list[Fact]:
 class Matched(Experiment):
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = MatchedStage
     Options: ClassVar[type] = MatchedOptions

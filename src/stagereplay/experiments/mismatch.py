@@ -252,6 +252,7 @@ class Mismatch(Experiment):
     """Rollout vs trainer: the log-probability each side gives the same response tokens, where the gap comes from,
     and whether the cache carries it."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = MismatchStage
     Options: ClassVar[type] = MismatchOptions
@@ -317,6 +318,14 @@ class Mismatch(Experiment):
 
     def work(self, lm: LM, job: Job) -> Payload:
         return mismatch_item(lm, job)
+
+    def told(self, records: list[Record]) -> list[str]:
+        """Where along the response each side parts from the rollout, and by how much (`mismatch_story`)."""
+        from stagereplay.experiments.mismatch_story import story_lines
+
+        ordered = sorted(records, key=lambda r: r.part != "")
+        return story_lines([PAYLOAD.validate_python(r.payload) for r in ordered],
+                           f"{self.name}/{records[0].checkpoint}" if records else self.name)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:

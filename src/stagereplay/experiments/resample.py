@@ -352,6 +352,7 @@ def resample_figures(entries: list[dict[str, Any]]) -> list[ReportFigure]:
 class Resample(Experiment):
     """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = ResampleStage
     Options: ClassVar[type] = ResampleConfig

@@ -450,6 +450,7 @@ class TransplantStage(StageSection):
 class Transplant(Experiment):
     """Swap K/V between live and fresh boundary states of divergent items, both directions, and continue."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = TransplantStage
     Options: ClassVar[type] = TransplantConfig
