@@ -44,6 +44,7 @@ from pydantic import TypeAdapter
 
 from stagereplay.engine.forwards import Lengths, continuation_forwards
 from stagereplay.engine.model import ModelConfig
+from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import Work
 from stagereplay.execution.executors import run_jobs
 from stagereplay.experiments.figures import ReportFigure, SharedFigure
@@ -286,6 +287,13 @@ class Experiment(ABC):
         it, given what differs between their manifests; None where the matched comparison of live trajectories
         is the one (`report.compare`)."""
         return None
+
+    def check_other_data(self, runs: tuple[str, str], records: tuple[list[Record], list[Record]]) -> None:
+        """Refuse in one line two runs of it whose data differ (their dataset hashes; the same item ids), where
+        comparing their records means nothing: by default always (its records are outcomes of the items the data
+        gives, and other data gives other items)."""
+        raise StageReplayError(f"{runs[0]} and {runs[1]} ran items of different datasets (config.dataset_hash "
+                               "differs)", "compare runs of the same data file")
 
     def unit_positions(self, record: Record) -> int:
         """The longest sequence one recorded unit held (what its caches are sized by): its prefix and longest

@@ -409,6 +409,17 @@ class Mismatch(Experiment):
                     self.summarize(records[1], stages[1], checkpoint)[0])
         return compared(records, item_ids, checkpoint, runs, sections, differences)
 
+    def check_other_data(self, runs: tuple[str, str], records: tuple[list[Record], list[Record]]) -> None:
+        """Two runs on other data (a generated run and a file of rollouts, two engines' files) compare on the
+        items' tokens: refused only where an item's prompt differs (its responses may: that is what differs)."""
+        prompts = ({r.item_id: PAYLOAD.validate_python(r.payload).prompt_ids for r in side if not r.part}
+                   for side in records)
+        a, b = prompts
+        for item_id, prompt in a.items():
+            if item_id in b and b[item_id] != prompt:
+                raise StageReplayError(f"{runs[0]} and {runs[1]} hold other prompts for item {item_id!r}: their "
+                                       "rollouts answer different questions", "compare runs of the same prompts")
+
     def verdict_facts(self, results: Any) -> list[Fact]:
         from stagereplay.experiments.mismatch_summary import mismatch_verdict
 
