@@ -58,6 +58,6 @@ def as_recorded(experiment: Experiment, item_id: str, again: dict[str, Any], rec
     if "token_texts" not in recorded:
         again = {k: v for k, v in again.items() if k != "token_texts"}
     for field in LATE_ARM_FIELDS:
-        if not any(field in a for a in recorded.get("arms", [])):
+        if "arms" in again and not any(field in a for a in recorded.get("arms", [])):
             again = {**again, "arms": [{k: v for k, v in a.items() if k != field} for a in again.get("arms", [])]}
     return again

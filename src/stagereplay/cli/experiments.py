@@ -79,8 +79,16 @@ def starting_command(experiment: Any) -> Callable[..., None]:
 
     out = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, annotation=Path,
                             default=typer.Option(..., "--out", help="run directory (created, or resumed)"))
-    groups = [Group(Inputs, "inputs"), Group(experiment.Options, "options", panel=_panel(experiment)),
-              Group(ExecConfig, "ex"), Group(EngineChoice, "choice"), *engines]
+    own = {"inputs": {}, "choice": {}}  # what its command offers of each group, as it says (`Experiment.ignores`)
+    for dotted in experiment.ignores:
+        group, _, name = dotted.partition(".")
+        own["choice" if group == "choice" else "inputs"][name if group == "choice" else dotted] = True
+    helps = {k: v for k, v in experiment.helps.items() if not k.startswith("choice.")}
+    groups = [Group(Inputs, "inputs", hide=frozenset(own["inputs"]), helps=helps),
+              Group(experiment.Options, "options", panel=_panel(experiment)), Group(ExecConfig, "ex"),
+              Group(EngineChoice, "choice", hide=frozenset(own["choice"]),
+                    helps={k.partition(".")[2]: v for k, v in experiment.helps.items() if k.startswith("choice.")}),
+              *engines]
     return command(body, groups, [out, quiet_option()], doc=experiment.__doc__)
 
 

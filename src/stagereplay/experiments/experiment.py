@@ -55,14 +55,16 @@ from stagereplay.experiments.verdict import Fact, Question
 from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import RunConfig, StageSection
+from stagereplay.records.payload_readers import ItemHead
 from stagereplay.records.payloads import Payload, PayloadModel
 from stagereplay.records.proofs import machine_store
 
 if TYPE_CHECKING:
+    from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import LM
     from stagereplay.experiments.compared import RunComparison
     from stagereplay.records.differences import Differences
-    from stagereplay.tasks import DataConfig
+    from stagereplay.tasks import DataConfig, Item
 
 __all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "Section", "append_jobs"]
 
@@ -111,13 +113,19 @@ class Experiment(ABC):
     """The ledger's `experiment` field and the first half of a stage's name."""
     Stage: ClassVar[type[StageSection]] = StageSection
     """Its frozen section of the manifest."""
-    payload: ClassVar[TypeAdapter[Any]]
-    """Its records' payload model (a union where a status has its own): what `read` validates a payload as."""
+    payload: ClassVar[TypeAdapter[Any]] = TypeAdapter(ItemHead)
+    """Its records' payload model (a union where a status has its own): what `read` validates a payload as. By
+    default what every payload of the protocol's arms holds (`records.payload_readers.ItemHead`)."""
     Options: ClassVar[type] = NoOptions
     """Its own options: a frozen dataclass, each field with its `help` (its command's options come from them)."""
     command: ClassVar[str] = ""
     """Its command's name ('' : it has none): `stagereplay <command>`."""
     starts_run: ClassVar[bool] = False
+    ignores: ClassVar[frozenset[str]] = frozenset()
+    """The inputs a run it makes does nothing with, dotted as its command's groups name them (`boundary.marker`,
+    `numerics.batch` of `runs.inputs.Inputs`; `choice.cross` of the engine choice): its command does not offer them."""
+    helps: ClassVar[dict[str, str]] = {}
+    """Its command's own help texts of inputs it reads otherwise than the protocol does (dotted as `ignores`)."""
     """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
     continuations: ClassVar[bool] = True
     """Whether its records hold the protocol's arms (continuations from boundary states, `records.payloads.Arm`:
@@ -144,6 +152,15 @@ class Experiment(ABC):
         from stagereplay.tasks import DataConfig
 
         return DataConfig(path=path, n=n, columns=columns)
+
+    def sequence_end(self, item: Item, decode: DecodeConfig) -> int:
+        """How far one item's sequence reaches (its prompt and what a run without a stage boundary adds to it): the
+        prompt and `max_new_tokens`."""
+        return len(item.prompt_ids) + decode.max_new_tokens
+
+    def check_inputs(self, inputs: Any, options: Any) -> None:  # noqa: B027  # most experiments take every input
+        """Refuse in one line inputs (`runs.inputs.Inputs`) that its options make meaningless, rather than ignore
+        them."""
 
     def check(self, model: ModelConfig, options: Any) -> None:  # noqa: B027  # most experiments check nothing here
         """Refuse in one line, before anything loads, options it cannot run with `model`."""
@@ -208,6 +225,8 @@ class Experiment(ABC):
             for name, value in self.read(record):
                 if isinstance(value, (bool, int, float, str)) or value is None:
                     lines.append(f"  {name}: {value}")
+                elif isinstance(value, list) and not value:
+                    lines.append(f"  {name}: none")
                 elif isinstance(value, list) and all(isinstance(v, int) for v in value):
                     lines.append(f"  {name}: {len(value)} token IDs")
                 elif isinstance(value, list):

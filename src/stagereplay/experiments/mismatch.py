@@ -261,6 +261,21 @@ class Mismatch(Experiment):
     uses_boundary: ClassVar[bool] = False
     continuations: ClassVar[bool] = False
     label: ClassVar[str] = "mismatch"
+    ignores: ClassVar[frozenset[str]] = frozenset({
+        "boundary.marker", "boundary.regex", "boundary.after", "decode.max_stage1_tokens", "input.scorer",
+        "numerics.batch", "choice.cross"})
+    """A response has no stage boundary and no label, and is scored one sequence at a time."""
+    helps: ClassVar[dict[str, str]] = {
+        "decode.max_new_tokens": "response length limit: tokens each rollout generates after its prompt",
+        "decode.sample": "sample each rollout (seeded) instead of decoding it greedily",
+        "decode.seed": "base seed; each item's rollout derives its own",
+        "input.data": ("prompts to roll out: a JSONL, JSON, CSV or Parquet file, a datasets.save_to_disk folder, or "
+                       "hf:NAME[:CONFIG][:SPLIT] (default: the toy task's held-out items); a rollout file: --rollouts"),
+        "input.columns": ("map the data's fields: TARGET=COLUMN,... With --rollouts, TARGET prompt_ids, response_ids, "
+                          "logprobs or id; with --data, prompt, messages, user (a one-message chat) or id"),
+        "input.n": "roll out (or read) the first N items",
+    }
+    """What a mismatch run does with the inputs it takes: rollouts of a response, or a file of them."""
 
     def data(self, path: str | None, n: int | None, columns: str | None, options: MismatchOptions) -> DataConfig:
         """A rollout file is the run's data (its hash bound, its location not)."""
@@ -274,6 +289,26 @@ class Mismatch(Experiment):
             raise StageReplayError("--rollouts names the data; --data names other data",
                                    "pass one of --rollouts FILE or --data FILE")
         return DataConfig(path=str(Path(options.rollouts).resolve()), n=n, columns=columns, rollouts=True)
+
+    def sequence_end(self, item: Any, decode: DecodeConfig) -> int:
+        """A generated rollout reaches `max_new_tokens` past its prompt; a rollout file's, its own response's end."""
+        from stagereplay.tasks.rollouts import RolloutItem
+
+        if isinstance(item, RolloutItem):
+            return len(item.prompt_ids) + item.response_len
+        return len(item.prompt_ids) + decode.max_new_tokens
+
+    def check_inputs(self, inputs: Any, options: MismatchOptions) -> None:
+        """A rollout file holds its responses and says how they were sampled: decoding options are refused with it,
+        not ignored."""
+        if options.rollouts is None:
+            return
+        given = [f"--{f.replace('_', '-')}" for f in ("max_new_tokens", "sample", "temperature", "top_k", "top_p", "seed")
+                 if getattr(inputs.decode, f) != getattr(DecodeConfig(), f)]
+        if given:
+            raise StageReplayError(f"{', '.join(given)} decode nothing with --rollouts: the file holds the responses "
+                                   "and how they were sampled", f"drop {', '.join(given)}, or generate the rollouts "
+                                   "without --rollouts")
 
     def check(self, model: ModelConfig, options: MismatchOptions) -> None:
         if model.batch > 1:
