@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,9 +179,12 @@ def rollout_file_run(root: Path, mismatch_run: Path) -> Path:
     path = root / "rollouts.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     run = root / "file"
-    _ok(_invoke(["mismatch", "--rollouts", str(path), "--columns", RENAMED, "--precisions", "bf16", "--quiet",
-                 "--out", str(run)]), "mismatch --rollouts")
+    _ok(_invoke([*_file_args(root), "--quiet", "--out", str(run)]), "mismatch --rollouts")
     return run
+
+
+def _file_args(root: Path) -> list[str]:
+    return ["mismatch", "--rollouts", str(root / "rollouts.jsonl"), "--columns", RENAMED, "--precisions", "bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +279,44 @@ def test_an_experiment_defined_in_a_test_module_is_read_by_every_command(protoco
         registry.unregister("echo")
     refused = _invoke(["export", str(run)])
     assert refused.exit_code == 2 and "unknown experiment 'echo'" in refused.output, refused.output
+
+
+def _rows(plan: str, name: str) -> list[str]:
+    return [line for line in plan.splitlines() if line.startswith(f"{name}/")]
+
+
+def test_a_mismatch_run_is_priced_before_it_runs_as_it_ran(readings: dict[str, Readings], root: Path):
+    """`mismatch ... --plan` (a rollout file's included: each response at its own length) prices the forwards, tokens
+    and caches that `plan RUN` measures on the run those options made, row for row."""
+    for key, args in (("mismatch", STARTS["mismatch"]), ("mismatch (rollout file)", _file_args(root))):
+        before = _ok(_invoke([*args, "--plan"]), "--plan")
+        after = readings[key].outputs["plan"].output
+        assert _rows(before, "mismatch") == _rows(after, "mismatch") != [], (before, after)
+
+
+def test_plan_before_a_run_refuses_what_the_run_would_refuse(root: Path, rollout_file_run: Path):
+    """With a rollout file, decoding options are refused in one line, before and instead of a run."""
+    for extra in (["--plan"], ["--out", str(root / "never")]):
+        refused = _invoke([*_file_args(root), "--max-new-tokens", "4", "--sample", *extra])
+        assert refused.exit_code == 2 and "--max-new-tokens, --sample decode nothing with --rollouts" in refused.output
+        assert refused.output.strip().count("\n") == 0, refused.output
+    assert not (root / "never").exists()
+
+
+def test_a_command_offers_only_the_inputs_its_experiment_uses():
+    """`mismatch --help` offers no stage boundary, scorer, cross arm or batch, and speaks of a response; the control:
+    `matched --help`, whose experiment uses them all, offers them."""
+    wide = {"COLUMNS": "240"}
+    mismatch = runner.invoke(app, ["mismatch", "--help"], env=wide).output
+    matched = runner.invoke(app, ["matched", "--help"], env=wide).output
+    unused = ("--boundary-after", "--boundary-marker", "--boundary-regex", "--scorer", "--cross", "--batch",
+              "--max-stage1-tokens")
+    def offers(flag: str, text: str) -> bool:  # an option's own line of the help, not a mention in another's text
+        return re.search(rf"^│ {flag}\s", text, re.MULTILINE) is not None
+
+    assert all(offers(flag, matched) for flag in unused) and "suffix length limit after the boundary" in matched
+    assert not any(offers(flag, mismatch) for flag in unused), mismatch
+    assert "suffix length limit" not in mismatch and "response length limit" in mismatch, mismatch
+    assert all(target in mismatch for target in ("prompt_ids", "response_ids", "logprobs")), mismatch
+    refused = _invoke(["mismatch", "--boundary-after", "4", "--out", "never"])
+    assert refused.exit_code == 2 and "--boundary-after" in refused.output and not Path("never").exists()

@@ -68,17 +68,33 @@ def starting_command(experiment: Any) -> Callable[..., None]:
 
     engines = _engine_groups()
 
-    def body(inputs: Any, ex: Any, choice: Any, options: Any, out: Path, quiet: bool, **engine_options: Any) -> None:
+    def body(inputs: Any, ex: Any, choice: Any, options: Any, out: Path | None, plan: bool, quiet: bool,
+             **engine_options: Any) -> None:
         def go() -> None:
+            from stagereplay.errors import StageReplayError
             from stagereplay.runs import engine_of, make_run
 
+            if plan:
+                from stagereplay.plan.experiment import plan_experiment
+                from stagereplay.runs.prepare import data_config
+
+                experiment.check_inputs(inputs, options)
+                typer.echo(plan_experiment(experiment, options, inputs.input.model,
+                                           data_config(inputs, experiment, options), inputs.decode,
+                                           inputs.numerics.precision))
+                return
+            if out is None:
+                raise StageReplayError("no run directory given", "pass --out DIR (or --plan to price the run)")
             engine = engine_of(choice.engine, choice.cross, _given(engine_options))
             _exit(experiment, make_run(out, experiment, options, inputs, engine, ex, quiet))
 
         guarded(go)
 
-    out = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, annotation=Path,
-                            default=typer.Option(..., "--out", help="run directory (created, or resumed)"))
+    out = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, annotation=Path | None, default=typer.Option(
+        None, "--out", help="run directory (created, or resumed); required unless --plan"))
+    plan = inspect.Parameter("plan", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, "--plan", help="price the run on our engine before it runs (forwards, caches, weights per stage): "
+                              "runs nothing, writes nothing"))
     own = {"inputs": {}, "choice": {}}  # what its command offers of each group, as it says (`Experiment.ignores`)
     for dotted in experiment.ignores:
         group, _, name = dotted.partition(".")
@@ -89,7 +105,7 @@ def starting_command(experiment: Any) -> Callable[..., None]:
               Group(EngineChoice, "choice", hide=frozenset(own["choice"]),
                     helps={k.partition(".")[2]: v for k, v in experiment.helps.items() if k.startswith("choice.")}),
               *engines]
-    return command(body, groups, [out, quiet_option()], doc=experiment.__doc__)
+    return command(body, groups, [out, plan, quiet_option()], doc=experiment.__doc__)
 
 
 def extending_command(experiment: Any) -> Callable[..., None]:

@@ -34,7 +34,7 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import MODES, Scored
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
 from stagereplay.experiments.figures import ReportFigure, png
 from stagereplay.experiments.format import Table, slug
 from stagereplay.experiments.jobs import Job, Params
@@ -421,6 +421,22 @@ class Mismatch(Experiment):
             out += [prompt, *([1] * (at - prompt)), at]  # the two caches at t
             out += [1] * (prompt + n - at - 1) * 6  # the two own and four transplanted continuations
         return out
+
+    def planned_forwards(self, assumed: Assumed, options: MismatchOptions) -> Planned:
+        """Per item, part '': the rollout and its replica (generated), our incremental score, the engine's prefill
+        and its replica (generated), and the transplant where it fits; each trainer precision: a prefill and its
+        replica. The forwards `unit_forwards` counts on a recorded unit."""
+        generated, main = options.rollouts is None, []
+        for lengths in assumed.items:
+            p, n = lengths.prompt, lengths.suffix
+            steps = [p, *[1] * (n - 1)]
+            out = (steps * 2 if generated else []) + steps + ([p + n - 1] * 2 if generated else [])
+            at = p + max(1, int(options.transplant_at * n))
+            if options.transplant_at and p + n - at >= 3:
+                out += [p, *([1] * (at - p)), at, *[1] * ((p + n - at - 1) * 6)]
+            main.append((lengths, out))
+        return {"": main, **{precision: [(u, [u.prompt + u.suffix - 1] * 2) for u in assumed.items]
+                             for precision in options.precisions}}
 
     def peak_caches(self, stage: StageSection) -> int:
         return 4  # the two caches at t, a transplanted one and the continuation's
