@@ -95,15 +95,14 @@ def starting_command(experiment: Any) -> Callable[..., None]:
     plan = inspect.Parameter("plan", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
         False, "--plan", help="price the run on our engine before it runs (forwards, caches, weights per stage): "
                               "runs nothing, writes nothing"))
-    own = {"inputs": {}, "choice": {}}  # what its command offers of each group, as it says (`Experiment.ignores`)
-    for dotted in experiment.ignores:
-        group, _, name = dotted.partition(".")
-        own["choice" if group == "choice" else "inputs"][name if group == "choice" else dotted] = True
-    helps = {k: v for k, v in experiment.helps.items() if not k.startswith("choice.")}
-    groups = [Group(Inputs, "inputs", hide=frozenset(own["inputs"]), helps=helps),
+
+    def own(of_choice: bool, names: Any) -> Any:  # its names in the engine choice's group (`choice.`), or the inputs'
+        return {n.removeprefix("choice."): v for n, v in names if n.startswith("choice.") == of_choice}
+
+    ignored = [(n, True) for n in experiment.ignores]
+    groups = [Group(Inputs, "inputs", hide=frozenset(own(False, ignored)), helps=own(False, experiment.helps.items())),
               Group(experiment.Options, "options", panel=_panel(experiment)), Group(ExecConfig, "ex"),
-              Group(EngineChoice, "choice", hide=frozenset(own["choice"]),
-                    helps={k.partition(".")[2]: v for k, v in experiment.helps.items() if k.startswith("choice.")}),
+              Group(EngineChoice, "choice", hide=frozenset(own(True, ignored)), helps=own(True, experiment.helps.items())),
               *engines]
     return command(body, groups, [out, plan, quiet_option()], doc=experiment.__doc__)
 

@@ -456,6 +456,7 @@ class Matched(Experiment):
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
     payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
+    serving: ClassVar[str | None] = "arms"
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = MatchedStage
     Options: ClassVar[type] = MatchedOptions

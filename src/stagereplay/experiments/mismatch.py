@@ -253,6 +253,7 @@ class Mismatch(Experiment):
     and whether the cache carries it."""
 
     payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
+    serving: ClassVar[str | None] = "rollouts"
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = MismatchStage
     Options: ClassVar[type] = MismatchOptions
