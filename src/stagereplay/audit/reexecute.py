@@ -255,7 +255,7 @@ def _items(manifest: Manifest, relocated: list[dict[str, str]] | None, tally: _T
 
     run_config = manifest.config
     _, tokenizer = load_config_and_tokenizer(run_config.model.path)  # the weights load where jobs run
-    loaded, data_hash = load_items(DataConfig(**run_config.data.declared()), tokenizer)
+    loaded, data_hash = load_items(DataConfig(**run_config.data.as_config()), tokenizer)
     moved = frozenset(m["input"].split()[0] for m in relocated or [] if m["input"].endswith("model"))
     tally.mismatches += [m.of_kind("integrity")
                          for m in input_findings(manifest, data_hash, [i.id for i in loaded], moved)]

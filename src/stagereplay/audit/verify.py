@@ -42,8 +42,8 @@ from stagereplay.records.payload_readers import ItemHead
 from stagereplay.records.payloads import Arm, first_error, read_arm
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
+from stagereplay.tasks.item_sources import source
 from stagereplay.tasks.scoring import scorer_by_name
-from stagereplay.tasks.sources import dataset_at
 
 STATUSES = ("ok", "no_boundary", "prefix_not_reproduced", "not_reproduced")
 SCHEMA_1_NOTE = ("ledger schema 1: its manifest is not bound into the hash chain, so an edit of the manifest "
@@ -120,7 +120,7 @@ def dataset_findings(manifest: Manifest) -> list[Finding]:
         want = shard_items([row["id"] for row in toy_rows(n, HELDOUT_SEED)], shard)
     else:
         path = data.path
-        found = dataset_at(path, data.columns, data.rollouts)  # any format (tasks.sources); None: not at hand here
+        found = source(data.source_name()).at(path, data.columns)  # its source reads it; None: not at hand here
         if found is None:
             return []  # a location only; the full audit reads the data where it is given
         if found[1] != config.dataset_hash:

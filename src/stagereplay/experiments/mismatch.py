@@ -289,7 +289,7 @@ class Mismatch(Experiment):
         if path is not None:
             raise StageReplayError("--rollouts names the data; --data names other data",
                                    "pass one of --rollouts FILE or --data FILE")
-        return DataConfig(path=str(Path(options.rollouts).resolve()), n=n, columns=columns, rollouts=True)
+        return DataConfig(path=str(Path(options.rollouts).resolve()), n=n, columns=columns, source="rollouts")
 
     def sequence_end(self, item: Any, decode: DecodeConfig) -> int:
         """A generated rollout reaches `max_new_tokens` past its prompt; a rollout file's, its own response's end."""
