@@ -320,3 +320,12 @@ def test_a_command_offers_only_the_inputs_its_experiment_uses():
     assert all(target in mismatch for target in ("prompt_ids", "response_ids", "logprobs")), mismatch
     refused = _invoke(["mismatch", "--boundary-after", "4", "--out", "never"])
     assert refused.exit_code == 2 and "--boundary-after" in refused.output and not Path("never").exists()
+
+
+@pytest.mark.parametrize("name", [e.name for e in registry.all_experiments() if e.starts_run])
+def test_every_experiment_that_makes_a_run_prices_it_before_it_runs(name: str, tmp_path: Path):
+    """`<command> ... --plan` prices the run its options would make, runs nothing and writes nothing."""
+    out = tmp_path / "never"
+    planned = _ok(_invoke([*STARTS[name], "--plan", "--out", str(out)]), f"{name} --plan")
+    assert _rows(planned, name) and any(line.startswith("audit@") for line in planned.splitlines()), planned
+    assert not out.exists()
