@@ -5,8 +5,11 @@ An experiment declares
 
     Stage                    its frozen section of the manifest (a `StageSection` with its own fields)
     payload                  its records' payload model(s): `read(record)` gives a record's payload as its model
-    Options                  its own options (a frozen dataclass: its command's options come from its fields)
-    check(model, opts)       what it refuses before anything loads
+    Options                  its own options (a frozen dataclass: its command's options come from its fields), and
+                             `ignores` / `helps` the run's inputs its command does not offer, or describes its way
+    serving                  what it asks of a serving engine (None: the cache itself; refused there)
+    data(...), sequence_end  where its items come from (`tasks.item_sources`), and how far an item's sequence reaches
+    check(model, opts)       what it refuses before anything loads (and `check_inputs` inputs its options void)
     section(prepared, opts)  the section it freezes before its first item, from the prepared run and its options
     batches(prepared, stage) its jobs, one batch per model setting (a precision), from the frozen section
     work(lm, job)            its item function: one item's record payload, pure in (model, job)
@@ -23,6 +26,8 @@ An experiment declares
                              `verdict_questions` the questions they raise
     figures(sections)        the report's figures of those sections, and `series` its series on figures it shares
                              with other experiments (`experiments.figures`)
+    told(records)            one item's story (`stagereplay show`), and `check_other_data` whether two of its runs
+                             on other data compare (`stagereplay compare`)
 
 and `run(run, prepared, options)` makes its stage of a run the same way for every experiment and engine: the engine
 of the prepared run (`experiments.prepared.RunEngine`: ours, or a serving engine) gives the section, the batches and
@@ -121,6 +126,7 @@ class Experiment(ABC):
     command: ClassVar[str] = ""
     """Its command's name ('' : it has none): `stagereplay <command>`."""
     starts_run: ClassVar[bool] = False
+    """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
     serving: ClassVar[str | None] = None
     """What it asks of a serving engine (an engine that keeps its own cache, `serving.runs.FORMS`): `arms` (arms from
     the prompt), `prefix_arms` (arms on the matched run's prefixes, per precision), `rollouts` (rollouts sampled in the
@@ -130,7 +136,6 @@ class Experiment(ABC):
     `numerics.batch` of `runs.inputs.Inputs`; `choice.cross` of the engine choice): its command does not offer them."""
     helps: ClassVar[dict[str, str]] = {}
     """Its command's own help texts of inputs it reads otherwise than the protocol does (dotted as `ignores`)."""
-    """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
     continuations: ClassVar[bool] = True
     """Whether its records hold the protocol's arms (continuations from boundary states, `records.payloads.Arm`:
     a prefix, suffixes, labels and the comparisons between them), which `verify` checks alike for every such
