@@ -78,16 +78,16 @@ class Readings:
         return list(items(read_ledger(self.run)))
 
 
-def read_all(run: Path, other: Path, work: Path) -> Readings:
+def read_all(run: Path, other: Path, work: Path, sample: bool = False) -> Readings:
     """Every reading command on `run` (and `compare` against `other`, a run on other data), outputs kept by name;
-    `show` is each experiment's (`problems`)."""
+    `show` is each experiment's (`problems`). `sample`: the audit re-executes one unit per stage, not every one."""
     read = Readings(run, other, work)
     commands = {
         "export-parquet": ["export", str(run), "--output", str(work / "rows.parquet")],
         "export-csv": ["export", str(run), "--format", "csv", "--output", str(work / "rows.csv")],
         "report": ["report", str(run)],
         "verify": ["audit", str(run), "--verify-only"],
-        "audit": ["audit", str(run), "--sample", "1", "--quiet"],
+        "audit": ["audit", str(run), *(["--sample", "1"] if sample else []), "--quiet"],
         "compare-self": ["compare", str(run), str(run), "--out", str(work / "self")],
         "compare-other": ["compare", str(run), str(other), "--out", str(work / "other")],
         "plan": ["plan", str(run)],
@@ -189,15 +189,16 @@ def _file_args(root: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def readings(root: Path, protocol_run: Path, mismatch_run: Path, rollout_file_run: Path) -> dict[str, Readings]:
-    """Every reading command, once per run: the protocol run (against the toy's 200-item matched run: other data),
-    the generated mismatch run (against the rollout file's), and the rollout file's (against the generated one)."""
+    """Every reading command, once per run: the protocol run (against the toy's 200-item matched run: other data; its
+    audit re-executes a unit per stage), the generated mismatch run (against the rollout file's), and the rollout
+    file's (against the generated one; its audit re-reads every row through the run's column mapping)."""
     runs = {"protocol": (protocol_run, FIXTURES / "toy_matched"), "mismatch": (mismatch_run, rollout_file_run),
             "mismatch (rollout file)": (rollout_file_run, mismatch_run)}
     out = {}
     for n, (key, (run, other)) in enumerate(runs.items()):
         work = root / f"read-{n}"
         work.mkdir()
-        out[key] = read_all(run, other, work)
+        out[key] = read_all(run, other, work, sample=key == "protocol")
     return out
 
 
