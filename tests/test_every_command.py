@@ -330,3 +330,22 @@ def test_every_experiment_that_makes_a_run_prices_it_before_it_runs(name: str, t
     planned = _ok(_invoke([*STARTS[name], "--plan", "--out", str(out)]), f"{name} --plan")
     assert _rows(planned, name) and any(line.startswith("audit@") for line in planned.splitlines()), planned
     assert not out.exists()
+
+
+def test_verify_reads_a_record_of_its_own_kind_as_its_experiments_model(mismatch_run: Path, root: Path):
+    """A mismatch record given a field its model does not have, every checksum recomputed, is found by `--verify-only`
+    as not a mismatch payload; the control: the run as made verifies."""
+    import shutil
+
+    import forge
+
+    _ok(_invoke(["audit", str(mismatch_run), "--verify-only"]), "verify")
+    forged = root / "forged"
+    shutil.copytree(mismatch_run, forged)
+    chain, manifest = forge.load(forged)
+    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.experiment == "mismatch")
+    chain[i] = forge.with_payload(chain[i], {**forge.edit(chain[i]), "verdict": "fine"}, recompare=False)
+    forge.save(forged, chain, manifest)
+    found = _invoke(["audit", str(forged), "--verify-only"])
+    assert found.exit_code == 1 and f"{chain[i].item_id}: mismatch/primary" in found.output, found.output
+    assert "not a mismatch payload" in found.output, found.output
