@@ -237,12 +237,14 @@ def test_a_rollout_file_is_audited_against_the_trainer_and_a_planted_logprob_is_
 def test_compare_of_two_rollout_files_finds_the_one_planted_logprob_and_nothing_else(toy_run, tmp_path):
     """Two rollout files of the same prompts and tokens, one with a log-probability moved per item: `compare` finds
     the tokens equal, exactly one rollout log-probability per item differing (by what was planted) and the
-    trainer's unmoved. Control: a file against a run of the same file finds nothing. Runs of other prompts
-    (the toy task's rollouts generated against a file) are refused in one line."""
-    good, bad = tmp_path / "rollouts.jsonl", tmp_path / "planted.jsonl"
+    trainer's unmoved. Control: a file against a run of the same file finds nothing. The generated run against a file
+    of its own tokens compares on those tokens (every rollout the same); runs of other prompts are refused in one
+    line."""
+    good, bad, other = tmp_path / "rollouts.jsonl", tmp_path / "planted.jsonl", tmp_path / "other.jsonl"
     _write_rollouts(toy_run, good)
     _write_rollouts(toy_run, bad, edit=lambda row: row["logprobs"].__setitem__(5, row["logprobs"][5] - 0.5))
-    for name, path in (("a", good), ("b", bad), ("c", good)):
+    _write_rollouts(toy_run, other, edit=lambda row: row.update(prompt_ids=row["prompt_ids"][1:]))
+    for name, path in (("a", good), ("b", bad), ("c", good), ("d", other)):
         ran = runner.invoke(app, ["mismatch", "--rollouts", str(path), "--precisions", "bf16", "--transplant-at",
                                   "0", "--quiet", "--out", str(tmp_path / name)])
         assert ran.exit_code == 0, ran.output
@@ -262,9 +264,12 @@ def test_compare_of_two_rollout_files_finds_the_one_planted_logprob_and_nothing_
     assert "rollout" in (tmp_path / "ab" / "compare.md").read_text()
     _, same = sides("a", "c")
     assert same["rollout"]["bitwise_equal"] == same["trainer@bf16"]["bitwise_equal"] == 1.0  # control
-    refused = runner.invoke(app, ["compare", str(toy_run), str(tmp_path / "a"), "--out", str(tmp_path / "ta")])
+    own = runner.invoke(app, ["compare", str(toy_run), str(tmp_path / "a"), "--out", str(tmp_path / "ta")])
+    assert own.exit_code == 0, own.output
+    assert json.loads((tmp_path / "ta" / "compare.json").read_text())["tokens_equal"] == 3
+    refused = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "d"), "--out", str(tmp_path / "ad")])
     lines = refused.stderr.strip().splitlines()
-    assert refused.exit_code == 2 and len(lines) == 1 and "different datasets" in lines[0], refused.stderr
+    assert refused.exit_code == 2 and len(lines) == 1 and "hold other prompts" in lines[0], refused.stderr
 
 
 @pytest.mark.parametrize(("edit", "says"), [

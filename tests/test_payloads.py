@@ -14,9 +14,9 @@ from pydantic import Field, ValidationError
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
-from stagereplay.experiments import bridge, matched, precision_2x2, resample, transplant
+from stagereplay.experiments import bridge, matched, precision_2x2, registry, resample, transplant
 from stagereplay.records import payload_doc, payload_readers, payloads
-from stagereplay.records.ledger import items, read_ledger, read_manifest
+from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 from stagereplay.records.payload_doc import generated_section, markdown
 from stagereplay.records.record import canonical_json
 
@@ -72,28 +72,32 @@ def test_the_runs_of_earlier_versions_kept_as_fixtures_read_too(run):
 
 @pytest.mark.parametrize("run", ["toy_golden", "toy_matched", "run_paper", "schema1"])
 def test_any_payload_reads_as_the_model_its_experiment_gives_it(run):
-    """`read_payload` (a payload of any of our experiments) gives each record the model its experiment's reader
-    gives it; `ItemHead` (what every item payload holds, an outside experiment's too) reads each one, its arms as
-    recorded."""
+    """`Experiment.read` (the experiment found by the record's `experiment` field) gives each record the model its
+    module's reader gives it; `ItemHead` (what every payload of arms holds, an outside experiment's too) reads each one,
+    its arms as recorded."""
     records = [json.loads(line) for line in (FIXTURES / run / "ledger.jsonl").read_text().splitlines()]
-    for r in (r for r in records if r.get("kind", "item") == "item"):
-        model = payload_readers.read_payload(r["payload"])
-        assert type(model) is type(READERS[r["experiment"]].validate_python(r["payload"]))
-        assert canonical_json(model.as_payload()) == canonical_json(r["payload"])
-        head = payload_readers.ItemHead.model_validate(r["payload"])
-        assert [a.as_payload() for a in head.arms] == r["payload"]["arms"] and head.status == r["payload"]["status"]
+    for r in (Record.model_validate(r) for r in records if r.get("kind", "item") == "item"):
+        model = registry.experiment(r.experiment).read(r)
+        assert type(model) is type(READERS[r.experiment].validate_python(r.payload))
+        assert canonical_json(model.as_payload()) == canonical_json(r.payload)
+        head = payload_readers.ItemHead.model_validate(r.payload)
+        assert [a.as_payload() for a in head.arms] == r.payload["arms"] and head.status == r.payload["status"]
 
 
 def test_a_payload_of_no_model_is_refused_by_name():
-    """The controls of `read_payload`: a status no payload has, and a 2x2 payload without its precision (then a
-    matched payload, which lacks the replica's prefix), are no payload."""
-    record = next(json.loads(line) for line in (FIXTURES / "run_paper" / "ledger.jsonl").read_text().splitlines()
-                  if '"experiment":"precision_2x2"' in line and '"kind":"item"' in line)
-    assert isinstance(payload_readers.read_payload(record["payload"]), payloads.GridPayload)
-    with pytest.raises(ValidationError, match="no payload has this status"):
-        payload_readers.read_payload({**record["payload"], "status": "done"})
-    with pytest.raises(ValidationError, match="MatchedPayload"):
-        payload_readers.read_payload({k: v for k, v in record["payload"].items() if k != "precision"})
+    """The controls of `Experiment.read`: a status no payload has, and a 2x2 payload without its precision, are not
+    the 2x2's payload; read by another experiment, a 2x2 payload is not that experiment's either."""
+    raw = next(json.loads(line) for line in (FIXTURES / "run_paper" / "ledger.jsonl").read_text().splitlines()
+               if '"experiment":"precision_2x2"' in line and '"kind":"item"' in line)
+    record = Record.model_validate(raw)
+    grid = registry.experiment("precision_2x2")
+    assert isinstance(grid.read(record), payloads.GridPayload)
+    with pytest.raises(ValidationError, match="status"):
+        grid.read(record.model_copy(update={"payload": {**record.payload, "status": "done"}}))
+    with pytest.raises(ValidationError, match="precision"):
+        grid.read(record.model_copy(update={"payload": {k: v for k, v in record.payload.items() if k != "precision"}}))
+    with pytest.raises(ValidationError):
+        registry.experiment("mismatch").read(record)
 
 
 def _first_ok(run: Path, experiment: str) -> dict[str, Any]:

@@ -264,7 +264,7 @@ def _items(manifest: Manifest, relocated: list[dict[str, str]] | None, tally: _T
 
     run_config = manifest.config
     _, tokenizer = load_config_and_tokenizer(run_config.model.path)  # the weights load where jobs run
-    loaded, data_hash = load_items(DataConfig(**run_config.data.declared()), tokenizer)
+    loaded, data_hash = load_items(DataConfig(**run_config.data.as_config()), tokenizer)
     moved = frozenset(m["input"].split()[0] for m in relocated or [] if m["input"].endswith("model"))
     tally.mismatches += [m.of_kind("integrity")
                          for m in input_findings(manifest, data_hash, [i.id for i in loaded], moved)]
@@ -329,7 +329,7 @@ def _reexecute(chosen: dict[str, list[Record]], stages: Mapping[str, StageSectio
 def _compare(record: Record, again: dict[str, Any], served: bool, bound: bool, elsewhere: bool, precision: str,
              tally: _Tally) -> None:
     """One re-executed unit against its record: every field, as the record's version claims them."""
-    again = as_recorded(record.item_id, again, record.payload, bound)
+    again = as_recorded(experiment(record.experiment), record.item_id, again, record.payload, bound)
     recorded = record.payload
     if served:  # what a serving engine re-executes one request at a time (serving.replay.replayable)
         from stagereplay.serving.replay import replayable, with_unreplayed

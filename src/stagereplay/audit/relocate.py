@@ -22,7 +22,8 @@ from stagereplay.errors import StageReplayError
 from stagereplay.records.ledger import diff_fields
 from stagereplay.records.manifest import Manifest
 from stagereplay.records.provenance import model_hashes
-from stagereplay.tasks.sources import HF_PREFIX, dataset_at
+from stagereplay.tasks.item_sources import source
+from stagereplay.tasks.sources import HF_PREFIX
 
 FLAGS = {"primary": "--model", "later": "--later-model"}
 
@@ -132,7 +133,7 @@ def relocate(manifest: Manifest, where: Relocation, need_inputs: bool = True
     recorded_data = data.path
     if where.data is not None:
         here = where.data if where.data.startswith(HF_PREFIX) else str(Path(where.data).resolve())
-        found = dataset_at(here, data.columns, data.rollouts)
+        found = source(data.source_name()).at(here, data.columns)
         if found is None:
             raise StageReplayError(f"--data {here} not found", "pass the data the run was made with")
         if found[1] != config.dataset_hash:
@@ -142,7 +143,7 @@ def relocate(manifest: Manifest, where: Relocation, need_inputs: bool = True
         out = out.updated(config=out.config.updated(data=data.updated(path=here)))
         moved.append({"input": "data", "recorded": recorded_data or "the toy task", "here": here,
                       "how": "--data, dataset hash matches"})
-    elif recorded_data and need_inputs and dataset_at(recorded_data, data.columns, data.rollouts) is None:
+    elif recorded_data and need_inputs and source(data.source_name()).at(recorded_data, data.columns) is None:
         raise StageReplayError(f"the run's data is not at {recorded_data}",
                                "pass --data PATH where it is now (checked against the run's dataset_hash)")
     return out, moved

@@ -43,8 +43,8 @@ from stagereplay.records.payload_readers import ItemHead
 from stagereplay.records.payloads import Arm, first_error, read_arm
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.report.results import build_results, comparable_results
+from stagereplay.tasks.item_sources import source
 from stagereplay.tasks.scoring import scorer_by_name
-from stagereplay.tasks.sources import dataset_at
 
 STATUSES = ("ok", "no_boundary", "prefix_not_reproduced", "not_reproduced")
 SCHEMA_1_NOTE = ("ledger schema 1: its manifest is not bound into the hash chain, so an edit of the manifest "
@@ -121,7 +121,7 @@ def dataset_findings(manifest: Manifest) -> list[Finding]:
         want = shard_items([row["id"] for row in toy_rows(n, HELDOUT_SEED)], shard)
     else:
         path = data.path
-        found = dataset_at(path, data.columns, data.rollouts)  # any format (tasks.sources); None: not at hand here
+        found = source(data.source_name()).at(path, data.columns)  # its source reads it; None: not at hand here
         if found is None:
             return []  # a location only; the full audit reads the data where it is given
         if found[1] != config.dataset_hash:
@@ -183,16 +183,18 @@ def completeness(manifest: Manifest, records: list[Record]) -> list[Finding]:
 def claim_findings(record: Record, stage: StageSection, matched: Record | None, schema_2: bool = True
                    ) -> list[Finding]:
     """Every field of one item record that follows from its other fields (and its matched record), checked.
-    Schema 1 fingerprinted fewer comparison fields (`schema_2=False`). The record is read as every experiment's
-    records are (`records.payload_readers.ItemHead`: its arms and comparisons as their models), its experiment checks the
-    rest (`Experiment.claims`)."""
+    Schema 1 fingerprinted fewer comparison fields (`schema_2=False`). A record of the protocol's arms is read as every
+    such record is (`records.payload_readers.ItemHead`: its arms and comparisons as their models), one of an experiment
+    whose records are its own as its model (`Experiment.read`); its experiment checks the rest (`Experiment.claims`)."""
     where = f"{stage_name(record)}{'@' + record.part if record.part else ''}"
     kind = registry.experiment(record.experiment)
-    if not kind.continuations:  # its records are its own: its claims are all there is to check
-        status = record.payload.get("status")
-        bad = [] if status in STATUSES else [f"status {status!r} is not one of {', '.join(STATUSES)}"]
-        return [Finding(item_id=record.item_id, what=f"{where} {b}")
-                for b in bad + kind.claims(record, stage, matched)]
+    if not kind.continuations:  # its records are its own: its model and its claims are all there is to check
+        try:
+            kind.read(record)
+        except ValidationError as e:
+            return [Finding(item_id=record.item_id, what=f"{where} not a {record.experiment} payload "
+                                                         f"({first_error(e)})")]
+        return [Finding(item_id=record.item_id, what=f"{where} {b}") for b in kind.claims(record, stage, matched)]
     try:
         payload = ItemHead.model_validate(record.payload)
     except ValidationError as e:  # a field missing, of another type, or one no arm has: nothing to derive from

@@ -13,11 +13,13 @@ A newer schema than this stagereplay reads is refused by `records.record.parse_r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stagereplay.experiments.arms import compare, comparison_fp_schema_1
-from stagereplay.records.payload_readers import read_payload
 from stagereplay.records.payloads import Arm, Comparison
+
+if TYPE_CHECKING:
+    from stagereplay.experiments.experiment import Experiment
 
 LATE_ARM_FIELDS = ("took_place", "request")
 """Arm fields of serving records that records made before them lack (none of their arms has one)."""
@@ -41,12 +43,14 @@ def derived_comparison(item_id: str, a: Arm, b: Arm, bound: bool) -> Comparison:
     return derived
 
 
-def as_recorded(item_id: str, again: dict[str, Any], recorded: dict[str, Any], bound: bool) -> dict[str, Any]:
+def as_recorded(experiment: Experiment, item_id: str, again: dict[str, Any], recorded: dict[str, Any], bound: bool
+                ) -> dict[str, Any]:
     """A re-executed payload as the recorded payload's version would have written it: schema 1's comparison
     fingerprints and fields, and without the fields a record made before them lacks (which fields the recorded
-    JSON holds: `recorded` is read as it is, a record too malformed for its model included)."""
+    JSON holds: `recorded` is read as it is, a record too malformed for its model included). `experiment` made it: its
+    payload model reads the re-executed payload."""
     if not bound:  # schema 1: our engine's records, re-executed by our engine
-        made = read_payload(again)
+        made = experiment.payload.validate_python(again)
         arms = {a.name: a.as_payload() for a in made.arms}
         comparisons = [{**c.as_payload(), "fp": comparison_fp_schema_1(item_id, arms[c.a], arms[c.b])}
                        for c in made.comparisons]
@@ -54,6 +58,6 @@ def as_recorded(item_id: str, again: dict[str, Any], recorded: dict[str, Any], b
     if "token_texts" not in recorded:
         again = {k: v for k, v in again.items() if k != "token_texts"}
     for field in LATE_ARM_FIELDS:
-        if not any(field in a for a in recorded.get("arms", [])):
+        if "arms" in again and not any(field in a for a in recorded.get("arms", [])):
             again = {**again, "arms": [{k: v for k, v in a.items() if k != field} for a in again.get("arms", [])]}
     return again

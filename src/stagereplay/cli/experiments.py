@@ -71,20 +71,43 @@ def starting_command(experiment: Any) -> Callable[..., None]:
 
     engines = _engine_groups()
 
-    def body(inputs: Any, ex: Any, choice: Any, options: Any, out: Path, quiet: bool, **engine_options: Any) -> None:
+    def body(inputs: Any, ex: Any, choice: Any, options: Any, out: Path | None, plan: bool, quiet: bool,
+             **engine_options: Any) -> None:
         def go() -> None:
+            from stagereplay.errors import StageReplayError
             from stagereplay.runs import engine_of, make_run
 
+            if plan:
+                from stagereplay.plan.experiment import plan_experiment
+                from stagereplay.runs.prepare import data_config
+
+                experiment.check_inputs(inputs, options)
+                typer.echo(plan_experiment(experiment, options, inputs.input.model,
+                                           data_config(inputs, experiment, options), inputs.decode,
+                                           inputs.numerics.precision))
+                return
+            if out is None:
+                raise StageReplayError("no run directory given", "pass --out DIR (or --plan to price the run)")
             engine = engine_of(choice.engine, choice.cross, _given(engine_options))
             _exit(experiment, make_run(out, experiment, options, inputs, engine, ex, quiet))
 
         guarded(go)
 
-    out = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, annotation=Path,
-                            default=typer.Option(..., "--out", help="run directory (created, or resumed)"))
-    groups = [Group(Inputs, "inputs"), Group(experiment.Options, "options", panel=_panel(experiment)),
-              Group(ExecConfig, "ex"), Group(EngineChoice, "choice"), *engines]
-    return command(body, groups, [out, quiet_option()], doc=experiment.__doc__)
+    out = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, annotation=Path | None, default=typer.Option(
+        None, "--out", help="run directory (created, or resumed); required unless --plan"))
+    plan = inspect.Parameter("plan", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, "--plan", help="price the run on our engine before it runs (forwards, caches, weights per stage): "
+                              "runs nothing, writes nothing"))
+
+    def own(of_choice: bool, names: Any) -> Any:  # its names in the engine choice's group (`choice.`), or the inputs'
+        return {n.removeprefix("choice."): v for n, v in names if n.startswith("choice.") == of_choice}
+
+    ignored = [(n, True) for n in experiment.ignores]
+    groups = [Group(Inputs, "inputs", hide=frozenset(own(False, ignored)), helps=own(False, experiment.helps.items())),
+              Group(experiment.Options, "options", panel=_panel(experiment)), Group(ExecConfig, "ex"),
+              Group(EngineChoice, "choice", hide=frozenset(own(True, ignored)), helps=own(True, experiment.helps.items())),
+              *engines]
+    return command(body, groups, [out, plan, quiet_option()], doc=experiment.__doc__)
 
 
 def extending_command(experiment: Any) -> Callable[..., None]:

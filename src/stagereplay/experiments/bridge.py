@@ -176,6 +176,7 @@ class BridgeStage(StageSection):
 class Bridge(Experiment):
     """Incremental vs live boundary caches, bitwise, layer by layer, K and V, and their suffixes."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = BridgeStage
     Options: ClassVar[type] = BridgeOptions

@@ -4,8 +4,12 @@ found by name in the registry (`experiments.registry`).
 An experiment declares
 
     Stage                    its frozen section of the manifest (a `StageSection` with its own fields)
-    Options                  its own options (a frozen dataclass: its command's options come from its fields)
-    check(model, opts)       what it refuses before anything loads
+    payload                  its records' payload model(s): `read(record)` gives a record's payload as its model
+    Options                  its own options (a frozen dataclass: its command's options come from its fields), and
+                             `ignores` / `helps` the run's inputs its command does not offer, or describes its way
+    serving                  what it asks of a serving engine (None: the cache itself; refused there)
+    data(...), sequence_end  where its items come from (`tasks.item_sources`), and how far an item's sequence reaches
+    check(model, opts)       what it refuses before anything loads (and `check_inputs` inputs its options void)
     section(prepared, opts)  the section it freezes before its first item, from the prepared run and its options
     batches(prepared, stage) its jobs, one batch per model setting (a precision), from the frozen section
     work(lm, job)            its item function: one item's record payload, pure in (model, job)
@@ -24,6 +28,8 @@ An experiment declares
                              `verdict_questions` the questions they raise
     figures(sections)        the report's figures of those sections, and `series` its series on figures it shares
                              with other experiments (`experiments.figures`)
+    told(records)            one item's story (`stagereplay show`), and `check_other_data` whether two of its runs
+                             on other data compare (`stagereplay compare`)
 
 and `run(run, prepared, options)` makes its stage of a run the same way for every experiment and engine: the engine
 of the prepared run (`experiments.prepared.RunEngine`: ours, or a serving engine) gives the section, the batches and
@@ -41,10 +47,11 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from stagereplay.engine.forwards import Lengths, continuation_forwards
 from stagereplay.engine.model import ModelConfig
+from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import Work
 from stagereplay.execution.executors import run_jobs
 from stagereplay.experiments.diagnostics_summary import Diagnosed
@@ -56,15 +63,17 @@ from stagereplay.experiments.verdict import Fact, Question
 from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import RunConfig, StageSection
-from stagereplay.records.payloads import Payload
+from stagereplay.records.payload_readers import ItemHead
+from stagereplay.records.payloads import Payload, PayloadModel
 from stagereplay.records.proofs import machine_store
 from stagereplay.records.summary import Count, Untyped
 
 if TYPE_CHECKING:
+    from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import LM
     from stagereplay.experiments.compared import RunComparison
     from stagereplay.records.differences import Differences
-    from stagereplay.tasks import DataConfig
+    from stagereplay.tasks import DataConfig, Item
 
 __all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "append_jobs"]
 
@@ -112,12 +121,24 @@ class Experiment(ABC):
     """The ledger's `experiment` field and the first half of a stage's name."""
     Stage: ClassVar[type[StageSection]] = StageSection
     """Its frozen section of the manifest."""
+    payload: ClassVar[TypeAdapter[Any]] = TypeAdapter(ItemHead)
+    """Its records' payload model (a union where a status has its own): what `read` validates a payload as. By
+    default what every payload of the protocol's arms holds (`records.payload_readers.ItemHead`)."""
     Options: ClassVar[type] = NoOptions
     """Its own options: a frozen dataclass, each field with its `help` (its command's options come from them)."""
     command: ClassVar[str] = ""
     """Its command's name ('' : it has none): `stagereplay <command>`."""
     starts_run: ClassVar[bool] = False
     """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
+    serving: ClassVar[str | None] = None
+    """What it asks of a serving engine (an engine that keeps its own cache, `serving.runs.FORMS`): `arms` (arms from
+    the prompt), `prefix_arms` (arms on the matched run's prefixes, per precision), `rollouts` (rollouts sampled in the
+    engine, scored teacher-forced); None: it needs the cache itself, and is refused there."""
+    ignores: ClassVar[frozenset[str]] = frozenset()
+    """The inputs a run it makes does nothing with, dotted as its command's groups name them (`boundary.marker`,
+    `numerics.batch` of `runs.inputs.Inputs`; `choice.cross` of the engine choice): its command does not offer them."""
+    helps: ClassVar[dict[str, str]] = {}
+    """Its command's own help texts of inputs it reads otherwise than the protocol does (dotted as `ignores`)."""
     continuations: ClassVar[bool] = True
     """Whether its records hold the protocol's arms (continuations from boundary states, `records.payloads.Arm`:
     a prefix, suffixes, labels and the comparisons between them), which `verify` checks alike for every such
@@ -159,6 +180,15 @@ class Experiment(ABC):
         from stagereplay.tasks import DataConfig
 
         return DataConfig(path=path, n=n, columns=columns)
+
+    def sequence_end(self, item: Item, decode: DecodeConfig) -> int:
+        """How far one item's sequence reaches (its prompt and what a run without a stage boundary adds to it): the
+        prompt and `max_new_tokens`."""
+        return len(item.prompt_ids) + decode.max_new_tokens
+
+    def check_inputs(self, inputs: Any, options: Any) -> None:  # noqa: B027  # most experiments take every input
+        """Refuse in one line inputs (`runs.inputs.Inputs`) that its options make meaningless, rather than ignore
+        them."""
 
     def check(self, model: ModelConfig, options: Any) -> None:  # noqa: B027  # most experiments check nothing here
         """Refuse in one line, before anything loads, options it cannot run with `model`."""
@@ -207,6 +237,31 @@ class Experiment(ABC):
               ) -> list[tuple[str, str]]:
         """The (item id, part) units its stage at `checkpoint` names, from the run's `config` and the records it
         starts from."""
+
+    def read(self, record: Record) -> PayloadModel:
+        """One of its records' payload as its model (`payload`); raises pydantic's ValidationError (a ValueError) when
+        it is not one."""
+        model: PayloadModel = self.payload.validate_python(record.payload)
+        return model
+
+    def told(self, records: list[Record]) -> list[str]:
+        """One item's story for `stagereplay show`, as lines, from its records of this experiment at one checkpoint
+        (each read as its model, `read`): by default, per record, each of its payload's own fields that is a number,
+        a label or a list (token IDs counted, arms named)."""
+        lines = []
+        for record in records:
+            lines.append(f"{self.where(record)}:")
+            for name, value in self.read(record):
+                if isinstance(value, (bool, int, float, str)) or value is None:
+                    lines.append(f"  {name}: {value}")
+                elif isinstance(value, list) and not value:
+                    lines.append(f"  {name}: none")
+                elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+                    lines.append(f"  {name}: {len(value)} token IDs")
+                elif isinstance(value, list):
+                    names = [str(getattr(v, "name", "")) for v in value]
+                    lines.append(f"  {name}: {', '.join(n for n in names if n) or len(value)}")
+        return lines
 
     def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
         """What one of its records claims that follows from its other fields, checked: the problems found."""
@@ -281,6 +336,13 @@ class Experiment(ABC):
         it, given what differs between their manifests; None where the matched comparison of live trajectories
         is the one (`report.compare`)."""
         return None
+
+    def check_other_data(self, runs: tuple[str, str], records: tuple[list[Record], list[Record]]) -> None:
+        """Refuse in one line two runs of it whose data differ (their dataset hashes; the same item ids), where
+        comparing their records means nothing: by default always (its records are outcomes of the items the data
+        gives, and other data gives other items)."""
+        raise StageReplayError(f"{runs[0]} and {runs[1]} ran items of different datasets (config.dataset_hash "
+                               "differs)", "compare runs of the same data file")
 
     def unit_positions(self, record: Record) -> int:
         """The longest sequence one recorded unit held (what its caches are sized by): its prefix and longest

@@ -221,6 +221,8 @@ def matched_records(run: Run, checkpoint: str) -> dict[str, Payload]:
 class Matched(Experiment):
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
+    serving: ClassVar[str | None] = "arms"
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = MatchedStage
     Options: ClassVar[type] = MatchedOptions

@@ -36,7 +36,7 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import LAYOUTS, MODES, Layout, Mode, Scored
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.experiment import Batch, Experiment, Replay, Section
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job
@@ -142,6 +142,8 @@ class Mismatch(Experiment):
     """Rollout vs trainer: the log-probability each side gives the same response tokens, where the gap comes from,
     and whether the cache carries it."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
+    serving: ClassVar[str | None] = "rollouts"
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = MismatchStage
     Options: ClassVar[type] = MismatchOptions
@@ -150,6 +152,21 @@ class Mismatch(Experiment):
     uses_boundary: ClassVar[bool] = False
     continuations: ClassVar[bool] = False
     label: ClassVar[str] = "mismatch"
+    ignores: ClassVar[frozenset[str]] = frozenset({
+        "boundary.marker", "boundary.regex", "boundary.after", "decode.max_stage1_tokens", "input.scorer",
+        "numerics.batch", "choice.cross"})
+    """A response has no stage boundary and no label, and is scored one sequence at a time."""
+    helps: ClassVar[dict[str, str]] = {
+        "decode.max_new_tokens": "response length limit: tokens each rollout generates after its prompt",
+        "decode.sample": "sample each rollout (seeded) instead of decoding it greedily",
+        "decode.seed": "base seed; each item's rollout derives its own",
+        "input.data": ("prompts to roll out: a JSONL, JSON, CSV or Parquet file, a datasets.save_to_disk folder, or "
+                       "hf:NAME[:CONFIG][:SPLIT] (default: the toy task's held-out items); a rollout file: --rollouts"),
+        "input.columns": ("map the data's fields: TARGET=COLUMN,... With --rollouts, TARGET prompt_ids, response_ids, "
+                          "logprobs or id; with --data, prompt, messages, user (a one-message chat) or id"),
+        "input.n": "roll out (or read) the first N items",
+    }
+    """What a mismatch run does with the inputs it takes: rollouts of a response, or a file of them."""
 
     def data(self, path: str | None, n: int | None, columns: str | None, options: MismatchOptions) -> DataConfig:
         """A rollout file is the run's data (its hash bound, its location not)."""
@@ -162,7 +179,27 @@ class Mismatch(Experiment):
         if path is not None:
             raise StageReplayError("--rollouts names the data; --data names other data",
                                    "pass one of --rollouts FILE or --data FILE")
-        return DataConfig(path=str(Path(options.rollouts).resolve()), n=n, columns=columns, rollouts=True)
+        return DataConfig(path=str(Path(options.rollouts).resolve()), n=n, columns=columns, source="rollouts")
+
+    def sequence_end(self, item: Any, decode: DecodeConfig) -> int:
+        """A generated rollout reaches `max_new_tokens` past its prompt; a rollout file's, its own response's end."""
+        from stagereplay.tasks.rollouts import RolloutItem
+
+        if isinstance(item, RolloutItem):
+            return len(item.prompt_ids) + item.response_len
+        return len(item.prompt_ids) + decode.max_new_tokens
+
+    def check_inputs(self, inputs: Any, options: MismatchOptions) -> None:
+        """A rollout file holds its responses and says how they were sampled: decoding options are refused with it,
+        not ignored."""
+        if options.rollouts is None:
+            return
+        given = [f"--{f.replace('_', '-')}" for f in ("max_new_tokens", "sample", "temperature", "top_k", "top_p", "seed")
+                 if getattr(inputs.decode, f) != getattr(DecodeConfig(), f)]
+        if given:
+            raise StageReplayError(f"{', '.join(given)} decode nothing with --rollouts: the file holds the responses "
+                                   "and how they were sampled", f"drop {', '.join(given)}, or generate the rollouts "
+                                   "without --rollouts")
 
     def check(self, model: ModelConfig, options: MismatchOptions) -> None:
         if model.batch > 1:
@@ -207,6 +244,14 @@ class Mismatch(Experiment):
 
     def work(self, lm: LM, job: Job) -> Payload:
         return mismatch_item(lm, job)
+
+    def told(self, records: list[Record]) -> list[str]:
+        """Where along the response each side parts from the rollout, and by how much (`mismatch_story`)."""
+        from stagereplay.experiments.mismatch_story import story_lines
+
+        ordered = sorted(records, key=lambda r: r.part != "")
+        return story_lines([PAYLOAD.validate_python(r.payload) for r in ordered],
+                           f"{self.name}/{records[0].checkpoint}" if records else self.name)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:
@@ -270,6 +315,22 @@ class Mismatch(Experiment):
             out += [1] * (prompt + n - at - 1) * 6  # the two own and four transplanted continuations
         return out
 
+    def planned_forwards(self, assumed: Assumed, options: MismatchOptions) -> Planned:
+        """Per item, part '': the rollout and its replica (generated), our incremental score, the engine's prefill
+        and its replica (generated), and the transplant where it fits; each trainer precision: a prefill and its
+        replica. The forwards `unit_forwards` counts on a recorded unit."""
+        generated, main = options.rollouts is None, []
+        for lengths in assumed.items:
+            p, n = lengths.prompt, lengths.suffix
+            steps = [p, *[1] * (n - 1)]
+            out = (steps * 2 if generated else []) + steps + ([p + n - 1] * 2 if generated else [])
+            at = p + max(1, int(options.transplant_at * n))
+            if options.transplant_at and p + n - at >= 3:
+                out += [p, *([1] * (at - p)), at, *[1] * ((p + n - at - 1) * 6)]
+            main.append((lengths, out))
+        return {"": main, **{precision: [(u, [u.prompt + u.suffix - 1] * 2) for u in assumed.items]
+                             for precision in options.precisions}}
+
     def peak_caches(self, stage: StageSection) -> int:
         return 4  # the two caches at t, a transplanted one and the continuation's
 
@@ -291,6 +352,17 @@ class Mismatch(Experiment):
         sections = (self.summarize(records[0], stages[0], checkpoint)[0],
                     self.summarize(records[1], stages[1], checkpoint)[0])
         return compared(records, item_ids, checkpoint, runs, sections, differences)
+
+    def check_other_data(self, runs: tuple[str, str], records: tuple[list[Record], list[Record]]) -> None:
+        """Two runs on other data (a generated run and a file of rollouts, two engines' files) compare on the
+        items' tokens: refused only where an item's prompt differs (its responses may: that is what differs)."""
+        prompts = ({r.item_id: PAYLOAD.validate_python(r.payload).prompt_ids for r in side if not r.part}
+                   for side in records)
+        a, b = prompts
+        for item_id, prompt in a.items():
+            if item_id in b and b[item_id] != prompt:
+                raise StageReplayError(f"{runs[0]} and {runs[1]} hold other prompts for item {item_id!r}: their "
+                                       "rollouts answer different questions", "compare runs of the same prompts")
 
     def verdict_facts(self, results: Any) -> list[Fact]:
         from stagereplay.experiments.mismatch_verdict import mismatch_verdict

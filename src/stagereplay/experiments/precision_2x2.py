@@ -241,6 +241,8 @@ def grid_lengths(payload: dict[str, Any]) -> Lengths:
 class PrecisionGrid(Experiment):
     """Hold the run's prefixes fixed; cross construction with precision."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
+    serving: ClassVar[str | None] = "prefix_arms"
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = GridStage
     Options: ClassVar[type] = GridOptions

@@ -196,6 +196,7 @@ def resample_params(stage: ResampleStage, precision: str, prefix: list[int] | No
 class Resample(Experiment):
     """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
     name: ClassVar[str] = EXPERIMENT
     Summary: ClassVar[type[BaseModel]] = ResampleSummary
     Stage: ClassVar[type[StageSection]] = ResampleStage

@@ -283,6 +283,7 @@ class TransplantStage(StageSection):
 class Transplant(Experiment):
     """Swap K/V between live and fresh boundary states of divergent items, both directions, and continue."""
 
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
     name: ClassVar[str] = EXPERIMENT
     Summary: ClassVar[type[BaseModel]] = TransplantSummary
     Stage: ClassVar[type[StageSection]] = TransplantStage

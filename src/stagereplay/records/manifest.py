@@ -109,7 +109,18 @@ class DataSection(Document):
                                                "null: the toy's held-out items")
     n: int | None = Field(None, description="the first n items (null: all)")
     columns: str | None = Field(None, description="TARGET=COLUMN,... (recorded when given)")
-    rollouts: bool = Field(False, description="the file holds rollouts, not prompts (recorded when true)")
+    source: str = Field("prompts", description="where the items come from (`tasks.item_sources`): prompts | rollouts "
+                                               "(recorded when not prompts)")
+    rollouts: bool = Field(False, description="a run made before `source` was recorded: true for a rollout file's "
+                                              "(read, never written)")
+
+    def source_name(self) -> str:
+        """The source the items came from, as this run's version recorded it."""
+        return "rollouts" if self.rollouts else self.source
+
+    def as_config(self) -> dict[str, Any]:
+        """The fields a `tasks.DataConfig` is made of."""
+        return {"path": self.path, "n": self.n, "columns": self.columns, "source": self.source_name()}
 
 
 class RopeFacts(Document):

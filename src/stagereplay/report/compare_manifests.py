@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments import registry
 from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.records.differences import Difference, Differences
 from stagereplay.records.kernels import kernel_differences
@@ -72,7 +73,8 @@ class RunSide:
 
 def check_comparable(a: RunSide, b: RunSide, checkpoint: str, experiment: str = MATCHED) -> None:
     """Refuse, in one line, two runs that do not hold records of `experiment` (matched unless named) at
-    `checkpoint`, or that ran different models, tokenizers or items."""
+    `checkpoint`, or that ran different models, tokenizers or items (on data of another hash, what the experiment
+    says: `Experiment.check_other_data`)."""
     for side in (a, b):
         if not side.matched(checkpoint, experiment):
             held = ", ".join(side.checkpoints(experiment))
@@ -102,10 +104,10 @@ def check_comparable(a: RunSide, b: RunSide, checkpoint: str, experiment: str = 
         raise StageReplayError(f"{a.path} ran {len(ia)} items and {b.path} {len(ib)}, {common} of them in common "
                                "(config.item_ids differ)",
                                "compare runs of the same items: the same --data and --n (and no --shard)")
-    rollout_files = ca.data.rollouts and cb.data.rollouts  # two engines' rollouts of one set of prompts
-    if ca.dataset_hash != cb.dataset_hash and not rollout_files:
-        raise StageReplayError(f"{a.path} and {b.path} ran items of different datasets (config.dataset_hash "
-                               "differs)", "compare runs of the same data file")
+    if ca.dataset_hash != cb.dataset_hash:  # the experiment says whether its records compare on other data
+        registry.experiment(experiment).check_other_data((str(a.path), str(b.path)),
+                                                         (a.matched(checkpoint, experiment),
+                                                          b.matched(checkpoint, experiment)))
 
 
 def _hashes(side: RunSide, checkpoint: str) -> dict[str, Any]:
@@ -129,7 +131,7 @@ def manifest_differences(a: RunSide, b: RunSide, checkpoint: str, experiment: st
         (locations if _is_location(name) else settings).append(Difference(field=name, a=_at(own_a, name),
                                                                           b=_at(own_b, name)))
     ha, hb = a.manifest.config.dataset_hash, b.manifest.config.dataset_hash
-    if ha != hb:  # two rollout files of one set of prompts (`check_comparable`): which file is a setting
+    if ha != hb:  # data the experiment compares on its tokens (`check_comparable`): which file is a setting
         settings.append(Difference(field="config.dataset_hash", a=ha, b=hb))
     ea, eb = a.environment(checkpoint, experiment), b.environment(checkpoint, experiment)
     sa, sb = (_drop(e.get("engine") or {}, VOLATILE) for e in (ea, eb))

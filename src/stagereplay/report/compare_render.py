@@ -23,7 +23,7 @@ from stagereplay.report.compare_document import (
 )
 from stagereplay.report.figures import ReportFigure, _png
 from stagereplay.report.html import render_html
-from stagereplay.report.render import fit_widths, markdown_tables
+from stagereplay.report.render import markdown_tables, print_table
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -204,20 +204,13 @@ def compare_markdown(c: RunComparison) -> str:
 def print_compare(c: RunComparison, console: Console | None = None) -> None:
     """The answers and the short tables, on the terminal."""
     from rich.console import Console
-    from rich.table import Table as RichTable
 
     console = console or Console()
     for question, answer in c.verdict:
         console.print(f"{question} {answer[0].upper()}{answer[1:]}", highlight=False)
     for table in c.tables:
-        if not table.terminal:
-            continue
-        rich = RichTable(title=table.title, title_justify="left")
-        for head, width in zip(table.headers, fit_widths(table, console.width), strict=True):
-            rich.add_column(head, width=width, overflow="fold")
-        for row in table.rows:
-            rich.add_row(*row)
-        console.print(rich)
+        if table.terminal:
+            print_table(table, console)
 
 
 # -- the figure ----------------------------------------------------------------------------------------------------

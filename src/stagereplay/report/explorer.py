@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from stagereplay.experiments.registry import experiment
 from stagereplay.records.ledger import Record
 from stagereplay.records.manifest import StageSection
-from stagereplay.records.payload_readers import DIAGNOSED, read_payload
+from stagereplay.records.payload_readers import DIAGNOSED
 from stagereplay.records.payloads import Arm, BridgePayload, CacheDiff, Divergence
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def stories(records: list[Record], item_id: str | None = None,
         if r.kind != "item" or (item_id is not None and r.item_id != item_id):
             continue
         try:
-            p = read_payload(r.payload)
+            p = experiment(r.experiment).read(r)
         except ValidationError:  # a record that is not its model is the audit's finding; the report goes on
             continue
         if not isinstance(p, DIAGNOSED) or not p.diagnostics or not p.comparisons:  # (each reached its boundary)
@@ -292,19 +292,30 @@ def print_story(story: Story, console: Console) -> None:
 
 
 def show_item(run_dir: Path, item_id: str, checkpoint: str | None = None, console: Console | None = None) -> None:
-    """Print every matched and 2x2 story of `item_id` in the run (of one checkpoint, when given)."""
+    """Print every story of `item_id` in the run (of one checkpoint, when given): each compared pair with
+    diagnostics (matched, 2x2, bridge), and what each other experiment tells of its records of the item
+    (`Experiment.told`)."""
     from rich.console import Console
+    from rich.text import Text
 
     from stagereplay.errors import StageReplayError
     from stagereplay.records.ledger import items, read_ledger, read_manifest
 
     manifest = read_manifest(run_dir)  # a folder that is not a run stops here, with its one-line error
-    records = [r for r in items(read_ledger(run_dir, strict=False)) if checkpoint in (None, r.checkpoint)]
+    records = [r for r in items(read_ledger(run_dir, strict=False))
+               if checkpoint in (None, r.checkpoint) and r.item_id == item_id]
+    if not records:
+        raise StageReplayError(f"item {item_id!r} is not in this run", "pick an item id from the report's items")
     found = stories(records, item_id, manifest.stages)
-    if not found:
-        known = any(r.item_id == item_id for r in records)
-        why = "has no matched or 2x2 record with diagnostics" if known else "is not in this run"
-        raise StageReplayError(f"item {item_id!r} {why}", "pick an item id from the report's divergent items")
     console = console or Console()
     for story in found:
         print_story(story, console)
+    storied = {(s.experiment, s.checkpoint) for s in found}
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for r in records:
+        if (r.experiment, r.checkpoint) not in storied:
+            groups.setdefault((r.experiment, r.checkpoint), []).append(r)
+    for (name, at), group in groups.items():
+        console.print(Text(f"{item_id} · {name} · {at}", style="bold"))
+        for line in experiment(name).told(group):
+            console.print(Text(line), overflow="fold")

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from stagereplay.experiments.registry import experiment
+from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, atomic_output
-from stagereplay.records.payload_readers import ItemHead
-from stagereplay.records.payloads import Arm, Draw
 
 COLUMNS: tuple[str, ...] = (
     "experiment",
@@ -40,12 +40,24 @@ COLUMNS: tuple[str, ...] = (
     "draw",
     "seed",
     "answer",
+    "engine",
+    "mode",
+    "start",
+    "response_ids",
+    "logprobs",
 )
 """Output columns, in order. `part` is the ledger record's sub-unit key ("" when the experiment has none);
 `generated_ids` carries a `no_boundary` item's output, which has no arms. `stream`, `draw`, `seed` and `answer`
-belong to resample draws (one row per draw) and are empty elsewhere."""
+belong to resample draws (one row per draw) and are empty elsewhere. `engine`, `mode`, `start`, `response_ids` and
+`logprobs` belong to scored sides (mismatch: the response every side scored, and the side's log-probability of each of
+its tokens from position `start`)."""
 
-_ID_COLUMNS = frozenset({"prompt_ids", "prefix_ids", "suffix_ids", "generated_ids"})
+_ID_COLUMNS = frozenset({"prompt_ids", "prefix_ids", "suffix_ids", "generated_ids", "response_ids"})
+_ARM_COLUMNS = {"arm": "name", "construction": "construction", "precision": "precision", "suffix_ids": "suffix_ids",
+                "suffix_fp": "suffix_fp", "cache_fp": "cache_fp", "correct": "correct", "stream": "stream",
+                "draw": "draw", "seed": "seed", "answer": "answer", "engine": "engine", "mode": "mode",
+                "start": "start", "logprobs": "logprobs"}
+"""The columns an arm fills (column: the arm model's field); the others come from the record and its payload."""
 
 
 def iter_ledger(path: Path) -> Iterator[dict[str, Any]]:
@@ -64,43 +76,35 @@ def iter_ledger(path: Path) -> Iterator[dict[str, Any]]:
 def ledger_rows(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """One row per (item record, arm); one row with `arm = None` for a record without arms. The chain's
     stage and environment records (ledger schema 2) are provenance, not rows. Each record is read as its model, its
-    payload as any experiment's is (`records.payload_readers.ItemHead`); one that is not raises pydantic's
-    ValidationError (a ValueError)."""
+    payload as its experiment's model (`Experiment.read`, by the record's `experiment` field); one that is not raises
+    pydantic's ValidationError (a ValueError). A column is the field of that name of the arm, else of the payload
+    (empty where neither has one): nothing here names an experiment."""
     for raw in records:
         record = Record.model_validate(raw)
         if record.kind != "item":
             continue
-        payload = ItemHead.model_validate(record.payload)
-        base = {
-            "experiment": record.experiment,
-            "checkpoint": record.checkpoint,
-            "item_id": record.item_id,
-            "part": record.part,
-            "status": payload.status,
-            "prompt_ids": payload.prompt_ids,
-            "prefix_ids": payload.prefix_ids,
-            "boundary": payload.boundary,
-            "seq": record.seq,
-            "generated_ids": payload.generated_ids,
-        }
-        arms: list[Arm | Draw | None] = [*payload.arms] or [None]
+        payload = experiment(record.experiment).read(record)
+        base = {"experiment": record.experiment, "checkpoint": record.checkpoint, "item_id": record.item_id,
+                "part": record.part, "seq": record.seq}
+        arms: list[Any] = [*getattr(payload, "arms", [])] or [None]
         for arm in arms:
-            draw = arm if isinstance(arm, Draw) else None
-            row = {
-                **base,
-                "arm": arm.name if arm else None,
-                "construction": arm.construction if arm else None,
-                "precision": arm.precision if arm else None,
-                "suffix_ids": arm.suffix_ids if arm else None,
-                "suffix_fp": arm.suffix_fp if arm else None,
-                "cache_fp": arm.cache_fp if arm else None,
-                "correct": arm.correct if arm else None,
-                "stream": draw.stream if draw else None,
-                "draw": draw.draw if draw else None,
-                "seed": draw.seed if draw else None,
-                "answer": draw.answer if draw else None,
-            }
-            yield {column: row[column] for column in COLUMNS}
+            yield {column: base[column] if column in base else _cell(column, _field(payload, arm, column))
+                   for column in COLUMNS}
+
+
+def _field(payload: Any, arm: Any, column: str) -> Any:
+    """What a column holds of one arm of a payload (both models): an arm's column from the arm, any other from the
+    payload."""
+    if column in _ARM_COLUMNS:
+        return getattr(arm, _ARM_COLUMNS[column], None)
+    return getattr(payload, column, None)
+
+
+def _cell(column: str, value: Any) -> Any:
+    """A model's field as its column holds it: an encoded array (log-probabilities) decoded to its floats."""
+    if column == "logprobs" and isinstance(value, str):
+        return [float(x) for x in arrays.decode(value)]
+    return value
 
 
 def export_ledger(run_dir: Path, fmt: Literal["parquet", "csv"], out: Path | None = None) -> Path:
@@ -136,6 +140,8 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
         "seq": pa.int64(),
         "draw": pa.int64(),
         "seed": pa.int64(),
+        "start": pa.int64(),
+        "logprobs": pa.list_(pa.float64()),
         **dict.fromkeys(_ID_COLUMNS, ids),
     }
     schema = pa.schema([pa.field(c, types.get(c, pa.string())) for c in COLUMNS])
@@ -148,6 +154,8 @@ def _csv_cell(column: str, value: Any) -> str:
         return ""
     if column in _ID_COLUMNS:
         return " ".join(str(int(t)) for t in value)
+    if column == "logprobs":
+        return " ".join(repr(float(x)) for x in value)
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

@@ -48,28 +48,72 @@ def _md_row(cells: tuple[str, ...]) -> str:
 def print_tables(results: Results, console: Console | None = None) -> None:
     """Print the tables to the terminal, as a CLI command does when it finishes."""
     from rich.console import Console
-    from rich.table import Table as RichTable
 
     console = console or Console()
     for question, answer in verdict(results):
         console.print(f"{question} {answer[0].upper()}{answer[1:]}")
     for table in build_tables(results):
-        if not table.terminal:
-            continue
-        rich = RichTable(title=table.title, caption=table.note or None, title_justify="left")
-        for header, width in zip(table.headers, fit_widths(table, console.width), strict=True):
+        if table.terminal:
+            print_table(table, console, caption=True)
+
+
+def print_table(table: Table, console: Console, caption: bool = False) -> None:
+    """One table on the terminal, legible at its width: cells wrap between words (`fit_widths`), and a table whose
+    headers' words do not fit side by side is printed as several, each with the first column and as many of the
+    others as fit (`column_groups`), so that no header is broken inside a word."""
+    from rich.table import Table as RichTable
+
+    groups = column_groups(table, console.width)
+    for n, columns in enumerate(groups):
+        part = Table(table.id, table.title + (f" ({n + 1}/{len(groups)})" if len(groups) > 1 else ""),
+                     tuple(table.headers[i] for i in columns), tuple(tuple(row[i] for i in columns)
+                                                                    for row in table.rows), table.note)
+        rich = RichTable(title=part.title, caption=(table.note or None) if caption and n == len(groups) - 1 else None,
+                         title_justify="left")
+        for header, width in zip(part.headers, fit_widths(part, console.width), strict=True):
             rich.add_column(header, width=width, overflow="fold")
-        for row in table.rows:
+        for row in part.rows:
             rich.add_row(*row)
         console.print(rich)
+
+
+def column_groups(table: Table, width: int) -> list[list[int]]:
+    """The table's columns in groups that fit `width` side by side, each group led by the first column: one group
+    where every header's longest word fits beside the others (and each column its longest cell word up to
+    `WORD_FOLD` characters)."""
+    def floor(i: int) -> int:
+        cells = [table.headers[i], *(row[i] for row in table.rows)]
+        head = max((len(w) for w in table.headers[i].split()), default=1)
+        return max(head, min(max((len(w) for c in cells for w in c.split()), default=1), WORD_FOLD))
+
+    floors = [floor(i) for i in range(len(table.headers))]
+    if sum(floors) + 3 * len(floors) + 1 <= width or len(floors) < 3:
+        return [list(range(len(floors)))]
+    groups: list[list[int]] = []
+    group, used = [0], floors[0] + 4
+    for i in range(1, len(floors)):
+        if len(group) > 1 and used + floors[i] + 3 > width:
+            groups.append(group)
+            group, used = [0], floors[0] + 4
+        group.append(i)
+        used += floors[i] + 3
+    return [*groups, group]
+
+
+WORD_FOLD = 12
+"""The most characters of a cell's longest word a column is sized to keep whole when columns are grouped; a longer
+word (a hash, a path) folds."""
 
 
 def fit_widths(table: Table, width: int) -> list[int]:
     """Column widths that fit `width` and break cells only between words where the words allow it.
 
     rich shrinks the widest columns first, which cuts a one-word cell such as `oneshot->live` to `oneshot-…` in an
-    80-column terminal. Here every column gets at least its longest word, and the room left is shared in
-    proportion to what each column needs beyond that; only a table whose longest words alone overflow folds.
+    80-column terminal, and squeezes a column to nothing beside a long one-word cell (a hash). Here every column
+    gets at least its longest word, and the room left is shared in proportion to what each column needs beyond
+    that. Where the longest words alone overflow, every column keeps its header's longest word (a header is never
+    broken inside a word) and the room left is shared out evenly, no column given more than its longest word needs
+    (`_water_fill`): the long cells fold.
     """
     cells = [[table.headers[i], *(row[i] for row in table.rows)] for i in range(len(table.headers))]
     natural = [max((len(c) for c in col), default=1) for col in cells]
@@ -77,9 +121,27 @@ def fit_widths(table: Table, width: int) -> list[int]:
     room = width - 3 * len(cells) - 1  # per column: a border and one space of padding each side; one more border
     if sum(natural) <= room:
         return natural
+    if sum(least) > room:
+        heads = [max((len(w) for w in h.split()), default=1) for h in table.headers]
+        return _water_fill(heads, least, room)
     spare, want = max(room - sum(least), 0), [n - m for n, m in zip(natural, least, strict=True)]
     total = sum(want) or 1
     return [m + spare * w // total for m, w in zip(least, want, strict=True)]
+
+
+def _water_fill(floor: list[int], need: list[int], room: int) -> list[int]:
+    """Widths from `floor` up to `need`, the room beyond the floors shared evenly: the columns that need least get
+    all they need, the rest share what is left alike."""
+    widths = list(floor)
+    spare = room - sum(floor)
+    open_ = sorted((i for i in range(len(need)) if need[i] > floor[i]), key=lambda i: need[i] - floor[i])
+    while open_ and spare > 0:
+        share = max(spare // len(open_), 1)
+        i = open_.pop(0)
+        add = min(need[i] - widths[i], share)
+        widths[i] += add
+        spare -= add
+    return widths
 
 
 def render_tables_text(results: Results, width: int = 120) -> str:

@@ -81,7 +81,7 @@ def prepared_at(manifest: Manifest, command: str, on: Extension, quiet: bool) ->
     from stagereplay.tasks import DataConfig
 
     config = here.config
-    return PreparedRun(command=command, model=engine.model(stage.model.config()), data=DataConfig(**config.data.declared()),
+    return PreparedRun(command=command, model=engine.model(stage.model.config()), data=DataConfig(**config.data.as_config()),
                        settings=ReplaySettings.of(stage.settings), stage1=config.stage1, items=(),
                        data_hash=config.dataset_hash, engine=engine, determinism=frozen({}), ex=on.ex,
                        checkpoint=on.checkpoint, quiet=quiet)

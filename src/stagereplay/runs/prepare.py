@@ -73,6 +73,7 @@ def prepare(command: str, inputs: Inputs, experiment: Experiment, options: Any, 
     n = inputs.numerics
     pin(choose(n.kernels, toy=inputs.input.model is None and engine is OURS, device=n.device))
     model = engine.model(resolve_model(inputs))
+    experiment.check_inputs(inputs, options)
     engine.check_run(experiment, ex, inputs.decode)
     engine.check(experiment, model, options)
     engine.check_source(inputs.input.model)
@@ -96,9 +97,8 @@ def prepare(command: str, inputs: Inputs, experiment: Experiment, options: Any, 
     if experiment.uses_boundary:
         settings, stage1 = fit_stage1(settings, config, tokenizer, items, engine.context())
         reach = prove_reach(settings, items) if items else None
-    else:  # the whole response is the sequence: prompt + max_new_tokens (a rollout file's, its own length)
-        longest = max(len(i.prompt_ids) + (getattr(i, "response_len", 0) or settings.decode.max_new_tokens)
-                      for i in items)
+    else:  # the whole response is the sequence: how far each item's reaches is the experiment's to say
+        longest = max(experiment.sequence_end(i, settings.decode) for i in items)
         if longest > context:
             raise StageReplayError(f"a prompt and its response reach {longest} tokens, past the model's context of "
                                    f"{context}", "lower --max-new-tokens or shorten the prompts")

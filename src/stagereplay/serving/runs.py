@@ -30,11 +30,11 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.local import WorkerDied
-from stagereplay.experiments.experiment import Batch, Experiment, Replay
+from stagereplay.experiments.experiment import Batch, Replay
 from stagereplay.experiments.jobs import Job, JobResult, with_environment
-from stagereplay.experiments.matched import Matched, MatchedOptions, MatchedStage, fixed_prefixes
-from stagereplay.experiments.mismatch import Mismatch, MismatchOptions
-from stagereplay.experiments.precision_2x2 import GridOptions, GridStage, PrecisionGrid
+from stagereplay.experiments.matched import MatchedOptions, MatchedStage, fixed_prefixes
+from stagereplay.experiments.mismatch import MismatchOptions
+from stagereplay.experiments.precision_2x2 import GridOptions, GridStage
 from stagereplay.experiments.prepared import OURS, PreparedRun, RunEngine, Runnable
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
@@ -69,11 +69,14 @@ log = logging.getLogger(__name__)
 
 
 class Served(ABC):
-    """How a serving engine runs one experiment."""
+    """How a serving engine runs one experiment (`experiment`), in the form the experiment asks for (`FORMS`)."""
 
     work: Work
     samples: bool = False
     """Whether its arms are drawn with the run's sampling (else a sampled run is refused: greedy only)."""
+
+    def __init__(self, experiment: Runnable) -> None:
+        self.experiment = experiment
 
     def check(self, arms: ServingArms, model: ModelConfig, options: Any) -> None:  # noqa: B027  # nothing by default
         """Refuse in one line, before anything loads, what the engine cannot run of it."""
@@ -135,7 +138,7 @@ class ServedMatched(Served):
     def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
         """Every item with the prompts of the items in flight around its under-load arms. A resumed run asks an
         engine that restarts (a server) whether it did since the last record (its caches are then cold)."""
-        done = run.find(Matched.name, prepared.checkpoint)
+        done = run.find(self.experiment.name, prepared.checkpoint)
         if done:
             from stagereplay.execution.models import cached_lm
 
@@ -185,9 +188,6 @@ class ServedGrid(Served):
             tuple(replay.prefix or ()), tuple(own.constructions), replay.record.part, arms))
 
 
-_MISMATCH = Mismatch()
-
-
 class ServedMismatch(Served):
     """Mismatch with the engine as the rollout engine (`serving.mismatch.served_mismatch_item`): its rollouts, their
     replicas and its own prefill where it scores a sequence, with our incremental score (part ''); the trainer parts
@@ -203,7 +203,7 @@ class ServedMismatch(Served):
         return ServingArms(replace(arms.engine, logprobs_mode=mode), "hf")
 
     def check(self, arms: ServingArms, model: ModelConfig, options: MismatchOptions) -> None:
-        _MISMATCH.check(model, options)
+        self.experiment.check(model, options)
         name, kind = arms.engine.name, arms.kind
         if not issubclass(kind.engine, Samples):
             raise StageReplayError(f"the {name} engine does not sample rollouts", "run mismatch on our engine "
@@ -238,12 +238,12 @@ class ServedMismatch(Served):
         tokens), every one on our model with its weights, part '' in the engine."""
         moded, built = arms_of(stage), stage.as_stage(ServedMismatchStage).prefill == "built"
         ours = replace(prepared, model=replace(prepared.model, weights=True))
-        for batch in _MISMATCH.batches(ours, stage, run):
+        for batch in self.experiment.batches(ours, stage, run):
             yield Batch(batch.model, [replace(job, params=served_params(job.params, moded, built))
                                       for job in batch.jobs])
 
     def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
-        job = _MISMATCH.replay_job(replay)
+        job = self.experiment.replay_job(replay)
         built = replay.stage.as_stage(ServedMismatchStage).prefill == "built"
         return replace(job, params=served_params(job.params, arms, built))
 
@@ -256,7 +256,7 @@ class ServedMismatch(Served):
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         """A trainer part's, as ours counts them; part '': our incremental score (the prompt, then one token each)."""
         if record.part:
-            return _MISMATCH.unit_forwards(record, stage)
+            return self.experiment.unit_forwards(record, stage)
         ours = next((a for a in record.payload.get("arms", []) if a.get("name") == "incremental"), None)
         if ours is None:
             return None
@@ -280,9 +280,10 @@ def _build(config: EngineConfig) -> dict[str, Any] | None:
     return kind_of(config.name).build(config)
 
 
-SERVED: dict[type[Experiment], Served] = {Matched: ServedMatched(), PrecisionGrid: ServedGrid(),
-                                          Mismatch: ServedMismatch()}
-"""The experiments a serving engine runs, by their class."""
+FORMS: dict[str, type[Served]] = {"arms": ServedMatched, "prefix_arms": ServedGrid, "rollouts": ServedMismatch}
+"""How a serving engine runs an experiment, by the form the experiment asks for (`Experiment.serving`): arms from
+the prompt (matched's), arms on the matched run's prefixes per precision (the 2x2's), rollouts sampled in the engine
+and scored teacher-forced (mismatch's)."""
 
 
 @dataclass(frozen=True)
@@ -296,10 +297,12 @@ class ServingRun(RunEngine):
         return self.arms.engine.name
 
     def served(self, experiment: Runnable) -> Served:
-        for kind, served in SERVED.items():
-            if isinstance(experiment, kind):
-                return served
-        raise refuse_cache_access(self.name, f"{experiment.command or experiment.name}")
+        """The experiment in the form it asks of a serving engine (`Experiment.serving`); refused where it asks
+        for none (it needs the cache itself)."""
+        form = FORMS.get(experiment.serving or "")
+        if form is None:
+            raise refuse_cache_access(self.name, f"{experiment.command or experiment.name}")
+        return form(experiment)
 
     def model(self, model: ModelConfig) -> ModelConfig:
         return self.arms.our_model(model)

@@ -40,6 +40,9 @@ class RolloutItem(Item):
     position: int = field(default=0, compare=False)
     """A JSONL row's byte offset, or a Parquet row's index."""
     response_len: int = field(default=0, compare=False)
+    columns: str | None = field(default=None, compare=False)
+    """The `--columns` mapping its row was read with (None: every field under its own name): reading the row again
+    (a job, the audit's re-execution) maps it the same way."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def scan(path: str | Path, columns: str | None, vocab: int, context: int, n: int
                                    f"{context}", "drop the row, or score it with a model of a longer context")
         seen.add(rid)
         items.append(RolloutItem(rid, prompt, "", source=str(p), position=position,
-                                 response_len=len(rollout.response_ids)))
+                                 response_len=len(rollout.response_ids), columns=columns))
         if n is not None and len(items) >= n:
             break
     if not items:
@@ -194,9 +197,10 @@ def _parquet_row(path: str, index: int) -> dict[str, Any]:
     raise StageReplayError(f"{path} has no row {index + 1} any more", "restore the rollout file the run was made with")
 
 
-def read(item: RolloutItem, columns: str | None) -> Rollout:
-    """The response and log-probabilities of `item` from its file (checked again: the file may have changed)."""
-    path, fields = Path(item.source), mapping(columns)
+def read(item: RolloutItem, columns: str | None = None) -> Rollout:
+    """The response and log-probabilities of `item` from its file (checked again: the file may have changed), its
+    fields mapped by `columns`, else as the item was read (`RolloutItem.columns`)."""
+    path, fields = Path(item.source), mapping(columns if columns is not None else item.columns)
     if is_parquet(path):
         raw = _parquet_row(str(path), item.position)
         where = f"{path} row {item.position + 1}"

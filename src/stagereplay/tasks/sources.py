@@ -226,14 +226,10 @@ def table_rows(table: Table, columns: str | None, spec: str) -> tuple[list[Row],
     return rows, table.sha256
 
 
-def dataset_at(spec: str, columns: str | None = None, rollouts: bool = False) -> tuple[list[Any], str] | None:
-    """The rows (each with its `id`) and hash of a run's dataset where it is recorded, or None when it is not at hand
-    there (a file moved, an `hf:` dataset not in the local cache or without the datasets package): a location only.
-    A rollout file's rows are its rollouts (`tasks.rollouts`), read without a tokenizer."""
-    if rollouts:
-        from stagereplay.tasks.rollouts import scan
-
-        return scan(spec, columns, 1 << 31, 1 << 31) if Path(spec).is_file() else None
+def dataset_at(spec: str, columns: str | None = None) -> tuple[list[Any], str] | None:
+    """The rows (each with its `id`) and hash of a run's dataset of prompts where it is recorded, or None when it is
+    not at hand there (a file moved, an `hf:` dataset not in the local cache or without the datasets package): a
+    location only."""
     if spec.startswith(HF_PREFIX):
         try:
             table = read_table(spec)
