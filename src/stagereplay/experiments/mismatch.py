@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field, TypeAdapter
 
+from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import LAYOUTS, MODES, Layout, Mode, Scored
