@@ -21,9 +21,10 @@ def load(run: Path) -> tuple[list[Record], dict[str, Any]]:
     return chain, read_manifest(run).as_json()
 
 
-def save(run: Path, chain: list[Record], edited: dict[str, Any]) -> None:
+def save(run: Path, chain: list[Record], edited: dict[str, Any], results: bool = True) -> None:
     """Write the manifest, refresh each stage record from it, rebuild the chain from its identity hash, and
-    rebuild results.json from the forged records."""
+    rebuild results.json from the forged records (`results` False: leave it as it was, for a forged payload that no
+    summary reads)."""
     (run / "manifest.json").write_text(json.dumps(edited, indent=2) + "\n")
     manifest = read_manifest(run)
     stages = manifest.stages
@@ -39,8 +40,9 @@ def save(run: Path, chain: list[Record], edited: dict[str, Any]) -> None:
         rebuilt.append(r)
         prev = r.hash
     (run / "ledger.jsonl").write_bytes(b"".join(lines))
-    results = build_results(run, manifest, items(rebuilt))
-    (run / "results.json").write_text(json.dumps(results.as_json(), indent=2) + "\n")
+    if results:
+        built = build_results(run, manifest, items(rebuilt))
+        (run / "results.json").write_text(json.dumps(built.as_json(), indent=2) + "\n")
 
 
 def with_payload(record: Record, payload: dict[str, Any], recompare: bool = True) -> Record:

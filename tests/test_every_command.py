@@ -137,7 +137,7 @@ def problems(e: Experiment, read: Readings) -> list[str]:
         out.append(f"show {item}: names none of {e.name}'s {sorted(names)}: {shown[-400:]}")
     results = json.loads((read.run / "results.json").read_text())
     report = (read.run / "report.md").read_text()
-    titles = [t.title for t in e.tables(results.get(e.name))]
+    titles = [t.title for t in e.tables(e.results_of(results.get(e.name)))]
     if not titles or not all(t in report for t in titles):
         out.append(f"report: {e.name}'s tables {titles} are not all in report.md")
     if f"{e.name}/primary" not in read.outputs["plan"].output:
@@ -345,7 +345,7 @@ def test_verify_reads_a_record_of_its_own_kind_as_its_experiments_model(mismatch
     chain, manifest = forge.load(forged)
     i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.experiment == "mismatch")
     chain[i] = forge.with_payload(chain[i], {**forge.edit(chain[i]), "verdict": "fine"}, recompare=False)
-    forge.save(forged, chain, manifest)
+    forge.save(forged, chain, manifest, results=False)
     found = _invoke(["audit", str(forged), "--verify-only"])
     assert found.exit_code == 1 and f"{chain[i].item_id}: mismatch/primary" in found.output, found.output
     assert "not a mismatch payload" in found.output, found.output

@@ -144,12 +144,13 @@ def test_micro_batches_add_the_batch_composition_row_and_re_execute(toy_run, tmp
         arms = _arms(out, precision)
         assert len(arms) == 2 and all(f"trainer@{precision}#batch" in a for a in arms.values())
         row = _row(out, f"batch composition @ {precision}")
-        assert row["tokens"] == sum(a[f"trainer@{precision}"].size for a in arms.values())
-    assert _row(out, "batch composition @ fp32")["abs_max"] < 1e-4
+        assert row is not None and row.metrics.tokens == sum(a[f"trainer@{precision}"].size for a in arms.values())
+    fp32 = _row(out, "batch composition @ fp32")
+    assert fp32 is not None and fp32.metrics.abs_max is not None and fp32.metrics.abs_max < 1e-4
     audited = runner.invoke(app, ["audit", str(out), "--quiet"])
     assert audited.exit_code == 0 and json.loads((out / "audit.json").read_text())["reproduced"], audited.output
     # The control: a run made without --micro-batch has neither the arm nor the row.
-    assert not any(p["row"].startswith("batch composition") for p in _section(toy_run)["pairs"])
+    assert not any(p.row.startswith("batch composition") for p in _section(toy_run).pairs)
     assert not any(name.endswith("#batch") for a in _arms(toy_run, "bf16").values() for name in a)
 
 

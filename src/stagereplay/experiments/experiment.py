@@ -77,9 +77,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "append_jobs"]
 
-Section = dict[str, Any]
-
-
 Planned = dict[str, list[tuple[Lengths, list[int]]]]
 """The forwards a stage would make, per part of its units ('' or a precision), unit by unit: (its assumed lengths,
 the token count of each forward)."""

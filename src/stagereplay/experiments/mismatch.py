@@ -30,18 +30,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import LAYOUTS, MODES, Layout, Mode, Scored
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, Section
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job
 from stagereplay.experiments.mismatch_item import MicroBatch, MismatchParams, Source, mismatch_item, outcome
+from stagereplay.experiments.mismatch_summary import MismatchSummary
 from stagereplay.experiments.verdict import Fact
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
@@ -147,6 +148,7 @@ class Mismatch(Experiment):
     serving: ClassVar[str | None] = "rollouts"
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = MismatchStage
+    Summary: ClassVar[type[BaseModel]] = MismatchSummary
     Options: ClassVar[type] = MismatchOptions
     command: ClassVar[str] = "mismatch"
     starts_run: ClassVar[bool] = True
@@ -335,15 +337,15 @@ class Mismatch(Experiment):
     def peak_caches(self, stage: StageSection) -> int:
         return 4  # the two caches at t, a transplanted one and the continuation's
 
-    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Section]:
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[MismatchSummary]:
         from stagereplay.experiments.mismatch_summary import summarize_mismatch
 
-        return [summarize_mismatch(records, self.stage_of(stage), checkpoint).model_dump(mode="json")]
+        return [summarize_mismatch(records, self.stage_of(stage), checkpoint)]
 
-    def tables(self, results: Any) -> list[Table]:
+    def tables(self, results: list[MismatchSummary]) -> list[Table]:
         from stagereplay.experiments.mismatch_tables import mismatch_tables
 
-        return [t for section in results or [] for t in mismatch_tables(section)]
+        return [t for section in results for t in mismatch_tables(section)]
 
     def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
                      stages: tuple[StageSection, StageSection], runs: tuple[str, str],
@@ -365,12 +367,12 @@ class Mismatch(Experiment):
                 raise StageReplayError(f"{runs[0]} and {runs[1]} hold other prompts for item {item_id!r}: their "
                                        "rollouts answer different questions", "compare runs of the same prompts")
 
-    def verdict_facts(self, results: Any) -> list[Fact]:
+    def verdict_facts(self, results: list[MismatchSummary]) -> list[Fact]:
         from stagereplay.experiments.mismatch_verdict import mismatch_verdict
 
-        return [f for section in results or [] for f in mismatch_verdict(section)]
+        return [f for section in results for f in mismatch_verdict(section)]
 
-    def figures(self, results: Any) -> list[ReportFigure]:
+    def figures(self, results: list[MismatchSummary]) -> list[ReportFigure]:
         from stagereplay.experiments.mismatch_tables import mismatch_figures
 
-        return [f for section in results or [] for f in mismatch_figures(section)]
+        return [f for section in results for f in mismatch_figures(section)]

@@ -34,5 +34,8 @@ class Untyped(RootModel[dict[str, Any]]):
 
 
 def section_json(section: Any) -> Any:
-    """A section as results.json holds it: a summary's JSON object, an untyped section as it is."""
-    return section.as_json() if isinstance(section, SummaryModel) else section
+    """A section as results.json holds it: a summary's JSON object (a `SummaryModel`'s set fields, any other model's
+    every field), an untyped section as it is."""
+    if isinstance(section, SummaryModel):
+        return section.as_json()
+    return section.model_dump(mode="json") if isinstance(section, BaseModel) else section
