@@ -349,3 +349,24 @@ def test_verify_reads_a_record_of_its_own_kind_as_its_experiments_model(mismatch
     found = _invoke(["audit", str(forged), "--verify-only"])
     assert found.exit_code == 1 and f"{chain[i].item_id}: mismatch/primary" in found.output, found.output
     assert "not a mismatch payload" in found.output, found.output
+
+
+def test_a_rollout_run_recorded_before_sources_were_named_reads_as_its_source(rollout_file_run: Path, root: Path):
+    """A manifest that says `"rollouts": true` (a run made before `source` was recorded) verifies, reads its file as a
+    rollout file, and compares with the same run recorded as `"source": "rollouts"` with nothing differing in its data;
+    the control: the manifest as written keeps its `rollouts` field."""
+    import shutil
+
+    import forge
+
+    old = root / "old-manifest"
+    shutil.copytree(rollout_file_run, old)
+    chain, manifest = forge.load(old)
+    data = manifest["config"]["data"]
+    assert data.pop("source") == "rollouts"
+    manifest["config"]["data"] = {**data, "rollouts": True}
+    forge.save(old, chain, manifest)
+    assert json.loads((old / "manifest.json").read_text())["config"]["data"]["rollouts"] is True
+    _ok(_invoke(["audit", str(old), "--verify-only"]), "verify")
+    compared = _ok(_invoke(["compare", str(old), str(rollout_file_run), "--out", str(root / "old-vs-new")]), "compare")
+    assert "config.data" not in compared and "2/2 (100.0%)" in compared, compared

@@ -153,6 +153,9 @@ def _settings(side: RunSide, checkpoint: str, experiment: str) -> dict[str, Any]
     """The config less its identity, and the stage's section: each key the config does not hold with the same
     value, under `stages.<experiment>/<checkpoint>`."""
     config = {k: v for k, v in side.manifest.config.as_json().items() if k not in IDENTITY}
+    data = side.manifest.config.data
+    if data.rollouts:  # made before `source` was recorded: its source as a later manifest names it, not a difference
+        config["data"] = {**{k: v for k, v in config["data"].items() if k != "rollouts"}, "source": data.source_name()}
     name = f"{experiment}/{checkpoint}"
     section = side.manifest.stage(name)
     stage = section.as_json() if section is not None else {}
