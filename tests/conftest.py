@@ -4,6 +4,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,3 +82,16 @@ def generated_cache(out):
     """The cache a generate() call returned: `cache` since transformers 5.2x, `past_key_values` before."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
+
+def tables_text(results: dict[str, Any], width: int = 120) -> str:
+    """`print_tables` on a plain console of `width` columns (no colour codes): what a terminal or a log shows."""
+    import io
+
+    from rich.console import Console
+
+    from stagereplay.report.render import print_tables
+
+    buffer = io.StringIO()
+    print_tables(results, Console(file=buffer, width=width, color_system=None, force_terminal=False))
+    return buffer.getvalue()

@@ -9,13 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import tables_text
 from test_report import _run_chromium
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.ledger import Record, canonical_json, read_ledger
-from stagereplay.report.render import render_tables_text, write_report
+from stagereplay.report.render import write_report
 
 runner = CliRunner()
 
@@ -93,7 +94,7 @@ def test_verdict_answers_each_question_with_its_number(run):
 
 
 def test_every_table_reads_at_80_columns(run):
-    text = render_tables_text(json.loads((run / "results.json").read_text()), width=80)
+    text = tables_text(json.loads((run / "results.json").read_text()), width=80)
     assert "Why pairs diverged" in text and "…" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
 

@@ -81,17 +81,6 @@ def fit_widths(table: Table, width: int) -> list[int]:
     return [m + spare * w // total for m, w in zip(least, want, strict=True)]
 
 
-def render_tables_text(results: dict[str, Any], width: int = 120) -> str:
-    """The terminal tables as plain text (no colour codes), for logs and tests."""
-    import io
-
-    from rich.console import Console
-
-    buffer = io.StringIO()
-    print_tables(results, Console(file=buffer, width=width, color_system=None, force_terminal=False))
-    return buffer.getvalue()
-
-
 def write_report(run_dir: Path) -> tuple[Path, Path]:
     """Write `report.md` and a self-contained `report.html` into `run_dir`; return their paths.
 
