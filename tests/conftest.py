@@ -72,6 +72,23 @@ def items_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def bf16_run(tmp_path_factory: pytest.TempPathFactory, tiny_dir, items_file) -> Path:
+    """matched on the tiny Qwen2 in bf16: 20 items, the boundary after 16 tokens, 48 suffix tokens, where some
+    live and one-shot suffixes diverge on the CPUs this suite runs on. Made once a session (read only: a test
+    that writes into it takes a copy)."""
+    from typer.testing import CliRunner
+
+    from stagereplay.cli import app
+
+    out = tmp_path_factory.mktemp("bf16") / "run"
+    result = CliRunner().invoke(app, ["matched", "--model", str(tiny_dir("qwen2")), "--data", str(items_file),
+                                      "--n", "20", "--boundary-after", "16", "--max-new-tokens", "48",
+                                      "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
 def attn_for(arch: str) -> str:
     """The attention a user gets by default: what transformers picks (SDPA, eager for Gemma 2's softcapping)."""
     return "auto"

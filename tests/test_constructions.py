@@ -91,10 +91,10 @@ def test_speculation_records_the_tokens_its_steps_accepted(tmp_path, plain):
             live["suffix_ids"])
         assert live["cache_fp"] is not None and len(p["stage1_top"]) == len(p["prefix_ids"]) - len(p["prompt_ids"])
         assert p["prefix_ids"] == q["prefix_ids"] and live["suffix_ids"] == _arms(q)["live"]["suffix_ids"]
-    lookup = _run(tmp_path / "lookup", "--speculate", "prompt-lookup:4")
+    lookup = _run(tmp_path / "lookup", "--speculate", "prompt-lookup:4", "--n", "1")
     assert all(_arms(p)["live"]["generated"]["added"][0] == 1 for p in lookup)  # the prefill's one token
-    quantized = _run(tmp_path / "fp8", "--quantized-cache", "fp8")
-    assert all(set(_arms(p)["live"]["generated"]["added"]) == {1} for p in quantized)
+    quantized = _run(tmp_path / "fp8", "--quantized-cache", "fp8", "--n", "1")
+    assert len(lookup) == len(quantized) == 1 and all(set(_arms(p)["live"]["generated"]["added"]) == {1} for p in quantized)
     audit = runner.invoke(app, ["audit", str(tmp_path / "self"), "--quiet"])
     assert audit.exit_code == 0, audit.output
 
@@ -154,8 +154,8 @@ def test_a_static_caches_allocated_length_is_a_recorded_setting(tmp_path):
     from stagereplay.engine.lm import LM
     from stagereplay.engine.model import ModelConfig
 
-    _run(tmp_path / "long", "--cache", "static", "--static-len", "600")
-    _run(tmp_path / "default", "--cache", "static")
+    _run(tmp_path / "long", "--cache", "static", "--static-len", "600", "--n", "1")  # a setting: one item shows it
+    _run(tmp_path / "default", "--cache", "static", "--n", "1")
     model = {name: json.loads((tmp_path / name / "manifest.json").read_text())["config"]["model"]
              for name in ("long", "default")}
     assert model["long"]["static_len"] == 600 and "static_len" not in model["default"]

@@ -22,12 +22,8 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_dir, items_file) -> Path:
-    out = tmp_path_factory.mktemp("explorer") / "run"
-    result = runner.invoke(app, ["matched", "--model", str(tiny_dir("qwen2")), "--data", str(items_file), "--n", "20",
-                                 "--boundary-after", "16", "--max-new-tokens", "48", "--out", str(out), "--quiet"])
-    assert result.exit_code == 0, result.output
-    return out
+def run(bf16_run) -> Path:
+    return bf16_run
 
 
 def _matched(run: Path) -> list[Record]:
