@@ -4,6 +4,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,23 @@ def items_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def bf16_run(tmp_path_factory: pytest.TempPathFactory, tiny_dir, items_file) -> Path:
+    """matched on the tiny Qwen2 in bf16: 20 items, the boundary after 16 tokens, 48 suffix tokens, where some
+    live and one-shot suffixes diverge on the CPUs this suite runs on. Made once a session (read only: a test
+    that writes into it takes a copy)."""
+    from typer.testing import CliRunner
+
+    from stagereplay.cli import app
+
+    out = tmp_path_factory.mktemp("bf16") / "run"
+    result = CliRunner().invoke(app, ["matched", "--model", str(tiny_dir("qwen2")), "--data", str(items_file),
+                                      "--n", "20", "--boundary-after", "16", "--max-new-tokens", "48",
+                                      "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
 def attn_for(arch: str) -> str:
     """The attention a user gets by default: what transformers picks (SDPA, eager for Gemma 2's softcapping)."""
     return "auto"
@@ -81,3 +99,18 @@ def generated_cache(out):
     """The cache a generate() call returned: `cache` since transformers 5.2x, `past_key_values` before."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
+
+def tables_text(results: dict[str, Any], width: int = 120) -> str:
+    """`print_tables` on a plain console of `width` columns (no colour codes): what a terminal or a log shows, of
+    results.json's object."""
+    import io
+
+    from rich.console import Console
+
+    from stagereplay.report.render import print_tables
+    from stagereplay.report.results import Results
+
+    buffer = io.StringIO()
+    print_tables(Results.model_validate(results), Console(file=buffer, width=width, color_system=None, force_terminal=False))
+    return buffer.getvalue()

@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 from conftest import attn_for
+from nudge import nudged
 from tiny import REFUSED, SLIDING
 from typer.testing import CliRunner
 
@@ -27,7 +28,6 @@ from stagereplay.engine.cache import (
     clone_cache,
     compare_caches,
     layer_span,
-    nudged,
 )
 from stagereplay.engine.lm import load
 from stagereplay.engine.transplant import TransplantSpec, transplant

@@ -91,15 +91,36 @@ def test_speculation_records_the_tokens_its_steps_accepted(tmp_path, plain):
             live["suffix_ids"])
         assert live["cache_fp"] is not None and len(p["stage1_top"]) == len(p["prefix_ids"]) - len(p["prompt_ids"])
         assert p["prefix_ids"] == q["prefix_ids"] and live["suffix_ids"] == _arms(q)["live"]["suffix_ids"]
-    lookup = _run(tmp_path / "lookup", "--speculate", "prompt-lookup:4")
+    lookup = _run(tmp_path / "lookup", "--speculate", "prompt-lookup:4", "--n", "1")
     assert all(_arms(p)["live"]["generated"]["added"][0] == 1 for p in lookup)  # the prefill's one token
-    quantized = _run(tmp_path / "fp8", "--quantized-cache", "fp8")
-    assert all(set(_arms(p)["live"]["generated"]["added"]) == {1} for p in quantized)
+    quantized = _run(tmp_path / "fp8", "--quantized-cache", "fp8", "--n", "1")
+    assert len(lookup) == len(quantized) == 1 and all(set(_arms(p)["live"]["generated"]["added"]) == {1} for p in quantized)
     audit = runner.invoke(app, ["audit", str(tmp_path / "self"), "--quiet"])
     assert audit.exit_code == 0, audit.output
 
 
-def test_a_two_bit_cache_moves_the_continuation_and_its_replica_stays_exact(tmp_path, plain):
+@pytest.fixture
+def quanto_python_unpack(monkeypatch):
+    """quanto's own Python kernel of `quanto::unpack` (its default, registered beside the CPU one) unpacks its 2-bit
+    K/V on the CPU, in place of its C++ extension: the same integer ops (masks and shifts), but the extension is
+    compiled at its first use, minutes on two cores."""
+    from types import SimpleNamespace
+
+    import torch
+    from optimum.quanto.library.extensions import cpp
+
+    default = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    calls = []
+
+    def counted(packed, bits):
+        calls.append(bits)
+        return torch.ops.quanto.unpack.default.redispatch(default, packed, bits)
+
+    monkeypatch.setattr(cpp.ext, "_lib", SimpleNamespace(unpack=counted))
+    return calls
+
+
+def test_a_two_bit_cache_moves_the_continuation_and_its_replica_stays_exact(tmp_path, plain, quanto_python_unpack):
     """quanto's 2-bit cache must change the toy's continuation on some item (its K/V keeps 4 levels), while its own
     replica is exact (the control: the difference is the cache's, not noise). Its state holds no plain K/V."""
     payloads = _run(tmp_path / "run", "--quantized-cache", "quanto:2")
@@ -112,6 +133,7 @@ def test_a_two_bit_cache_moves_the_continuation_and_its_replica_stays_exact(tmp_
         trajectory = p["prefix_ids"] + live["suffix_ids"]
         moved += trajectory != q["prefix_ids"] + _arms(q)["live"]["suffix_ids"]
     assert moved > 0
+    assert set(quanto_python_unpack) == {2}  # its K/V was unpacked, by the kernel put in place of the extension
 
 
 def test_what_generate_cannot_run_is_refused_in_one_line(tmp_path):
@@ -132,8 +154,8 @@ def test_a_static_caches_allocated_length_is_a_recorded_setting(tmp_path):
     from stagereplay.engine.lm import LM
     from stagereplay.engine.model import ModelConfig
 
-    _run(tmp_path / "long", "--cache", "static", "--static-len", "600")
-    _run(tmp_path / "default", "--cache", "static")
+    _run(tmp_path / "long", "--cache", "static", "--static-len", "600", "--n", "1")  # a setting: one item shows it
+    _run(tmp_path / "default", "--cache", "static", "--n", "1")
     model = {name: json.loads((tmp_path / name / "manifest.json").read_text())["config"]["model"]
              for name in ("long", "default")}
     assert model["long"]["static_len"] == 600 and "static_len" not in model["default"]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import attn_for, generated_cache
+from nudge import nudged
 
-from stagereplay.engine.cache import compare_caches, layer_span, nudged
+from stagereplay.engine.cache import compare_caches, layer_span
 from stagereplay.engine.decode import DecodeConfig, Sampler, decode
 from stagereplay.engine.lm import load
 

@@ -13,9 +13,10 @@ import functools
 import pytest
 import torch
 from conftest import attn_for, generated_cache
+from nudge import nudged
 from tiny import ARCHS
 
-from stagereplay.engine.cache import compare_caches, layer_span, new_cache, nudged
+from stagereplay.engine.cache import compare_caches, layer_span, new_cache
 from stagereplay.engine.decode import DecodeConfig, Sampler, Stepper, capture_available, decode
 from stagereplay.engine.lm import load
 

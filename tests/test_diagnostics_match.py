@@ -126,6 +126,7 @@ def _checked(monkeypatch: pytest.MonkeyPatch, module: Any, seen: list[tuple[str,
     monkeypatch.setattr(module, "diagnose", both)
 
 
+@pytest.mark.slow  # every stage of four toy items in bf16: the slow tier (CI runs it)
 def test_matched_2x2_and_bridge_diagnostics_equal_the_full_logits_ones(toy, monkeypatch):
     from stagereplay.engine import lm as lm_module
     from stagereplay.engine.decode import DecodeConfig

@@ -7,10 +7,11 @@ import os
 import pytest
 import torch
 from conftest import attn_for
+from nudge import nudged
 from tiny import ARCHS
 
 from stagereplay.engine.boundary import After
-from stagereplay.engine.cache import cache_fingerprint, clone_cache, compare_caches, layer_span, nudged
+from stagereplay.engine.cache import cache_fingerprint, clone_cache, compare_caches, layer_span
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import NoBoundary, load
 

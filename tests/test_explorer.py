@@ -9,25 +9,22 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import tables_text
 from test_report import _run_chromium
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.records.ledger import Record, canonical_json, read_ledger
-from stagereplay.report.render import render_tables_text, write_report
+from stagereplay.report.render import write_report
 from stagereplay.report.results import Results
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_dir, items_file) -> Path:
-    out = tmp_path_factory.mktemp("explorer") / "run"
-    result = runner.invoke(app, ["matched", "--model", str(tiny_dir("qwen2")), "--data", str(items_file), "--n", "20",
-                                 "--boundary-after", "16", "--max-new-tokens", "48", "--out", str(out), "--quiet"])
-    assert result.exit_code == 0, result.output
-    return out
+def run(bf16_run) -> Path:
+    return bf16_run
 
 
 def _matched(run: Path) -> list[Record]:
@@ -94,7 +91,7 @@ def test_verdict_answers_each_question_with_its_number(run):
 
 
 def test_every_table_reads_at_80_columns(run):
-    text = render_tables_text(Results.model_validate_json((run / "results.json").read_text()), width=80)
+    text = tables_text(json.loads((run / "results.json").read_text()), width=80)
     assert "Why pairs diverged" in text and "…" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
 

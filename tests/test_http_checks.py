@@ -5,6 +5,7 @@ the well-behaved fake passing as its negative control. The real servers are test
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -290,3 +291,57 @@ def test_server_args_are_the_http_engines_and_vllms_knobs_are_vllms(tmp_path):
     assert refused.exit_code == 2 and "--kv-cache-dtype is not an option of --engine http" in refused.output
     assert "--server-args" in refused.output
     assert not (tmp_path / "r").exists()
+
+
+# The two shapes of an OpenAI-style `choices[0].logprobs`: vLLM's (`token_id:N` strings, each step's top as a JSON
+# object, the emitted token first though another ranks above it) and llama-server's chat shape (ids). The second
+# step has no logprob of its own (as an echoed first token has none).
+_VLLM_STEPS = {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.9, None],
+               "top_logprobs": [{"token_id:7": -0.9, "token_id:9": -0.5, "token_id:5": -0.5}, {"token_id:8": -0.1}]}
+_CHAT_STEPS = {"content": [
+    {"id": 7, "logprob": -0.9, "top_logprobs": [{"id": 7, "logprob": -0.9}, {"id": 9, "logprob": -0.5},
+                                                {"id": 5, "logprob": -0.5}]},
+    {"id": 8, "logprob": None, "top_logprobs": [{"id": 8, "logprob": -0.1}]}]}
+_BEST_FIRST = [((5, -0.5), (9, -0.5), (7, -0.9)), ((8, -0.1),)]
+
+
+@pytest.mark.parametrize("steps", [_VLLM_STEPS, _CHAT_STEPS], ids=["vllm", "chat"])
+def test_openai_steps_read_either_shape_with_each_steps_top_best_first(steps):
+    from stagereplay.serving.http_rollout import openai_steps
+
+    tokens, top, chosen = openai_steps(steps)
+    assert tokens == [7, 8] and top == _BEST_FIRST
+    assert chosen[0] == -0.9 and math.isnan(chosen[1])
+    # Negative control: the server's own order is not best first, so the order above is the parser's.
+    assert [int(t.split(":")[1]) for t in _VLLM_STEPS["top_logprobs"][0]] != [5, 9, 7]
+    assert [t["id"] for t in _CHAT_STEPS["content"][0]["top_logprobs"]] != [5, 9, 7]
+
+
+class _Canned:
+    """A client whose every request gets one reply, as a `vllm serve` gives it."""
+
+    url = "http://canned"
+
+    def __init__(self, reply: dict[str, Any]):
+        self.reply = reply
+
+    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert path == "/v1/completions"
+        return self.reply
+
+
+def test_a_greedy_request_and_a_rollout_read_the_same_steps():
+    """The greedy request's top-k (`Generation.top`, best first) and a rollout's own logprobs come from the one
+    parser of the OpenAI shape."""
+    from stagereplay.serving.http_rollout import openai_steps
+    from stagereplay.serving.seam import Sampling
+    from stagereplay.serving.server_identity import ServerIdentity
+
+    reply = {"choices": [{"logprobs": _VLLM_STEPS, "finish_reason": "length"}], "usage": {"prompt_tokens": 3}}
+    engine = http.HttpEngine(engine_config("http", {"url": "http://canned"}), _Canned(reply), "openai",
+                             ServerIdentity(server="vllm", model="toy"))
+    greedy = engine.generate([1, 2, 3], 2)
+    assert list(greedy.tokens) == openai_steps(_VLLM_STEPS)[0] and list(greedy.top) == _BEST_FIRST
+    drawn = engine.sample([1, 2, 3], 2, Sampling(temperature=1.0, seed=1))
+    assert drawn.tokens == greedy.tokens and [s[0] for s in drawn.top] == [(5, -0.5), (8, -0.1)]
+    assert drawn.chosen is not None and drawn.chosen[0] == -0.9 and math.isnan(drawn.chosen[1])

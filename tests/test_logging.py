@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -17,6 +18,7 @@ def _checks(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(CHECK)]
 
 
+@pytest.mark.slow  # two runs of two worker processes each: the slow tier (CI runs it)
 def test_a_batched_run_says_its_check_once_and_nothing_under_quiet(tiny_dir, items_file, tmp_path):
     """Two local workers each load the model and check its batched step (the command's process loads none): their
     lines come back to the command, which says the check once; under --quiet it says nothing at all."""

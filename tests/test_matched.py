@@ -23,19 +23,9 @@ def _matched(tmp_path, model, data, *extra):
     return runner.invoke(app, args), out
 
 
-def test_bf16_oneshot_suffixes_disagree_and_are_reported(tmp_path, tiny_dir, items_file):
-    result, out = _matched(
-        tmp_path,
-        tiny_dir("qwen2"),
-        items_file,
-        "--n",
-        "20",
-        "--boundary-after",
-        "16",
-        "--max-new-tokens",
-        "48",
-    )
-    assert result.exit_code == 0, result.output
+def test_bf16_oneshot_suffixes_disagree_and_are_reported(bf16_run):
+    """`bf16_run`: 20 items, the boundary after 16 tokens, 48 suffix tokens."""
+    out = bf16_run
     res = json.loads((out / "results.json").read_text())
     m = res["matched"][0]
     assert m["n"] == 20 and m["n_boundary"] == 20

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,11 +54,8 @@ def test_positions_move_only_that_band(caches):
     assert torch.equal(out[0][0], mine[0][0])  # other layers untouched
 
 
-def test_kv_and_positions_reach_the_run_and_its_audit(tmp_path, tiny_dir, items_file):
-    out = tmp_path / "run"
-    args = ["matched", "--model", str(tiny_dir("qwen2")), "--data", str(items_file), "--n", "16", "--boundary-after",
-            "16", "--max-new-tokens", "32", "--out", str(out), "--quiet"]
-    assert runner.invoke(app, args).exit_code == 0
+def test_kv_and_positions_reach_the_run_and_its_audit(tmp_path, bf16_run):
+    out = Path(shutil.copytree(bf16_run, tmp_path / "run"))  # its divergent items: what a transplant selects
     result = runner.invoke(app, ["transplant", str(out), "--kv", "k", "--positions", "0:8", "--select", "first:1",
                                  "--quiet"])
     assert result.exit_code == 0, result.stderr

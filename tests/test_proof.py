@@ -161,6 +161,7 @@ def test_a_count_boundary_proves_to_its_reach_not_the_context(tiny_dir, items_fi
     assert max(len(i.prompt_ids) for i in items) + budget + 8 == lm.context  # what the old rule proved to
 
 
+@pytest.mark.slow  # three models loaded, each capturing its step afresh: the slow tier (CI runs it)
 def test_a_machine_proves_a_setting_once_and_every_process_reuses_it(tmp_path, fresh_proofs, monkeypatch,
                                                                     counted_proofs):
     """A second process (here: a model loaded again with a memory of its own, before the same folder) takes the
@@ -223,6 +224,7 @@ class SpyStore:
         return "the spy"
 
 
+@pytest.mark.slow  # three models loaded, each capturing its step afresh: the slow tier (CI runs it)
 def test_a_model_keeps_its_proofs_in_the_store_it_is_given(tmp_path, fresh_proofs, counted_proofs):
     """The store passed to `load` is asked before a proof and keeps it, and what it kept is the model's proof; a
     second model given the same store takes it and proves nothing. This process's memory is not asked: it is the
@@ -246,6 +248,7 @@ def test_a_model_keeps_its_proofs_in_the_store_it_is_given(tmp_path, fresh_proof
     assert counted_proofs == [MIN_REACH, MIN_REACH] and len(spy.calls) == heard and IN_PROCESS.get(step) is not None
 
 
+@pytest.mark.slow  # three models loaded, each capturing its step afresh: the slow tier (CI runs it)
 def test_this_process_memory_is_a_store_layered_before_the_machine_one(tmp_path, fresh_proofs, counted_proofs):
     """A model the process loads (execution.models.cached_lm) keeps its proofs in this process's memory, layered
     before the store found for the machine: loaded again, with nothing on the machine, it proves nothing; the

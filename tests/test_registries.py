@@ -6,8 +6,10 @@ are what makes them known."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -127,11 +129,23 @@ def _run_twice(out) -> None:
     assert extended.exit_code == 0, extended.output
 
 
-def test_an_experiment_registered_here_runs_from_its_command_verifies_audits_plans_and_reports(twice, tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def twice_run(tmp_path_factory) -> Path:
+    """`_run_twice`'s run, made once for the tests below (read only: a test that writes into it takes a copy)."""
+    out = tmp_path_factory.mktemp("twice") / "run"
+    registry.register(Twice())
+    try:
+        _run_twice(out)
+    finally:
+        registry.unregister("twice")
+    return out
+
+
+def test_an_experiment_registered_here_runs_from_its_command_verifies_audits_plans_and_reports(
+        twice, twice_run, tmp_path):
     help_text = runner.invoke(app, ["twice", "--help"], env={"COLUMNS": "200"}).output
     assert "--steps" in help_text and "tokens to continue each prompt by" in help_text and "twice options" in help_text
-    _run_twice(out)
+    out = Path(shutil.copytree(twice_run, tmp_path / "run"))
     assert read_manifest(out).stages["twice/primary"].as_stage(TwiceStage).steps == 5  # from its option, frozen
     verified = runner.invoke(app, ["audit", str(out), "--verify-only"])
     assert verified.exit_code == 0 and "ledger intact, bound and complete" in verified.output, verified.output
@@ -148,25 +162,23 @@ def test_an_experiment_registered_here_runs_from_its_command_verifies_audits_pla
     assert summary["trajectories"]["n"] > 3 * 2  # the matched arms and the new experiment's, re-executed
 
 
-def test_verify_finds_a_record_of_the_new_experiment_missing(twice, tmp_path):
+def test_verify_finds_a_record_of_the_new_experiment_missing(twice, twice_run):
     """Its units come from the experiment (`Experiment.units`): a record removed from the ledger is named."""
     from stagereplay.audit.verify import completeness
     from stagereplay.records.ledger import items, read_ledger
 
-    out = tmp_path / "run"
-    _run_twice(out)
+    out = twice_run
     records = [r for r in items(read_ledger(out)) if not (r.experiment == "twice" and r.item_id.endswith("1"))]
     found = completeness(read_manifest(out), records)
     assert any("twice/primary: no record" in f.what for f in found), found
 
 
-def test_without_its_registry_line_it_has_no_command_and_its_run_is_refused_in_one_line(twice, tmp_path):
+def test_without_its_registry_line_it_has_no_command_and_its_run_is_refused_in_one_line(twice, twice_run, tmp_path):
     """The control: unregistered, the command is unknown, and the run's report and audit refuse the stage by name,
     never skip it."""
     from stagereplay.report.results import build_results
 
-    out = tmp_path / "run"
-    _run_twice(out)
+    out = Path(shutil.copytree(twice_run, tmp_path / "run"))
     registry.unregister("twice")
     unknown = runner.invoke(app, ["twice", str(out)])
     assert unknown.exit_code == 2 and "No such command 'twice'" in unknown.output, unknown.output

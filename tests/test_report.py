@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import tables_text
 from pydantic import ValidationError
 
 from stagereplay.experiments.format import bound, points
 from stagereplay.experiments.stats import wilson_interval
-from stagereplay.report.render import print_tables, render_tables_text, write_report
+from stagereplay.report.render import print_tables, write_report
 from stagereplay.report.results import Results
 from stagereplay.report.tables import build_tables, load_results
 
@@ -114,7 +115,7 @@ def test_fixture_is_an_intact_real_run(tmp_path: Path) -> None:
 
 
 def test_paper_numbers_print_in_the_documented_format() -> None:
-    text = render_tables_text(Results.model_validate(_paper_results()))
+    text = tables_text(_paper_results())
     assert "+1.0 [-3.5, +5.5]" in text  # accuracy difference and paired CI, in points
     assert "[0.00%, 1.88%]" in text  # fp32: 0/200 with its Wilson upper bound
     assert "166/200 (83.0%)" in text
@@ -202,7 +203,7 @@ def test_print_tables_to_a_console() -> None:
 @pytest.mark.parametrize("results", [_results, _paper_results], ids=["run_small", "paper"])
 def test_every_terminal_table_reads_at_80_columns(results) -> None:
     """Cells wrap between words; a one-word cell such as a transplant direction is never cut."""
-    text = render_tables_text(Results.model_validate(results()), width=80)
+    text = tables_text(results(), width=80)
     assert "…" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
     assert re.search(r"│ live->oneshot +│", text) and re.search(r"│ oneshot->live +│", text)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import attn_for
+from conftest import attn_for, tables_text
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -227,10 +227,7 @@ def test_benjamini_hochberg():
 
 def test_resample_tables_and_figure_read_in_the_report(resampled):
     """Both resample tables print at 80 columns without cut cells; the HTML report carries the figure."""
-    from stagereplay.report.render import render_tables_text
-    from stagereplay.report.results import Results
-
-    text = render_tables_text(Results.model_validate_json((resampled / "results.json").read_text()), width=80)
+    text = tables_text(json.loads((resampled / "results.json").read_text()), width=80)
     assert "Resample, coupled" in text and "Resample, independent" in text
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
     assert 'id="fig-resample"' in (resampled / "report.html").read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -21,11 +22,17 @@ def _matched(model, data, out, *extra):
     return out
 
 
-def test_merged_shards_equal_the_unsharded_run(tmp_path, tiny_dir, items_file):
-    model = tiny_dir("qwen2")
-    whole = _matched(model, items_file, tmp_path / "whole")
-    s0 = _matched(model, items_file, tmp_path / "s0", "--shard", "0/2")
-    s1 = _matched(model, items_file, tmp_path / "s1", "--shard", "1/2")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_dir, items_file) -> dict[str, Path]:
+    """The run whole, and as its two shards (read only: a test that changes one changes a copy)."""
+    root, model = tmp_path_factory.mktemp("shards"), tiny_dir("qwen2")
+    return {"whole": _matched(model, items_file, root / "whole"),
+            "s0": _matched(model, items_file, root / "s0", "--shard", "0/2"),
+            "s1": _matched(model, items_file, root / "s1", "--shard", "1/2")}
+
+
+def test_merged_shards_equal_the_unsharded_run(tmp_path, runs):
+    whole, s0, s1 = runs["whole"], runs["s0"], runs["s1"]
     items = [json.loads(x) for x in (s0 / "ledger.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in items] == ["stage", "environment", "item", "item", "item"]
     result = runner.invoke(app, ["merge", str(s1), str(s0), "--out", str(tmp_path / "merged")])
@@ -39,9 +46,8 @@ def test_merged_shards_equal_the_unsharded_run(tmp_path, tiny_dir, items_file):
         json.loads((whole / "results.json").read_text())["matched"]
 
 
-def test_merge_refuses_mismatched_or_incomplete_shards(tmp_path, tiny_dir, items_file):
-    model = tiny_dir("qwen2")
-    s0 = _matched(model, items_file, tmp_path / "s0", "--shard", "0/2")
+def test_merge_refuses_mismatched_or_incomplete_shards(tmp_path, tiny_dir, items_file, runs):
+    model, s0 = tiny_dir("qwen2"), runs["s0"]
     other = _matched(model, items_file, tmp_path / "other", "--shard", "1/2", "--precision", "fp32")
     result = runner.invoke(app, ["merge", str(s0), str(other), "--out", str(tmp_path / "m1")])
     assert result.exit_code == 2 and "config.model.precision" in result.stderr
@@ -54,10 +60,10 @@ def test_merge_refuses_mismatched_or_incomplete_shards(tmp_path, tiny_dir, items
     assert result.exit_code == 2 and "exactly once" in result.stderr
 
 
-def test_merge_refuses_shards_of_another_model_and_names_its_hashes(tmp_path, tiny_dir, items_file):
+def test_merge_refuses_shards_of_another_model_and_names_its_hashes(tmp_path, items_file, runs):
     from tiny import save_tiny_model
 
-    s0 = _matched(tiny_dir("qwen2"), items_file, tmp_path / "s0", "--shard", "0/2")
+    s0 = runs["s0"]
     other = save_tiny_model(tmp_path / "other-model", "qwen2", seed=7)
     s1 = _matched(other, items_file, tmp_path / "s1", "--shard", "1/2")
     result = runner.invoke(app, ["merge", str(s0), str(s1), "--out", str(tmp_path / "m")])
@@ -66,13 +72,11 @@ def test_merge_refuses_shards_of_another_model_and_names_its_hashes(tmp_path, ti
     assert not (tmp_path / "m").exists()
 
 
-def test_merge_keeps_each_shards_environment_and_reports_the_difference(tmp_path, tiny_dir, items_file):
+def test_merge_keeps_each_shards_environment_and_reports_the_difference(tmp_path, runs):
     """Shards computed on two machines merge; each record keeps the environment that computed it."""
     from forge import load, save
 
-    model = tiny_dir("qwen2")
-    s0 = _matched(model, items_file, tmp_path / "s0", "--shard", "0/2")
-    s1 = _matched(model, items_file, tmp_path / "s1", "--shard", "1/2")
+    s0, s1 = runs["s0"], Path(shutil.copytree(runs["s1"], tmp_path / "s1"))
     chain, manifest = load(s1)  # as if shard 1 ran elsewhere: another machine's environment
     from stagereplay.records.ledger import sha256_json
 

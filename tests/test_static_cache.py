@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import attn_for, generated_cache
+from nudge import nudged
 from tiny import ARCHS, make_config
 from typer.testing import CliRunner
 
@@ -39,7 +40,6 @@ from stagereplay.engine.cache import (
     is_static,
     layer_span,
     new_cache,
-    nudged,
 )
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import LM, load

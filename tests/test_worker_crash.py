@@ -34,6 +34,7 @@ def native(lm, job):
     return {"item": job.item.id}
 
 
+@pytest.mark.slow  # two pools of fresh processes, each loading torch and the toy: the slow tier (CI runs it)
 def test_a_crash_in_native_code_names_the_item_and_signal_and_keeps_what_came_before():
     config = ModelConfig(str(toy_checkpoint("primary")), "fp32")
     jobs = [Job(Item("a")), Job(Item("b"), crash=True), Job(Item("c"))]

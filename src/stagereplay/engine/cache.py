@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -282,20 +282,3 @@ def compare_caches(a: Any, b: Any) -> list[CacheDifference]:
             out.append(CacheDifference(i, name, start + int(differs.nonzero()[0, 0]), "value"))
     return out
 
-
-def nudged(cache: Any, layer: int = 0, tensor: str = "k", index: Sequence[int] = (0, 0, 0, 0)) -> Any:
-    """A clone of `cache` with one element moved by one unit in the last place (for negative controls).
-
-    `index` is (batch, head, absolute position, dim); a position outside a sliding window's rows is refused.
-    """
-    import torch
-
-    out = clone_cache(cache)
-    with torch.inference_mode():
-        keys, values, start = held(out.layers[layer])
-        b, h, pos, d = index
-        row = pos - start
-        if not 0 <= row < keys.shape[-2]:
-            raise ValueError(f"position {pos} is not in layer {layer}'s span {layer_span(out.layers[layer])}")
-        bits(keys if tensor == "k" else values)[b, h, row, d] += 1  # in place: the clone's own tensors
-    return out

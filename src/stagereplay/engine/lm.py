@@ -55,11 +55,6 @@ def ids_fingerprint(ids: Sequence[int]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()
 
 
-def check_construction(name: str) -> str:
-    """`name` if it spells a construction (engine.constructions), else a one-line refusal."""
-    return parse_construction(name).name
-
-
 @dataclass(frozen=True)
 class Continuation:
     """The suffix a continuation emitted (EOS included when it stopped on EOS)."""

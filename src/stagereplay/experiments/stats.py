@@ -2,8 +2,8 @@
 
 Every function is pure and takes its randomness as an explicit seed, so a report regenerated from the
 same ledger prints the same numbers. Where scipy already has the piece we call it rather than re-derive
-it: `scipy.stats.binomtest(...).proportion_ci` gives Wilson (z = Phi^-1(0.975) = 1.959964 at 95%) and
-Clopper-Pearson intervals, `binomtest(...).pvalue` the exact McNemar p, `scipy.stats.bootstrap` the paired
+it: `scipy.stats.binomtest(...).proportion_ci` gives Wilson intervals
+(z = Phi^-1(0.975) = 1.959964 at 95%), `binomtest(...).pvalue` the exact McNemar p, `scipy.stats.bootstrap` the paired
 percentile bootstrap and `scipy.stats.false_discovery_control` the Benjamini-Hochberg adjustment. The
 paper's numbers are pinned in tests/test_stats.py (0/200 -> 1.88%; 11 vs 9 of 200 -> [-3.5, +5.5]).
 """
@@ -47,14 +47,6 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     _check_counts(k, n)
     _check_confidence(confidence)
     ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
-    return float(ci.low), float(ci.high)
-
-
-def clopper_pearson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Two-sided exact (Clopper-Pearson) interval: conservative, for readers who want guaranteed coverage."""
-    _check_counts(k, n)
-    _check_confidence(confidence)
-    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=confidence, method="exact")
     return float(ci.low), float(ci.high)
 
 

@@ -144,17 +144,6 @@ def _water_fill(floor: list[int], need: list[int], room: int) -> list[int]:
     return widths
 
 
-def render_tables_text(results: Results, width: int = 120) -> str:
-    """The terminal tables as plain text (no colour codes), for logs and tests."""
-    import io
-
-    from rich.console import Console
-
-    buffer = io.StringIO()
-    print_tables(results, Console(file=buffer, width=width, color_system=None, force_terminal=False))
-    return buffer.getvalue()
-
-
 def write_report(run_dir: Path) -> tuple[Path, Path]:
     """Write `report.md` and a self-contained `report.html` into `run_dir`; return their paths.
 

@@ -135,20 +135,6 @@ def _top_native(step: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple((int(t["id"]), float(t["logprob"])) for t in step.get("top_logprobs", []))
 
 
-def _openai_steps(logprobs: dict[str, Any]) -> tuple[list[int], list[tuple[tuple[int, float], ...]]]:
-    """Token IDs and top-k per step from either shape of `choices[0].logprobs`."""
-    if "content" in logprobs:  # llama-server's endpoint: the chat shape, with ids
-        content = logprobs.get("content") or []
-        return [int(s["id"]) for s in content], [_top_native(s) for s in content]
-    tokens = [http_rollout.token_id(t) for t in logprobs.get("tokens") or []]
-    top = []
-    for step in logprobs.get("top_logprobs") or []:
-        pairs = sorted(((http_rollout.token_id(t), float(v)) for t, v in (step or {}).items()),
-                       key=lambda p: (-p[1], p[0]))
-        top.append(tuple(pairs))
-    return tokens, top
-
-
 class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, ScoresPrompt):
     """One server; greedy requests of one item at a time (and `generate_loaded`'s traffic around one); a rollout's
     sampled request, and a sequence's score where the server gives one (`HttpKind.prompt_scoring`)."""
@@ -199,7 +185,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
         reply = self.client.call("/v1/completions", body)
         assert reply is not None
         choice = (reply.get("choices") or [{}])[0]
-        tokens, top = _openai_steps(choice.get("logprobs") or {})
+        tokens, top, _ = http_rollout.openai_steps(choice.get("logprobs") or {})
         usage = reply.get("usage") or {}
         details = usage.get("prompt_tokens_details")  # null where the server does not count cached tokens
         cached = None if not isinstance(details, dict) else int(details.get("cached_tokens") or 0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import shlex
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from stagereplay.errors import StageReplayError
@@ -125,17 +125,34 @@ def sample(engine: Server, ids: Sequence[int], max_tokens: int, sampling: Sampli
     return Generation(tuple(tokens_), tuple((_best(s),) for s in top_), None, finish, None, tuple(chosen_))
 
 
-def openai_steps(logprobs: dict[str, Any]) -> tuple[list[int], list[list[tuple[int, float]]], list[float]]:
-    """Token IDs, each step's top (id, logprob) pairs and the emitted token's logprob, from either shape of
-    `choices[0].logprobs` (llama-server's chat shape with ids; vLLM's `token_id:N` strings)."""
+Steps = tuple[list[int], list[tuple[tuple[int, float], ...]], list[float]]
+"""Per generated (or echoed) token: its ID, the step's top (id, logprob) pairs best first, its own logprob."""
+
+
+def _best_first(pairs: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """`Generation.top`'s order: logprob descending, ties by the lower id. vLLM's top_logprobs is a JSON object
+    whose keys come in no promised order (the emitted token may lead though another ranks above it)."""
+    return tuple(sorted(pairs, key=lambda p: (-p[1], p[0])))
+
+
+def _logprob(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def openai_steps(logprobs: dict[str, Any]) -> Steps:
+    """Token IDs, each step's top (id, logprob) pairs best first and the emitted token's logprob (NaN where the
+    server gives none: the first echoed token), from either shape of `choices[0].logprobs` (llama-server's
+    chat shape with ids; vLLM's `token_id:N` strings)."""
     if "content" in logprobs:
         content = logprobs.get("content") or []
         return ([int(s["id"]) for s in content],
-                [[(int(t["id"]), float(t["logprob"])) for t in s.get("top_logprobs") or []] for s in content],
-                [float(s["logprob"]) for s in content])
+                [_best_first((int(t["id"]), float(t["logprob"])) for t in s.get("top_logprobs") or [])
+                 for s in content],
+                [_logprob(s.get("logprob")) for s in content])
     tokens = [token_id(t) for t in logprobs.get("tokens") or []]
-    top = [[(token_id(t), float(v)) for t, v in (step or {}).items()] for step in logprobs.get("top_logprobs") or []]
-    chosen = [math.nan if v is None else float(v) for v in logprobs.get("token_logprobs") or []]
+    top = [_best_first((token_id(t), float(v)) for t, v in (step or {}).items())
+           for step in logprobs.get("top_logprobs") or []]
+    chosen = [_logprob(v) for v in logprobs.get("token_logprobs") or []]
     return tokens, top, chosen
 
 

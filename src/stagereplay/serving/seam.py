@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from stagereplay.errors import StageReplayError
@@ -164,9 +164,6 @@ class EngineConfig:
         raw (so a run that reads no log-probabilities records what it always recorded)."""
         mode = {"logprobs_mode": self.logprobs_mode} if self.logprobs_mode != "raw" else {}
         return {"name": self.name, "seed": self.seed, **mode, **asdict(self.options)}
-
-    def with_options(self, **changes: Any) -> EngineConfig:
-        return replace(self, options=replace(self.options, **changes))
 
 
 class ServingEngine(Protocol):
