@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 from stagereplay.engine.forwards import Lengths
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, ids_fingerprint
 from stagereplay.experiments.stats import first_divergence
-from stagereplay.records.ledger import sha256_json
+from stagereplay.records.ledger import Record, sha256_json
 from stagereplay.records.manifest import StageSection
+from stagereplay.records.payload_readers import ItemHead
 from stagereplay.records.payloads import (
     Arm,
     Comparison,
@@ -183,10 +184,15 @@ def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
     return no_boundary(item, generated).as_payload()
 
 
-def record_lengths(payload: dict[str, Any]) -> Lengths:
+def lengths_of(record: Record) -> Lengths:
+    """`record_lengths` of a record of any experiment whose records hold the protocol's arms."""
+    return record_lengths(ItemHead.model_validate(record.payload))
+
+
+def record_lengths(payload: ItemHead) -> Lengths:
     """A record's measured lengths: prompt, stage 1, each arm's suffix (a no_boundary record: generated)."""
-    prompt = len(payload.get("prompt_ids") or [])
-    if payload.get("status") != "ok":
-        return Lengths(prompt, None, 0, generated=len(payload.get("generated_ids") or []))
-    arms = tuple((a["name"], len(a["suffix_ids"])) for a in payload.get("arms", []))
-    return Lengths(prompt, payload["boundary"] - prompt, 0, arms)
+    prompt = len(payload.prompt_ids)
+    if payload.status != "ok" or payload.boundary is None:
+        return Lengths(prompt, None, 0, generated=len(payload.generated_ids or []))
+    arms = tuple((a.name, len(a.suffix_ids)) for a in payload.arms)
+    return Lengths(prompt, payload.boundary - prompt, 0, arms)

@@ -344,9 +344,9 @@ class Experiment(ABC):
     def unit_positions(self, record: Record) -> int:
         """The longest sequence one recorded unit held (what its caches are sized by): its prefix and longest
         suffix."""
-        from stagereplay.experiments.arms import record_lengths
+        from stagereplay.experiments.arms import lengths_of
 
-        n = record_lengths(record.payload)
+        n = lengths_of(record)
         return n.prefix + max((length for _, length in n.arms), default=n.generated)
 
     def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, Field, TypeAdapter
 
@@ -24,8 +24,8 @@ from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import (
     arm_record,
     compare,
+    lengths_of,
     no_boundary_payload,
-    record_lengths,
     with_token_texts,
 )
 from stagereplay.experiments.diagnose import diagnose
@@ -35,6 +35,7 @@ from stagereplay.experiments.figures import DIVERGENCE, SharedFigure, Strip
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched_summary import (
+    PAYLOAD,
     MatchedSummary,
     matched_facts,
     matched_table,
@@ -43,7 +44,7 @@ from stagereplay.experiments.matched_summary import (
 from stagereplay.experiments.verdict import CARRIES, FIRST_STEP, MARGINS, REPLICAS, Fact, Question, faithful
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, Payload
+from stagereplay.records.payloads import Arm, MatchedPayload, Payload
 from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
@@ -54,9 +55,6 @@ EXPERIMENT = "matched"
 STAGE1_TOP = 2
 """Tokens kept per stage-1 step of live (`stage1_top`): the margin and the runner-up, at a size a trace of thousands
 of steps can carry in every record."""
-PAYLOAD: TypeAdapter[MatchedPayload | NoBoundaryPayload] = TypeAdapter(
-    Annotated[MatchedPayload | NoBoundaryPayload, Field(discriminator="status")])
-"""A matched record's payload (`records.payloads`): the item reached its boundary, or not (a serving run's too)."""
 
 
 @dataclass(frozen=True)
@@ -196,16 +194,16 @@ def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:
     experiments after matched start from."""
     out = []
     for r in run.find(EXPERIMENT, checkpoint):
-        p = r.payload
-        if p["status"] == "ok":
-            out.append((Item(r.item_id, tuple(p["prompt_ids"]), p["answer"]), p["prefix_ids"]))
+        p = PAYLOAD.validate_python(r.payload)
+        if isinstance(p, MatchedPayload):
+            out.append((Item(r.item_id, tuple(p.prompt_ids), p.answer), p.prefix_ids))
     return out
 
 
 def matched_ok(records: list[Record], checkpoint: str) -> list[str]:
     """The item ids whose matched record at `checkpoint` reached its boundary, in ledger order."""
     return [r.item_id for r in records if r.experiment == EXPERIMENT and r.checkpoint == checkpoint
-            and r.payload.get("status") == "ok"]
+            and isinstance(PAYLOAD.validate_python(r.payload), MatchedPayload)]
 
 
 def matched_stage(stages: Mapping[str, StageSection], checkpoint: str) -> StageSection | None:
@@ -280,7 +278,7 @@ class Matched(Experiment):
         own: MatchedStage = self.stage_of(stage)
         if own.generate:
             return None  # live's forwards were transformers' generate()'s, speculation's chunks included
-        return forwards(record_lengths(record.payload), stage_constructions(own))
+        return forwards(lengths_of(record), stage_constructions(own))
 
     def peak_caches(self, stage: StageSection) -> int:
         """live's and each fresh construction's boundary states, a replica's state and its continuation's."""

@@ -236,8 +236,8 @@ class Mismatch(Experiment):
                 for item in prepared.items if item.id in ids and (r := recorded.get(item.id)) is not None])
 
     def unit_positions(self, record: Record) -> int:
-        arms = record.payload.get("arms") or []
-        return int(arms[0]["start"]) + len(arrays.decode(arms[0]["logprobs"])) if arms else 0
+        arms = PAYLOAD.validate_python(record.payload).arms
+        return arms[0].start + len(arrays.decode(arms[0].logprobs)) if arms else 0
 
     def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
         return trainer_model(model, part) if part else model

@@ -17,8 +17,8 @@ from stagereplay.experiments.arms import (
     arm_record,
     carried_arm,
     compare,
+    lengths_of,
     matched_arms,
-    record_lengths,
     with_token_texts,
 )
 from stagereplay.experiments.diagnose import diagnose
@@ -227,14 +227,13 @@ def planned_grid(assumed: Assumed, constructions: tuple[str, ...], precision: st
             for i, u in enumerate(assumed.items)]
 
 
-def grid_lengths(payload: dict[str, Any]) -> Lengths:
+def grid_lengths(record: Record) -> Lengths:
     """A 2x2 record's lengths, with the steps each arm it carried over from matched was decoded again for its
     diagnostics (`diagnostic_steps`: against every other arm's suffix, as `grid_item` runs it)."""
-    n = record_lengths(payload)
-    arms = payload.get("arms", [])
-    looks = tuple((str(a["construction"]), diagnostic_steps(a["suffix_ids"], [tuple(o["suffix_ids"]) for o in arms
-                                                                             if o is not a]))
-                  for a in arms if a.get("same_as"))
+    n = lengths_of(record)
+    arms = PAYLOAD.validate_python(record.payload).arms
+    looks = tuple((a.construction, diagnostic_steps(a.suffix_ids, [tuple(o.suffix_ids) for o in arms if o is not a]))
+                  for a in arms if a.same_as)
     return Lengths(n.prompt, n.stage1, 0, n.arms, looks=looks)
 
 
@@ -295,7 +294,7 @@ class PrecisionGrid(Experiment):
                                                             tuple(own.constructions), part, reuse))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
-        return forwards(grid_lengths(record.payload), tuple(self.stage_of(stage).constructions), record.part)
+        return forwards(grid_lengths(record), tuple(self.stage_of(stage).constructions), record.part)
 
     def peak_caches(self, stage: StageSection) -> int:
         return len(self.stage_of(stage).constructions) + 1  # every construction's state, and one continuation's

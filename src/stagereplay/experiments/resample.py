@@ -32,7 +32,7 @@ from stagereplay.engine.forwards import Lengths, construct_forwards, continuatio
 from stagereplay.engine.lm import LM, BoundaryState, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.arms import record_lengths
+from stagereplay.experiments.arms import lengths_of
 from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
@@ -239,11 +239,11 @@ class Resample(Experiment):
                                                                  replay.prefix))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
-        if record.payload.get("status") != "ok":
+        if PAYLOAD.validate_python(record.payload).status != "ok":
             return None  # live generation no longer reached the prefix: how far it went is not recorded
         own: ResampleStage = self.stage_of(stage)
         source = resample_params(own, record.part, None).live_source
-        return forwards(record_lengths(record.payload), own.config.k, own.config.construction, source)
+        return forwards(lengths_of(record), own.config.k, own.config.construction, source)
 
     def peak_caches(self, stage: StageSection) -> int:
         return 4  # live's, its replica's and the fresh state, and a draw's continuation

@@ -21,6 +21,7 @@ from stagereplay.experiments.stats import (
     two_sample_answer_test,
 )
 from stagereplay.records.ledger import Record
+from stagereplay.records.payloads import Draw, ResamplePayload
 from stagereplay.records.summary import SummaryModel
 
 FDR = 0.05
@@ -106,9 +107,8 @@ class Sampling(Protocol):
     def seed(self) -> int: ...
 
 
-def _draws(record: Record, state: str, stream: str) -> list[dict[str, Any]]:
-    return sorted((a for a in record.payload["arms"] if a["state"] == state and a["stream"] == stream),
-                  key=lambda a: a["draw"])
+def _draws(payload: ResamplePayload, state: str, stream: str) -> list[Draw]:
+    return sorted((a for a in payload.arms if a.state == state and a.stream == stream), key=lambda a: a.draw)
 
 
 def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
@@ -125,34 +125,34 @@ def summarize_resample(records: list[Record], precisions: list[str], sampling: S
     fresh = sampling.construction
     out = []
     for precision in precisions:
-        mine = [r for r in records if r.part == precision]
-        ok = [r for r in mine if r.payload["status"] == "ok"]
+        mine = [(r.item_id, ResamplePayload.model_validate(r.payload)) for r in records if r.part == precision]
+        ok = [(i, p) for i, p in mine if p.status == "ok"]
         coupled = {"draws": 0, "replica_differ": 0, "fresh_differ": 0, "answer_differ": 0, "label_differ": 0}
         tv_fresh, tv_null, p_fresh, p_null = [], [], [], []
         acc_live, acc_fresh, acc_null = [], [], []
-        for r in ok:
-            live, rep, fa = _draws(r, "live", "A"), _draws(r, "live#replica", "A"), _draws(r, fresh, "A")
-            fb, lc = _draws(r, fresh, "B"), _draws(r, "live", "C")
+        for item_id, p in ok:
+            live, rep, fa = _draws(p, "live", "A"), _draws(p, "live#replica", "A"), _draws(p, fresh, "A")
+            fb, lc = _draws(p, fresh, "B"), _draws(p, "live", "C")
             coupled["draws"] += len(live)
-            coupled["replica_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, rep, strict=True))
-            coupled["fresh_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, fa, strict=True))
-            coupled["answer_differ"] += sum(x["answer"] != y["answer"] for x, y in zip(live, fa, strict=True))
-            coupled["label_differ"] += sum(x["correct"] != y["correct"] for x, y in zip(live, fa, strict=True))
-            answers = {name: [d["answer"] for d in draws] for name, draws in (("A", live), ("B", fb), ("C", lc))}
-            test_seed = zlib.crc32(r.item_id.encode())  # per item, so a resumed or merged run gets the same p
+            coupled["replica_differ"] += sum(x.suffix_fp != y.suffix_fp for x, y in zip(live, rep, strict=True))
+            coupled["fresh_differ"] += sum(x.suffix_fp != y.suffix_fp for x, y in zip(live, fa, strict=True))
+            coupled["answer_differ"] += sum(x.answer != y.answer for x, y in zip(live, fa, strict=True))
+            coupled["label_differ"] += sum(x.correct != y.correct for x, y in zip(live, fa, strict=True))
+            answers = {name: [d.answer for d in draws] for name, draws in (("A", live), ("B", fb), ("C", lc))}
+            test_seed = zlib.crc32(item_id.encode())  # per item, so a resumed or merged run gets the same p
             tv_fresh.append(total_variation(answers["A"], answers["B"]))
             tv_null.append(total_variation(answers["A"], answers["C"]))
             p_fresh.append(two_sample_answer_test(answers["A"], answers["B"], test_seed))
             p_null.append(two_sample_answer_test(answers["A"], answers["C"], test_seed))
-            acc_live.append(sum(d["correct"] for d in live) / len(live))
-            acc_fresh.append(sum(d["correct"] for d in fb) / len(fb))
-            acc_null.append(sum(d["correct"] for d in lc) / len(lc))
+            acc_live.append(sum(d.correct for d in live) / len(live))
+            acc_fresh.append(sum(d.correct for d in fb) / len(fb))
+            acc_null.append(sum(d.correct for d in lc) / len(lc))
         out.append(ResampleSummary(
             checkpoint=checkpoint, precision=precision, construction=fresh,
             k=sampling.k, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             seed=sampling.seed, n_items=len(ok), n_not_reproduced=len(mine) - len(ok),
-            live_source=ok[0].payload["live_source"] if ok else None,
-            items=[r.item_id for r in ok],
+            live_source=ok[0][1].live_source if ok else None,
+            items=[i for i, _ in ok],
             coupled=Coupled(**coupled),
             independent=Independent(
                 test=TWO_SAMPLE_TEST, monte_carlo_tables=MONTE_CARLO_TABLES, fdr=FDR,

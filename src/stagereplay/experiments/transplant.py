@@ -8,16 +8,16 @@ selected items are frozen in the manifest before the first transplant runs: that
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards, live_forwards
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms, record_lengths
+from stagereplay.experiments.arms import arm_record, carried_arm, lengths_of, matched_arms
 from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
@@ -27,6 +27,7 @@ from stagereplay.experiments.matched import MatchedStage, matched_records, match
 from stagereplay.experiments.selection import divergent_ids, divergent_items, parse_selection, select
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.experiments.transplant_summary import (
+    PAYLOAD,
     TransplantSummary,
     summarize_transplant,
     transplant_facts,
@@ -46,15 +47,13 @@ from stagereplay.records.payloads import (
     PrefixNotReproducedPayload,
     SweepRow,
     TransplantPayload,
+    first_error,
 )
 
 if TYPE_CHECKING:
     from stagereplay.experiments.prepared import PreparedRun
 
 EXPERIMENT = "transplant"
-PAYLOAD: TypeAdapter[TransplantPayload | PrefixNotReproducedPayload] = TypeAdapter(
-    Annotated[TransplantPayload | PrefixNotReproducedPayload, Field(discriminator="status")])
-"""A transplant record's payload (`records.payloads`): live reached the matched prefix again, or not."""
 
 
 @dataclass(frozen=True)
@@ -242,19 +241,20 @@ def check_selection(model: ModelConfig, cfg: TransplantConfig, prefixes: list[li
 # -- what verify checks, results.json and the report -------------------------------------------------------------
 
 
-def transplant_claims(p: dict[str, Any], construction: str) -> list[str]:
-    arms = {a["name"]: a["suffix_ids"] for a in p.get("arms", [])}
+def transplant_claims(p: TransplantPayload, construction: str) -> list[str]:
+    arms = {a.name: a.suffix_ids for a in p.arms}
     bad = []
-    if "live" in arms and construction in arms and p.get("baseline_diverges") != (arms["live"] != arms[construction]):
+    if "live" in arms and construction in arms and p.baseline_diverges != (arms["live"] != arms[construction]):
         bad.append("baseline_diverges does not follow from the live and fresh arms")
-    for key, prefix in (("directions", ""), ("control", "control:")):
-        for direction, recorded in p.get(key, {}).items():
+    for key, prefix, outcomes in (("directions", "", p.directions), ("control", "control:", p.control)):
+        for direction, recorded in outcomes.items():
             donor, _, recipient = direction.partition("->")
             got = arms.get(f"{prefix}{direction}")
             if got is None or donor not in arms or recipient not in arms:
                 bad.append(f"{key}.{direction}: its arms are missing")
                 continue
-            for f in diff_fields(recorded, outcome(tuple(got), tuple(arms[donor]), tuple(arms[recipient]))):
+            derived = outcome(tuple(got), tuple(arms[donor]), tuple(arms[recipient]))
+            for f in diff_fields(recorded.as_payload(), derived):
                 bad.append(f"{key}.{direction}.{f} does not follow from the arms")
     return bad
 
@@ -328,9 +328,13 @@ class Transplant(Experiment):
         return [(i, "") for i in self.stage_of(stage).selected]
 
     def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
-        if record.payload.get("status") != "ok":
+        try:
+            payload = PAYLOAD.validate_python(record.payload)
+        except ValidationError as e:
+            return [f"not a transplant payload ({first_error(e)})"]
+        if not isinstance(payload, TransplantPayload):
             return []
-        return transplant_claims(record.payload, self.stage_of(stage).config.fresh)
+        return transplant_claims(payload, self.stage_of(stage).config.fresh)
 
     def stage_findings(self, name: str, stage: StageSection, records: list[Record]) -> list[Finding]:
         return selection_findings(name, self.stage_of(stage), records)
@@ -341,13 +345,13 @@ class Transplant(Experiment):
         return Job(replay.item, replay.settings, TransplantParams(tuple(replay.prefix or ()), own.config, reuse))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
-        p = record.payload
-        if p.get("status") != "ok":
+        p = PAYLOAD.validate_python(record.payload)
+        if not isinstance(p, TransplantPayload):
             return None  # its prefix was not reproduced: how far live went is not recorded
         own: TransplantStage = self.stage_of(stage)
-        n = record_lengths(p)
+        n = lengths_of(record)
         suffix = own.settings.decode.max_new_tokens  # sweep continuations are not recorded
-        carried = tuple((a["name"], 0) for a in p.get("arms", []) if a.get("same_as"))  # own suffixes not decoded
+        carried = tuple((a.name, 0) for a in p.arms if a.same_as)  # own suffixes not decoded
         return forwards(Lengths(n.prompt, n.stage1, suffix, n.arms, looks=carried), own.config,
                         _model_layers(own))
 
