@@ -179,11 +179,6 @@ def no_boundary(item: Item, generated: Sequence[int], nulls: bool = True) -> NoB
                              **({"prefix_ids": None, "boundary": None} if nulls else {}))
 
 
-def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
-    """`no_boundary`, as the record holds it."""
-    return no_boundary(item, generated).as_payload()
-
-
 def lengths_of(record: Record) -> Lengths:
     """`record_lengths` of a record of any experiment whose records hold the protocol's arms."""
     return record_lengths(ItemHead.model_validate(record.payload))

@@ -31,7 +31,7 @@ from stagereplay.records.payloads import (
     BridgePayload,
     LayerFingerprints,
     NoBoundaryPayload,
-    Payload,
+    PayloadModel,
     first_error,
 )
 from stagereplay.records.summary import SummaryModel
@@ -52,12 +52,12 @@ class BridgeParams(Params):
     prefix: tuple[int, ...]
 
 
-def bridge_item(lm: LM, job: Job[BridgeParams]) -> Payload:
+def bridge_item(lm: LM, job: Job[BridgeParams]) -> BridgePayload | NoBoundaryPayload:
     item, s = job.item, job.settings
     try:
         live = lm.live(item, s.rule(), s.decode)
     except NoBoundary as nb:
-        return no_boundary(item, nb.generated, nulls=False).as_payload()
+        return no_boundary(item, nb.generated, nulls=False)
     assert live.live_suffix is not None
     inc = lm.construct(live, "incremental")
     diffs = compare_caches(live.cache, inc.cache)
@@ -75,7 +75,7 @@ def bridge_item(lm: LM, job: Job[BridgeParams]) -> Payload:
         arms=arms,
         comparisons=[compare(item.id, arms[0], arms[1])],
         diagnostics=diagnose(runs, [("live", "incremental")], cache_pairs=[("live", "incremental")]),
-    ).as_payload()
+    )
 
 
 def forwards(n: Lengths) -> list[int]:
@@ -208,7 +208,7 @@ class Bridge(Experiment):
         """1 where a row's caches are not bit-exact: the bridge's claim failed."""
         return int(summaries is not None and summaries.cache_bit_exact != summaries.rows)
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return bridge_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]

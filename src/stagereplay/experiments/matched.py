@@ -25,7 +25,7 @@ from stagereplay.experiments.arms import (
     arm_record,
     compare,
     lengths_of,
-    no_boundary_payload,
+    no_boundary,
     with_token_texts,
 )
 from stagereplay.experiments.diagnose import diagnose
@@ -44,7 +44,7 @@ from stagereplay.experiments.matched_summary import (
 from stagereplay.experiments.verdict import CARRIES, FIRST_STEP, MARGINS, REPLICAS, Fact, Question, faithful
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Arm, MatchedPayload, Payload
+from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, PayloadModel
 from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
@@ -108,7 +108,7 @@ class MatchedParams(Params):
     generated: Generated = field(default_factory=Generated)
 
 
-def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
+def matched_item(lm: LM, job: Job[MatchedParams]) -> MatchedPayload | NoBoundaryPayload:
     """Live + replica, construction + replica; the comparisons between them. Pure in (model, item, settings).
 
     Each replica's cache is dropped as soon as its record (with the cache fingerprint) is made: comparisons need
@@ -128,7 +128,7 @@ def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
     try:
         live = live_state()
     except NoBoundary as nb:
-        return no_boundary_payload(item, nb.generated)
+        return no_boundary(item, nb.generated)
     stage1 = live.stage1
     assert live.live_suffix is not None
     arms: list[Arm] = []
@@ -169,7 +169,7 @@ def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
         diagnostics=diagnose(runs, pairs, cache_pairs=pairs[: len(fresh_ones)]),
         stage1_top=live.stage1_top(STAGE1_TOP),
     )
-    return with_token_texts(lm, payload).as_payload()
+    return with_token_texts(lm, payload)
 
 
 def forwards(n: Lengths, construction: str = "oneshot") -> list[int]:
@@ -211,7 +211,7 @@ def matched_stage(stages: Mapping[str, StageSection], checkpoint: str) -> StageS
     return stages.get(f"{EXPERIMENT}/{checkpoint}")
 
 
-def matched_records(run: Run, checkpoint: str) -> dict[str, Payload]:
+def matched_records(run: Run, checkpoint: str) -> dict[str, dict[str, Any]]:
     """The matched payloads at `checkpoint`, by item id."""
     return {r.item_id: r.payload for r in run.find(EXPERIMENT, checkpoint)}
 
@@ -261,7 +261,7 @@ class Matched(Experiment):
         params = MatchedParams(stage_constructions(own), Generated(**(own.generate or {})))
         return [Batch(prepared.model, [Job(item, prepared.settings, params) for item in prepared.items])]
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return matched_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]

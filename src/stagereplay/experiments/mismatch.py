@@ -47,7 +47,7 @@ from stagereplay.experiments.verdict import Fact
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Payload
+from stagereplay.records.payloads import PayloadModel
 from stagereplay.records.scored import MismatchPayload
 
 if TYPE_CHECKING:
@@ -135,9 +135,9 @@ def _micro_batch(options: MismatchOptions) -> dict[str, Any]:
             if options.micro_batch else {})
 
 
-def main_records(run: Run, checkpoint: str) -> dict[str, Payload]:
+def main_records(run: Run, checkpoint: str) -> dict[str, MismatchPayload]:
     """The part-'' records at `checkpoint`, by item id: the tokens the trainer parts score."""
-    return {r.item_id: r.payload for r in run.find(EXPERIMENT, checkpoint) if not r.part}
+    return {r.item_id: PAYLOAD.validate_python(r.payload) for r in run.find(EXPERIMENT, checkpoint) if not r.part}
 
 
 class Mismatch(Experiment):
@@ -231,8 +231,8 @@ class Mismatch(Experiment):
         for p in own.precisions:
             recorded = main_records(run, prepared.checkpoint)
             yield Batch(trainer_model(prepared.model, p), [
-                Job(item, prepared.settings, MismatchParams(p, own.mode, own.source, prompt=tuple(r["prompt_ids"]),
-                                                            response=tuple(r["response_ids"]), batch=own.batch()))
+                Job(item, prepared.settings, MismatchParams(p, own.mode, own.source, prompt=tuple(r.prompt_ids or ()),
+                                                            response=tuple(r.response_ids or ()), batch=own.batch()))
                 for item in prepared.items if item.id in ids and (r := recorded.get(item.id)) is not None])
 
     def unit_positions(self, record: Record) -> int:
@@ -245,7 +245,7 @@ class Mismatch(Experiment):
     def where(self, record: Record) -> str:
         return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return mismatch_item(lm, job)
 
     def told(self, records: list[Record]) -> list[str]:

@@ -48,7 +48,7 @@ from stagereplay.experiments.stats import first_divergence
 from stagereplay.experiments.verdict import FIRST_STEP, Fact, Question
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, Payload
+from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, PayloadModel
 from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
@@ -106,7 +106,7 @@ class GridParams(Params):
         return self.precision
 
 
-def grid_item(lm: LM, job: Job[GridParams]) -> Payload:
+def grid_item(lm: LM, job: Job[GridParams]) -> GridPayload:
     """Every construction at this process's precision on one fixed prefix, and their pairwise comparison.
 
     With `reuse` (see `reused_arms`), a construction whose arm the matched run already computed on this model
@@ -158,7 +158,7 @@ def grid_item(lm: LM, job: Job[GridParams]) -> Payload:
     payload = GridPayload(status="ok", precision=lm.config.precision, prompt_ids=list(item.prompt_ids),
                           prefix_ids=list(state.prefix), boundary=len(state.prefix), answer=item.answer, arms=arms,
                           comparisons=comparisons, diagnostics=diagnostics)
-    return with_token_texts(lm, payload).as_payload()
+    return with_token_texts(lm, payload)
 
 
 def forwards(n: Lengths, constructions: tuple[str, ...], precision: str) -> list[int]:
@@ -276,7 +276,7 @@ class PrecisionGrid(Experiment):
                        for item, prefix in fixed])
                 for precision in own.precisions]
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return grid_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]

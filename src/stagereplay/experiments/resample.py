@@ -47,7 +47,7 @@ from stagereplay.experiments.resample_summary import (
 )
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Draw, Payload, ResamplePayload
+from stagereplay.records.payloads import Draw, PayloadModel, ResamplePayload
 from stagereplay.tasks.scoring import answer_extractor, scorer_by_name
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def _states(lm: LM, job: Job[ResampleParams]) -> tuple[BoundaryState, BoundarySt
     return (live, replica) if live.prefix == prefix == replica.prefix else None
 
 
-def resample_item(lm: LM, job: Job[ResampleParams]) -> Payload:
+def resample_item(lm: LM, job: Job[ResampleParams]) -> ResamplePayload:
     """5K draws for one item: live(A), fresh(A), live replica(A), fresh(B), live(C). Pure in (model, job)."""
     item, s = job.item, job.settings
     cfg = job.params.config
@@ -156,7 +156,7 @@ def resample_item(lm: LM, job: Job[ResampleParams]) -> Payload:
                                arms=draws, comparisons=[])
 
     if states is None:
-        return payload("not_reproduced", None, []).as_payload()
+        return payload("not_reproduced", None, [])
     live, replica = states
     fresh = lm.construct(live, cfg.construction)
     dc = cfg.sampling(s.decode.max_new_tokens)
@@ -175,7 +175,7 @@ def resample_item(lm: LM, job: Job[ResampleParams]) -> Payload:
                 suffix_ids=list(cont.suffix), suffix_fp=cont.fingerprint, cache_fp=cache_fp,
                 stop=cont.stop, answer=answer_of(text), correct=bool(score(text, item.answer)),
             ))
-    return payload("ok", len(live.prefix), draws).as_payload()
+    return payload("ok", len(live.prefix), draws)
 
 
 class ResampleStage(StageSection):
@@ -225,7 +225,7 @@ class Resample(Experiment):
                       [Job(item, prepared.settings, resample_params(own, p, prefix)) for item, prefix in fixed])
                 for p in own.precisions]
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return resample_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]

@@ -43,7 +43,7 @@ from stagereplay.records.payloads import (
     BandKind,
     Followed,
     Outcome,
-    Payload,
+    PayloadModel,
     PrefixNotReproducedPayload,
     SweepRow,
     TransplantPayload,
@@ -129,7 +129,7 @@ def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: Transpla
     return state, lm.continue_from(state, job.settings.decode, keep_steps=False)  # no diagnostics read steps
 
 
-def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
+def transplant_item(lm: LM, job: Job[TransplantParams]) -> TransplantPayload | PrefixNotReproducedPayload:
     """Live and the fresh construction with their own suffixes, then the transplants both ways (and the
     zero-layer control). With `reuse` (`reused_arms`), an own suffix the matched run already decoded from the same
     cache is not decoded again: the boundary cache built here must be the recorded arm's bit for bit (its
@@ -146,7 +146,7 @@ def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
         live = None
     if live is None:
         return PrefixNotReproducedPayload(status="prefix_not_reproduced", prompt_ids=list(item.prompt_ids),
-                                          answer=item.answer, arms=[], comparisons=[]).as_payload()
+                                          answer=item.answer, arms=[], comparisons=[])
     fresh = lm.construct(live, cfg.fresh)
     states = {"live": live, cfg.fresh: fresh}
     own: dict[str, Continuation] = {}
@@ -187,7 +187,7 @@ def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
         answer=item.answer, baseline_diverges=own["live"].suffix != own[cfg.fresh].suffix,
         directions=directions, control=control, arms=arms, comparisons=[],
         **({"sweep": sweep} if sweep is not None else {}),  # absent without --sweep
-    ).as_payload()
+    )
 
 
 def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
@@ -319,7 +319,7 @@ class Transplant(Experiment):
                                                           reused_arms(own, first, matched.get(item.id), checkpoint)))
             for item, prefix in candidates if item.id in chosen])]
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return transplant_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
