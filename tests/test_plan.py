@@ -284,10 +284,11 @@ def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(
                                                           matched[("primary", r.item_id)]))
         reuse = job.params.reuse
         assert reuse
-        assert work(lm, job)["arms"] == r.payload["arms"]  # as recorded: carried over
-        wrong = tuple((*x[:-2], {**x[-2], "cache_fp": "0" * 64}, x[-1]) if experiment == "precision_2x2"
-                      else (*x[:-1], {**x[-1], "cache_fp": "0" * 64}) for x in reuse)
-        again = work(lm, replace(job, params=replace(job.params, reuse=wrong)))
+        assert work(lm, job).as_payload()["arms"] == r.payload["arms"]  # as recorded: carried over
+        wrong = tuple((*x[:-2], x[-2].model_copy(update={"cache_fp": "0" * 64}), x[-1])
+                      if experiment == "precision_2x2" else (*x[:-1], x[-1].model_copy(update={"cache_fp": "0" * 64}))
+                      for x in reuse)
+        again = work(lm, replace(job, params=replace(job.params, reuse=wrong))).as_payload()
         assert not any(a.get("same_as") for a in again["arms"])
         for a, b in zip(again["arms"], r.payload["arms"], strict=True):
             assert (a["name"], a["suffix_ids"], a["cache_fp"]) == (b["name"], b["suffix_ids"], b["cache_fp"])

@@ -94,25 +94,24 @@ def top_k_diagnostics(arms: Mapping[str, Arm], pairs: Sequence[tuple[str, str]],
             for a, b in pairs})
 
 
-def matched_arms(stage: StageSection, matched_stage: StageSection | None, matched: dict[str, Any] | None,
-                 precision: str | None = None) -> dict[str, dict[str, Any]]:
+def matched_arms(stage: StageSection, matched_stage: StageSection | None, matched: MatchedPayload | None,
+                 precision: str | None = None) -> dict[str, Arm]:
     """By name, the arms of an item's matched record that `stage` may carry over instead of decoding them again:
     those of a record that reached its boundary, when `stage` runs the matched stage's model (at `precision`, by
     default the stage's own) with its settings. Empty otherwise. Which arms repeat which is the stage's to say;
     that the cache an arm continues from is the recorded one, its item function checks (`cache_fp`)."""
-    if matched_stage is None or matched is None or matched.get("status") != "ok":
+    if matched_stage is None or matched is None:
         return {}
     model = {**stage.model.as_json(), **({"precision": precision} if precision else {})}
     if matched_stage.model.as_json() != model or matched_stage.settings.as_json() != stage.settings.as_json():
         return {}
-    return {a.get("name"): a for a in matched.get("arms", [])}
+    return {a.name: a for a in matched.arms}
 
 
-def carried_arm(recorded: dict[str, Any], name: str, construction: str, source: str) -> Arm:
+def carried_arm(recorded: Arm, name: str, construction: str, source: str) -> Arm:
     """Another stage's `recorded` arm as this stage's arm `name`, not decoded again: every field but its name and
     construction is the recorded arm's, and `same_as` names it (`verify._same_as_claims` checks both)."""
-    return Arm.model_validate(recorded).model_copy(update={"name": name, "construction": construction,
-                                                           "same_as": source})
+    return recorded.model_copy(update={"name": name, "construction": construction, "same_as": source})
 
 
 Shown = TypeVar("Shown", MatchedPayload, GridPayload)

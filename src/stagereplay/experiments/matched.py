@@ -211,9 +211,10 @@ def matched_stage(stages: Mapping[str, StageSection], checkpoint: str) -> StageS
     return stages.get(f"{EXPERIMENT}/{checkpoint}")
 
 
-def matched_records(run: Run, checkpoint: str) -> dict[str, dict[str, Any]]:
-    """The matched payloads at `checkpoint`, by item id."""
-    return {r.item_id: r.payload for r in run.find(EXPERIMENT, checkpoint)}
+def matched_records(run: Run, checkpoint: str) -> dict[str, MatchedPayload]:
+    """The matched payloads at `checkpoint` that reached their boundary, by item id."""
+    read = {r.item_id: PAYLOAD.validate_python(r.payload) for r in run.find(EXPERIMENT, checkpoint)}
+    return {i: p for i, p in read.items() if isinstance(p, MatchedPayload)}
 
 
 class Matched(Experiment):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, ValidationError
 
 from stagereplay.experiments.diagnostics_summary import Diagnosed, summarize_pair
 from stagereplay.experiments.format import NA, Table, as_rows, count_of, k_of_n, p_value, pct, points
@@ -106,6 +106,16 @@ class MatchedSummary(Diagnosed, MatchedHead):
 PAYLOAD: TypeAdapter[MatchedPayload | NoBoundaryPayload] = TypeAdapter(
     Annotated[MatchedPayload | NoBoundaryPayload, Field(discriminator="status")])
 """A matched record's payload (`records.payloads`): the item reached its boundary, or not (a serving run's too)."""
+
+
+def reached(payload: dict[str, Any] | None) -> MatchedPayload | None:
+    """A matched record's payload as its model where the item reached its boundary (None: none given, it did not
+    reach it, or the payload is not a matched record's)."""
+    try:
+        read = None if payload is None else PAYLOAD.validate_python(payload)
+    except ValidationError:
+        return None
+    return read if isinstance(read, MatchedPayload) else None
 
 
 def _cmp(payload: MatchedPayload, a: str, b: str) -> Comparison | None:

@@ -37,6 +37,7 @@ from stagereplay.experiments.matched import (
     matched_records,
     matched_stage,
 )
+from stagereplay.experiments.matched_summary import reached
 from stagereplay.experiments.precision_2x2_summary import (
     GridSummary,
     first_pair,
@@ -48,7 +49,7 @@ from stagereplay.experiments.stats import first_divergence
 from stagereplay.experiments.verdict import FIRST_STEP, Fact, Question
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, PayloadModel
+from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, MatchedPayload, PayloadModel
 from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
@@ -87,7 +88,7 @@ class GridStage(StageSection):
     precisions: list[str] = Field(description="the precisions, each a part of every item's unit")
 
 
-Carried = tuple[tuple[str, str, dict[str, Any], list[Any]], ...]
+Carried = tuple[tuple[str, str, Arm, list[float | None]], ...]
 """(construction, `matched/<checkpoint>:<arm>`, that arm, its step margins) per carried-over arm (`reused_arms`)."""
 
 
@@ -128,19 +129,19 @@ def grid_item(lm: LM, job: Job[GridParams]) -> GridPayload:
             # it runs; the earlier arm's are replayed from its cache, which every arm here keeps for
             # `cache_difference`.
             conts[name] = lm.continue_from(b, s.decode, watch=[cont.suffix for cont in conts.values()])
-    suffixes = {name: conts[name].suffix if c not in reuse else tuple(reuse[c][1]["suffix_ids"])
+    suffixes = {name: conts[name].suffix if c not in reuse else tuple(reuse[c][1].suffix_ids)
                 for name, (c, _) in built.items()}
-    carried: dict[str, tuple[Arm, list[Any]]] = {}  # arm name -> (its arm, its step margins)
+    carried: dict[str, tuple[Arm, list[float | None]]] = {}  # arm name -> (its arm, its step margins)
     for name, (c, b) in built.items():
         if c not in reuse:
             continue
         source, recorded, margins = reuse[c]
         others = [suffix for other, suffix in suffixes.items() if other != name]  # it watches every other arm
         fp = b.fingerprint()
-        if fp == recorded["cache_fp"]:
-            steps = diagnostic_steps(recorded["suffix_ids"], others)
+        if fp == recorded.cache_fp:
+            steps = diagnostic_steps(recorded.suffix_ids, others)
             look = lm.continue_from(b, replace(s.decode, max_new_tokens=steps), watch=others)
-            if list(look.suffix) == recorded["suffix_ids"][: len(look.suffix)]:
+            if list(look.suffix) == recorded.suffix_ids[: len(look.suffix)]:
                 conts[name] = look
                 carried[name] = (carried_arm(recorded, name, c, source), margins)
                 continue
@@ -185,7 +186,7 @@ feeds the prompt in one forward, then one token per forward, as live generation 
 the carried arm's cache fingerprint checks item by item)."""
 
 
-def reused_arms(grid_stage: GridStage, matched_stage: StageSection | None, matched: dict[str, Any],
+def reused_arms(grid_stage: GridStage, matched_stage: StageSection | None, matched: MatchedPayload | None,
                 checkpoint: str, precision: str) -> Carried:
     """(construction, `matched/<checkpoint>:<arm>`, that arm, its step margins) for each construction of the 2x2
     at `precision` that would repeat an arm of the matched record: the same model at the same precision, the
@@ -198,7 +199,8 @@ def reused_arms(grid_stage: GridStage, matched_stage: StageSection | None, match
     assert matched_stage is not None
     own = matched_stage.as_stage(MatchedStage).construction
     sources = {own: own, **CARRIED_FROM}
-    margins = (matched.get("diagnostics") or {}).get("margins", {})
+    assert matched is not None
+    margins = matched.diagnostics.margins if matched.diagnostics else {}
     return tuple((c, f"{MATCHED}/{checkpoint}:{sources[c]}", arms[sources[c]], margins[sources[c]])
                  for c in grid_stage.constructions if c in sources and sources[c] in arms
                  and sources[c] in margins)
@@ -288,7 +290,7 @@ class PrecisionGrid(Experiment):
     def replay_job(self, replay: Replay) -> Job:
         checkpoint, part = replay.record.checkpoint, replay.record.part
         own: GridStage = self.stage_of(replay.stage)
-        reuse = () if replay.matched is None else reused_arms(own, replay.matched_stage, replay.matched,
+        reuse = () if replay.matched is None else reused_arms(own, replay.matched_stage, reached(replay.matched),
                                                               checkpoint, part)
         return Job(replay.item, replay.settings, GridParams(tuple(replay.prefix or ()),
                                                             tuple(own.constructions), part, reuse))

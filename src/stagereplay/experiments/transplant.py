@@ -24,6 +24,7 @@ from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.experiments.matched import MatchedStage, matched_records, matched_stage
+from stagereplay.experiments.matched_summary import reached
 from stagereplay.experiments.selection import divergent_ids, divergent_items, parse_selection, select
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.experiments.transplant_summary import (
@@ -42,6 +43,7 @@ from stagereplay.records.payloads import (
     Arm,
     BandKind,
     Followed,
+    MatchedPayload,
     Outcome,
     PayloadModel,
     PrefixNotReproducedPayload,
@@ -108,18 +110,13 @@ def followed(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[i
                    divergence_from_recipient=first_divergence(suffix, recipient))
 
 
-def outcome(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[int, ...]) -> dict[str, Any]:
-    """`followed`, as the record holds it."""
-    return followed(suffix, donor, recipient).as_payload()
-
-
 @dataclass(frozen=True)
 class TransplantParams(Params):
     """A transplant job's parameters: the matched prefix, what to swap, and the matched arms it may carry over."""
 
     prefix: tuple[int, ...]
     config: TransplantConfig
-    reuse: tuple[tuple[str, str, dict[str, Any]], ...] = ()
+    reuse: tuple[tuple[str, str, Arm], ...] = ()
 
 
 def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: TransplantSpec, job: Job
@@ -153,9 +150,9 @@ def transplant_item(lm: LM, job: Job[TransplantParams]) -> TransplantPayload | P
     arms: list[Arm] = []
     for name, state in states.items():
         fp = state.fingerprint()
-        if name in reuse and reuse[name][1]["cache_fp"] == fp:
+        if name in reuse and reuse[name][1].cache_fp == fp:
             source, recorded = reuse[name]
-            own[name] = Continuation(tuple(recorded["suffix_ids"]), recorded["stop"])
+            own[name] = Continuation(tuple(recorded.suffix_ids), recorded.stop)
             arms.append(carried_arm(recorded, name, state.construction, source))
             continue
         if name == "live":  # the uninterrupted loop's own suffix (its cache was the snapshot's, bit for bit)
@@ -206,8 +203,8 @@ def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
     return out
 
 
-def reused_arms(stage: TransplantStage, matched_stage: StageSection | None, matched: dict[str, Any] | None,
-                checkpoint: str) -> tuple[tuple[str, str, dict[str, Any]], ...]:
+def reused_arms(stage: TransplantStage, matched_stage: StageSection | None, matched: MatchedPayload | None,
+                checkpoint: str) -> tuple[tuple[str, str, Arm], ...]:
     """(arm, `matched/<checkpoint>:<arm>`, that arm) for the transplant's own arms that the matched record of the
     item already decoded: live, and the fresh construction when it is the matched run's, on the same model at the
     same precision with the same settings. Empty when anything differs."""
@@ -253,8 +250,8 @@ def transplant_claims(p: TransplantPayload, construction: str) -> list[str]:
             if got is None or donor not in arms or recipient not in arms:
                 bad.append(f"{key}.{direction}: its arms are missing")
                 continue
-            derived = outcome(tuple(got), tuple(arms[donor]), tuple(arms[recipient]))
-            for f in diff_fields(recorded.as_payload(), derived):
+            derived = followed(tuple(got), tuple(arms[donor]), tuple(arms[recipient]))
+            for f in diff_fields(recorded.as_payload(), derived.as_payload()):
                 bad.append(f"{key}.{direction}.{f} does not follow from the arms")
     return bad
 
@@ -341,7 +338,7 @@ class Transplant(Experiment):
 
     def replay_job(self, replay: Replay) -> Job:
         own: TransplantStage = self.stage_of(replay.stage)
-        reuse = reused_arms(own, replay.matched_stage, replay.matched, replay.record.checkpoint)
+        reuse = reused_arms(own, replay.matched_stage, reached(replay.matched), replay.record.checkpoint)
         return Job(replay.item, replay.settings, TransplantParams(tuple(replay.prefix or ()), own.config, reuse))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
