@@ -301,19 +301,18 @@ class Mismatch(Experiment):
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         """The token counts of the forwards one unit made: prefills and single-token steps."""
-        p = record.payload
-        if not p.get("arms"):
+        p = PAYLOAD.validate_python(record.payload)
+        if not p.arms:
             return None
-        n, prompt = len(arrays.decode(p["arms"][0]["logprobs"])), int(p["arms"][0]["start"])
+        n, prompt = len(arrays.decode(p.arms[0].logprobs)), p.arms[0].start
         if record.part:
             batch = self.stage_of(stage).batch()
             seed = self.stage_of(stage).settings.decode.seed
             return [prompt + n - 1] * 2 + ([batch.forward_tokens(record.item_id, seed, prompt + n - 1)] if batch else [])
-        steps, generated = [prompt, *[1] * (n - 1)], p.get("source") == "generated"
+        steps, generated = [prompt, *[1] * (n - 1)], p.source == "generated"
         out = (steps * 2 if generated else []) + steps + ([prompt + n - 1] * 2 if generated else [])
-        moved = p.get("transplant")
-        if moved:
-            at = moved["at"]
+        if p.transplant:
+            at = p.transplant.at
             out += [prompt, *([1] * (at - prompt)), at]  # the two caches at t
             out += [1] * (prompt + n - at - 1) * 6  # the two own and four transplanted continuations
         return out

@@ -6,7 +6,7 @@ accuracy bias with its paired bootstrap CI.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Protocol
+from typing import Protocol
 
 from pydantic import Field
 
@@ -111,12 +111,12 @@ def _draws(payload: ResamplePayload, state: str, stream: str) -> list[Draw]:
     return sorted((a for a in payload.arms if a.state == state and a.stream == stream), key=lambda a: a.draw)
 
 
-def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
-    """mean(a - b) with its paired percentile bootstrap 95% CI over items (`MeanCI`'s fields)."""
+def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> MeanCI:
+    """mean(a - b) with its paired percentile bootstrap 95% CI over items."""
     if not a:
-        return {"estimate": None, "ci": None}
+        return MeanCI(estimate=None, ci=None)
     lo, hi = paired_bootstrap_ci(a, b, seed=seed)
-    return {"estimate": sum(a) / len(a) - sum(b) / len(b), "ci": [lo, hi]}
+    return MeanCI(estimate=sum(a) / len(a) - sum(b) / len(b), ci=[lo, hi])
 
 
 def summarize_resample(records: list[Record], precisions: list[str], sampling: Sampling,
@@ -156,15 +156,15 @@ def summarize_resample(records: list[Record], precisions: list[str], sampling: S
             coupled=Coupled(**coupled),
             independent=Independent(
                 test=TWO_SAMPLE_TEST, monte_carlo_tables=MONTE_CARLO_TABLES, fdr=FDR,
-                tv_fresh=tv_fresh, tv_null=tv_null, excess_tv=MeanCI(**_mean_ci(tv_fresh, tv_null)),
+                tv_fresh=tv_fresh, tv_null=tv_null, excess_tv=_mean_ci(tv_fresh, tv_null),
                 p_values=p_fresh, p_values_null=p_null,
                 rejected_bh=sum(benjamini_hochberg(p_fresh, FDR)),
                 rejected_bh_null=sum(benjamini_hochberg(p_null, FDR)),
             ),
             accuracy={"live": _mean(acc_live), fresh: _mean(acc_fresh)},
-            accuracy_bias=AccuracyBias(**_mean_ci(acc_live, acc_fresh),
+            accuracy_bias=AccuracyBias(**dict(_mean_ci(acc_live, acc_fresh)),
                                        per_item=[a - b for a, b in zip(acc_live, acc_fresh, strict=True)]),
-            accuracy_bias_null=MeanCI(**_mean_ci(acc_live, acc_null)),
+            accuracy_bias_null=_mean_ci(acc_live, acc_null),
         ))
     return out
 
