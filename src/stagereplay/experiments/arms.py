@@ -23,6 +23,7 @@ from stagereplay.records.payloads import (
     Diagnostics,
     Divergence,
     DivergenceSide,
+    Draw,
     GeneratedBy,
     GridPayload,
     MatchedPayload,
@@ -165,9 +166,9 @@ def comparison(item_id: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> dict
     return compare(item_id, a, b).as_payload()
 
 
-def comparison_fp_schema_1(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+def comparison_fp_schema_1(item_id: str, a: Arm | Draw, b: Arm | Draw) -> str:
     """The comparison fingerprint as ledger schema 1 wrote it (item, names, suffix fingerprints, labels only)."""
-    return sha256_json([item_id, a["name"], b["name"], a["suffix_fp"], b["suffix_fp"], a["correct"], b["correct"]])
+    return sha256_json([item_id, a.name, b.name, a.suffix_fp, b.suffix_fp, a.correct, b.correct])
 
 
 def no_boundary(item: Item, generated: Sequence[int], nulls: bool = True) -> NoBoundaryPayload:
