@@ -63,10 +63,10 @@ class Echo(Experiment):
         return [Batch(prepared.model, [Job(item, prepared.settings, EchoParams(self.stage_of(stage).echo_tokens))
                                        for item in items])]
 
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         echoed = list(lm.generate(list(job.item.prompt_ids), job.params.echo_tokens))
         return EchoPayload(status="ok", prompt_ids=list(job.item.prompt_ids), echoed_ids=echoed,
-                           echo_length=len(echoed)).as_payload()
+                           echo_length=len(echoed))
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
               ) -> list[tuple[str, str]]:

@@ -141,7 +141,7 @@ def test_matched_2x2_and_bridge_diagnostics_equal_the_full_logits_ones(toy, monk
     settings = ReplaySettings(boundary="marker:</think>", decode=DecodeConfig(max_new_tokens=80))
     divergent = 0
     for item in items:
-        out = matched.matched_item(lm, Job(item, settings, matched.MatchedParams("oneshot")))
+        out = matched.matched_item(lm, Job(item, settings, matched.MatchedParams("oneshot"))).as_payload()
         prefix = tuple(out["prefix_ids"])
         divergent += sum(e["divergence"] is not None for e in out["diagnostics"]["pairs"].values())
         precision_2x2.grid_item(lm, Job(item, settings, precision_2x2.GridParams(

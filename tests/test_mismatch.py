@@ -327,15 +327,17 @@ def test_part_one_on_a_serving_engine_is_the_same_skeleton_as_on_ours(tiny_dir):
 
     job = Job(Item("q", tuple(lm.tokenizer.encode(PROMPT)), ""), ReplaySettings("after:1", dc),
               MismatchParams("", "raw", "generated"))
-    ours = mismatch_item(lm, job)
+    ours = mismatch_item(lm, job).as_payload()
     sampling = Sampling.of(True, 1.0, 0, 1.0, 0)
-    served = rollout_part(lm, job, job.params, ServedEngine(Ours(), sampling, "raw", True, dc.max_new_tokens))
+    served = rollout_part(lm, job, job.params, ServedEngine(Ours(), sampling, "raw", True, dc.max_new_tokens)
+                          ).as_payload()
     assert [a["name"] for a in served["arms"]] == [a["name"] for a in ours["arms"]]
     for a, b in zip(served["arms"], ours["arms"], strict=True):
         assert a["logprobs"] == b["logprobs"] and a["tokens_fp"] == b["tokens_fp"], a["name"]
         assert a["engine"] == ("hf" if a["name"] == "incremental" else "ours-served")
     assert served["response_ids"] == ours["response_ids"] and served["sampling"] == sampling.as_dict()
-    other = rollout_part(lm, job, job.params, ServedEngine(Ours(1), sampling, "raw", False, dc.max_new_tokens))
+    other = rollout_part(lm, job, job.params, ServedEngine(Ours(1), sampling, "raw", False, dc.max_new_tokens)
+                         ).as_payload()
     assert other["response_ids"] != ours["response_ids"]  # control
     assert [a["name"] for a in other["arms"]] == ["rollout", "rollout#replica", "incremental"]  # no prefill asked
 

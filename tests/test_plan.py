@@ -17,7 +17,7 @@ from stagereplay.engine.boundary import After
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.forwards import construct_forwards
 from stagereplay.experiments import precision_2x2
-from stagereplay.experiments.arms import record_lengths
+from stagereplay.experiments.arms import lengths_of
 from stagereplay.experiments.precision_2x2 import grid_lengths
 from stagereplay.plan.recorded import plan_run
 from stagereplay.records.ledger import items, read_ledger
@@ -165,7 +165,7 @@ def test_negative_control_the_count_misses_a_carried_arm_decoded_in_full(counted
     for stage in plan_run(out):
         planned.update(stage.sizes)
     for r in records:  # swap the counted looks for the whole suffixes
-        n = grid_lengths(r.payload)
+        n = grid_lengths(r)
         assert {c for c, _ in n.looks} == {"incremental", "oneshot"}
         looked = precision_2x2.forwards(n, ("incremental", "oneshot"), "bf16")
         full = precision_2x2.forwards(replace(n, looks=()), ("incremental", "oneshot"), "bf16")
@@ -284,10 +284,11 @@ def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(
                                                           matched[("primary", r.item_id)]))
         reuse = job.params.reuse
         assert reuse
-        assert work(lm, job)["arms"] == r.payload["arms"]  # as recorded: carried over
-        wrong = tuple((*x[:-2], {**x[-2], "cache_fp": "0" * 64}, x[-1]) if experiment == "precision_2x2"
-                      else (*x[:-1], {**x[-1], "cache_fp": "0" * 64}) for x in reuse)
-        again = work(lm, replace(job, params=replace(job.params, reuse=wrong)))
+        assert work(lm, job).as_payload()["arms"] == r.payload["arms"]  # as recorded: carried over
+        wrong = tuple((*x[:-2], x[-2].model_copy(update={"cache_fp": "0" * 64}), x[-1])
+                      if experiment == "precision_2x2" else (*x[:-1], x[-1].model_copy(update={"cache_fp": "0" * 64}))
+                      for x in reuse)
+        again = work(lm, replace(job, params=replace(job.params, reuse=wrong))).as_payload()
         assert not any(a.get("same_as") for a in again["arms"])
         for a, b in zip(again["arms"], r.payload["arms"], strict=True):
             assert (a["name"], a["suffix_ids"], a["cache_fp"]) == (b["name"], b["suffix_ids"], b["cache_fp"])
@@ -449,7 +450,7 @@ def test_plan_of_a_directory_without_a_run_is_refused(tmp_path):
 def test_lengths_of_a_record(counted_run):
     out, _ = counted_run
     r = next(r for r in items(read_ledger(out)) if r.experiment == "matched" and r.payload["status"] == "ok")
-    n = record_lengths(r.payload)
+    n = lengths_of(r)
     assert n.prefix == r.payload["boundary"] and n.stage1 == r.payload["boundary"] - len(r.payload["prompt_ids"])
     assert Path(out).is_dir()
 

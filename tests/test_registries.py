@@ -26,6 +26,7 @@ from stagereplay.experiments.format import Table, as_rows, k_of_n
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.records.ledger import Record, read_manifest
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
+from stagereplay.records.payload_readers import ItemHead
 from stagereplay.serving import engines
 from stagereplay.serving.seam import EngineConfig, EngineKind, EngineOptions, Generation
 from stagereplay.tasks.base import Item
@@ -51,7 +52,7 @@ class TwiceParams(Params):
     steps: int = 6
 
 
-def twice_item(lm: LM, job: Job[TwiceParams]) -> dict[str, Any]:
+def twice_item(lm: LM, job: Job[TwiceParams]) -> ItemHead:
     """The prompt's greedy continuation, generated twice from scratch: a replica, nothing else."""
     arms = []
     prompt = list(job.item.prompt_ids)
@@ -61,8 +62,9 @@ def twice_item(lm: LM, job: Job[TwiceParams]) -> dict[str, Any]:
         arms.append({"name": name, "construction": "live", "precision": lm.config.precision, "suffix_ids": suffix,
                      "suffix_fp": ids_fingerprint(suffix), "cache_fp": None, "stop": "length", "text": text,
                      "correct": bool(scorer_by_name(job.settings.scorer)(text, job.item.answer))})
-    return {"status": "ok", "prompt_ids": prompt, "prefix_ids": prompt, "boundary": len(prompt),
-            "answer": job.item.answer, "arms": arms, "comparisons": [comparison(job.item.id, arms[0], arms[1])]}
+    return ItemHead.model_validate({
+        "status": "ok", "prompt_ids": prompt, "prefix_ids": prompt, "boundary": len(prompt), "answer": job.item.answer,
+        "arms": arms, "comparisons": [comparison(job.item.id, arms[0], arms[1])]})
 
 
 class Twice(Experiment):
@@ -84,7 +86,7 @@ class Twice(Experiment):
         return [Batch(prepared.model, [Job(i, prepared.settings, TwiceParams(self.stage_of(stage).steps))
                                        for i in items])]
 
-    def work(self, lm: LM, job: Job) -> dict[str, Any]:
+    def work(self, lm: LM, job: Job) -> ItemHead:
         return twice_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]

@@ -34,6 +34,7 @@ from stagereplay.records.findings import Break, Finding, FindingKind
 from stagereplay.records.kernels import NOT_RECORDED, describe, kernel_differences
 from stagereplay.records.ledger import Record, diff_fields, items
 from stagereplay.records.manifest import Manifest, RunConfig, StageSection, binds, stage_name
+from stagereplay.records.payloads import PayloadModel
 from stagereplay.records.provenance import environment, model_hashes
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.records.summary import Count
@@ -96,7 +97,7 @@ def _replay(record: Record, stages: Mapping[str, StageSection], item: Item,
     return Replay(record, stages[stage_name(record)], item, stages.get(origin), payload)
 
 
-def _unit_work(lm: Any, job: Job) -> dict[str, Any]:
+def _unit_work(lm: Any, job: Job) -> PayloadModel:
     """A unit of any of our engine's experiments, by the experiment its parameters name (`Unit`)."""
     return experiment(job.params.experiment).work(lm, replace(job, params=job.params.params))
 
@@ -322,7 +323,7 @@ def _reexecute(chosen: dict[str, list[Record]], stages: Mapping[str, StageSectio
                 jobs = [replace(job, params=Unit(r.experiment, job.params)) for job, r in zip(jobs, todo, strict=True)]
             # Each model's fast step proven once per machine (records.proofs), in whichever process runs its units.
             for record, again in zip(todo, run_jobs(model, work, jobs, ex, machine_store=machine_store), strict=True):
-                _compare(record, again, bool(engine), bound, record.seq in other, model.precision, tally)
+                _compare(record, again.as_payload(), bool(engine), bound, record.seq in other, model.precision, tally)
                 bar.advance(task)
 
 

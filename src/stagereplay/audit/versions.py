@@ -39,7 +39,7 @@ def derived_comparison(item_id: str, a: Arm, b: Arm, bound: bool) -> Comparison:
     """The comparison of arms `a` and `b` as a record of this schema fingerprints it (`bound`: schema 2)."""
     derived = compare(item_id, a, b)
     if not bound:
-        derived = derived.model_copy(update={"fp": comparison_fp_schema_1(item_id, a.as_payload(), b.as_payload())})
+        derived = derived.model_copy(update={"fp": comparison_fp_schema_1(item_id, a, b)})
     return derived
 
 
@@ -51,7 +51,7 @@ def as_recorded(experiment: Experiment, item_id: str, again: dict[str, Any], rec
     payload model reads the re-executed payload."""
     if not bound:  # schema 1: our engine's records, re-executed by our engine
         made = experiment.payload.validate_python(again)
-        arms = {a.name: a.as_payload() for a in made.arms}
+        arms = {a.name: a for a in made.arms}
         comparisons = [{**c.as_payload(), "fp": comparison_fp_schema_1(item_id, arms[c.a], arms[c.b])}
                        for c in made.comparisons]
         again = claimed({**again, "comparisons": comparisons}, recorded)

@@ -28,8 +28,10 @@ def toy_train(
         for name, value in (("--steps", steps), ("--threads", threads)):
             if value is not None and value < 1:
                 raise StageReplayError(f"{name} must be at least 1, got {value}", f"pass a positive {name}")
-        changes = {k: v for k, v in {"steps": steps, "seed": seed, "threads": threads}.items() if v is not None}
-        train(replace(TrainConfig(out=out), **changes))  # type: ignore[arg-type]  # only int fields are replaced
+        config = TrainConfig(out=out)
+        train(replace(config, steps=config.steps if steps is None else steps,
+                      seed=config.seed if seed is None else seed,
+                      threads=config.threads if threads is None else threads))
 
     guarded(go)
 

@@ -14,14 +14,16 @@ from typing import Any, TypeVar
 from stagereplay.engine.forwards import Lengths
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, ids_fingerprint
 from stagereplay.experiments.stats import first_divergence
-from stagereplay.records.ledger import sha256_json
+from stagereplay.records.ledger import Record, sha256_json
 from stagereplay.records.manifest import StageSection
+from stagereplay.records.payload_readers import ItemHead
 from stagereplay.records.payloads import (
     Arm,
     Comparison,
     Diagnostics,
     Divergence,
     DivergenceSide,
+    Draw,
     GeneratedBy,
     GridPayload,
     MatchedPayload,
@@ -93,25 +95,24 @@ def top_k_diagnostics(arms: Mapping[str, Arm], pairs: Sequence[tuple[str, str]],
             for a, b in pairs})
 
 
-def matched_arms(stage: StageSection, matched_stage: StageSection | None, matched: dict[str, Any] | None,
-                 precision: str | None = None) -> dict[str, dict[str, Any]]:
+def matched_arms(stage: StageSection, matched_stage: StageSection | None, matched: MatchedPayload | None,
+                 precision: str | None = None) -> dict[str, Arm]:
     """By name, the arms of an item's matched record that `stage` may carry over instead of decoding them again:
     those of a record that reached its boundary, when `stage` runs the matched stage's model (at `precision`, by
     default the stage's own) with its settings. Empty otherwise. Which arms repeat which is the stage's to say;
     that the cache an arm continues from is the recorded one, its item function checks (`cache_fp`)."""
-    if matched_stage is None or matched is None or matched.get("status") != "ok":
+    if matched_stage is None or matched is None:
         return {}
     model = {**stage.model.as_json(), **({"precision": precision} if precision else {})}
     if matched_stage.model.as_json() != model or matched_stage.settings.as_json() != stage.settings.as_json():
         return {}
-    return {a.get("name"): a for a in matched.get("arms", [])}
+    return {a.name: a for a in matched.arms}
 
 
-def carried_arm(recorded: dict[str, Any], name: str, construction: str, source: str) -> Arm:
+def carried_arm(recorded: Arm, name: str, construction: str, source: str) -> Arm:
     """Another stage's `recorded` arm as this stage's arm `name`, not decoded again: every field but its name and
     construction is the recorded arm's, and `same_as` names it (`verify._same_as_claims` checks both)."""
-    return Arm.model_validate(recorded).model_copy(update={"name": name, "construction": construction,
-                                                           "same_as": source})
+    return recorded.model_copy(update={"name": name, "construction": construction, "same_as": source})
 
 
 Shown = TypeVar("Shown", MatchedPayload, GridPayload)
@@ -165,9 +166,9 @@ def comparison(item_id: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> dict
     return compare(item_id, a, b).as_payload()
 
 
-def comparison_fp_schema_1(item_id: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+def comparison_fp_schema_1(item_id: str, a: Arm | Draw, b: Arm | Draw) -> str:
     """The comparison fingerprint as ledger schema 1 wrote it (item, names, suffix fingerprints, labels only)."""
-    return sha256_json([item_id, a["name"], b["name"], a["suffix_fp"], b["suffix_fp"], a["correct"], b["correct"]])
+    return sha256_json([item_id, a.name, b.name, a.suffix_fp, b.suffix_fp, a.correct, b.correct])
 
 
 def no_boundary(item: Item, generated: Sequence[int], nulls: bool = True) -> NoBoundaryPayload:
@@ -178,15 +179,15 @@ def no_boundary(item: Item, generated: Sequence[int], nulls: bool = True) -> NoB
                              **({"prefix_ids": None, "boundary": None} if nulls else {}))
 
 
-def no_boundary_payload(item: Item, generated: Sequence[int]) -> dict[str, Any]:
-    """`no_boundary`, as the record holds it."""
-    return no_boundary(item, generated).as_payload()
+def lengths_of(record: Record) -> Lengths:
+    """`record_lengths` of a record of any experiment whose records hold the protocol's arms."""
+    return record_lengths(ItemHead.model_validate(record.payload))
 
 
-def record_lengths(payload: dict[str, Any]) -> Lengths:
+def record_lengths(payload: ItemHead) -> Lengths:
     """A record's measured lengths: prompt, stage 1, each arm's suffix (a no_boundary record: generated)."""
-    prompt = len(payload.get("prompt_ids") or [])
-    if payload.get("status") != "ok":
-        return Lengths(prompt, None, 0, generated=len(payload.get("generated_ids") or []))
-    arms = tuple((a["name"], len(a["suffix_ids"])) for a in payload.get("arms", []))
-    return Lengths(prompt, payload["boundary"] - prompt, 0, arms)
+    prompt = len(payload.prompt_ids)
+    if payload.status != "ok" or payload.boundary is None:
+        return Lengths(prompt, None, 0, generated=len(payload.generated_ids or []))
+    arms = tuple((a.name, len(a.suffix_ids)) for a in payload.arms)
+    return Lengths(prompt, payload.boundary - prompt, 0, arms)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from stagereplay.engine.cache import cache_fingerprints, compare_caches
 from stagereplay.engine.forwards import (
@@ -17,7 +17,7 @@ from stagereplay.engine.forwards import (
 )
 from stagereplay.engine.lm import LM, NoBoundary
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.arms import arm_record, compare, no_boundary, record_lengths
+from stagereplay.experiments.arms import arm_record, compare, lengths_of, no_boundary
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, yes_no
@@ -25,12 +25,14 @@ from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import fixed_prefixes, matched_ok
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
+from stagereplay.records.payload_readers import ItemHead
 from stagereplay.records.payloads import (
     BitDifference,
     BridgePayload,
     LayerFingerprints,
     NoBoundaryPayload,
-    Payload,
+    PayloadModel,
+    first_error,
 )
 from stagereplay.records.summary import SummaryModel
 
@@ -50,12 +52,12 @@ class BridgeParams(Params):
     prefix: tuple[int, ...]
 
 
-def bridge_item(lm: LM, job: Job[BridgeParams]) -> Payload:
+def bridge_item(lm: LM, job: Job[BridgeParams]) -> BridgePayload | NoBoundaryPayload:
     item, s = job.item, job.settings
     try:
         live = lm.live(item, s.rule(), s.decode)
     except NoBoundary as nb:
-        return no_boundary(item, nb.generated, nulls=False).as_payload()
+        return no_boundary(item, nb.generated, nulls=False)
     assert live.live_suffix is not None
     inc = lm.construct(live, "incremental")
     diffs = compare_caches(live.cache, inc.cache)
@@ -73,7 +75,7 @@ def bridge_item(lm: LM, job: Job[BridgeParams]) -> Payload:
         arms=arms,
         comparisons=[compare(item.id, arms[0], arms[1])],
         diagnostics=diagnose(runs, [("live", "incremental")], cache_pairs=[("live", "incremental")]),
-    ).as_payload()
+    )
 
 
 def forwards(n: Lengths) -> list[int]:
@@ -87,21 +89,26 @@ def forwards(n: Lengths) -> list[int]:
 # -- what verify checks, results.json and the report -------------------------------------------------------------
 
 
-def bridge_claims(p: dict[str, Any], matched: Record | None) -> list[str]:
+def bridge_claims(p: BridgePayload, matched: Record | None) -> list[str]:
     bad = []
-    layers = p.get("layers", {})
-    bitwise = layers.get("live") == layers.get("incremental")
-    if p.get("cache_equal") != bitwise:
+    bitwise = p.layers.get("live") == p.layers.get("incremental")
+    if p.cache_equal != bitwise:
         bad.append("cache_equal does not follow from the layer fingerprints")
-    if (not p.get("differences")) != bitwise:
+    if (not p.differences) != bitwise:
         bad.append("first_difference does not follow from the layer fingerprints")
-    first = (p.get("comparisons") or [{}])[0]
-    if first.get("cache_equal") != p.get("cache_equal"):
+    if (p.comparisons[0].cache_equal if p.comparisons else None) != p.cache_equal:
         bad.append("cache_equal differs from its comparison's")
-    if matched is not None and p.get("prefix_matches_matched_run") != (
-            p.get("prefix_ids") == matched.payload.get("prefix_ids")):
+    if matched is not None and p.prefix_matches_matched_run != (p.prefix_ids == _matched_prefix(matched)):
         bad.append("prefix_matches_matched_run does not follow from the matched record")
     return bad
+
+
+def _matched_prefix(matched: Record) -> list[int] | None:
+    """The matched record's prefix (None: it reached no boundary, or does not read as one)."""
+    try:
+        return ItemHead.model_validate(matched.payload).prefix_ids
+    except ValidationError:
+        return None
 
 
 class BridgeRow(SummaryModel):
@@ -124,10 +131,11 @@ class BridgeSummary(SummaryModel):
 
 
 def summarize_bridge(records: list[Record], checkpoint: str) -> BridgeSummary:
-    ok = [r for r in records if r.payload["status"] == "ok"]
-    items = [BridgeRow(item_id=r.item_id, cache_equal=r.payload["cache_equal"],
-                       first_difference=(r.payload["differences"] or [None])[0],
-                       suffix_equal=r.payload["comparisons"][0]["suffix_equal"]) for r in ok]
+    read = [(r.item_id, PAYLOAD.validate_python(r.payload)) for r in records]
+    ok = [(i, p) for i, p in read if isinstance(p, BridgePayload)]
+    items = [BridgeRow(item_id=i, cache_equal=p.cache_equal,
+                       first_difference=p.differences[0] if p.differences else None,
+                       suffix_equal=p.comparisons[0].suffix_equal) for i, p in ok]
     return BridgeSummary(checkpoint=checkpoint, rows=len(ok), cache_bit_exact=sum(i.cache_equal for i in items),
                          suffix_equal=sum(i.suffix_equal for i in items), items=items)
 
@@ -200,7 +208,7 @@ class Bridge(Experiment):
         """1 where a row's caches are not bit-exact: the bridge's claim failed."""
         return int(summaries is not None and summaries.cache_bit_exact != summaries.rows)
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return bridge_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
@@ -209,13 +217,17 @@ class Bridge(Experiment):
         return [(i, "") for i in matched_ok(records, checkpoint)[: self.stage_of(stage).rows]]
 
     def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
-        return bridge_claims(record.payload, matched) if record.payload.get("status") == "ok" else []
+        try:
+            payload = PAYLOAD.validate_python(record.payload)
+        except ValidationError as e:
+            return [f"not a bridge payload ({first_error(e)})"]
+        return bridge_claims(payload, matched) if isinstance(payload, BridgePayload) else []
 
     def replay_job(self, replay: Replay) -> Job:
         return Job(replay.item, replay.settings, BridgeParams(tuple(replay.prefix or ())))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
-        return forwards(record_lengths(record.payload))
+        return forwards(lengths_of(record))
 
     def peak_caches(self, stage: StageSection) -> int:
         return 3  # live's, incremental's, and a continuation's

@@ -13,13 +13,13 @@ of every pair.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stagereplay.engine.diagnostics import cache_difference, logit_comparison
 from stagereplay.engine.lm import BoundaryState, Continuation
 from stagereplay.engine.steps import StepRecord, replay_logits
 from stagereplay.experiments.stats import first_divergence
-from stagereplay.records.payloads import Diagnostics, PairDiagnostics
+from stagereplay.records.payloads import Diagnostics, Divergence, DivergenceSide, PairDiagnostics
 
 if TYPE_CHECKING:
     import torch
@@ -40,12 +40,12 @@ def _logits_at(arm: tuple[BoundaryState, Continuation], step: int) -> torch.Tens
     return replay_logits(cont.record, state.cache, state.prefix, cont.suffix, step)
 
 
-def _from_top(record: StepRecord, step: int) -> dict[str, Any]:
+def _from_top(record: StepRecord, step: int) -> DivergenceSide:
     """One side of a divergence from the step's recorded top-k alone (fp32 logits, ties by id)."""
     ranked = sorted(zip(record.ids[step].tolist(), record.values[step].tolist(), strict=True),
                     key=lambda p: (-p[1], p[0]))
-    return {"margin": ranked[0][1] - ranked[1][1] if len(ranked) > 1 else None,
-            "top": [[int(t), float(v)] for t, v in ranked]}
+    return DivergenceSide(margin=ranked[0][1] - ranked[1][1] if len(ranked) > 1 else None,
+                          top=[(int(t), float(v)) for t, v in ranked])
 
 
 def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterable[tuple[str, str]],
@@ -76,8 +76,8 @@ def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterabl
             entry = logit_comparison(ca.record.full.get(0), cb.record.full.get(0), d, at_a, at_b)
             if entry["divergence"] is None and d is not None and d < ca.record.n and d < cb.record.n:
                 # an arm whose logits cannot be had there: each side's recorded top-k, no logit difference
-                entry["divergence"] = {"step": d, "logit_maxabs": None, "a": _from_top(ca.record, d),
-                                       "b": _from_top(cb.record, d)}
+                entry["divergence"] = Divergence(step=d, logit_maxabs=None, a=_from_top(ca.record, d),
+                                                 b=_from_top(cb.record, d))
             entry["cache"] = None
             if (a, b) in with_cache and sa.prefix == sb.prefix and sa.cache is not None and sb.cache is not None:
                 entry["cache"] = cache_difference(sa.cache, sb.cache, sa.prompt_len, len(sa.prefix) - 1)

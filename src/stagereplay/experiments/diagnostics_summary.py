@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
-from stagereplay.records.ledger import Record
+from stagereplay.records.payloads import BandDiff, CacheDiff, Diagnostics, PairDiagnostics
 from stagereplay.records.summary import SummaryModel
 
 PERCENTILES = tuple(range(0, 101, 5))
@@ -91,10 +91,9 @@ class Diagnosed(SummaryModel):
         return {f: getattr(self, f) for f in Diagnosed.model_fields if f in self.model_fields_set}
 
 
-def pair_diagnostics(record: Record, a: str, b: str) -> dict[str, Any] | None:
-    """The record's diagnostics for the pair (a, b), or None when it has none."""
-    diag = record.payload.get("diagnostics")
-    return None if not diag else diag.get("pairs", {}).get(f"{a} vs {b}")
+def pair_diagnostics(diagnostics: Diagnostics | None, a: str, b: str) -> PairDiagnostics | None:
+    """A record's diagnostics for the pair (a, b), or None when it has none."""
+    return None if diagnostics is None else diagnostics.pairs.get(f"{a} vs {b}")
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -109,29 +108,29 @@ def percentiles(values: list[float]) -> list[float]:
     return [float(x) for x in np.percentile(np.asarray(values, dtype=np.float64), PERCENTILES)]
 
 
-def summarize_pair(records: list[Record], a: str, b: str) -> Diagnosed:
+def summarize_pair(records: list[tuple[str, Diagnostics | None]], a: str, b: str) -> Diagnosed:
     """Divergences with their margins, the first-step logit difference per item, median cache differences.
 
-    The margin distribution over all steps is the reference arm `a`'s (the live arm in a matched run), so the
+    `records`: per item, its id and its record's diagnostics block (None: its record has none). The margin
+    distribution over all steps is the reference arm `a`'s (the live arm in a matched run), so the
     margin at divergence and the margins it is read against come from the same continuations.
     """
     divergences: list[DivergenceAt] = []
     first_step: dict[str, float | None] = {}
-    caches: list[dict[str, Any]] = []
+    caches: list[CacheDiff] = []
     steps: list[float] = []
-    for r in records:
-        diag = pair_diagnostics(r, a, b)
-        if diag is None:
+    for item_id, diagnostics in records:
+        diag = pair_diagnostics(diagnostics, a, b)
+        if diagnostics is None or diag is None:
             continue
-        first_step[r.item_id] = diag["first_step_logit_maxabs"]
-        steps += [m for m in r.payload["diagnostics"]["margins"].get(a, []) if m is not None]
-        if diag.get("cache"):
-            caches.append(diag["cache"])
-        d = diag.get("divergence")
+        first_step[item_id] = diag.first_step_logit_maxabs
+        steps += [m for m in diagnostics.margins.get(a, []) if m is not None]
+        if diag.cache:
+            caches.append(diag.cache)
+        d = diag.divergence
         if d is not None:
-            divergences.append(DivergenceAt(item_id=r.item_id, first_divergence=d["step"],
-                                            margin={a: d["a"]["margin"], b: d["b"]["margin"]},
-                                            logit_maxabs=d["logit_maxabs"]))
+            divergences.append(DivergenceAt(item_id=item_id, first_divergence=d.step,
+                                            margin={a: d.a.margin, b: d.b.margin}, logit_maxabs=d.logit_maxabs))
     at_divergence = [d.margin[a] for d in divergences]
     return Diagnosed(
         divergences=divergences,
@@ -147,27 +146,28 @@ def summarize_pair(records: list[Record], a: str, b: str) -> Diagnosed:
     )
 
 
-def _layer_medians(caches: list[dict[str, Any]]) -> list[LayerMedians]:
+def _layer_medians(caches: list[CacheDiff]) -> list[LayerMedians]:
     """Per layer, medians over items of K and V relative L2 and max-abs differences."""
-    n_layers = max((len(c["layers"]) for c in caches), default=0)
+    n_layers = max((len(c.layers) for c in caches), default=0)
     out = []
     for i in range(n_layers):
-        rows = [c["layers"][i] for c in caches if i < len(c["layers"])]
-        out.append(LayerMedians(layer=i, **{f"{t}_{s}": _median([row[t][s] for row in rows])
-                                            for t in ("k", "v") for s in ("rel_l2", "maxabs")}))
+        rows = [c.layers[i] for c in caches if i < len(c.layers)]
+        k, v = [row.k for row in rows], [row.v for row in rows]
+        out.append(LayerMedians(layer=i, k_rel_l2=_median([x.rel_l2 for x in k]), k_maxabs=_median([x.maxabs for x in k]),
+                                v_rel_l2=_median([x.rel_l2 for x in v]), v_maxabs=_median([x.maxabs for x in v])))
     return out
 
 
-def _band_medians(caches: list[dict[str, Any]]) -> list[BandMedians]:
+def _band_medians(caches: list[CacheDiff]) -> list[BandMedians]:
     """Per position band (in first-seen order), medians over items of K and V relative L2 and max-abs."""
-    names: list[str] = []
-    rows: dict[str, list[dict[str, Any]]] = {}
+    rows: dict[str, list[BandDiff]] = {}
     for c in caches:
-        for band in c["bands"]:
-            if band["band"] not in rows:
-                names.append(band["band"])
-            rows.setdefault(band["band"], []).append(band)
-    return [BandMedians(band=name, n=len(rows[name]),
-                        **{f"{t}_{s}": _median([row[t][s] for row in rows[name]]) for t in ("k", "v")
-                           for s in ("rel_l2", "maxabs")})
-            for name in names]
+        for band in c.bands:
+            rows.setdefault(band.band, []).append(band)
+    out = []
+    for name, bands in rows.items():
+        k, v = [b.k for b in bands], [b.v for b in bands]
+        out.append(BandMedians(band=name, n=len(bands), k_rel_l2=_median([x.rel_l2 for x in k]),
+                               k_maxabs=_median([x.maxabs for x in k]), v_rel_l2=_median([x.rel_l2 for x in v]),
+                               v_maxabs=_median([x.maxabs for x in v])))
+    return out

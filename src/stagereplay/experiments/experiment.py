@@ -64,7 +64,7 @@ from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import RunConfig, StageSection
 from stagereplay.records.payload_readers import ItemHead
-from stagereplay.records.payloads import Payload, PayloadModel
+from stagereplay.records.payloads import PayloadModel
 from stagereplay.records.proofs import machine_store
 from stagereplay.records.summary import Count, Untyped
 
@@ -226,8 +226,8 @@ class Experiment(ABC):
     # -- what verify, the audit, plan and the report ask of it ---------------------------------------------
 
     @abstractmethod
-    def work(self, lm: LM, job: Job) -> Payload:
-        """One item's record payload."""
+    def work(self, lm: LM, job: Job) -> PayloadModel:
+        """One item's record payload, as its model."""
 
     @abstractmethod
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
@@ -344,9 +344,9 @@ class Experiment(ABC):
     def unit_positions(self, record: Record) -> int:
         """The longest sequence one recorded unit held (what its caches are sized by): its prefix and longest
         suffix."""
-        from stagereplay.experiments.arms import record_lengths
+        from stagereplay.experiments.arms import lengths_of
 
-        n = record_lengths(record.payload)
+        n = lengths_of(record)
         return n.prefix + max((length for _, length in n.arms), default=n.generated)
 
     def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
@@ -364,7 +364,7 @@ class Experiment(ABC):
         return section.as_stage(self.Stage)
 
 
-def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: Work[dict[str, Any]], ex: Any,
+def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: Work[PayloadModel], ex: Any,
                 quiet: bool, env_work: Work[JobResult] | None = None) -> None:
     """Run every job of `batch` not yet in the ledger, appending records in job order with the environment that
     computed each, under a progress bar. `env_work` returns a job's payload and environment itself (a serving
@@ -382,5 +382,5 @@ def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: 
         task = bar.add_task(escape(label), total=len(jobs), completed=len(jobs) - len(pending))
         done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, machine_store=machine_store)
         for job, out in zip(pending, done, strict=False):
-            run.append(experiment, checkpoint, job.item.id, out.payload, job.part, out.environment)
+            run.append(experiment, checkpoint, job.item.id, out.payload.as_payload(), job.part, out.environment)
             bar.advance(task)

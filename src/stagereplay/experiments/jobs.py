@@ -19,7 +19,7 @@ from stagereplay.tasks.scoring import scorer_by_name
 if TYPE_CHECKING:
     from stagereplay.records.ledger import Record
     from stagereplay.records.manifest import SettingsSection, StageSection
-    from stagereplay.records.payloads import Payload
+    from stagereplay.records.payloads import PayloadModel
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Replay:
     stage: StageSection
     item: Item
     matched_stage: StageSection | None
-    matched: Payload | None
+    matched: dict[str, Any] | None
 
     @property
     def settings(self) -> ReplaySettings:
@@ -112,13 +112,13 @@ class Replay:
 class JobResult:
     """What a job gives back to the run that appends its record."""
 
-    payload: dict[str, Any]
-    """The record's payload, as the ledger holds it."""
+    payload: PayloadModel
+    """The record's payload as its model (the ledger holds its `as_payload`)."""
     environment: dict[str, Any]
     """The environment of the process that computed it (`records.provenance.environment`: JSON, an engine's own
     settings included)."""
 
 
-def with_environment(work: Work[dict[str, Any]], lm: LM, job: Job) -> JobResult:
+def with_environment(work: Work[PayloadModel], lm: LM, job: Job) -> JobResult:
     """`work(lm, job)` and the environment of the process that ran it (a worker, a Ray actor, this one)."""
     return JobResult(work(lm, job), environment(lm.config.device, lm.determinism))

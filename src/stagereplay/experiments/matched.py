@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, Field, TypeAdapter
 
@@ -24,8 +24,8 @@ from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import (
     arm_record,
     compare,
-    no_boundary_payload,
-    record_lengths,
+    lengths_of,
+    no_boundary,
     with_token_texts,
 )
 from stagereplay.experiments.diagnose import diagnose
@@ -35,6 +35,7 @@ from stagereplay.experiments.figures import DIVERGENCE, SharedFigure, Strip
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched_summary import (
+    PAYLOAD,
     MatchedSummary,
     matched_facts,
     matched_table,
@@ -43,7 +44,7 @@ from stagereplay.experiments.matched_summary import (
 from stagereplay.experiments.verdict import CARRIES, FIRST_STEP, MARGINS, REPLICAS, Fact, Question, faithful
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, Payload
+from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, PayloadModel
 from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
@@ -54,9 +55,6 @@ EXPERIMENT = "matched"
 STAGE1_TOP = 2
 """Tokens kept per stage-1 step of live (`stage1_top`): the margin and the runner-up, at a size a trace of thousands
 of steps can carry in every record."""
-PAYLOAD: TypeAdapter[MatchedPayload | NoBoundaryPayload] = TypeAdapter(
-    Annotated[MatchedPayload | NoBoundaryPayload, Field(discriminator="status")])
-"""A matched record's payload (`records.payloads`): the item reached its boundary, or not (a serving run's too)."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +108,7 @@ class MatchedParams(Params):
     generated: Generated = field(default_factory=Generated)
 
 
-def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
+def matched_item(lm: LM, job: Job[MatchedParams]) -> MatchedPayload | NoBoundaryPayload:
     """Live + replica, construction + replica; the comparisons between them. Pure in (model, item, settings).
 
     Each replica's cache is dropped as soon as its record (with the cache fingerprint) is made: comparisons need
@@ -130,7 +128,7 @@ def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
     try:
         live = live_state()
     except NoBoundary as nb:
-        return no_boundary_payload(item, nb.generated)
+        return no_boundary(item, nb.generated)
     stage1 = live.stage1
     assert live.live_suffix is not None
     arms: list[Arm] = []
@@ -171,7 +169,7 @@ def matched_item(lm: LM, job: Job[MatchedParams]) -> Payload:
         diagnostics=diagnose(runs, pairs, cache_pairs=pairs[: len(fresh_ones)]),
         stage1_top=live.stage1_top(STAGE1_TOP),
     )
-    return with_token_texts(lm, payload).as_payload()
+    return with_token_texts(lm, payload)
 
 
 def forwards(n: Lengths, construction: str = "oneshot") -> list[int]:
@@ -196,16 +194,16 @@ def fixed_prefixes(run: Run, checkpoint: str) -> list[tuple[Item, list[int]]]:
     experiments after matched start from."""
     out = []
     for r in run.find(EXPERIMENT, checkpoint):
-        p = r.payload
-        if p["status"] == "ok":
-            out.append((Item(r.item_id, tuple(p["prompt_ids"]), p["answer"]), p["prefix_ids"]))
+        p = PAYLOAD.validate_python(r.payload)
+        if isinstance(p, MatchedPayload):
+            out.append((Item(r.item_id, tuple(p.prompt_ids), p.answer), p.prefix_ids))
     return out
 
 
 def matched_ok(records: list[Record], checkpoint: str) -> list[str]:
     """The item ids whose matched record at `checkpoint` reached its boundary, in ledger order."""
     return [r.item_id for r in records if r.experiment == EXPERIMENT and r.checkpoint == checkpoint
-            and r.payload.get("status") == "ok"]
+            and isinstance(PAYLOAD.validate_python(r.payload), MatchedPayload)]
 
 
 def matched_stage(stages: Mapping[str, StageSection], checkpoint: str) -> StageSection | None:
@@ -213,9 +211,10 @@ def matched_stage(stages: Mapping[str, StageSection], checkpoint: str) -> StageS
     return stages.get(f"{EXPERIMENT}/{checkpoint}")
 
 
-def matched_records(run: Run, checkpoint: str) -> dict[str, Payload]:
-    """The matched payloads at `checkpoint`, by item id."""
-    return {r.item_id: r.payload for r in run.find(EXPERIMENT, checkpoint)}
+def matched_records(run: Run, checkpoint: str) -> dict[str, MatchedPayload]:
+    """The matched payloads at `checkpoint` that reached their boundary, by item id."""
+    read = {r.item_id: PAYLOAD.validate_python(r.payload) for r in run.find(EXPERIMENT, checkpoint)}
+    return {i: p for i, p in read.items() if isinstance(p, MatchedPayload)}
 
 
 class Matched(Experiment):
@@ -263,7 +262,7 @@ class Matched(Experiment):
         params = MatchedParams(stage_constructions(own), Generated(**(own.generate or {})))
         return [Batch(prepared.model, [Job(item, prepared.settings, params) for item in prepared.items])]
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return matched_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
@@ -280,7 +279,7 @@ class Matched(Experiment):
         own: MatchedStage = self.stage_of(stage)
         if own.generate:
             return None  # live's forwards were transformers' generate()'s, speculation's chunks included
-        return forwards(record_lengths(record.payload), stage_constructions(own))
+        return forwards(lengths_of(record), stage_constructions(own))
 
     def peak_caches(self, stage: StageSection) -> int:
         """live's and each fresh construction's boundary states, a replica's state and its continuation's."""

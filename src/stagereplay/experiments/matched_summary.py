@@ -7,9 +7,9 @@ serving engine ran it, its counts of what it built.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, TypeAdapter, ValidationError
 
 from stagereplay.experiments.diagnostics_summary import Diagnosed, summarize_pair
 from stagereplay.experiments.format import NA, Table, as_rows, count_of, k_of_n, p_value, pct, points
@@ -25,6 +25,7 @@ from stagereplay.experiments.verdict import (
     median_of,
 )
 from stagereplay.records.ledger import Record
+from stagereplay.records.payloads import Arm, Comparison, MatchedPayload, NoBoundaryPayload
 from stagereplay.records.summary import Count, SummaryModel
 
 
@@ -102,11 +103,23 @@ class MatchedSummary(Diagnosed, MatchedHead):
                                                                         "token (absent: matched on token IDs)")
 
 
-def _cmp(record: Record, a: str, b: str) -> dict[str, Any] | None:
-    for c in record.payload["comparisons"]:
-        if c["a"] == a and c["b"] == b:
-            return dict(c)
-    return None
+PAYLOAD: TypeAdapter[MatchedPayload | NoBoundaryPayload] = TypeAdapter(
+    Annotated[MatchedPayload | NoBoundaryPayload, Field(discriminator="status")])
+"""A matched record's payload (`records.payloads`): the item reached its boundary, or not (a serving run's too)."""
+
+
+def reached(payload: dict[str, Any] | None) -> MatchedPayload | None:
+    """A matched record's payload as its model where the item reached its boundary (None: none given, it did not
+    reach it, or the payload is not a matched record's)."""
+    try:
+        read = None if payload is None else PAYLOAD.validate_python(payload)
+    except ValidationError:
+        return None
+    return read if isinstance(read, MatchedPayload) else None
+
+
+def _cmp(payload: MatchedPayload, a: str, b: str) -> Comparison | None:
+    return next((c for c in payload.comparisons if c.a == a and c.b == b), None)
 
 
 def summarize_matched(records: list[Record], construction: str, checkpoint: str, precision: str,
@@ -116,27 +129,27 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
     A serving engine's arm whose construction did not take place (`took_place` false: its engine reported a fresh
     prefill where a restore was asked for, say; `serving.evidence`) is not that construction: such items are
     counted apart (`not_built`) and left out of this column's statistics."""
-    reached = [r for r in records if r.payload["status"] == "ok"]
-    built = [_built(r, construction) for r in reached]
+    read = [(r.item_id, PAYLOAD.validate_python(r.payload)) for r in records]
+    reached = [(i, p) for i, p in read if isinstance(p, MatchedPayload)]
+    built = [_built(p, construction) for _, p in reached]
     ok = [r for r, b in zip(reached, built, strict=True) if b is not False]
     rep_live = rep_other = 0
     replicated = False  # whether the construction has replicas (a server's under-load arms are replicas themselves)
     suffix_k = label_k = live_only = other_only = 0
     live_acc, other_acc, divergence = [], [], []
-    for r in ok:
-        arms = {a["name"]: a for a in r.payload["arms"]}
-        lr, orr = _cmp(r, "live", "live#replica"), _cmp(r, construction, f"{construction}#replica")
+    for _, p in ok:
+        arms = {a.name: a for a in p.arms}
+        lr, orr = _cmp(p, "live", "live#replica"), _cmp(p, construction, f"{construction}#replica")
         # cache_equal is None where an engine records no cache fingerprint: the tokens then decide alone.
-        rep_live += bool(lr and lr["suffix_equal"] and lr["cache_equal"] is not False
-                         and r.payload["replica_prefix_equal"])
-        rep_other += bool(orr and orr["suffix_equal"] and orr["cache_equal"] is not False)
+        rep_live += bool(lr and lr.suffix_equal and lr.cache_equal is not False and p.replica_prefix_equal)
+        rep_other += bool(orr and orr.suffix_equal and orr.cache_equal is not False)
         replicated = replicated or orr is not None
-        main = _cmp(r, "live", construction)
+        main = _cmp(p, "live", construction)
         assert main is not None
-        if not main["suffix_equal"]:
+        if not main.suffix_equal:
             suffix_k += 1
-            divergence.append(main["first_divergence"])
-        a, b = arms["live"]["correct"], arms[construction]["correct"]
+            divergence.append(main.first_divergence)
+        a, b = arms["live"].correct, arms[construction].correct
         label_k += a != b
         live_only += a and not b
         other_only += b and not a
@@ -156,28 +169,26 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
         "discordant": Discordant(live_only=live_only, other_only=other_only),
         "mcnemar_p": None,
         "first_divergence": divergence,
-        **summarize_pair(ok, "live", construction).diagnostics(),
+        **summarize_pair([(i, p.diagnostics) for i, p in ok], "live", construction).diagnostics(),
     }
     if any(b is not None for b in built):  # a serving engine's counts say whether each arm was built as named
         fields["built"] = Built(k=built.count(True), n=len(reached), not_built=built.count(False),
                                 unknown=built.count(None),
-                                not_built_cached=[_arm(r, construction).get("num_cached_tokens")
-                                                  for r, b in zip(reached, built, strict=True) if b is False])
-    cached = [a for r in reached for a in r.payload["arms"] if a["name"] == construction
-              and a.get("num_cached_tokens") is not None]
+                                not_built_cached=[_cached(p, construction)
+                                                  for (_, p), b in zip(reached, built, strict=True) if b is False])
+    cached = [(a.num_cached_tokens, a.cached_from_decode or 0) for _, p in reached for a in p.arms
+              if a.name == construction and a.num_cached_tokens is not None]
     if cached:  # a serving engine's arm: how much of the prefix its cache supplied, and how much decoding wrote
         fields["prefix_cache"] = PrefixCache(
-            n=len(cached), hits=sum(a["num_cached_tokens"] > 0 for a in cached),
-            num_cached_tokens=sum(a["num_cached_tokens"] for a in cached),
-            cached_from_decode=sum(a.get("cached_from_decode", 0) for a in cached),
-            hits_with_decode_blocks=sum(a.get("cached_from_decode", 0) > 0 for a in cached))
-    findings = [r.payload["load_finding"] for r in records if "load_finding" in r.payload]
+            n=len(cached), hits=sum(c > 0 for c, _ in cached), num_cached_tokens=sum(c for c, _ in cached),
+            cached_from_decode=sum(d for _, d in cached), hits_with_decode_blocks=sum(d > 0 for _, d in cached))
+    findings = [p.load_finding for _, p in reached if "load_finding" in p.model_fields_set]
     if findings and construction == "live@load":  # a server's replicas under load (serving.matched.load_finding)
-        fields["load"] = {arm: {f: [x.get(arm) for x in findings].count(f)
+        fields["load"] = {arm: {f: [(x or {}).get(arm) for x in findings].count(f)
                                 for f in ("invariant", "batch-variant", "not self-consistent", "unknown")}
                           for arm in ("live", "oneshot")}
-    if any("marker_inside_token" in r.payload for r in ok):  # a marker matched on text (engine.boundary)
-        fields["n_marker_inside_token"] = sum(bool(r.payload.get("marker_inside_token")) for r in ok)
+    if any("marker_inside_token" in p.model_fields_set for _, p in ok):  # a marker matched on text (engine.boundary)
+        fields["n_marker_inside_token"] = sum(bool(p.marker_inside_token) for _, p in ok)
     if n:
         la, oa = sum(live_acc) / n, sum(other_acc) / n
         lo, hi = paired_bootstrap_ci(live_acc, other_acc, n_resamples=n_resamples, seed=seed)
@@ -188,14 +199,20 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
     return MatchedSummary(**fields)
 
 
-def _arm(record: Record, name: str) -> dict[str, Any]:
-    return next((a for a in record.payload["arms"] if a["name"] == name), {})
+def _arm(payload: MatchedPayload, name: str) -> Arm | None:
+    return next((a for a in payload.arms if a.name == name), None)
 
 
-def _built(record: Record, construction: str) -> bool | None:
+def _cached(payload: MatchedPayload, construction: str) -> int | None:
+    """The prompt positions the engine's prefix cache supplied to the arm of `construction` (None: it did not say)."""
+    arm = _arm(payload, construction)
+    return None if arm is None else arm.num_cached_tokens
+
+
+def _built(payload: MatchedPayload, construction: str) -> bool | None:
     """Whether the record's arm of `construction` was built as named (None: nothing says; `serving.evidence`)."""
-    took = _arm(record, construction).get("took_place")
-    return None if took is None else bool(took)
+    arm = _arm(payload, construction)
+    return None if arm is None or arm.took_place is None else arm.took_place
 
 
 def matched_table(matched: list[MatchedSummary]) -> Table:

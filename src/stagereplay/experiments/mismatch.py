@@ -47,7 +47,7 @@ from stagereplay.experiments.verdict import Fact
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Payload
+from stagereplay.records.payloads import PayloadModel
 from stagereplay.records.scored import MismatchPayload
 
 if TYPE_CHECKING:
@@ -135,9 +135,9 @@ def _micro_batch(options: MismatchOptions) -> dict[str, Any]:
             if options.micro_batch else {})
 
 
-def main_records(run: Run, checkpoint: str) -> dict[str, Payload]:
+def main_records(run: Run, checkpoint: str) -> dict[str, MismatchPayload]:
     """The part-'' records at `checkpoint`, by item id: the tokens the trainer parts score."""
-    return {r.item_id: r.payload for r in run.find(EXPERIMENT, checkpoint) if not r.part}
+    return {r.item_id: PAYLOAD.validate_python(r.payload) for r in run.find(EXPERIMENT, checkpoint) if not r.part}
 
 
 class Mismatch(Experiment):
@@ -231,13 +231,13 @@ class Mismatch(Experiment):
         for p in own.precisions:
             recorded = main_records(run, prepared.checkpoint)
             yield Batch(trainer_model(prepared.model, p), [
-                Job(item, prepared.settings, MismatchParams(p, own.mode, own.source, prompt=tuple(r["prompt_ids"]),
-                                                            response=tuple(r["response_ids"]), batch=own.batch()))
+                Job(item, prepared.settings, MismatchParams(p, own.mode, own.source, prompt=tuple(r.prompt_ids or ()),
+                                                            response=tuple(r.response_ids or ()), batch=own.batch()))
                 for item in prepared.items if item.id in ids and (r := recorded.get(item.id)) is not None])
 
     def unit_positions(self, record: Record) -> int:
-        arms = record.payload.get("arms") or []
-        return int(arms[0]["start"]) + len(arrays.decode(arms[0]["logprobs"])) if arms else 0
+        arms = PAYLOAD.validate_python(record.payload).arms
+        return arms[0].start + len(arrays.decode(arms[0].logprobs)) if arms else 0
 
     def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
         return trainer_model(model, part) if part else model
@@ -245,7 +245,7 @@ class Mismatch(Experiment):
     def where(self, record: Record) -> str:
         return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return mismatch_item(lm, job)
 
     def told(self, records: list[Record]) -> list[str]:
@@ -301,19 +301,18 @@ class Mismatch(Experiment):
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         """The token counts of the forwards one unit made: prefills and single-token steps."""
-        p = record.payload
-        if not p.get("arms"):
+        p = PAYLOAD.validate_python(record.payload)
+        if not p.arms:
             return None
-        n, prompt = len(arrays.decode(p["arms"][0]["logprobs"])), int(p["arms"][0]["start"])
+        n, prompt = len(arrays.decode(p.arms[0].logprobs)), p.arms[0].start
         if record.part:
             batch = self.stage_of(stage).batch()
             seed = self.stage_of(stage).settings.decode.seed
             return [prompt + n - 1] * 2 + ([batch.forward_tokens(record.item_id, seed, prompt + n - 1)] if batch else [])
-        steps, generated = [prompt, *[1] * (n - 1)], p.get("source") == "generated"
+        steps, generated = [prompt, *[1] * (n - 1)], p.source == "generated"
         out = (steps * 2 if generated else []) + steps + ([prompt + n - 1] * 2 if generated else [])
-        moved = p.get("transplant")
-        if moved:
-            at = moved["at"]
+        if p.transplant:
+            at = p.transplant.at
             out += [prompt, *([1] * (at - prompt)), at]  # the two caches at t
             out += [1] * (prompt + n - at - 1) * 6  # the two own and four transplanted continuations
         return out

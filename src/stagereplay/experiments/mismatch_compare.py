@@ -11,7 +11,7 @@ precisions), item by item: `stagereplay compare A B` on runs that `stagereplay m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -71,7 +71,7 @@ class MismatchComparison(BaseModel):
 
 
 def compared(records: tuple[list[Record], list[Record]], item_ids: Sequence[str], checkpoint: str,
-             runs: tuple[str, str], sections: tuple[MismatchSummary | dict[str, Any], MismatchSummary | dict[str, Any]],
+             runs: tuple[str, str], sections: tuple[MismatchSummary, MismatchSummary],
              differences: Differences) -> RunComparison:
     """The comparison as `compare` writes it: the document, the answers (what differs last) and the tables (what
     differs first)."""
@@ -83,11 +83,11 @@ def compared(records: tuple[list[Record], list[Record]], item_ids: Sequence[str]
 
 def compare_mismatch(records: tuple[list[Record], list[Record]], item_ids: Sequence[str], checkpoint: str,
                      runs: tuple[str, str],
-                     sections: tuple[MismatchSummary | dict[str, Any], MismatchSummary | dict[str, Any]],
+                     sections: tuple[MismatchSummary, MismatchSummary],
                      differences: Differences) -> MismatchComparison:
     """The comparison (module docstring) of two runs' records and results sections at `checkpoint`."""
     a, b = records
-    s_a, s_b = (MismatchSummary.model_validate(s) for s in sections)
+    s_a, s_b = sections
     main_a = {r.item_id: p for r, p in payloads(a) if not r.part}
     main_b = {r.item_id: p for r, p in payloads(b) if not r.part}
     shared = [i for i in item_ids if i in main_a and i in main_b]

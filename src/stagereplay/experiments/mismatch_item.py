@@ -21,7 +21,7 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.scoring import Layout, Mode, Scored
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.records import arrays
-from stagereplay.records.payloads import Followed, Payload
+from stagereplay.records.payloads import Followed
 from stagereplay.records.scored import MismatchPayload, ScoredArm, ScoreOutcome, ScoreTransplant
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class RolloutEngine(ABC):
         return None, []
 
 
-def rollout_part(lm: LM, job: Job[Any], params: MismatchParams, engine: RolloutEngine) -> Payload:
+def rollout_part(lm: LM, job: Job[Any], params: MismatchParams, engine: RolloutEngine) -> MismatchPayload:
     """Part '' of an item: the rollout (the engine's, or the file's row) and its replica, ours teacher-forced one
     token per forward (`incremental`), the engine's prefill arms and what the engine adds, in that order."""
     from stagereplay.engine.scoring import score_incremental
@@ -195,7 +195,7 @@ def rollout_part(lm: LM, job: Job[Any], params: MismatchParams, engine: RolloutE
         extra["transplant"] = moved
         arms += more
     return MismatchPayload(status="ok", source=params.source, precision="", tokens_fp=fp, prompt_ids=prompt,
-                           response_ids=response, arms=arms, **extra).as_payload()
+                           response_ids=response, arms=arms, **extra)
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class OurEngine(RolloutEngine):
         return moved if moved is not None else (None, [])
 
 
-def trainer_part(lm: LM, job: Job[MismatchParams]) -> Payload:
+def trainer_part(lm: LM, job: Job[MismatchParams]) -> MismatchPayload:
     """The trainer at the job's precision: one-shot on the rollout's tokens, its replica, and where the run asks
     for micro-batches the same tokens scored inside one (`trainer@<p>#batch`)."""
     from stagereplay.engine.scoring import score_in_batch, score_oneshot
@@ -258,10 +258,10 @@ def trainer_part(lm: LM, job: Job[MismatchParams]) -> Payload:
         batch, at = p.batch.around(job.item.id, dc.seed, [*prompt, *response[:-1]])
         scored = score_in_batch(lm, prompt, response, batch, at, p.batch.layout, dc, p.mode, head)
         arms.append(scored_arm(f"trainer@{p.precision}#batch", scored, fp, p.mode, len(prompt), p.precision))
-    return MismatchPayload(status="ok", source=p.source, precision=p.precision, tokens_fp=fp, arms=arms).as_payload()
+    return MismatchPayload(status="ok", source=p.source, precision=p.precision, tokens_fp=fp, arms=arms)
 
 
-def mismatch_item(lm: LM, job: Job[MismatchParams]) -> Payload:
+def mismatch_item(lm: LM, job: Job[MismatchParams]) -> MismatchPayload:
     """One item's part on our engine: the rollout and our engine's scores of it (part ''), or the trainer."""
     p = job.params
     if p.precision:

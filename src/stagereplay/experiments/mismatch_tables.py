@@ -121,8 +121,7 @@ def _bands(total: PairSummary, checkpoint: str) -> Table:
                   "token w outside [1/2,2]"), as_rows(rows))
 
 
-def mismatch_tables(section: MismatchSummary | dict[str, Any]) -> list[Table]:
-    s = MismatchSummary.model_validate(section)
+def mismatch_tables(s: MismatchSummary) -> list[Table]:
     tables = [_attribution(s), _weights(s), _offpolicy(s), _rejection(s)]
     total = s.row("total")
     if total is not None and total.bands:
@@ -140,13 +139,12 @@ def mismatch_tables(section: MismatchSummary | dict[str, Any]) -> list[Table]:
     return tables
 
 
-def ratio_figure(section: MismatchSummary | dict[str, Any]) -> Any:
+def ratio_figure(s: MismatchSummary) -> Any:
     """The total row's per-token ratio pi_trainer / pi_rollout on a log axis against the position in the response,
     with the 2x and 5x bands RL frameworks clip at (left), and its distribution (right). matplotlib through the Agg
     canvas only (never pyplot), imported here so that nothing else pays for it."""
     from matplotlib.figure import Figure
 
-    s = MismatchSummary.model_validate(section)
     ratio = np.exp(np.asarray(s.figure.log_ratio, dtype=np.float64))
     fig = Figure(figsize=(9.0, 3.2), layout="constrained")
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
@@ -169,9 +167,8 @@ def ratio_figure(section: MismatchSummary | dict[str, Any]) -> Any:
     return fig
 
 
-def mismatch_figures(section: MismatchSummary | dict[str, Any]) -> list[ReportFigure]:
+def mismatch_figures(s: MismatchSummary) -> list[ReportFigure]:
     """The section's figure (none where the total row has no token)."""
-    s = MismatchSummary.model_validate(section)
     if not s.figure.position:
         return []
     return [ReportFigure(f"fig-mismatch-{slug(s.checkpoint)}", f"Rollout vs trainer, per token ({s.checkpoint})",

@@ -21,7 +21,6 @@ is an alternative, reported as such.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from stagereplay.experiments.mismatch_fields import MismatchMetrics
 from stagereplay.experiments.mismatch_summary import PARTS, MismatchSummary, PairSummary
@@ -93,9 +92,8 @@ def _seen(facts: Sequence[Fact]) -> str:
 SEEN = Question("trainer sees rollout", "Does the trainer see the probabilities the rollout was sampled from?", _seen)
 
 
-def mismatch_verdict(section: MismatchSummary | dict[str, Any]) -> list[Fact]:
+def mismatch_verdict(s: MismatchSummary) -> list[Fact]:
     """Its facts: to the replicas question, to the cache question (the transplant), and to its own question."""
-    s = MismatchSummary.model_validate(section)
     rows = {p.row: p for p in s.pairs}
     facts = []
     replicas = [p for label, p in rows.items() if label.startswith("replica")]

@@ -17,8 +17,8 @@ from stagereplay.experiments.arms import (
     arm_record,
     carried_arm,
     compare,
+    lengths_of,
     matched_arms,
-    record_lengths,
     with_token_texts,
 )
 from stagereplay.experiments.diagnose import diagnose
@@ -37,6 +37,7 @@ from stagereplay.experiments.matched import (
     matched_records,
     matched_stage,
 )
+from stagereplay.experiments.matched_summary import reached
 from stagereplay.experiments.precision_2x2_summary import (
     GridSummary,
     first_pair,
@@ -48,7 +49,7 @@ from stagereplay.experiments.stats import first_divergence
 from stagereplay.experiments.verdict import FIRST_STEP, Fact, Question
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, Payload
+from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, MatchedPayload, PayloadModel
 from stagereplay.records.summary import Count
 from stagereplay.tasks.base import Item
 
@@ -87,7 +88,7 @@ class GridStage(StageSection):
     precisions: list[str] = Field(description="the precisions, each a part of every item's unit")
 
 
-Carried = tuple[tuple[str, str, dict[str, Any], list[Any]], ...]
+Carried = tuple[tuple[str, str, Arm, list[float | None]], ...]
 """(construction, `matched/<checkpoint>:<arm>`, that arm, its step margins) per carried-over arm (`reused_arms`)."""
 
 
@@ -106,7 +107,7 @@ class GridParams(Params):
         return self.precision
 
 
-def grid_item(lm: LM, job: Job[GridParams]) -> Payload:
+def grid_item(lm: LM, job: Job[GridParams]) -> GridPayload:
     """Every construction at this process's precision on one fixed prefix, and their pairwise comparison.
 
     With `reuse` (see `reused_arms`), a construction whose arm the matched run already computed on this model
@@ -128,19 +129,19 @@ def grid_item(lm: LM, job: Job[GridParams]) -> Payload:
             # it runs; the earlier arm's are replayed from its cache, which every arm here keeps for
             # `cache_difference`.
             conts[name] = lm.continue_from(b, s.decode, watch=[cont.suffix for cont in conts.values()])
-    suffixes = {name: conts[name].suffix if c not in reuse else tuple(reuse[c][1]["suffix_ids"])
+    suffixes = {name: conts[name].suffix if c not in reuse else tuple(reuse[c][1].suffix_ids)
                 for name, (c, _) in built.items()}
-    carried: dict[str, tuple[Arm, list[Any]]] = {}  # arm name -> (its arm, its step margins)
+    carried: dict[str, tuple[Arm, list[float | None]]] = {}  # arm name -> (its arm, its step margins)
     for name, (c, b) in built.items():
         if c not in reuse:
             continue
         source, recorded, margins = reuse[c]
         others = [suffix for other, suffix in suffixes.items() if other != name]  # it watches every other arm
         fp = b.fingerprint()
-        if fp == recorded["cache_fp"]:
-            steps = diagnostic_steps(recorded["suffix_ids"], others)
+        if fp == recorded.cache_fp:
+            steps = diagnostic_steps(recorded.suffix_ids, others)
             look = lm.continue_from(b, replace(s.decode, max_new_tokens=steps), watch=others)
-            if list(look.suffix) == recorded["suffix_ids"][: len(look.suffix)]:
+            if list(look.suffix) == recorded.suffix_ids[: len(look.suffix)]:
                 conts[name] = look
                 carried[name] = (carried_arm(recorded, name, c, source), margins)
                 continue
@@ -158,7 +159,7 @@ def grid_item(lm: LM, job: Job[GridParams]) -> Payload:
     payload = GridPayload(status="ok", precision=lm.config.precision, prompt_ids=list(item.prompt_ids),
                           prefix_ids=list(state.prefix), boundary=len(state.prefix), answer=item.answer, arms=arms,
                           comparisons=comparisons, diagnostics=diagnostics)
-    return with_token_texts(lm, payload).as_payload()
+    return with_token_texts(lm, payload)
 
 
 def forwards(n: Lengths, constructions: tuple[str, ...], precision: str) -> list[int]:
@@ -185,7 +186,7 @@ feeds the prompt in one forward, then one token per forward, as live generation 
 the carried arm's cache fingerprint checks item by item)."""
 
 
-def reused_arms(grid_stage: GridStage, matched_stage: StageSection | None, matched: dict[str, Any],
+def reused_arms(grid_stage: GridStage, matched_stage: StageSection | None, matched: MatchedPayload | None,
                 checkpoint: str, precision: str) -> Carried:
     """(construction, `matched/<checkpoint>:<arm>`, that arm, its step margins) for each construction of the 2x2
     at `precision` that would repeat an arm of the matched record: the same model at the same precision, the
@@ -198,7 +199,8 @@ def reused_arms(grid_stage: GridStage, matched_stage: StageSection | None, match
     assert matched_stage is not None
     own = matched_stage.as_stage(MatchedStage).construction
     sources = {own: own, **CARRIED_FROM}
-    margins = (matched.get("diagnostics") or {}).get("margins", {})
+    assert matched is not None
+    margins = matched.diagnostics.margins if matched.diagnostics else {}
     return tuple((c, f"{MATCHED}/{checkpoint}:{sources[c]}", arms[sources[c]], margins[sources[c]])
                  for c in grid_stage.constructions if c in sources and sources[c] in arms
                  and sources[c] in margins)
@@ -227,14 +229,13 @@ def planned_grid(assumed: Assumed, constructions: tuple[str, ...], precision: st
             for i, u in enumerate(assumed.items)]
 
 
-def grid_lengths(payload: dict[str, Any]) -> Lengths:
+def grid_lengths(record: Record) -> Lengths:
     """A 2x2 record's lengths, with the steps each arm it carried over from matched was decoded again for its
     diagnostics (`diagnostic_steps`: against every other arm's suffix, as `grid_item` runs it)."""
-    n = record_lengths(payload)
-    arms = payload.get("arms", [])
-    looks = tuple((str(a["construction"]), diagnostic_steps(a["suffix_ids"], [tuple(o["suffix_ids"]) for o in arms
-                                                                             if o is not a]))
-                  for a in arms if a.get("same_as"))
+    n = lengths_of(record)
+    arms = PAYLOAD.validate_python(record.payload).arms
+    looks = tuple((a.construction, diagnostic_steps(a.suffix_ids, [tuple(o.suffix_ids) for o in arms if o is not a]))
+                  for a in arms if a.same_as)
     return Lengths(n.prompt, n.stage1, 0, n.arms, looks=looks)
 
 
@@ -277,7 +278,7 @@ class PrecisionGrid(Experiment):
                        for item, prefix in fixed])
                 for precision in own.precisions]
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return grid_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
@@ -289,13 +290,13 @@ class PrecisionGrid(Experiment):
     def replay_job(self, replay: Replay) -> Job:
         checkpoint, part = replay.record.checkpoint, replay.record.part
         own: GridStage = self.stage_of(replay.stage)
-        reuse = () if replay.matched is None else reused_arms(own, replay.matched_stage, replay.matched,
+        reuse = () if replay.matched is None else reused_arms(own, replay.matched_stage, reached(replay.matched),
                                                               checkpoint, part)
         return Job(replay.item, replay.settings, GridParams(tuple(replay.prefix or ()),
                                                             tuple(own.constructions), part, reuse))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
-        return forwards(grid_lengths(record.payload), tuple(self.stage_of(stage).constructions), record.part)
+        return forwards(grid_lengths(record), tuple(self.stage_of(stage).constructions), record.part)
 
     def peak_caches(self, stage: StageSection) -> int:
         return len(self.stage_of(stage).constructions) + 1  # every construction's state, and one continuation's

@@ -14,6 +14,7 @@ from stagereplay.experiments.format import NA, Table, as_rows, interval, k_of_n,
 from stagereplay.experiments.stats import wilson_interval
 from stagereplay.experiments.verdict import FIRST_STEP, Fact, faithful, logit, median_of
 from stagereplay.records.ledger import Record
+from stagereplay.records.payloads import GridPayload
 from stagereplay.records.summary import SummaryModel
 
 
@@ -69,39 +70,40 @@ def summarize_2x2(records: list[Record], constructions: list[str], precisions: l
                   checkpoint: str) -> GridSummary:
     cells, disagreements = [], []
     for precision in precisions:
-        mine = [r for r in records if r.part == precision]
+        mine = [(r.item_id, GridPayload.model_validate(r.payload)) for r in records if r.part == precision]
         for c in constructions:
             name = f"{c}@{precision}"
-            correct = [a["correct"] for r in mine for a in r.payload["arms"] if a["name"] == name]
+            correct = [a.correct for _, p in mine for a in p.arms if a.name == name]
             cells.append(Cell(construction=c, precision=precision, n=len(correct),
                               accuracy=sum(correct) / len(correct) if correct else None))
-        first = [r.payload["comparisons"][0] for r in mine if r.payload["comparisons"]]
-        k = sum(not c["suffix_equal"] for c in first)
+        first = [p.comparisons[0] for _, p in mine if p.comparisons]
+        k = sum(not c.suffix_equal for c in first)
         n = len(first)
-        more = _more_pairs(mine)
+        more = _more_pairs([p for _, p in mine])
         row: dict[str, Any] = {"pairs": more} if more else {}
+        diagnosed = [(i, p.diagnostics) for i, p in mine]
         disagreements.append(Disagreement(
             **row, precision=precision, k=k, n=n,
             wilson=list(wilson_interval(k, n)) if n else None,
-            label_k=sum(not c["label_equal"] for c in first),
-            first_divergence=[c["first_divergence"] for c in first if not c["suffix_equal"]],
-            **(summarize_pair(mine, first[0]["a"], first[0]["b"]).diagnostics() if first else {}),
+            label_k=sum(not c.label_equal for c in first),
+            first_divergence=[c.first_divergence for c in first if not c.suffix_equal],
+            **(summarize_pair(diagnosed, first[0].a, first[0].b).diagnostics() if first else {}),
         ))
     return GridSummary(checkpoint=checkpoint, constructions=constructions, precisions=precisions,
                        n=max((d.n for d in disagreements), default=0), cells=cells, disagreements=disagreements)
 
 
-def _more_pairs(records: list[Record]) -> list[PairCount]:
+def _more_pairs(payloads: list[GridPayload]) -> list[PairCount]:
     """With three or more arms (a serving engine's run), every compared pair past the first: its disagreements."""
-    ok = [r for r in records if len(r.payload["comparisons"]) > 1]
+    ok = [p for p in payloads if len(p.comparisons) > 1]
     if not ok:
         return []
     out = []
-    for j, c in enumerate(ok[0].payload["comparisons"][1:], start=1):
-        cs = [r.payload["comparisons"][j] for r in ok]
-        k, n = sum(not x["suffix_equal"] for x in cs), len(cs)
-        out.append(PairCount(a=c["a"], b=c["b"], k=k, n=n, wilson=list(wilson_interval(k, n)),
-                             label_k=sum(not x["label_equal"] for x in cs)))
+    for j, c in enumerate(ok[0].comparisons[1:], start=1):
+        cs = [p.comparisons[j] for p in ok]
+        k, n = sum(not x.suffix_equal for x in cs), len(cs)
+        out.append(PairCount(a=c.a, b=c.b, k=k, n=n, wilson=list(wilson_interval(k, n)),
+                             label_k=sum(not x.label_equal for x in cs)))
     return out
 
 

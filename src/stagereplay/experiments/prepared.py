@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
     from stagereplay.experiments.jobs import Batch, Job, Replay
     from stagereplay.records.ledger import Record, Run
-    from stagereplay.records.payloads import Payload
+    from stagereplay.records.payloads import PayloadModel
 
 
 def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -94,7 +94,7 @@ class Runnable(Protocol):
 
     def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterable[Batch]: ...
 
-    def work(self, lm: LM, job: Job) -> Payload: ...
+    def work(self, lm: LM, job: Job) -> PayloadModel: ...
 
     def replay_job(self, replay: Replay) -> Job: ...
 

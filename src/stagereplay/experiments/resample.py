@@ -32,7 +32,7 @@ from stagereplay.engine.forwards import Lengths, construct_forwards, continuatio
 from stagereplay.engine.lm import LM, BoundaryState, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.arms import record_lengths
+from stagereplay.experiments.arms import lengths_of
 from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
@@ -47,7 +47,7 @@ from stagereplay.experiments.resample_summary import (
 )
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Draw, Payload, ResamplePayload
+from stagereplay.records.payloads import Draw, PayloadModel, ResamplePayload
 from stagereplay.tasks.scoring import answer_extractor, scorer_by_name
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def _states(lm: LM, job: Job[ResampleParams]) -> tuple[BoundaryState, BoundarySt
     return (live, replica) if live.prefix == prefix == replica.prefix else None
 
 
-def resample_item(lm: LM, job: Job[ResampleParams]) -> Payload:
+def resample_item(lm: LM, job: Job[ResampleParams]) -> ResamplePayload:
     """5K draws for one item: live(A), fresh(A), live replica(A), fresh(B), live(C). Pure in (model, job)."""
     item, s = job.item, job.settings
     cfg = job.params.config
@@ -156,7 +156,7 @@ def resample_item(lm: LM, job: Job[ResampleParams]) -> Payload:
                                arms=draws, comparisons=[])
 
     if states is None:
-        return payload("not_reproduced", None, []).as_payload()
+        return payload("not_reproduced", None, [])
     live, replica = states
     fresh = lm.construct(live, cfg.construction)
     dc = cfg.sampling(s.decode.max_new_tokens)
@@ -175,7 +175,7 @@ def resample_item(lm: LM, job: Job[ResampleParams]) -> Payload:
                 suffix_ids=list(cont.suffix), suffix_fp=cont.fingerprint, cache_fp=cache_fp,
                 stop=cont.stop, answer=answer_of(text), correct=bool(score(text, item.answer)),
             ))
-    return payload("ok", len(live.prefix), draws).as_payload()
+    return payload("ok", len(live.prefix), draws)
 
 
 class ResampleStage(StageSection):
@@ -225,7 +225,7 @@ class Resample(Experiment):
                       [Job(item, prepared.settings, resample_params(own, p, prefix)) for item, prefix in fixed])
                 for p in own.precisions]
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return resample_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
@@ -239,11 +239,11 @@ class Resample(Experiment):
                                                                  replay.prefix))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
-        if record.payload.get("status") != "ok":
+        if PAYLOAD.validate_python(record.payload).status != "ok":
             return None  # live generation no longer reached the prefix: how far it went is not recorded
         own: ResampleStage = self.stage_of(stage)
         source = resample_params(own, record.part, None).live_source
-        return forwards(record_lengths(record.payload), own.config.k, own.config.construction, source)
+        return forwards(lengths_of(record), own.config.k, own.config.construction, source)
 
     def peak_caches(self, stage: StageSection) -> int:
         return 4  # live's, its replica's and the fresh state, and a draw's continuation

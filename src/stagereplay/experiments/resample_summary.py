@@ -6,7 +6,7 @@ accuracy bias with its paired bootstrap CI.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Protocol
+from typing import Protocol
 
 from pydantic import Field
 
@@ -21,6 +21,7 @@ from stagereplay.experiments.stats import (
     two_sample_answer_test,
 )
 from stagereplay.records.ledger import Record
+from stagereplay.records.payloads import Draw, ResamplePayload
 from stagereplay.records.summary import SummaryModel
 
 FDR = 0.05
@@ -106,17 +107,16 @@ class Sampling(Protocol):
     def seed(self) -> int: ...
 
 
-def _draws(record: Record, state: str, stream: str) -> list[dict[str, Any]]:
-    return sorted((a for a in record.payload["arms"] if a["state"] == state and a["stream"] == stream),
-                  key=lambda a: a["draw"])
+def _draws(payload: ResamplePayload, state: str, stream: str) -> list[Draw]:
+    return sorted((a for a in payload.arms if a.state == state and a.stream == stream), key=lambda a: a.draw)
 
 
-def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
-    """mean(a - b) with its paired percentile bootstrap 95% CI over items (`MeanCI`'s fields)."""
+def _mean_ci(a: list[float], b: list[float], seed: int = 0) -> MeanCI:
+    """mean(a - b) with its paired percentile bootstrap 95% CI over items."""
     if not a:
-        return {"estimate": None, "ci": None}
+        return MeanCI(estimate=None, ci=None)
     lo, hi = paired_bootstrap_ci(a, b, seed=seed)
-    return {"estimate": sum(a) / len(a) - sum(b) / len(b), "ci": [lo, hi]}
+    return MeanCI(estimate=sum(a) / len(a) - sum(b) / len(b), ci=[lo, hi])
 
 
 def summarize_resample(records: list[Record], precisions: list[str], sampling: Sampling,
@@ -125,46 +125,46 @@ def summarize_resample(records: list[Record], precisions: list[str], sampling: S
     fresh = sampling.construction
     out = []
     for precision in precisions:
-        mine = [r for r in records if r.part == precision]
-        ok = [r for r in mine if r.payload["status"] == "ok"]
+        mine = [(r.item_id, ResamplePayload.model_validate(r.payload)) for r in records if r.part == precision]
+        ok = [(i, p) for i, p in mine if p.status == "ok"]
         coupled = {"draws": 0, "replica_differ": 0, "fresh_differ": 0, "answer_differ": 0, "label_differ": 0}
         tv_fresh, tv_null, p_fresh, p_null = [], [], [], []
         acc_live, acc_fresh, acc_null = [], [], []
-        for r in ok:
-            live, rep, fa = _draws(r, "live", "A"), _draws(r, "live#replica", "A"), _draws(r, fresh, "A")
-            fb, lc = _draws(r, fresh, "B"), _draws(r, "live", "C")
+        for item_id, p in ok:
+            live, rep, fa = _draws(p, "live", "A"), _draws(p, "live#replica", "A"), _draws(p, fresh, "A")
+            fb, lc = _draws(p, fresh, "B"), _draws(p, "live", "C")
             coupled["draws"] += len(live)
-            coupled["replica_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, rep, strict=True))
-            coupled["fresh_differ"] += sum(x["suffix_fp"] != y["suffix_fp"] for x, y in zip(live, fa, strict=True))
-            coupled["answer_differ"] += sum(x["answer"] != y["answer"] for x, y in zip(live, fa, strict=True))
-            coupled["label_differ"] += sum(x["correct"] != y["correct"] for x, y in zip(live, fa, strict=True))
-            answers = {name: [d["answer"] for d in draws] for name, draws in (("A", live), ("B", fb), ("C", lc))}
-            test_seed = zlib.crc32(r.item_id.encode())  # per item, so a resumed or merged run gets the same p
+            coupled["replica_differ"] += sum(x.suffix_fp != y.suffix_fp for x, y in zip(live, rep, strict=True))
+            coupled["fresh_differ"] += sum(x.suffix_fp != y.suffix_fp for x, y in zip(live, fa, strict=True))
+            coupled["answer_differ"] += sum(x.answer != y.answer for x, y in zip(live, fa, strict=True))
+            coupled["label_differ"] += sum(x.correct != y.correct for x, y in zip(live, fa, strict=True))
+            answers = {name: [d.answer for d in draws] for name, draws in (("A", live), ("B", fb), ("C", lc))}
+            test_seed = zlib.crc32(item_id.encode())  # per item, so a resumed or merged run gets the same p
             tv_fresh.append(total_variation(answers["A"], answers["B"]))
             tv_null.append(total_variation(answers["A"], answers["C"]))
             p_fresh.append(two_sample_answer_test(answers["A"], answers["B"], test_seed))
             p_null.append(two_sample_answer_test(answers["A"], answers["C"], test_seed))
-            acc_live.append(sum(d["correct"] for d in live) / len(live))
-            acc_fresh.append(sum(d["correct"] for d in fb) / len(fb))
-            acc_null.append(sum(d["correct"] for d in lc) / len(lc))
+            acc_live.append(sum(d.correct for d in live) / len(live))
+            acc_fresh.append(sum(d.correct for d in fb) / len(fb))
+            acc_null.append(sum(d.correct for d in lc) / len(lc))
         out.append(ResampleSummary(
             checkpoint=checkpoint, precision=precision, construction=fresh,
             k=sampling.k, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             seed=sampling.seed, n_items=len(ok), n_not_reproduced=len(mine) - len(ok),
-            live_source=ok[0].payload["live_source"] if ok else None,
-            items=[r.item_id for r in ok],
+            live_source=ok[0][1].live_source if ok else None,
+            items=[i for i, _ in ok],
             coupled=Coupled(**coupled),
             independent=Independent(
                 test=TWO_SAMPLE_TEST, monte_carlo_tables=MONTE_CARLO_TABLES, fdr=FDR,
-                tv_fresh=tv_fresh, tv_null=tv_null, excess_tv=MeanCI(**_mean_ci(tv_fresh, tv_null)),
+                tv_fresh=tv_fresh, tv_null=tv_null, excess_tv=_mean_ci(tv_fresh, tv_null),
                 p_values=p_fresh, p_values_null=p_null,
                 rejected_bh=sum(benjamini_hochberg(p_fresh, FDR)),
                 rejected_bh_null=sum(benjamini_hochberg(p_null, FDR)),
             ),
             accuracy={"live": _mean(acc_live), fresh: _mean(acc_fresh)},
-            accuracy_bias=AccuracyBias(**_mean_ci(acc_live, acc_fresh),
+            accuracy_bias=AccuracyBias(**dict(_mean_ci(acc_live, acc_fresh)),
                                        per_item=[a - b for a, b in zip(acc_live, acc_fresh, strict=True)]),
-            accuracy_bias_null=MeanCI(**_mean_ci(acc_live, acc_null)),
+            accuracy_bias_null=_mean_ci(acc_live, acc_null),
         ))
     return out
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import random
 
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.matched_summary import PAYLOAD
 from stagereplay.records.ledger import Record
+from stagereplay.records.payloads import MatchedPayload
 from stagereplay.tasks.base import Item
 
 
@@ -37,19 +39,21 @@ def select(divergent: list[str], rule: str) -> list[str]:
 
 def divergent_ids(matched: list[Record], construction: str) -> list[str]:
     """The matched records (in ledger order) whose live and fresh suffixes differ: what a selection picks from."""
-    out = []
-    for r in matched:
-        p = r.payload
-        if p["status"] != "ok":
-            continue
-        main = next((c for c in p["comparisons"] if c["a"] == "live" and c["b"] == construction), None)
-        if main is not None and not main["suffix_equal"]:
-            out.append(r.item_id)
-    return out
+    return [i for i, _ in _divergent(matched, construction)]
 
 
 def divergent_items(matched: list[Record], construction: str) -> list[tuple[Item, list[int]]]:
     """The divergent items of the matched records (in ledger order), with their prefixes."""
-    divergent = set(divergent_ids(matched, construction))
-    return [(Item(r.item_id, tuple(r.payload["prompt_ids"]), r.payload["answer"]), r.payload["prefix_ids"])
-            for r in matched if r.item_id in divergent]
+    return [(Item(i, tuple(p.prompt_ids), p.answer), p.prefix_ids) for i, p in _divergent(matched, construction)]
+
+
+def _divergent(matched: list[Record], construction: str) -> list[tuple[str, MatchedPayload]]:
+    out = []
+    for r in matched:
+        p = PAYLOAD.validate_python(r.payload)
+        if not isinstance(p, MatchedPayload):
+            continue
+        main = next((c for c in p.comparisons if c.a == "live" and c.b == construction), None)
+        if main is not None and not main.suffix_equal:
+            out.append((r.item_id, p))
+    return out

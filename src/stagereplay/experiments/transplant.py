@@ -8,25 +8,27 @@ selected items are frozen in the manifest before the first transplant runs: that
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards, live_forwards
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.arms import arm_record, carried_arm, matched_arms, record_lengths
+from stagereplay.experiments.arms import arm_record, carried_arm, lengths_of, matched_arms
 from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.experiments.matched import MatchedStage, matched_records, matched_stage
+from stagereplay.experiments.matched_summary import reached
 from stagereplay.experiments.selection import divergent_ids, divergent_items, parse_selection, select
 from stagereplay.experiments.stats import first_divergence
 from stagereplay.experiments.transplant_summary import (
+    PAYLOAD,
     TransplantSummary,
     summarize_transplant,
     transplant_facts,
@@ -41,20 +43,19 @@ from stagereplay.records.payloads import (
     Arm,
     BandKind,
     Followed,
+    MatchedPayload,
     Outcome,
-    Payload,
+    PayloadModel,
     PrefixNotReproducedPayload,
     SweepRow,
     TransplantPayload,
+    first_error,
 )
 
 if TYPE_CHECKING:
     from stagereplay.experiments.prepared import PreparedRun
 
 EXPERIMENT = "transplant"
-PAYLOAD: TypeAdapter[TransplantPayload | PrefixNotReproducedPayload] = TypeAdapter(
-    Annotated[TransplantPayload | PrefixNotReproducedPayload, Field(discriminator="status")])
-"""A transplant record's payload (`records.payloads`): live reached the matched prefix again, or not."""
 
 
 @dataclass(frozen=True)
@@ -109,18 +110,13 @@ def followed(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[i
                    divergence_from_recipient=first_divergence(suffix, recipient))
 
 
-def outcome(suffix: tuple[int, ...], donor: tuple[int, ...], recipient: tuple[int, ...]) -> dict[str, Any]:
-    """`followed`, as the record holds it."""
-    return followed(suffix, donor, recipient).as_payload()
-
-
 @dataclass(frozen=True)
 class TransplantParams(Params):
     """A transplant job's parameters: the matched prefix, what to swap, and the matched arms it may carry over."""
 
     prefix: tuple[int, ...]
     config: TransplantConfig
-    reuse: tuple[tuple[str, str, dict[str, Any]], ...] = ()
+    reuse: tuple[tuple[str, str, Arm], ...] = ()
 
 
 def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: TransplantSpec, job: Job
@@ -130,7 +126,7 @@ def _swap(lm: LM, recipient: BoundaryState, donor: BoundaryState, spec: Transpla
     return state, lm.continue_from(state, job.settings.decode, keep_steps=False)  # no diagnostics read steps
 
 
-def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
+def transplant_item(lm: LM, job: Job[TransplantParams]) -> TransplantPayload | PrefixNotReproducedPayload:
     """Live and the fresh construction with their own suffixes, then the transplants both ways (and the
     zero-layer control). With `reuse` (`reused_arms`), an own suffix the matched run already decoded from the same
     cache is not decoded again: the boundary cache built here must be the recorded arm's bit for bit (its
@@ -147,16 +143,16 @@ def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
         live = None
     if live is None:
         return PrefixNotReproducedPayload(status="prefix_not_reproduced", prompt_ids=list(item.prompt_ids),
-                                          answer=item.answer, arms=[], comparisons=[]).as_payload()
+                                          answer=item.answer, arms=[], comparisons=[])
     fresh = lm.construct(live, cfg.fresh)
     states = {"live": live, cfg.fresh: fresh}
     own: dict[str, Continuation] = {}
     arms: list[Arm] = []
     for name, state in states.items():
         fp = state.fingerprint()
-        if name in reuse and reuse[name][1]["cache_fp"] == fp:
+        if name in reuse and reuse[name][1].cache_fp == fp:
             source, recorded = reuse[name]
-            own[name] = Continuation(tuple(recorded["suffix_ids"]), recorded["stop"])
+            own[name] = Continuation(tuple(recorded.suffix_ids), recorded.stop)
             arms.append(carried_arm(recorded, name, state.construction, source))
             continue
         if name == "live":  # the uninterrupted loop's own suffix (its cache was the snapshot's, bit for bit)
@@ -188,7 +184,7 @@ def transplant_item(lm: LM, job: Job[TransplantParams]) -> Payload:
         answer=item.answer, baseline_diverges=own["live"].suffix != own[cfg.fresh].suffix,
         directions=directions, control=control, arms=arms, comparisons=[],
         **({"sweep": sweep} if sweep is not None else {}),  # absent without --sweep
-    ).as_payload()
+    )
 
 
 def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
@@ -207,8 +203,8 @@ def forwards(n: Lengths, cfg: TransplantConfig, n_layers: int) -> list[int]:
     return out
 
 
-def reused_arms(stage: TransplantStage, matched_stage: StageSection | None, matched: dict[str, Any] | None,
-                checkpoint: str) -> tuple[tuple[str, str, dict[str, Any]], ...]:
+def reused_arms(stage: TransplantStage, matched_stage: StageSection | None, matched: MatchedPayload | None,
+                checkpoint: str) -> tuple[tuple[str, str, Arm], ...]:
     """(arm, `matched/<checkpoint>:<arm>`, that arm) for the transplant's own arms that the matched record of the
     item already decoded: live, and the fresh construction when it is the matched run's, on the same model at the
     same precision with the same settings. Empty when anything differs."""
@@ -242,19 +238,20 @@ def check_selection(model: ModelConfig, cfg: TransplantConfig, prefixes: list[li
 # -- what verify checks, results.json and the report -------------------------------------------------------------
 
 
-def transplant_claims(p: dict[str, Any], construction: str) -> list[str]:
-    arms = {a["name"]: a["suffix_ids"] for a in p.get("arms", [])}
+def transplant_claims(p: TransplantPayload, construction: str) -> list[str]:
+    arms = {a.name: a.suffix_ids for a in p.arms}
     bad = []
-    if "live" in arms and construction in arms and p.get("baseline_diverges") != (arms["live"] != arms[construction]):
+    if "live" in arms and construction in arms and p.baseline_diverges != (arms["live"] != arms[construction]):
         bad.append("baseline_diverges does not follow from the live and fresh arms")
-    for key, prefix in (("directions", ""), ("control", "control:")):
-        for direction, recorded in p.get(key, {}).items():
+    for key, prefix, outcomes in (("directions", "", p.directions), ("control", "control:", p.control)):
+        for direction, recorded in outcomes.items():
             donor, _, recipient = direction.partition("->")
             got = arms.get(f"{prefix}{direction}")
             if got is None or donor not in arms or recipient not in arms:
                 bad.append(f"{key}.{direction}: its arms are missing")
                 continue
-            for f in diff_fields(recorded, outcome(tuple(got), tuple(arms[donor]), tuple(arms[recipient]))):
+            derived = followed(tuple(got), tuple(arms[donor]), tuple(arms[recipient]))
+            for f in diff_fields(recorded.as_payload(), derived.as_payload()):
                 bad.append(f"{key}.{direction}.{f} does not follow from the arms")
     return bad
 
@@ -319,7 +316,7 @@ class Transplant(Experiment):
                                                           reused_arms(own, first, matched.get(item.id), checkpoint)))
             for item, prefix in candidates if item.id in chosen])]
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> PayloadModel:
         return transplant_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
@@ -328,26 +325,30 @@ class Transplant(Experiment):
         return [(i, "") for i in self.stage_of(stage).selected]
 
     def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
-        if record.payload.get("status") != "ok":
+        try:
+            payload = PAYLOAD.validate_python(record.payload)
+        except ValidationError as e:
+            return [f"not a transplant payload ({first_error(e)})"]
+        if not isinstance(payload, TransplantPayload):
             return []
-        return transplant_claims(record.payload, self.stage_of(stage).config.fresh)
+        return transplant_claims(payload, self.stage_of(stage).config.fresh)
 
     def stage_findings(self, name: str, stage: StageSection, records: list[Record]) -> list[Finding]:
         return selection_findings(name, self.stage_of(stage), records)
 
     def replay_job(self, replay: Replay) -> Job:
         own: TransplantStage = self.stage_of(replay.stage)
-        reuse = reused_arms(own, replay.matched_stage, replay.matched, replay.record.checkpoint)
+        reuse = reused_arms(own, replay.matched_stage, reached(replay.matched), replay.record.checkpoint)
         return Job(replay.item, replay.settings, TransplantParams(tuple(replay.prefix or ()), own.config, reuse))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
-        p = record.payload
-        if p.get("status") != "ok":
+        p = PAYLOAD.validate_python(record.payload)
+        if not isinstance(p, TransplantPayload):
             return None  # its prefix was not reproduced: how far live went is not recorded
         own: TransplantStage = self.stage_of(stage)
-        n = record_lengths(p)
+        n = lengths_of(record)
         suffix = own.settings.decode.max_new_tokens  # sweep continuations are not recorded
-        carried = tuple((a["name"], 0) for a in p.get("arms", []) if a.get("same_as"))  # own suffixes not decoded
+        carried = tuple((a.name, 0) for a in p.arms if a.same_as)  # own suffixes not decoded
         return forwards(Lengths(n.prompt, n.stage1, suffix, n.arms, looks=carried), own.config,
                         _model_layers(own))
 

@@ -5,14 +5,21 @@ control's, and where the layers were swept, per band.
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated
+
+from pydantic import Field, TypeAdapter
 
 from stagereplay.experiments.figures import BLUE, GREY, ORANGE, ReportFigure, png, share_bars, share_heatmap
 from stagereplay.experiments.format import NA, Table, as_rows, bound, k_of_n, slug, wilson_or_given
 from stagereplay.experiments.stats import wilson_interval
 from stagereplay.experiments.verdict import CARRIES, Fact
 from stagereplay.records.ledger import Record
+from stagereplay.records.payloads import Followed, Outcome, PrefixNotReproducedPayload, TransplantPayload
 from stagereplay.records.summary import SummaryModel
+
+PAYLOAD: TypeAdapter[TransplantPayload | PrefixNotReproducedPayload] = TypeAdapter(
+    Annotated[TransplantPayload | PrefixNotReproducedPayload, Field(discriminator="status")])
+"""A transplant record's payload (`records.payloads`): live reached the matched prefix again, or not."""
 
 
 class Direction(SummaryModel):
@@ -76,16 +83,18 @@ class TransplantSummary(SummaryModel):
     sweep: Sweep | None = Field(default=None, description="the layer sweep (null: not swept)")
 
 
-def _directions(records: list[Record], key: str) -> list[Direction]:
-    names = list(records[0].payload[key]) if records else []
+def _directions(payloads: list[dict[str, Outcome]]) -> list[Direction]:
+    """Per direction (in the first item's order), its outcomes over the items: `payloads` holds per item its
+    outcome per direction."""
+    names = list(payloads[0]) if payloads else []
     out = []
     for name in names:
-        outcomes = [r.payload[key][name]["outcome"] for r in records]
+        outcomes = [p[name].outcome for p in payloads]
         n, k = len(outcomes), outcomes.count("donor")
         out.append(Direction(direction=name, n=n, follows_donor=k, follows_recipient=outcomes.count("recipient"),
                              neither=outcomes.count("neither"),
                              donor_wilson=list(wilson_interval(k, n)) if n else None,
-                             divergence_from_donor=[r.payload[key][name]["divergence_from_donor"] for r in records]))
+                             divergence_from_donor=[p[name].divergence_from_donor for p in payloads]))
     return out
 
 
@@ -93,20 +102,21 @@ def summarize_transplant(records: list[Record], checkpoint: str, *, selection: s
                          positions: str | None, n_selected: int, sweep_layers: bool) -> TransplantSummary:
     """The stage's outcomes, under its settings (its frozen config, the number of items it selected); `sweep_layers`:
     whether it swept the layers."""
-    ok = [r for r in records if r.payload["status"] == "ok"]
-    directions = _directions(ok, "directions")
+    read = [PAYLOAD.validate_python(r.payload) for r in records]
+    ok = [p for p in read if isinstance(p, TransplantPayload)]
+    directions = _directions([p.directions for p in ok])
     sweep = None
     if sweep_layers and ok:
-        bands = ok[0].payload["sweep"]
-        n_layers = max(max(b["layers"]) for b in bands) + 1
+        bands = ok[0].sweep or []
+        n_layers = max(max(b.layers) for b in bands) + 1
         rows: list[SweepBand] = []
         smallest: dict[str, list[int]] = {}
         for j, band in enumerate(bands):
             for d in (x.direction for x in directions):
-                k = sum(r.payload["sweep"][j][d] == "donor" for r in ok)
-                moved = band["layers"]
+                k = sum(_followed(p, j, d) == "donor" for p in ok)
+                moved = band.layers
                 label = str(moved[0]) if len(moved) == 1 else f"{moved[0]}-{moved[-1]}"
-                rows.append(SweepBand(band=label, kind=band["kind"], layers=moved, direction=d, follows_donor=k,
+                rows.append(SweepBand(band=label, kind=band.kind, layers=moved, direction=d, follows_donor=k,
                                       n=len(ok)))
                 best = smallest.get(d)
                 if k == len(ok) and (best is None or (len(moved), moved[0]) < (len(best), best[0])):
@@ -115,7 +125,14 @@ def summarize_transplant(records: list[Record], checkpoint: str, *, selection: s
     return TransplantSummary(
         checkpoint=checkpoint, selection=selection, layers=layers, kv=kv, positions=positions,
         n_items=len(ok), n_selected=n_selected, n_not_reproduced=len(records) - len(ok),
-        directions=directions, control=Control(layers="none", directions=_directions(ok, "control")), sweep=sweep)
+        directions=directions, control=Control(layers="none", directions=_directions([p.control for p in ok])),
+        sweep=sweep)
+
+
+def _followed(payload: TransplantPayload, band: int, direction: str) -> Followed | None:
+    """Whose suffix the continuation of `direction` followed with the sweep's `band`-th band swapped."""
+    row = (payload.sweep or [])[band]
+    return (row.__pydantic_extra__ or {}).get(direction)
 
 
 _TRANSPLANT_HEADERS = (

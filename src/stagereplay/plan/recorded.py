@@ -5,13 +5,13 @@ experiment's own `forwards(...)`), and the audit's re-executions of the units it
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from stagereplay.experiments.registry import of_stage
 from stagereplay.plan.stages import StagePlan, allocate, new_stage
 from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 from stagereplay.records.manifest import Manifest, StageSection
+from stagereplay.records.payload_readers import ItemHead
 
 
 def plan_run(run_dir: Path, audit_sample: int | None = None, audited: bool = True) -> list[StagePlan]:
@@ -87,26 +87,25 @@ def unit_forwards(r: Record, stage: StageSection) -> tuple[str, list[int], int] 
         return None
     if r.part:
         name = f"{name}@{r.part}"
-    p = r.payload
-    if p.get("status") == "ok" and experiment.replays_diagnostics:
+    if experiment.replays_diagnostics and (p := ItemHead.model_validate(r.payload)).status == "ok":
         fw = fw + replay_forwards(p)
     return name, fw, experiment.unit_positions(r)
 
 
-def replay_forwards(p: dict[str, Any]) -> list[int]:
+def replay_forwards(p: ItemHead) -> list[int]:
     """The single-token forwards the diagnostics make replaying an arm to its pair's first divergent step d
     (experiments.diagnose, engine.steps.replay_logits): d + 1 for each (arm, d) with d >= 1 inside both arms'
     steps, for the arm of the pair that ran first (the other watched its suffix and kept its own logits there).
     Arms run in the record's order, except the arms carried over from matched (`same_as`), which run last,
     decode only as far as their diagnostics read and watch every other arm's suffix (never replayed)."""
-    arms = p.get("arms", [])
-    carried = {a["name"] for a in arms if "same_as" in a}
-    order = [a["name"] for a in arms if a["name"] not in carried] + [a["name"] for a in arms if a["name"] in carried]
-    steps = {a["name"]: len(a.get("suffix_ids") or []) for a in arms}
+    arms = p.arms
+    carried = {a.name for a in arms if "same_as" in a.model_fields_set}
+    order = [a.name for a in arms if a.name not in carried] + [a.name for a in arms if a.name in carried]
+    steps = {a.name: len(a.suffix_ids) for a in arms}
     out: list[int] = []
     seen: set[tuple[str, int]] = set()
-    for c in p.get("comparisons", []):
-        a, b, d = c.get("a"), c.get("b"), c.get("first_divergence")
+    for c in p.comparisons:
+        a, b, d = c.a, c.b, c.first_divergence
         if a not in steps or b not in steps or not d or d >= steps[a] or d >= steps[b]:
             continue
         first = a if order.index(a) < order.index(b) else b

@@ -233,7 +233,8 @@ class Manifest(Document):
 def _drop(obj: dict[str, Any], path: tuple[str, ...]) -> None:
     *parents, last = path
     for key in parents:
-        obj = obj.get(key) if isinstance(obj.get(key), dict) else {}  # type: ignore[assignment]  # walks dicts
+        child = obj.get(key)
+        obj = child if isinstance(child, dict) else {}
     obj.pop(last, None)
 
 

@@ -22,10 +22,6 @@ TopEntry = Annotated[tuple[int, float | None], Strict(False)]
 """One candidate of a step: [token id, logit or logprob], as a JSON pair (the pair is read from a list)."""
 
 
-Payload = dict[str, Any]
-"""An item record's payload as the ledger holds it: what `PayloadModel.as_payload` writes."""
-
-
 def optional(description: str) -> Any:
     """A field only some records have: absent from the record unless set (`PayloadModel.as_payload`)."""
     return Field(default=None, description=description)
@@ -36,7 +32,7 @@ class PayloadModel(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    def as_payload(self) -> Payload:
+    def as_payload(self) -> dict[str, Any]:
         """The dict the record holds: JSON types, the fields that were set (None included), nothing else."""
         return self.model_dump(mode="json", exclude_unset=True)
 

@@ -166,7 +166,4 @@ def _explorer(run_dir: Path) -> str:
     """The per-item explorer from the run's ledger; empty when the run has no ledger or no divergent item."""
     from stagereplay.records.ledger import read_ledger, read_manifest
 
-    records = read_ledger(run_dir, strict=False)
-    if not any(r.payload.get("diagnostics") for r in records):
-        return ""
-    return explorer_html(records, read_manifest(run_dir).stages)
+    return explorer_html(read_ledger(run_dir, strict=False), read_manifest(run_dir).stages)

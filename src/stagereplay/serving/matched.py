@@ -44,7 +44,7 @@ from stagereplay.execution.config import Work
 from stagereplay.experiments.arms import (
     compare,
     engine_arm,
-    no_boundary_payload,
+    no_boundary,
     top_k_diagnostics,
     with_token_texts,
 )
@@ -60,7 +60,8 @@ from stagereplay.records.payloads import (
     Load,
     LoadFinding,
     MatchedPayload,
-    Payload,
+    NoBoundaryPayload,
+    PayloadModel,
     SlotRestore,
 )
 from stagereplay.records.provenance import environment
@@ -341,7 +342,7 @@ class _ItemArms:
             del built, cont
         self.fresh.append(f"{cross}-oneshot")
 
-    def payload(self, replica_prefix_equal: bool) -> Payload:
+    def payload(self, replica_prefix_equal: bool) -> MatchedPayload:
         """The item's record: every arm, whether each was built as named (`serving.evidence`), the pairs compared
         and their diagnostics."""
         item, prompt, prefix, traffic = self.job.item, self.prompt, self.prefix, self.job.params.traffic
@@ -359,10 +360,10 @@ class _ItemArms:
             diagnostics=top_k_diagnostics({a.name: a for a in arms}, [("live", f) for f in self.fresh], comparisons),
             **more, stage1_top=[[(int(t), float(v)) for t, v in step[:STAGE1_TOP]]
                         for step in self.first.generation.top[: end + 1]])
-        return with_token_texts(self.lm, payload).as_payload()
+        return with_token_texts(self.lm, payload)
 
 
-def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> Payload:
+def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> MatchedPayload | NoBoundaryPayload:
     """One item's arms on the serving engine (and ours with --cross hf); `lm` is our engine at the same
     precision: its tokenizer scores and finds the boundary, and it runs the cross arm."""
     item, s = job.item, job.settings
@@ -382,7 +383,7 @@ def serving_matched_item(lm: LM, job: Job[ServingMatchedParams]) -> Payload:
 
     first = request_live(send, rule, lm.eos, budget, max_new, saves=saves)
     if first.end is None:
-        return no_boundary_payload(item, first.generation.tokens[:budget])
+        return no_boundary(item, first.generation.tokens[:budget])
     size = first.max_tokens - max_new  # live's replicas ask for what live asked
     item_arms = _ItemArms(lm, engine, job, first, list(first.generation.tokens[: first.end + 1]), [],
                           ["oneshot", "prefix-cache"])
@@ -412,7 +413,7 @@ def load_finding(comparisons: Mapping[tuple[str, str], Comparison]) -> dict[str,
     return out
 
 
-def with_engine_environment(work: Work[dict[str, Any]], lm: LM, job: Job) -> JobResult:
+def with_engine_environment(work: Work[PayloadModel], lm: LM, job: Job) -> JobResult:
     """`work(lm, job)` and the environment that ran it, the engine's version and settings included. An engine's
     error names the item it stopped (the records before it stay; a rerun resumes from it)."""
     try:

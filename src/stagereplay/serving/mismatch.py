@@ -38,8 +38,7 @@ from stagereplay.experiments.mismatch_item import (
     rollout_part,
     scored_arm,
 )
-from stagereplay.records.payloads import Payload
-from stagereplay.records.scored import ScoredArm
+from stagereplay.records.scored import MismatchPayload, ScoredArm
 from stagereplay.serving.matched import ServingArms, cached_engine
 from stagereplay.serving.seam import Generation, PromptScores, Samples, Sampling, ScoresPrompt
 
@@ -129,7 +128,7 @@ class ServedEngine(RolloutEngine):
                         tokens_fp, self.mode, len(prompt), "oneshot") for name in ("prefill", "prefill#replica")]
 
 
-def served_mismatch_item(lm: LM, job: Job[Any]) -> Payload:
+def served_mismatch_item(lm: LM, job: Job[Any]) -> MismatchPayload:
     """One item's part: part '' in the engine and ours (module docstring); a trainer part, ours
     (`experiments.mismatch_item.mismatch_item`)."""
     if not isinstance(job.params, ServedMismatchParams):

@@ -24,7 +24,7 @@ from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import compare, engine_arm, top_k_diagnostics, with_token_texts
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.experiments.precision_2x2 import fixed_state
-from stagereplay.records.payloads import Arm, GridPayload, Payload
+from stagereplay.records.payloads import Arm, GridPayload
 from stagereplay.serving.matched import (
     ServingArms,
     cached_engine,
@@ -68,7 +68,7 @@ class ServingGridParams(Params):
         return self.precision
 
 
-def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> Payload:
+def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> GridPayload:
     """Every arm at this process's precision on one fixed prefix, and their pairwise comparisons."""
     item, s = job.item, job.settings
     prefix, constructions = list(job.params.prefix), job.params.constructions
@@ -107,4 +107,4 @@ def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> Payload:
     payload = GridPayload(status="ok", precision=precision, prompt_ids=prompt, prefix_ids=prefix,
                           boundary=len(prefix), answer=item.answer, arms=arms,
                           comparisons=list(comparisons.values()), diagnostics=top_k_diagnostics(by, pairs, comparisons))
-    return with_token_texts(lm, payload).as_payload()
+    return with_token_texts(lm, payload)
