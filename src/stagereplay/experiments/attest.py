@@ -52,7 +52,9 @@ from stagereplay.records.payloads import Payload
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
+    from stagereplay.experiments.compared import RunComparison
     from stagereplay.experiments.prepared import PreparedRun
+    from stagereplay.records.differences import Differences
     from stagereplay.tasks import DataConfig
 
 EXPERIMENT = "attest"
@@ -335,6 +337,15 @@ class Attest(Experiment):
         from stagereplay.experiments.attest_tables import attest_figures
 
         return [f for s in results for f in attest_figures(s)]
+
+    def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
+                     stages: tuple[StageSection, StageSection], runs: tuple[str, str],
+                     differences: Differences) -> RunComparison:
+        from stagereplay.experiments.attest_compare import compared
+
+        sections = (self.summarize(records[0], stages[0], checkpoint)[0],
+                    self.summarize(records[1], stages[1], checkpoint)[0])
+        return compared(records, item_ids, checkpoint, runs, sections, differences)
 
     def exit_code(self, summaries: Any) -> int:
         """1 where the served run is flagged: not the claimed model at the stated rate."""

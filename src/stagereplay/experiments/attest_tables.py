@@ -62,7 +62,7 @@ def _said(facts: Sequence[Fact]) -> str:
     return f"{head}: " + "; ".join(f.phrase for f in facts) + "."
 
 
-ATTESTED = Question("server runs the claimed model", "Is the server running the claimed model?", _said)
+ATTESTED = Question("server runs the claimed model", "Is the server running the claimed model?", _said, alone=True)
 
 
 def attest_verdict(s: AttestSummary) -> list[Fact]:

@@ -51,7 +51,8 @@ class AttestPayload(PayloadModel):
     precision: str | None = optional("served and honest parts: the precision it was decoded at ('file' for a file)")
     seed: int | None = optional("served and honest parts: the per-request seed of a sampled claim")
     stop: str | None = optional("a decoded response: eos or length")
-    arms: list[AttestSide] | None = optional("part reference: the served response and each honest one, scored")
+    arms: list[AttestSide] = Field(default_factory=list, description="part reference: the served response and each "
+                                   "honest one, scored (absent elsewhere)")
 
 
 MODELS = (AttestPayload, AttestSide)
