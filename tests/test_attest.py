@@ -117,3 +117,37 @@ def test_the_calibration_split_is_seeded_and_leaves_both_sides_items():
     assert a == calibration_split(ids, 0) and len(a) == 5
     assert any(calibration_split(ids, seed) != a for seed in range(1, 5))
     assert all(0 < len(calibration_split(ids[:n], 0)) < n for n in range(2, 6))
+
+
+def test_a_seeded_claim_replays_the_sampler_and_an_honest_server_is_not_flagged(root: Path):
+    run = root / "seeded"
+    result = _invoke(["attest", "--n", "3", "--max-new-tokens", "4", "--sample", "--temperature", "1", "--seed", "3",
+                      "--honest", "bf16", "--quiet", "--out", str(run)])
+    assert result.exit_code == 0, result.output
+    s = _section(run)
+    assert s["score"] == "gumbel mismatch" and s["claim"] == "seeded sampling at temperature 1" and not s["flagged"]
+    reference = next(r for r in items(read_ledger(run)) if r.part == "reference")
+    assert all(a["seed"] is not None and "gumbel_match" in a for a in reference.payload["arms"])
+
+
+def test_verify_finds_a_score_that_is_not_its_fingerprints(root: Path, honest_run: Path):
+    """A served side's margins changed, its fingerprint kept, is found by `--verify-only`; the control: the run as
+    made verifies."""
+    import shutil
+
+    import forge
+    import numpy as np
+
+    assert _invoke(["audit", str(honest_run), "--verify-only"]).exit_code == 0
+    forged = root / "forged"
+    shutil.copytree(honest_run, forged)
+    chain, manifest = forge.load(forged)
+    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.part == "reference")
+    payload = forge.edit(chain[i])
+    served = payload["arms"][0]
+    served["margin"] = arrays.encode(arrays.decode(served["margin"]) + np.float32(1.0), "f32")
+    chain[i] = forge.with_payload(chain[i], payload, recompare=False)
+    forge.save(forged, chain, manifest, results=False)
+    found = _invoke(["audit", str(forged), "--verify-only"])
+    assert found.exit_code == 1 and "side served: scores_fp is not the fingerprint of its scores" in found.output, \
+        found.output

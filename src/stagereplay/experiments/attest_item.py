@@ -17,7 +17,7 @@ from stagereplay.engine.decode import DecodeConfig, Sampler, derive_seed
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.records import arrays
-from stagereplay.records.attested import AttestPayload, AttestSide
+from stagereplay.records.attested import AttestPayload, AttestSide, Kind
 from stagereplay.records.payloads import Payload
 
 if TYPE_CHECKING:
@@ -110,9 +110,10 @@ def side_of(name: str, engine: str, construction: str, precision: str, prompt: S
         "gumbel_match": None if scores.gumbel_match is None else arrays.encode(scores.gumbel_match.astype(np.int32),
                                                                                "i32"),
         "gumbel_margin": None if scores.gumbel_margin is None else arrays.encode(scores.gumbel_margin, "f32")}
-    return AttestSide(name=name, engine=engine, construction=construction, precision=precision,
-                      response_ids=list(response), tokens_fp=ids_fingerprint([*prompt, *response]), seed=seed,
-                      scores_fp=scores_fingerprint(enc), **enc)
+    return AttestSide.model_validate({
+        "name": name, "engine": engine, "construction": construction, "precision": precision,
+        "response_ids": list(response), "tokens_fp": ids_fingerprint([*prompt, *response]), "seed": seed,
+        **{k: v for k, v in enc.items() if v is not None}, "scores_fp": scores_fingerprint(enc)})
 
 
 def scores_fingerprint(encoded: dict[str, str | None]) -> str:
@@ -136,7 +137,7 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> Payload:
     p, dc, item = job.params, job.settings.decode, job.item
     prompt = list(item.prompt_ids)
     seed = item_seed(item, dc, p.columns)
-    kind = "honest" if p.which else "served"
+    kind: Kind = "honest" if p.which else "served"
     if kind == "served" and p.source == "file":
         from stagereplay.tasks.rollouts import RolloutItem, read
 
