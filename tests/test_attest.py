@@ -72,6 +72,21 @@ def test_an_honest_served_file_is_not_flagged(root: Path, served_file: Path, hon
     assert s["statistic"] == t["statistic"] and s["difr"] == t["difr"]
 
 
+def test_a_served_file_without_logprobs_decides_as_with_them(root: Path, served_file: Path, honest_run: Path):
+    """Log-probabilities are optional in a file of served outputs (a server may not return them), and the audit
+    reads the file the same way; the control: a rollout file without them is refused by mismatch."""
+    bare = root / "bare.jsonl"
+    rows = [json.loads(line) for line in served_file.read_text().splitlines()]
+    bare.write_text("".join(json.dumps({k: v for k, v in row.items() if k != "logprobs"}) + "\n" for row in rows))
+    run = root / "bare"
+    result = _invoke(["attest", "--served", str(bare), "--honest", "bf16,fp32", "--quiet", "--out", str(run)])
+    assert result.exit_code == 0, result.output
+    assert _section(run)["statistic"] == _section(honest_run)["statistic"]
+    assert _invoke(["audit", str(run), "--sample", "1", "--quiet"]).exit_code == 0
+    refused = _invoke(["mismatch", "--rollouts", str(bare), "--precisions", "bf16", "--out", str(root / "never-lp")])
+    assert refused.exit_code == 2 and "logprobs" in refused.output, refused.output
+
+
 def test_the_later_checkpoint_served_is_flagged(root: Path, honest_run: Path):
     """A real substitution on the same prompts: the decision flips from the honest run's, with the tokens it took."""
     run = root / "later"

@@ -69,8 +69,8 @@ class AttestOptions:
     """Attest's own options."""
 
     served: str | None = field(default=None, metadata={"help": (
-        "a file of served outputs to check: JSONL or Parquet rows of prompt_ids, response_ids, logprobs and an "
-        "optional per-request seed (map other names with --columns); without it the served outputs are decoded here "
+        "a file of served outputs to check: JSONL or Parquet rows of prompt_ids, response_ids, and optionally "
+        "logprobs and a per-request seed (map other names with --columns); without it the served outputs are decoded here "
         "under --served-precision and --served-checkpoint (a simulation of a server)")})
     served_precision: str = field(default="bf16", metadata={"help": (
         "without --served: the precision the simulated server decodes at (bf16, fp16, fp32)")})
@@ -176,7 +176,7 @@ class Attest(Experiment):
         if path is not None:
             raise StageReplayError("--served names the data; --data names other data",
                                    "pass one of --served FILE or --data FILE")
-        return DataConfig(path=str(Path(options.served).resolve()), n=n, columns=columns, source="rollouts")
+        return DataConfig(path=str(Path(options.served).resolve()), n=n, columns=columns, source="served")
 
     def sequence_end(self, item: Any, decode: DecodeConfig) -> int:
         return len(item.prompt_ids) + max_new(item, decode)
@@ -198,7 +198,7 @@ class Attest(Experiment):
                                    f"drop {', '.join(given)}, or simulate without --served")
         from stagereplay.tasks.rollouts import scan
 
-        rows, _ = scan(options.served, inputs.input.columns, 1 << 31, 1 << 31)
+        rows, _ = scan(options.served, inputs.input.columns, 1 << 31, 1 << 31, logprobs=False)
         if len(rows) < MIN_ITEMS:
             raise StageReplayError(f"{options.served} holds {len(rows)} served response(s): too few to decide on (a "
                                    "calibration prompt and a held-out one at least)",
