@@ -20,6 +20,7 @@ from stagereplay.experiments.attest_stats import (
     DRAWS,
     Items,
     decide,
+    item_interval,
     nearest,
     pooled_statistics,
     run_statistic,
@@ -104,8 +105,6 @@ def _difr(sides: list[AttestSide]) -> dict[str, float]:
 
 
 def _row(name: str, sides: list[AttestSide]) -> VariantRow:
-    from stagereplay.experiments.attest_stats import item_interval
-
     items = Items.of([per_token(s) for s in sides])
     matches = np.concatenate([arrays.decode(s.match) for s in sides])
     return VariantRow(name=name, items=len(items), tokens=items.tokens, statistic=run_statistic(items),
