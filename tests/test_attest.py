@@ -97,6 +97,7 @@ def test_the_later_checkpoint_served_is_flagged(root: Path, honest_run: Path):
     assert s["statistic"] > s["threshold"] and s["difr"]["exact_match_rate"] < 1.0
     assert not _section(honest_run)["flagged"]  # the control: the claimed checkpoint served, not flagged
     assert "No, not as claimed" in (run / "report.md").read_text()
+    assert 'id="fig-attest-primary"' in (run / "report.html").read_text()
 
 
 def _refused(args: list[str], out: Path, words: str) -> None:
