@@ -6,7 +6,8 @@ stage).
 
 The runs are as small as the toy allows: one run of the protocol (matched on 3 items, which one of them diverges
 within 8 tokens, so the transplant has an item; the 2x2, the bridge, the transplant and resample added to it), a
-generated mismatch run of 2 rollouts of 6 tokens, and a rollout file of that run's own tokens, its columns renamed.
+generated mismatch run of 2 rollouts of 6 tokens, a rollout file of that run's own tokens, its columns renamed, and an attest
+run of 3 items of 4 tokens (two honest variants).
 Each command runs once per run (`Readings`), and each experiment's own fields are looked for in what it printed.
 
 Controls: an experiment whose reader raises fails the check; an experiment defined in a test module
@@ -47,6 +48,7 @@ EXTENSIONS: dict[str, list[str]] = {
 STARTS: dict[str, list[str]] = {
     "matched": PROTOCOL,
     "mismatch": ["mismatch", "--n", "2", "--max-new-tokens", "6", "--precisions", "bf16,fp32"],
+    "attest": ["attest", "--n", "3", "--max-new-tokens", "4", "--honest", "bf16,fp32"],
 }
 """How each experiment that makes a run makes a small one."""
 RENAMED = "prompt_ids=pid,response_ids=rid,logprobs=lp,id=key"
@@ -168,6 +170,13 @@ def mismatch_run(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
+def attest_run(root: Path) -> Path:
+    run = root / "attest"
+    _ok(_invoke([*STARTS["attest"], "--quiet", "--out", str(run)]), "attest")
+    return run
+
+
+@pytest.fixture(scope="module")
 def rollout_file_run(root: Path, mismatch_run: Path) -> Path:
     """A rollout file of the generated run's own tokens and log-probabilities, its columns renamed, audited."""
     rows = []
@@ -188,12 +197,14 @@ def _file_args(root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def readings(root: Path, protocol_run: Path, mismatch_run: Path, rollout_file_run: Path) -> dict[str, Readings]:
+def readings(root: Path, protocol_run: Path, mismatch_run: Path, rollout_file_run: Path, attest_run: Path
+             ) -> dict[str, Readings]:
     """Every reading command, once per run: the protocol run (against the toy's 200-item matched run: other data; its
-    audit re-executes a unit per stage), the generated mismatch run (against the rollout file's), and the rollout
-    file's (against the generated one; its audit re-reads every row through the run's column mapping)."""
+    audit re-executes a unit per stage), the generated mismatch run (against the rollout file's), the rollout
+    file's (against the generated one; its audit re-reads every row through the run's column mapping), and the attest
+    run (against the generated mismatch run)."""
     runs = {"protocol": (protocol_run, FIXTURES / "toy_matched"), "mismatch": (mismatch_run, rollout_file_run),
-            "mismatch (rollout file)": (rollout_file_run, mismatch_run)}
+            "mismatch (rollout file)": (rollout_file_run, mismatch_run), "attest": (attest_run, mismatch_run)}
     out = {}
     for n, (key, (run, other)) in enumerate(runs.items()):
         work = root / f"read-{n}"

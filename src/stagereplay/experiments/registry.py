@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.attest import Attest
 from stagereplay.experiments.bridge import Bridge
 from stagereplay.experiments.experiment import Experiment
 from stagereplay.experiments.matched import Matched
@@ -18,7 +19,7 @@ from stagereplay.experiments.resample import Resample
 from stagereplay.experiments.transplant import Transplant
 
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (Matched(), PrecisionGrid(), Bridge(), Transplant(),
-                                                         Resample(), Mismatch())}
+                                                         Resample(), Mismatch(), Attest())}
 
 
 def experiment(name: str) -> Experiment:

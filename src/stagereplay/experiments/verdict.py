@@ -42,6 +42,10 @@ class Question:
     """The answer when no fact answers it: what was not measured, and the command that would measure it (None: the
     question is left out)."""
 
+    alone: bool = field(default=False, compare=False)
+    """Whether its answer stands without the replicas' question (a question of what a server serves, not of a
+    construction): the verdict is then given even where no experiment asks whether replicas are exact."""
+
     def answer(self, facts: Sequence[Fact]) -> str | None:
         return (self.say(facts) if facts else None) or self.unanswered
 

@@ -110,7 +110,7 @@ class DataSection(Document):
     n: int | None = Field(None, description="the first n items (null: all)")
     columns: str | None = Field(None, description="TARGET=COLUMN,... (recorded when given)")
     source: str = Field("prompts", description="where the items come from (`tasks.item_sources`): prompts | rollouts "
-                                               "(recorded when not prompts)")
+                                               "| served (recorded when not prompts)")
     rollouts: bool = Field(False, description="a run made before `source` was recorded: true for a rollout file's "
                                               "(read, never written)")
 

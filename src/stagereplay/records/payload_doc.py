@@ -17,10 +17,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel
 
-from stagereplay.records import payloads, scored
+from stagereplay.records import attested, payloads, scored
 
-MODELS: tuple[type[BaseModel], ...] = (*payloads.MODELS, *scored.MODELS)
-"""Every payload model the ledger holds, in the order the page shows them: the protocol's, then mismatch's."""
+MODELS: tuple[type[BaseModel], ...] = (*payloads.MODELS, *scored.MODELS, *attested.MODELS)
+"""Every payload model the ledger holds, in the order the page shows them: the protocol's, then mismatch's, then
+attest's."""
 
 BEGIN, END = "<!-- generated: payload models -->", "<!-- end generated -->"
 

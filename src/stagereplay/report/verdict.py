@@ -5,7 +5,8 @@ numbers from `results.json` (`experiments.verdict` holds the questions and how e
 Every registered experiment, in the registry's order, raises the questions its section of the results asks and gives
 them its facts; the questions are asked in the order first raised, each answered from the facts of all of them. A
 question nobody answers says so, with the command that would; the verdict is given only where the replicas' question
-is asked, since without replicas nothing is attributable to a construction.
+is asked, since without replicas nothing is attributable to a construction, or where a question that stands alone
+is asked (`Question.alone`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from stagereplay.report.results import Results
 
 def verdict(results: Results) -> list[tuple[str, str]]:
     """(question, answer) pairs, in the order the report prints them; empty when no experiment asks whether
-    replicas are exact."""
+    replicas are exact, nor a question that stands alone."""
     asked: dict[Question, list[Fact]] = {}
     facts: list[Fact] = []
     for e in all_experiments():
@@ -25,7 +26,7 @@ def verdict(results: Results) -> list[tuple[str, str]]:
         for question in e.verdict_questions(section):
             asked.setdefault(question, [])
         facts += e.verdict_facts(section)
-    if REPLICAS not in asked:
+    if REPLICAS not in asked and not any(q.alone for q in asked):
         return []
     for fact in facts:
         if fact.question in asked:  # not a fact of a question nobody raised (a precision the run does not ask about)

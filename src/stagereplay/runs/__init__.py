@@ -5,6 +5,7 @@ takes typed configs, built by the CLI or in a notebook:
     extend(run_dir, experiment, options, Extension(...))                        another stage of a run
     matched(out, Inputs(...), MatchedOptions(...), engine, ExecConfig(...))     (make_run of matched)
     mismatch(out, Inputs(...), MismatchOptions(...), engine, ExecConfig(...))   (make_run of mismatch)
+    attest(out, Inputs(...), AttestOptions(...), engine, ExecConfig(...))       (make_run of attest)
     precision_2x2 / bridge / transplant / resample(run_dir, options, Extension(...))   (extend of each)
     audit(run_dir, AuditConfig(...), verify_only, Extension(...))
     merge(shards, out)                                                          join `--shard I/N` runs
@@ -22,6 +23,7 @@ from stagereplay.audit.reexecute import AuditConfig
 from stagereplay.audit.relocate import Relocation
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.execution.config import ExecConfig
+from stagereplay.experiments.attest import Attest, AttestOptions
 from stagereplay.experiments.bridge import Bridge, BridgeOptions
 from stagereplay.experiments.matched import Matched, MatchedOptions
 from stagereplay.experiments.mismatch import Mismatch, MismatchOptions
@@ -51,6 +53,13 @@ def mismatch(out: str | Path, inputs: Inputs | None = None, options: MismatchOpt
     return make_run(out, Mismatch(), options, inputs, engine, ex, quiet)
 
 
+def attest(out: str | Path, inputs: Inputs | None = None, options: AttestOptions | None = None,
+           engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> Results:
+    """Is a server running the model it claims? Its served tokens against the claimed model's reference, decided
+    against the claimed model's honest variants on the same prompts."""
+    return make_run(out, Attest(), options, inputs, engine, ex, quiet)
+
+
 def precision_2x2(run_dir: str | Path, options: GridOptions | None = None, on: Extension | None = None,
                   quiet: bool = False) -> Results:
     """Hold the matched run's prefixes fixed; cross construction with precision."""
@@ -75,7 +84,7 @@ def resample(run_dir: str | Path, config: ResampleConfig | None = None, on: Exte
     return extend(run_dir, Resample(), config, on, quiet)
 
 
-__all__ = ["AuditConfig", "Boundary", "BridgeOptions", "DecodeConfig", "EngineChoice", "ExecConfig", "Extension",
+__all__ = ["AttestOptions", "AuditConfig", "Boundary", "BridgeOptions", "DecodeConfig", "EngineChoice", "ExecConfig", "Extension",
            "GridOptions", "Input", "Inputs", "MatchedOptions", "MismatchOptions", "Numerics", "PaperConfig",
-           "Relocation", "ResampleConfig", "Results", "TransplantConfig", "audit", "bridge", "compare", "engine_of", "extend",
+           "Relocation", "ResampleConfig", "Results", "TransplantConfig", "attest", "audit", "bridge", "compare", "engine_of", "extend",
            "make_run", "matched", "merge", "mismatch", "paper", "precision_2x2", "resample", "transplant"]

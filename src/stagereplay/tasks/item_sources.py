@@ -5,6 +5,7 @@ tokenizer, for a run) and finds them again where the run recorded them (without 
                and answers (`tasks.sources`)
     rollouts   a rollout file: prompts with the responses an engine sampled and their log-probabilities
                (`tasks.rollouts`)
+    served     a file of served outputs: a rollout file whose log-probabilities are optional
 
 An experiment names the source its run reads (`Experiment.data`); the manifest records it (`DataSection.source`) and
 every reader of the data asks the source by that name. A name the registry does not know is refused in one line.
@@ -76,6 +77,8 @@ class RolloutFile(Source):
     """A rollout file: each row a prompt, the response an engine sampled and its log-probabilities."""
 
     name: ClassVar[str] = "rollouts"
+    logprobs: ClassVar[bool] = True
+    """Whether every row must give its log-probabilities."""
 
     def check_columns(self, columns: str | None) -> None:
         from stagereplay.tasks.rollouts import mapping
@@ -89,16 +92,24 @@ class RolloutFile(Source):
         if path is None:
             raise StageReplayError("a rollout file's run names no file", "pass --rollouts FILE")
         vocab = max(len(tokenizer), int(getattr(tokenizer, "vocab_size", 0) or 0))
-        found, data_hash = scan(path, columns, vocab, context or 1 << 31, n)
+        found, data_hash = scan(path, columns, vocab, context or 1 << 31, n, self.logprobs)
         return list(found), data_hash
 
     def at(self, spec: str, columns: str | None) -> tuple[list[Any], str] | None:
         from stagereplay.tasks.rollouts import scan
 
-        return scan(spec, columns, 1 << 31, 1 << 31) if Path(spec).is_file() else None
+        return scan(spec, columns, 1 << 31, 1 << 31, logprobs=self.logprobs) if Path(spec).is_file() else None
 
 
-SOURCES: dict[str, Source] = {s.name: s for s in (Prompts(), RolloutFile())}
+class ServedFile(RolloutFile):
+    """A file of served outputs (`stagereplay attest --served`): a rollout file whose rows may leave out their
+    log-probabilities."""
+
+    name: ClassVar[str] = "served"
+    logprobs: ClassVar[bool] = False
+
+
+SOURCES: dict[str, Source] = {s.name: s for s in (Prompts(), RolloutFile(), ServedFile())}
 
 
 def source(name: str) -> Source:

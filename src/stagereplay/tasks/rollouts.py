@@ -43,6 +43,8 @@ class RolloutItem(Item):
     columns: str | None = field(default=None, compare=False)
     """The `--columns` mapping its row was read with (None: every field under its own name): reading the row again
     (a job, the audit's re-execution) maps it the same way."""
+    logprobs: bool = field(default=True, compare=False)
+    """Whether its row must give log-probabilities (a rollout file's must; a file of served outputs' may)."""
 
 
 @dataclass(frozen=True)
@@ -132,23 +134,28 @@ def _sampling(raw: dict[str, Any]) -> dict[str, float | int]:
     return {k: raw[k] for k in SAMPLING if raw.get(k) is not None}
 
 
-def _parse(raw: Any, where: str, fields: dict[str, str], vocab: int) -> tuple[str | None, tuple[int, ...], Rollout]:
+def _parse(raw: Any, where: str, fields: dict[str, str], vocab: int, logprobs: bool = True
+           ) -> tuple[str | None, tuple[int, ...], Rollout]:
+    """One row checked; without `logprobs` a row may leave them out (its Rollout's are then empty)."""
     if not isinstance(raw, dict):
         raise StageReplayError(f"{where} is not an object", "write one JSON object per row")
-    missing = [f for f in ("prompt_ids", "response_ids", "logprobs") if fields[f] not in raw]
+    needed = ("prompt_ids", "response_ids", "logprobs") if logprobs or fields["logprobs"] in raw else (
+        "prompt_ids", "response_ids")
+    missing = [f for f in needed if fields[f] not in raw]
     if missing:
         raise StageReplayError(f"{where} has no column {fields[missing[0]]!r} ({missing[0]})",
                                f"map it with --columns {missing[0]}=COLUMN (its columns: {', '.join(map(str, raw))})")
     prompt = _ids(raw[fields["prompt_ids"]], "prompt_ids", where, vocab)
     response = _ids(raw[fields["response_ids"]], "response_ids", where, vocab)
-    logprobs = _logprobs(raw[fields["logprobs"]], len(response), where)
+    given = _logprobs(raw[fields["logprobs"]], len(response), where) if "logprobs" in needed else ()
     rid = raw.get(fields["id"])
-    return (None if rid is None else str(rid)), prompt, Rollout(response, logprobs, _sampling(raw))
+    return (None if rid is None else str(rid)), prompt, Rollout(response, given, _sampling(raw))
 
 
-def scan(path: str | Path, columns: str | None, vocab: int, context: int, n: int | None = None
-         ) -> tuple[list[RolloutItem], str]:
-    """Every row checked (module docstring), the first `n` kept as items; and the file's hash."""
+def scan(path: str | Path, columns: str | None, vocab: int, context: int, n: int | None = None,
+         logprobs: bool = True) -> tuple[list[RolloutItem], str]:
+    """Every row checked (module docstring), the first `n` kept as items; and the file's hash. Without `logprobs`,
+    a row may leave its log-probabilities out."""
     p = Path(path)
     if not p.is_file():
         raise StageReplayError(f"rollout file not found: {p}", "pass --rollouts FILE (JSONL or Parquet)")
@@ -156,7 +163,7 @@ def scan(path: str | Path, columns: str | None, vocab: int, context: int, n: int
     items: list[RolloutItem] = []
     seen: set[str] = set()
     for where, position, raw in _rows(p):
-        rid, prompt, rollout = _parse(raw, where, fields, vocab)
+        rid, prompt, rollout = _parse(raw, where, fields, vocab, logprobs)
         rid = rid if rid is not None else f"r{len(items):06d}"
         if rid in seen:
             raise StageReplayError(f"{where}: duplicate id {rid!r}", "give every rollout a unique id")
@@ -166,7 +173,7 @@ def scan(path: str | Path, columns: str | None, vocab: int, context: int, n: int
                                    f"{context}", "drop the row, or score it with a model of a longer context")
         seen.add(rid)
         items.append(RolloutItem(rid, prompt, "", source=str(p), position=position,
-                                 response_len=len(rollout.response_ids), columns=columns))
+                                 response_len=len(rollout.response_ids), columns=columns, logprobs=logprobs))
         if n is not None and len(items) >= n:
             break
     if not items:
@@ -209,5 +216,5 @@ def read(item: RolloutItem, columns: str | None = None) -> Rollout:
             f.seek(item.position)
             raw = json.loads(f.readline())
         where = f"{path} at byte {item.position}"
-    _, _, rollout = _parse(raw, where, fields, vocab=1 << 31)
+    _, _, rollout = _parse(raw, where, fields, vocab=1 << 31, logprobs=item.logprobs)
     return rollout

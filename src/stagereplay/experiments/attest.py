@@ -1,0 +1,386 @@
+"""Attest: is a server running the model it claims? Its served tokens scored against the claimed model's one-shot
+reference, and tested against the honest floor measured here on the same prompts.
+
+Per item, four kinds of unit (`records.attested`):
+
+    ''            the served response: a file's row (`--served FILE`, the rollout-file format: prompt_ids,
+                  response_ids, logprobs, optional seed), or decoded here under a stated served setting
+                  (`--served-precision`, `--served-checkpoint`): a simulation of a server, not a server
+    <precision>   an honest variant: the claimed model's live decode at bf16, fp16, fp32 (`--honest`), with the
+                  claimed sampler (greedy, or vLLM's seeded Gumbel-max pick with the request's seed)
+    reference     the claimed model at the run's precision, one forward over prompt + response per side, scoring
+                  the served response and every honest one (`engine.reference.reference_scores`)
+
+The items split into calibration and held-out by a seeded rule frozen in the stage (`calibration`): the honest
+responses to the calibration prompts make the null; the served run is decided against it at `--alpha`
+(`experiments.attest_stats.decide`), and the honest variants' own responses to held-out prompts, each decided alone,
+give the false-positive rate (`experiments.attest_summary`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from stagereplay.engine.decode import DecodeConfig, derive_seed
+from stagereplay.engine.lm import ids_fingerprint
+from stagereplay.engine.model import ModelConfig
+from stagereplay.errors import StageReplayError
+from stagereplay.experiments.attest_item import (
+    REFERENCE,
+    SCORES,
+    AttestParams,
+    attest_item,
+    max_new,
+    scores_fingerprint,
+)
+from stagereplay.experiments.attest_stats import ALPHA
+from stagereplay.experiments.attest_summary import AttestSummary
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.figures import ReportFigure
+from stagereplay.experiments.format import Table
+from stagereplay.experiments.jobs import Job
+from stagereplay.experiments.verdict import Fact
+from stagereplay.records.attested import AttestPayload
+from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
+from stagereplay.records.payloads import Payload
+
+if TYPE_CHECKING:
+    from stagereplay.engine.lm import LM
+    from stagereplay.experiments.compared import RunComparison
+    from stagereplay.experiments.prepared import PreparedRun
+    from stagereplay.records.differences import Differences
+    from stagereplay.tasks import DataConfig
+
+EXPERIMENT = "attest"
+HONEST = ("bf16", "fp16", "fp32")
+MIN_ITEMS = 2
+"""A decision needs a calibration prompt and a held-out one: its interval is over responses."""
+PAYLOAD: TypeAdapter[AttestPayload] = TypeAdapter(AttestPayload)
+
+
+@dataclass(frozen=True)
+class AttestOptions:
+    """Attest's own options."""
+
+    served: str | None = field(default=None, metadata={"help": (
+        "a file of served outputs to check: JSONL or Parquet rows of prompt_ids, response_ids, and optionally "
+        "logprobs and a per-request seed (map other names with --columns); without it the served outputs are decoded here "
+        "under --served-precision and --served-checkpoint (a simulation of a server)")})
+    served_precision: str = field(default="bf16", metadata={"help": (
+        "without --served: the precision the simulated server decodes at (bf16, fp16, fp32)")})
+    served_checkpoint: str = field(default="", metadata={"help": (
+        "without --served: the checkpoint the simulated server runs: a model folder, or the toy's primary or later "
+        "(default: the claimed model itself)")})
+    honest: tuple[str, ...] = field(default=HONEST, metadata={"help": (
+        "the claimed model's honest variants measured as the null: live decode at each precision (bf16, fp16, fp32)")})
+    alpha: float = field(default=ALPHA, metadata={"help": "the false-positive rate the decision is made at"})
+    split_seed: int = field(default=0, metadata={"help": (
+        "the seed of the rule that splits the items into calibration (the null) and held-out prompts")})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "honest", tuple(self.honest))
+        for p in (*self.honest, self.served_precision):
+            if p not in HONEST:
+                raise StageReplayError(f"unknown precision {p!r} for a decode", f"use {', '.join(HONEST)}")
+        if not self.honest:
+            raise StageReplayError("no honest variant given", "pass --honest bf16,fp16,fp32")
+        if not 0 < self.alpha < 0.5:
+            raise StageReplayError(f"--alpha must lie in (0, 0.5), got {self.alpha}", "pass e.g. --alpha 0.01")
+
+
+class AttestStage(StageSection):
+    """Attest's frozen section."""
+
+    source: str = Field(description="generated (a simulated server, decoded here) | file (served outputs)")
+    served_model: str | None = Field(None, description="generated: the simulated server's checkpoint folder")
+    served_precision: str | None = Field(None, description="generated: the simulated server's precision")
+    honest: list[str] = Field(description="the honest variants' precisions, each a part of every item")
+    alpha: float = Field(description="the false-positive rate of the decision")
+    split_seed: int = Field(description="the seed of the calibration split")
+    calibration: list[str] = Field(description="the item ids whose honest responses make the null")
+
+    def served_label(self) -> str:
+        if self.source == "file":
+            return "a file of served outputs"
+        return f"simulated: {Path(self.served_model or self.model.path).name} at {self.served_precision}, live decode"
+
+    def claim_label(self) -> str:
+        dc = self.settings.decode
+        return "greedy" if not dc.sample else f"seeded sampling at temperature {dc.temperature:g}"
+
+
+def calibration_split(item_ids: list[str], seed: int) -> list[str]:
+    """The calibration items: half of them (rounded up, at least one, at most all but one), chosen by each id's
+    seeded draw, in the items' order."""
+    ranked = sorted(item_ids, key=lambda i: random.Random(derive_seed(seed, i, "calibration")).random())
+    k = min(max(1, (len(item_ids) + 1) // 2), max(1, len(item_ids) - 1))
+    chosen = set(ranked[:k])
+    return [i for i in item_ids if i in chosen]
+
+
+def served_path(model: ModelConfig, checkpoint: str) -> str:
+    """The simulated server's checkpoint folder: the claimed model's, a toy checkpoint's, or a folder given."""
+    if not checkpoint:
+        return model.path
+    from stagereplay.toy import TOY_CHECKPOINTS, toy_checkpoint
+
+    if checkpoint in TOY_CHECKPOINTS and not Path(checkpoint).exists():
+        return str(toy_checkpoint(checkpoint))
+    from stagereplay.engine.model import check_model_dir
+
+    return str(Path(check_model_dir(str(Path(checkpoint).resolve()))))
+
+
+class Attest(Experiment):
+    """The served tokens against the claimed model's reference, decided against its honest variants."""
+
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
+    name: ClassVar[str] = EXPERIMENT
+    Stage: ClassVar[type[StageSection]] = AttestStage
+    Summary: ClassVar[type[BaseModel]] = AttestSummary
+    Options: ClassVar[type] = AttestOptions
+    command: ClassVar[str] = "attest"
+    starts_run: ClassVar[bool] = True
+    uses_boundary: ClassVar[bool] = False
+    continuations: ClassVar[bool] = False
+    many: ClassVar[bool] = True
+    label: ClassVar[str] = "attest"
+    ignores: ClassVar[frozenset[str]] = frozenset({
+        "boundary.marker", "boundary.regex", "boundary.after", "decode.max_stage1_tokens", "input.scorer",
+        "numerics.batch", "choice.cross"})
+    """A response has no stage boundary and no label, and is scored one sequence at a time."""
+    helps: ClassVar[dict[str, str]] = {
+        "decode.max_new_tokens": "response length limit of a simulated server (a file's responses keep their length)",
+        "decode.sample": "the claim: seeded sampling (vLLM's per-request seed) instead of greedy",
+        "decode.seed": "base seed; each item's request derives its own where a file's row gives none",
+        "input.data": ("prompts a simulated server answers: a JSONL, JSON, CSV or Parquet file, or hf:NAME (default: "
+                       "the toy task's held-out items); a file of served outputs: --served"),
+        "input.columns": ("map the data's fields: TARGET=COLUMN,... With --served, TARGET prompt_ids, response_ids, "
+                          "logprobs, seed or id; with --data, prompt, messages, user or id"),
+        "input.n": "check (or simulate) the first N items",
+        "numerics.precision": "the precision of the claimed model's reference (one-shot prefill): fp32 recommended",
+    }
+
+    def data(self, path: str | None, n: int | None, columns: str | None, options: AttestOptions) -> DataConfig:
+        """A file of served outputs is the run's data (its hash bound, its location not)."""
+        from stagereplay.tasks import DataConfig
+
+        if options.served is None:
+            return DataConfig(path=path, n=n, columns=columns)
+        if path is not None:
+            raise StageReplayError("--served names the data; --data names other data",
+                                   "pass one of --served FILE or --data FILE")
+        return DataConfig(path=str(Path(options.served).resolve()), n=n, columns=columns, source="served")
+
+    def sequence_end(self, item: Any, decode: DecodeConfig) -> int:
+        return len(item.prompt_ids) + max_new(item, decode)
+
+    def check_inputs(self, inputs: Any, options: AttestOptions) -> None:
+        """A file holds its responses: a response length or a simulated server is refused with it, not ignored; a
+        run of fewer than `MIN_ITEMS` responses is refused before anything is written."""
+        n = inputs.input.n
+        if n is not None and n < MIN_ITEMS:
+            raise StageReplayError(f"--n {n} is too few responses to decide on: the null calibrates on some prompts "
+                                   "and the decision's interval is over responses", f"pass --n {MIN_ITEMS} or more")
+        if options.served is None:
+            return
+        given = [flag for flag, on in (("--max-new-tokens", inputs.decode.max_new_tokens != DecodeConfig().max_new_tokens),
+                                       ("--served-precision", options.served_precision != "bf16"),
+                                       ("--served-checkpoint", bool(options.served_checkpoint))) if on]
+        if given:
+            raise StageReplayError(f"{', '.join(given)} simulate a server, and --served gives its outputs",
+                                   f"drop {', '.join(given)}, or simulate without --served")
+        from stagereplay.tasks.rollouts import scan
+
+        rows, _ = scan(options.served, inputs.input.columns, 1 << 31, 1 << 31, logprobs=False)
+        if len(rows) < MIN_ITEMS:
+            raise StageReplayError(f"{options.served} holds {len(rows)} served response(s): too few to decide on (a "
+                                   "calibration prompt and a held-out one at least)",
+                                   f"give at least {MIN_ITEMS} served responses, more for a decision with power")
+
+    def check(self, model: ModelConfig, options: AttestOptions) -> None:
+        if model.batch > 1:
+            raise StageReplayError("attest scores one sequence at a time", "run it with --batch 1")
+        served_path(model, options.served_checkpoint)  # an unknown checkpoint is refused before anything loads
+
+    def identity(self, options: AttestOptions) -> dict[str, Any]:
+        generated = options.served is None
+        return {"source": "generated" if generated else "file", "honest": list(options.honest),
+                "alpha": options.alpha, "split_seed": options.split_seed,
+                **({"served_precision": options.served_precision, "served_checkpoint": options.served_checkpoint}
+                   if generated else {})}
+
+    def section(self, prepared: PreparedRun, options: AttestOptions, run: Run) -> StageSection:
+        generated = options.served is None
+        return AttestStage(
+            model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+            source="generated" if generated else "file",
+            served_model=served_path(prepared.model, options.served_checkpoint) if generated else None,
+            served_precision=options.served_precision if generated else None, honest=list(options.honest),
+            alpha=options.alpha, split_seed=options.split_seed,
+            calibration=calibration_split([i.id for i in prepared.items], options.split_seed))
+
+    def _params(self, own: AttestStage, which: str, columns: str | None = None,
+                sides: tuple[Any, ...] = ()) -> AttestParams:
+        generated = own.source == "generated" and not which
+        return AttestParams(which, "generated" if own.source == "generated" else "file", columns, sides,
+                            own.served_model if generated else None, own.served_precision if generated else None)
+
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Any:
+        """The served responses, each honest variant's, then (once their tokens are recorded) the reference's
+        scores of them all (a generator: each batch made when it is due)."""
+        own: AttestStage = self.stage_of(stage)
+        columns = prepared.data.columns
+        yield Batch(prepared.model, [Job(item, prepared.settings, self._params(own, "", columns))
+                                     for item in prepared.items])
+        for p in own.honest:
+            yield Batch(prepared.model.with_precision(p), [Job(item, prepared.settings, self._params(own, p, columns))
+                                                           for item in prepared.items])
+        recorded = {(r.item_id, r.part): r.payload for r in run.find(EXPERIMENT, prepared.checkpoint)}
+        yield Batch(prepared.model, [
+            Job(item, prepared.settings, self._params(own, REFERENCE, columns, sides_of(item.id, own, recorded)))
+            for item in prepared.items if (item.id, "") in recorded])
+
+    def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
+        return model.with_precision(part) if part in HONEST else model
+
+    def where(self, record: Record) -> str:
+        return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
+
+    def unit_positions(self, record: Record) -> int:
+        p = record.payload
+        responses = [p.get("response_ids") or [], *[a["response_ids"] for a in p.get("arms") or []]]
+        return len(p.get("prompt_ids") or []) + max(len(r) for r in responses)
+
+    def work(self, lm: LM, job: Job) -> Payload:
+        return attest_item(lm, job)
+
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
+              ) -> list[tuple[str, str]]:
+        """Every item: its served response, each honest variant, its reference scores."""
+        own: AttestStage = self.stage_of(stage)
+        return [(i, part) for part in ("", *own.honest, REFERENCE) for i in config.item_ids]
+
+    def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
+        """Every fingerprint is its arrays' or tokens', and every score array has one entry per response token."""
+        from stagereplay.records import arrays
+
+        p, bad = record.payload, []
+        if p.get("response_ids") is not None and p.get("tokens_fp") != ids_fingerprint(
+                [*p["prompt_ids"], *p["response_ids"]]):
+            bad.append("tokens_fp is not the fingerprint of prompt_ids + response_ids")
+        for arm in p.get("arms") or []:
+            if arm.get("tokens_fp") != ids_fingerprint([*p["prompt_ids"], *arm.get("response_ids", [])]):
+                bad.append(f"side {arm.get('name')}: tokens_fp is not the fingerprint of its tokens")
+            if arm.get("scores_fp") != scores_fingerprint({k: arm.get(k) for k in SCORES}):
+                bad.append(f"side {arm.get('name')}: scores_fp is not the fingerprint of its scores")
+            elif any(len(arrays.decode(arm[k])) != len(arm.get("response_ids", [])) for k in SCORES if arm.get(k)):
+                bad.append(f"side {arm.get('name')}: a score array's length is not its response's")
+        return bad
+
+    def replay_job(self, replay: Replay) -> Job:
+        """A served or honest unit decoded (or read) again; the reference part re-scores the tokens it recorded."""
+        own: AttestStage = self.stage_of(replay.stage)
+        part = replay.record.part
+        sides: tuple[Any, ...] = ()
+        if part == REFERENCE:
+            sides = tuple((a["name"], a["engine"], a["construction"], a["precision"], tuple(a["response_ids"]))
+                          for a in replay.record.payload.get("arms") or [])
+        return Job(replay.item, replay.settings, self._params(own, part, None, sides))
+
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        """A decoded response: its prompt's prefill and one step per token after the first (none for a file's); the
+        reference: one forward of prompt + response - 1 per side."""
+        p = record.payload
+        prompt = len(p.get("prompt_ids") or [])
+        if record.part == REFERENCE:
+            return [prompt + len(a["response_ids"]) - 1 for a in p.get("arms") or []]
+        if p.get("precision") == "file":
+            return []
+        n = len(p.get("response_ids") or [])
+        return [prompt, *[1] * (n - 1)] if n else None
+
+    def planned_forwards(self, assumed: Assumed, options: AttestOptions) -> Planned:
+        """The forwards `unit_forwards` counts, on the lengths a plan assumes (each response at its suffix)."""
+        def decoded(u: Any) -> list[int]:
+            return [u.prompt, *[1] * (u.suffix - 1)]
+
+        return {"": [(u, [] if options.served else decoded(u)) for u in assumed.items],
+                **{p: [(u, decoded(u)) for u in assumed.items] for p in options.honest},
+                REFERENCE: [(u, [u.prompt + u.suffix - 1] * (1 + len(options.honest))) for u in assumed.items]}
+
+    def peak_caches(self, stage: StageSection) -> int:
+        return 1
+
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[AttestSummary]:
+        from stagereplay.experiments.attest_summary import summarize_attest
+
+        return [summarize_attest(records, self.stage_of(stage), checkpoint)]
+
+    def tables(self, results: list[AttestSummary]) -> list[Table]:
+        from stagereplay.experiments.attest_tables import attest_tables
+
+        return [t for s in results for t in attest_tables(s)]
+
+    def verdict_facts(self, results: list[AttestSummary]) -> list[Fact]:
+        from stagereplay.experiments.attest_tables import attest_verdict
+
+        return [f for s in results for f in attest_verdict(s)]
+
+    def figures(self, results: list[AttestSummary]) -> list[ReportFigure]:
+        from stagereplay.experiments.attest_tables import attest_figures
+
+        return [f for s in results for f in attest_figures(s)]
+
+    def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
+                     stages: tuple[StageSection, StageSection], runs: tuple[str, str],
+                     differences: Differences) -> RunComparison:
+        from stagereplay.experiments.attest_compare import compared
+
+        sections = (self.summarize(records[0], stages[0], checkpoint)[0],
+                    self.summarize(records[1], stages[1], checkpoint)[0])
+        return compared(records, item_ids, checkpoint, runs, sections, differences)
+
+    def exit_code(self, summaries: Any) -> int:
+        """1 where the served run is flagged: not the claimed model at the stated rate."""
+        return int(any(s.flagged for s in summaries or []))
+
+    def told(self, records: list[Record]) -> list[str]:
+        """Per side: its tokens, how many match the reference's argmax, and its mean margin."""
+        from stagereplay.experiments.attest_summary import per_token
+        from stagereplay.records import arrays
+
+        lines = []
+        for record in sorted(records, key=lambda r: r.part != REFERENCE):
+            p = PAYLOAD.validate_python(record.payload)
+            if p.kind != "reference":
+                lines.append(f"{self.where(record)}: {p.kind} response of {len(p.response_ids or [])} tokens "
+                             f"({p.precision}{', ' + p.stop if p.stop else ''})")
+                continue
+            lines.append(f"{self.where(record)}: the claimed model's reference")
+            for a in p.arms or []:
+                match = arrays.decode(a.match)
+                lines.append(f"  {a.name}: {len(match)} tokens, {int(match.sum())} the reference's argmax, mean "
+                             f"score {float(per_token(a).mean()):.4g}")
+        return lines
+
+
+def sides_of(item_id: str, own: AttestStage, recorded: dict[tuple[str, str], Payload]
+             ) -> tuple[tuple[str, str, str, str, tuple[int, ...]], ...]:
+    """The responses an item's reference part scores: the served one, then each honest variant recorded."""
+    served = recorded[(item_id, "")]
+    file = served.get("precision") == "file"
+    out = [("served", "file" if file else "hf", "file" if file else "live", str(served.get("precision")),
+            tuple(served["response_ids"]))]
+    out += [(f"honest@{p}", "hf", "live", p, tuple(recorded[(item_id, p)]["response_ids"]))
+            for p in own.honest if (item_id, p) in recorded]
+    return tuple(out)
+
+
+__all__ = ["Attest", "AttestOptions", "AttestStage", "calibration_split"]

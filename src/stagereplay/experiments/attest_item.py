@@ -1,0 +1,171 @@
+"""One attest job's work: an item's served response, an honest variant's, or the reference's scores of them all.
+
+    serve(lm, prompt, max_new, decode, seed)   what a server running `lm` serves: live decode from a retained cache,
+                                               greedy, or vLLM's seeded pick argmax(probs / E), E ~ Exp(1) per step
+                                               from a generator seeded with the request's seed
+    attest_item(lm, job)                       the job's part: served (''), honest (<precision>) or reference
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from stagereplay.engine.decode import DecodeConfig, Sampler, derive_seed
+from stagereplay.engine.lm import ids_fingerprint
+from stagereplay.experiments.jobs import Job, Params
+from stagereplay.records import arrays
+from stagereplay.records.attested import AttestPayload, AttestSide, Kind
+from stagereplay.records.payloads import Payload
+
+if TYPE_CHECKING:
+    from stagereplay.engine.lm import LM
+    from stagereplay.engine.reference import TokenScores
+
+REFERENCE = "reference"
+"""The part of an item's reference scores."""
+SCORES = ("logprobs", "margin", "match", "logit_rank", "prob", "gumbel_match", "gumbel_margin")
+"""The encoded score arrays of a side, in the order `scores_fp` hashes them."""
+
+
+@dataclass(frozen=True)
+class AttestParams(Params):
+    """An attest job: its part ('' the served response, a precision an honest variant, `reference` the scores), where
+    the served response comes from, the file's column mapping, for the reference part the responses to score
+    ((name, engine, construction, precision, response) each), and for a simulated server its checkpoint folder and
+    precision (the served part loads them itself: a unit's model is the claimed one's)."""
+
+    which: str
+    source: Literal["generated", "file"]
+    columns: str | None = None
+    sides: tuple[tuple[str, str, str, str, tuple[int, ...]], ...] = ()
+    served_model: str | None = None
+    served_precision: str | None = None
+
+    @property
+    def part(self) -> str:
+        return self.which
+
+
+def item_seed(item: Any, decode: DecodeConfig, columns: str | None) -> int | None:
+    """The per-request seed of a sampled claim for `item`: a served file's row's own `seed` where it has one, else
+    derived from the run's seed and the item; None for a greedy claim."""
+    if not decode.sample:
+        return None
+    from stagereplay.tasks.rollouts import RolloutItem, read
+
+    if isinstance(item, RolloutItem):
+        seed = read(item, columns).sampling.get("seed")
+        if seed is not None:
+            return int(seed)
+    return derive_seed(decode.seed, item.id, "served")
+
+
+def max_new(item: Any, decode: DecodeConfig) -> int:
+    """How many tokens a response to `item` may have: a served file's response length, else the run's limit."""
+    return int(getattr(item, "response_len", 0) or decode.max_new_tokens)
+
+
+def serve(lm: LM, prompt: Sequence[int], limit: int, decode: DecodeConfig, seed: int | None) -> tuple[list[int], str]:
+    """What an honest server running `lm` serves for `prompt` (module docstring): the tokens and why it stopped
+    (eos or length)."""
+    import torch
+
+    from stagereplay.engine.reference import gumbel_noise
+
+    prompt = list(prompt)
+    cache = lm.new_cache(len(prompt) + limit - 1)
+    logits = lm.stepper.forward(prompt, cache, 0, prompt=prompt)  # [V]
+    generator = None
+    if decode.sample and seed is not None:
+        generator = torch.Generator(device=lm.config.device).manual_seed(seed)
+    warp = Sampler(replace(decode, sample=False), 0, lm.config.device).warp
+    tokens: list[int] = []
+    past = len(prompt)
+    while True:
+        x = logits.float()[None]  # [1, V]
+        if generator is None:
+            token = int(x.argmax())
+        else:
+            token = int((torch.softmax(warp(x), dim=-1) / gumbel_noise(1, x.shape[1], generator)).argmax())
+        tokens.append(token)
+        if token in lm.eos or len(tokens) >= limit:
+            return tokens, "eos" if token in lm.eos else "length"
+        logits = lm.stepper.forward([token], cache, past, prompt=prompt)
+        past += 1
+
+
+def side_of(name: str, engine: str, construction: str, precision: str, prompt: Sequence[int],
+            response: Sequence[int], seed: int | None, scores: TokenScores) -> AttestSide:
+    """One scored response as the record holds it."""
+    import numpy as np
+
+    enc: dict[str, str | None] = {
+        "logprobs": arrays.encode(scores.logprob, "f32"), "margin": arrays.encode(scores.margin, "f32"),
+        "match": arrays.encode(scores.match.astype(np.int32), "i32"),
+        "logit_rank": arrays.encode(scores.logit_rank.astype(np.int32), "i32"),
+        "prob": arrays.encode(scores.prob, "f32"),
+        "gumbel_match": None if scores.gumbel_match is None else arrays.encode(scores.gumbel_match.astype(np.int32),
+                                                                               "i32"),
+        "gumbel_margin": None if scores.gumbel_margin is None else arrays.encode(scores.gumbel_margin, "f32")}
+    return AttestSide.model_validate({
+        "name": name, "engine": engine, "construction": construction, "precision": precision,
+        "response_ids": list(response), "tokens_fp": ids_fingerprint([*prompt, *response]), "seed": seed,
+        **{k: v for k, v in enc.items() if v is not None}, "scores_fp": scores_fingerprint(enc)})
+
+
+def scores_fingerprint(encoded: dict[str, str | None]) -> str:
+    """sha256 over a side's encoded score arrays in `SCORES` order (an absent one as the empty string)."""
+    return hashlib.sha256("\n".join(encoded.get(k) or "" for k in SCORES).encode()).hexdigest()
+
+
+def served_lm(lm: LM, path: str, precision: str) -> LM:
+    """The simulated server's model: the claimed model's settings with its folder and precision (loaded once per
+    process, in place of the claimed one, `execution.models.cached_lm`)."""
+    if lm.config.path == path and lm.config.precision == precision:
+        return lm
+    from stagereplay.execution.models import cached_lm
+    from stagereplay.records.proofs import machine_store
+
+    return cached_lm(replace(lm.config.with_precision(precision), path=path), machine_store=machine_store)
+
+
+def decoded_part(lm: LM, job: Job[AttestParams]) -> Payload:
+    """The served response ('') or an honest variant's (a precision): read from the file, or decoded live."""
+    p, dc, item = job.params, job.settings.decode, job.item
+    prompt = list(item.prompt_ids)
+    seed = item_seed(item, dc, p.columns)
+    kind: Kind = "honest" if p.which else "served"
+    if kind == "served" and p.source == "file":
+        from stagereplay.tasks.rollouts import RolloutItem, read
+
+        assert isinstance(item, RolloutItem)
+        response, stop, precision = list(read(item, p.columns).response_ids), None, "file"
+    else:
+        if kind == "served" and p.served_model is not None:
+            lm = served_lm(lm, p.served_model, p.served_precision or lm.config.precision)
+        response, stop = serve(lm, prompt, max_new(item, dc), dc, seed)
+        precision = lm.config.precision
+    return AttestPayload(status="ok", kind=kind, source=p.source, prompt_ids=prompt, response_ids=response,
+                         tokens_fp=ids_fingerprint([*prompt, *response]), precision=precision, seed=seed,
+                         stop=stop).as_payload()
+
+
+def reference_part(lm: LM, job: Job[AttestParams]) -> Payload:
+    """The claimed model's reference scores of the served response and every honest one (`reference_scores`)."""
+    from stagereplay.engine.reference import reference_scores
+
+    p, dc, item = job.params, job.settings.decode, job.item
+    prompt = list(item.prompt_ids)
+    seed = item_seed(item, dc, p.columns)
+    arms = [side_of(name, engine, construction, precision, prompt, response, seed,
+                    reference_scores(lm, prompt, response, dc, seed=seed))
+            for name, engine, construction, precision, response in p.sides]
+    return AttestPayload(status="ok", kind="reference", source=p.source, prompt_ids=prompt, arms=arms).as_payload()
+
+
+def attest_item(lm: LM, job: Job[AttestParams]) -> Payload:
+    """One item's part (module docstring)."""
+    return reference_part(lm, job) if job.params.which == REFERENCE else decoded_part(lm, job)

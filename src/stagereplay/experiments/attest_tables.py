@@ -1,0 +1,97 @@
+"""Attest's tables, its verdict fact and its figure, from its section of results.json (`AttestSummary`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from stagereplay.experiments.attest_summary import AttestSummary
+from stagereplay.experiments.figures import ReportFigure, png
+from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, slug
+from stagereplay.experiments.verdict import Fact, Question
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def decision_line(s: AttestSummary) -> str:
+    """The decision in words, with its numbers."""
+    word = "not consistent" if s.flagged else "consistent"
+    needed = f"; flagged from {s.tokens_needed} tokens" if s.tokens_needed is not None else ""
+    near = f"; nearest honest variant {s.nearest[0][0]}" if s.nearest else ""
+    return (f"{s.checkpoint}: {word} with the claimed model ({s.claim}) at a {s.alpha:g} false-positive rate: mean "
+            f"{s.score} {_g(s.statistic)} [{_g(s.interval[0])}, {_g(s.interval[1])}] vs threshold {_g(s.threshold)}, "
+            f"p = {_g(s.p_value)}, over {s.tokens} tokens of {s.items} responses{needed}{near}")
+
+
+def attest_tables(s: AttestSummary) -> list[Table]:
+    """The decision, and each side's statistic with Token-DiFR's match rate beside it."""
+    lo, hi = s.honest_fpr_interval
+    decision = Table(
+        f"table-attest-{slug(s.checkpoint)}", f"Is the server running the claimed model? ({s.checkpoint})",
+        ("quantity", "value"), as_rows([
+            ["served", s.served], ["claim", s.claim], ["reference", f"one-shot prefill at {s.reference_precision}"],
+            ["decision", "flagged: not the claimed model" if s.flagged else "consistent with the claimed model"],
+            ["p-value", _g(s.p_value)], ["alpha", f"{s.alpha:g}"],
+            [f"mean {s.score} [95% over responses]", f"{_g(s.statistic)} [{_g(s.interval[0])}, {_g(s.interval[1])}]"],
+            ["threshold", _g(s.threshold)], ["tokens (responses)", f"{s.tokens} ({s.items})"],
+            ["tokens needed", NA if s.tokens_needed is None else str(s.tokens_needed)],
+            ["null", f"{s.null_items} honest responses, {s.null_tokens} tokens ({len(s.calibration)} prompts)"],
+            ["nearest honest variant", ", ".join(f"{n} ({_g(d)})" for n, d in s.nearest[:3]) or NA],
+            ["honest held-out flagged", f"{k_of_n(*s.honest_fpr)} [{lo:.3f}, {hi:.3f}]"],
+            ["Token-DiFR exact_match_rate", f"{s.difr.get('exact_match_rate', 0.0):.4f}"],
+            ["Token-DiFR avg_margin", _g(s.difr.get("avg_margin", 0.0))],
+            ["Token-DiFR avg_prob", _g(s.difr.get("avg_prob", 0.0))]]),
+        note="The statistic is the mean per-token score over the served tokens; the null is the claimed model's own "
+             "honest variants on the calibration prompts, resampled by whole responses.")
+    sides = Table(
+        f"table-attest-sides-{slug(s.checkpoint)}", f"Served and honest responses, scored by the reference "
+        f"({s.checkpoint})", ("side", "responses", "tokens", f"mean {s.score} [95%]", "match rate",
+                              "held-out flagged"),
+        as_rows([[v.name, str(v.items), str(v.tokens), f"{_g(v.statistic)} [{_g(v.interval[0])}, {_g(v.interval[1])}]",
+                  f"{v.match_rate:.4f}", NA if v.heldout is None else k_of_n(v.flagged or 0, v.heldout)]
+                 for v in s.variants]))
+    return [decision, sides]
+
+
+def _said(facts: Sequence[Fact]) -> str:
+    head = "yes, consistent with it" if all(f.holds for f in facts) else "no, not as claimed"
+    return f"{head}: " + "; ".join(f.phrase for f in facts) + "."
+
+
+ATTESTED = Question("server runs the claimed model", "Is the server running the claimed model?", _said, alone=True)
+
+
+def attest_verdict(s: AttestSummary) -> list[Fact]:
+    lo, hi = s.honest_fpr_interval
+    return [Fact(ATTESTED, f"{decision_line(s)}; honest held-out responses flagged {k_of_n(*s.honest_fpr)} "
+                           f"[{lo:.3f}, {hi:.3f}]", holds=not s.flagged)]
+
+
+def attest_figures(s: AttestSummary) -> list[ReportFigure]:
+    """The null's statistic at the served run's length against the served run's, with the threshold."""
+    return [ReportFigure(f"fig-attest-{slug(s.checkpoint)}", f"Served run vs the honest null ({s.checkpoint})",
+                         f"The distribution of the mean {s.score} of honest runs of {s.tokens} tokens (whole responses "
+                         "resampled from the null) with the threshold at the false-positive rate (dashed) and the "
+                         "served run's statistic with its interval over responses (solid).",
+                         png(_figure(s)), after=(f"table-attest-sides-{slug(s.checkpoint)}",))]
+
+
+def _figure(s: AttestSummary) -> Any:
+    """matplotlib through the Agg canvas only (never pyplot), imported here so that nothing else pays for it."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 3.0), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    q = np.asarray(s.null_quantiles, dtype=np.float64)
+    ax.hist(q, bins=20, color="#a0aec0", label="honest null")
+    ax.axvline(s.threshold, color="#2d3748", linestyle="--", label=f"threshold at {s.alpha:g}")
+    ax.axvline(s.statistic, color="#c53030" if s.flagged else "#2f855a", label="served")
+    ax.axvspan(s.interval[0], s.interval[1], color="#c53030" if s.flagged else "#2f855a", alpha=0.15)
+    ax.set_xlabel(f"mean {s.score} per token", fontsize=8)
+    ax.set_ylabel("null quantiles", fontsize=8)
+    ax.legend(fontsize=7)
+    return fig

@@ -1,0 +1,59 @@
+"""What an attest record's payload holds (`experiments.attest`): the served response and the claimed model's honest
+responses to the same prompt, and the reference's per-token scores of each (`engine.reference`), every array encoded
+(`records.arrays`).
+
+    part ""           the served response: read from a file of served outputs, or decoded here by a stated served
+                      setting (a simulation of a server)
+    part <precision>  an honest variant: the claimed model's live decode at that precision (bf16, fp16, fp32)
+    part reference    the claimed model's one-shot reference, scoring the served response and every honest one
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from stagereplay.records.payloads import PayloadModel, optional
+
+Kind = Literal["served", "honest", "reference"]
+
+
+class AttestSide(PayloadModel):
+    """One response (the served one, or an honest variant's) scored by the claimed model's reference, per token."""
+
+    name: str = Field(description="served, or honest@<precision>")
+    engine: str = Field(description="who produced the response: hf (ours) or file (a file of served outputs)")
+    construction: str = Field(description="live (decoded from a retained cache) | file")
+    precision: str = Field(description="the precision it was decoded at ('file' for a file's)")
+    response_ids: list[int] = Field(description="the response's token IDs")
+    tokens_fp: str = Field(description="sha256 of prompt + response token IDs")
+    seed: int | None = Field(description="the per-request seed the claimed sampler drew with (null: greedy claim)")
+    logprobs: str = Field(description="per token, the reference's log-softmax of it: f32:<base64>")
+    margin: str = Field(description="per token, the reference's max logit minus the token's (0 on a match): f32")
+    match: str = Field(description="per token, 1 where it is the reference's argmax: i32")
+    logit_rank: str = Field(description="per token, how many tokens have a larger reference logit: i32")
+    prob: str = Field(description="per token, its probability under the claimed sampler: f32")
+    gumbel_match: str | None = optional("a seeded sampled claim: per token, 1 where vLLM's sampler replayed picks it")
+    gumbel_margin: str | None = optional("a seeded sampled claim: per token, the Gumbel-max margin (inf: removed)")
+    scores_fp: str = Field(description="sha256 over the encoded score arrays, in field order")
+
+
+class AttestPayload(PayloadModel):
+    """Attest, one item and part."""
+
+    status: Literal["ok"] = Field(description="done")
+    kind: Kind = Field(description="served (part ''), honest (part <precision>) or reference (part reference)")
+    source: Literal["generated", "file"] = Field(description="where the served response came from")
+    prompt_ids: list[int] = Field(description="the prompt's token IDs")
+    response_ids: list[int] | None = optional("served and honest parts: the response's token IDs")
+    tokens_fp: str | None = optional("served and honest parts: sha256 of prompt + response token IDs")
+    precision: str | None = optional("served and honest parts: the precision it was decoded at ('file' for a file)")
+    seed: int | None = optional("served and honest parts: the per-request seed of a sampled claim")
+    stop: str | None = optional("a decoded response: eos or length")
+    arms: list[AttestSide] = Field(default_factory=list, description="part reference: the served response and each "
+                                   "honest one, scored (absent elsewhere)")
+
+
+MODELS = (AttestPayload, AttestSide)
+"""The attest payload's models, in the order docs/ledger-schema.md shows them."""

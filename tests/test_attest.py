@@ -1,0 +1,169 @@
+"""`stagereplay attest` end to end on the toy: an honest server is not flagged, whether it is simulated here or its
+outputs come from a file; a substitution (the toy's later checkpoint) is flagged, the decision flipping on the same
+prompts; bad served files and too few responses are refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from stagereplay.cli import app
+from stagereplay.experiments.attest import calibration_split
+from stagereplay.records import arrays
+from stagereplay.records.ledger import items, read_ledger
+
+runner = CliRunner()
+SMALL = ["attest", "--n", "4", "--max-new-tokens", "6", "--honest", "bf16,fp32", "--quiet"]
+
+
+def _invoke(args: list[str]) -> Result:
+    return runner.invoke(app, args, env={"COLUMNS": "120"})
+
+
+def _section(run: Path) -> dict:
+    return json.loads((run / "results.json").read_text())["attest"][0]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("attest")
+
+
+@pytest.fixture(scope="module")
+def honest_run(root: Path) -> Path:
+    """A simulated server running the claimed model in bf16: the claimed model's own honest outputs."""
+    run = root / "honest"
+    result = _invoke([*SMALL, "--out", str(run)])
+    assert result.exit_code == 0, result.output
+    return run
+
+
+@pytest.fixture(scope="module")
+def served_file(root: Path, honest_run: Path) -> Path:
+    """The honest run's served responses as a file of served outputs (the reference's log-probabilities of them)."""
+    rows = []
+    for r in items(read_ledger(honest_run)):
+        if r.experiment == "attest" and r.part == "reference":
+            served = next(a for a in r.payload["arms"] if a["name"] == "served")
+            rows.append({"id": r.item_id, "prompt_ids": r.payload["prompt_ids"], "response_ids": served["response_ids"],
+                         "logprobs": [float(x) for x in arrays.decode(served["logprobs"])]})
+    path = root / "served.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_an_honest_server_is_not_flagged(honest_run: Path):
+    s = _section(honest_run)
+    assert not s["flagged"] and s["p_value"] > s["alpha"] and s["tokens_needed"] is None, s
+    assert s["honest_fpr"][0] == 0 and s["nearest"][0][0].startswith("honest@"), s
+    assert 0 < len(s["calibration"]) < s["items"]
+
+
+def test_an_honest_served_file_is_not_flagged(root: Path, served_file: Path, honest_run: Path):
+    """The same served tokens from a file decide as the simulated server's did."""
+    run = root / "file"
+    result = _invoke(["attest", "--served", str(served_file), "--honest", "bf16,fp32", "--quiet", "--out", str(run)])
+    assert result.exit_code == 0, result.output
+    s, t = _section(run), _section(honest_run)
+    assert not s["flagged"] and s["source"] == "file" and s["tokens"] == t["tokens"], s
+    assert s["statistic"] == t["statistic"] and s["difr"] == t["difr"]
+
+
+def test_a_served_file_without_logprobs_decides_as_with_them(root: Path, served_file: Path, honest_run: Path):
+    """Log-probabilities are optional in a file of served outputs (a server may not return them), and the audit
+    reads the file the same way; the control: a rollout file without them is refused by mismatch."""
+    bare = root / "bare.jsonl"
+    rows = [json.loads(line) for line in served_file.read_text().splitlines()]
+    bare.write_text("".join(json.dumps({k: v for k, v in row.items() if k != "logprobs"}) + "\n" for row in rows))
+    run = root / "bare"
+    result = _invoke(["attest", "--served", str(bare), "--honest", "bf16,fp32", "--quiet", "--out", str(run)])
+    assert result.exit_code == 0, result.output
+    assert _section(run)["statistic"] == _section(honest_run)["statistic"]
+    assert _invoke(["audit", str(run), "--sample", "1", "--quiet"]).exit_code == 0
+    refused = _invoke(["mismatch", "--rollouts", str(bare), "--precisions", "bf16", "--out", str(root / "never-lp")])
+    assert refused.exit_code == 2 and "logprobs" in refused.output, refused.output
+
+
+def test_the_later_checkpoint_served_is_flagged(root: Path, honest_run: Path):
+    """A real substitution on the same prompts: the decision flips from the honest run's, with the tokens it took."""
+    run = root / "later"
+    result = _invoke([*SMALL, "--served-checkpoint", "later", "--out", str(run)])
+    s = _section(run)
+    assert result.exit_code == 1 and s["flagged"] and s["p_value"] <= s["alpha"], (result.output, s)
+    assert s["tokens_needed"] is not None and s["tokens_needed"] <= s["tokens"]
+    assert s["statistic"] > s["threshold"] and s["difr"]["exact_match_rate"] < 1.0
+    assert not _section(honest_run)["flagged"]  # the control: the claimed checkpoint served, not flagged
+    assert "No, not as claimed" in (run / "report.md").read_text()
+    assert 'id="fig-attest-primary"' in (run / "report.html").read_text()
+
+
+def _refused(args: list[str], out: Path, words: str) -> None:
+    result = _invoke([*args, "--out", str(out)])
+    assert result.exit_code == 2 and words in result.output, result.output
+    assert result.output.strip().count("\n") == 0, result.output
+    assert not out.exists()
+
+
+def test_a_served_token_outside_the_vocabulary_is_refused_before_anything_is_written(root: Path, served_file: Path):
+    rows = [json.loads(line) for line in served_file.read_text().splitlines()]
+    rows[1]["response_ids"][0] = 10**7
+    bad = root / "bad.jsonl"
+    bad.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    _refused(["attest", "--served", str(bad), "--quiet"], root / "never-vocab", "not a token ID of this tokenizer")
+
+
+def test_too_few_served_responses_are_refused_before_anything_is_written(root: Path, served_file: Path):
+    one = root / "one.jsonl"
+    one.write_text(served_file.read_text().splitlines()[0] + "\n")
+    _refused(["attest", "--served", str(one), "--quiet"], root / "never-one", "too few to decide on")
+    _refused(["attest", "--n", "1", "--quiet"], root / "never-n", "too few responses to decide on")
+
+
+def test_a_file_refuses_the_options_that_simulate_a_server(root: Path, served_file: Path):
+    _refused(["attest", "--served", str(served_file), "--served-checkpoint", "later", "--quiet"],
+             root / "never-sim", "--served-checkpoint simulate a server")
+
+
+def test_the_calibration_split_is_seeded_and_leaves_both_sides_items():
+    ids = [f"i{k}" for k in range(10)]
+    a = calibration_split(ids, 0)
+    assert a == calibration_split(ids, 0) and len(a) == 5
+    assert any(calibration_split(ids, seed) != a for seed in range(1, 5))
+    assert all(0 < len(calibration_split(ids[:n], 0)) < n for n in range(2, 6))
+
+
+def test_a_seeded_claim_replays_the_sampler_and_an_honest_server_is_not_flagged(root: Path):
+    run = root / "seeded"
+    result = _invoke(["attest", "--n", "3", "--max-new-tokens", "4", "--sample", "--temperature", "1", "--seed", "3",
+                      "--honest", "bf16", "--quiet", "--out", str(run)])
+    assert result.exit_code == 0, result.output
+    s = _section(run)
+    assert s["score"] == "gumbel mismatch" and s["claim"] == "seeded sampling at temperature 1" and not s["flagged"]
+    reference = next(r for r in items(read_ledger(run)) if r.part == "reference")
+    assert all(a["seed"] is not None and "gumbel_match" in a for a in reference.payload["arms"])
+
+
+def test_verify_finds_a_score_that_is_not_its_fingerprints(root: Path, honest_run: Path):
+    """A served side's margins changed, its fingerprint kept, is found by `--verify-only`; the control: the run as
+    made verifies."""
+    import shutil
+
+    import forge
+    import numpy as np
+
+    assert _invoke(["audit", str(honest_run), "--verify-only"]).exit_code == 0
+    forged = root / "forged"
+    shutil.copytree(honest_run, forged)
+    chain, manifest = forge.load(forged)
+    i = next(k for k, r in enumerate(chain) if r.kind == "item" and r.part == "reference")
+    payload = forge.edit(chain[i])
+    served = payload["arms"][0]
+    served["margin"] = arrays.encode(arrays.decode(served["margin"]) + np.float32(1.0), "f32")
+    chain[i] = forge.with_payload(chain[i], payload, recompare=False)
+    forge.save(forged, chain, manifest, results=False)
+    found = _invoke(["audit", str(forged), "--verify-only"])
+    assert found.exit_code == 1 and "side served: scores_fp is not the fingerprint of its scores" in found.output, \
+        found.output
