@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from stagereplay.engine.decode import DecodeConfig, derive_seed
 from stagereplay.engine.lm import ids_fingerprint
@@ -48,7 +48,7 @@ from stagereplay.experiments.verdict import Fact
 from stagereplay.records.attested import AttestPayload
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Payload
+from stagereplay.records.payloads import first_error
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
@@ -242,7 +242,8 @@ class Attest(Experiment):
         for p in own.honest:
             yield Batch(prepared.model.with_precision(p), [Job(item, prepared.settings, self._params(own, p, columns))
                                                            for item in prepared.items])
-        recorded = {(r.item_id, r.part): r.payload for r in run.find(EXPERIMENT, prepared.checkpoint)}
+        recorded = {(r.item_id, r.part): PAYLOAD.validate_python(r.payload)
+                    for r in run.find(EXPERIMENT, prepared.checkpoint)}
         yield Batch(prepared.model, [
             Job(item, prepared.settings, self._params(own, REFERENCE, columns, sides_of(item.id, own, recorded)))
             for item in prepared.items if (item.id, "") in recorded])
@@ -254,11 +255,11 @@ class Attest(Experiment):
         return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
 
     def unit_positions(self, record: Record) -> int:
-        p = record.payload
-        responses = [p.get("response_ids") or [], *[a["response_ids"] for a in p.get("arms") or []]]
-        return len(p.get("prompt_ids") or []) + max(len(r) for r in responses)
+        p = PAYLOAD.validate_python(record.payload)
+        responses = [p.response_ids or [], *[a.response_ids for a in p.arms]]
+        return len(p.prompt_ids) + max(len(r) for r in responses)
 
-    def work(self, lm: LM, job: Job) -> Payload:
+    def work(self, lm: LM, job: Job) -> AttestPayload:
         return attest_item(lm, job)
 
     def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
@@ -271,17 +272,21 @@ class Attest(Experiment):
         """Every fingerprint is its arrays' or tokens', and every score array has one entry per response token."""
         from stagereplay.records import arrays
 
-        p, bad = record.payload, []
-        if p.get("response_ids") is not None and p.get("tokens_fp") != ids_fingerprint(
-                [*p["prompt_ids"], *p["response_ids"]]):
+        try:
+            p = PAYLOAD.validate_python(record.payload)
+        except ValidationError as e:
+            return [f"not an attest payload ({first_error(e)})"]
+        bad = []
+        if p.response_ids is not None and p.tokens_fp != ids_fingerprint([*p.prompt_ids, *p.response_ids]):
             bad.append("tokens_fp is not the fingerprint of prompt_ids + response_ids")
-        for arm in p.get("arms") or []:
-            if arm.get("tokens_fp") != ids_fingerprint([*p["prompt_ids"], *arm.get("response_ids", [])]):
-                bad.append(f"side {arm.get('name')}: tokens_fp is not the fingerprint of its tokens")
-            if arm.get("scores_fp") != scores_fingerprint({k: arm.get(k) for k in SCORES}):
-                bad.append(f"side {arm.get('name')}: scores_fp is not the fingerprint of its scores")
-            elif any(len(arrays.decode(arm[k])) != len(arm.get("response_ids", [])) for k in SCORES if arm.get(k)):
-                bad.append(f"side {arm.get('name')}: a score array's length is not its response's")
+        for arm in p.arms:
+            scores: dict[str, str | None] = {k: getattr(arm, k) for k in SCORES}
+            if arm.tokens_fp != ids_fingerprint([*p.prompt_ids, *arm.response_ids]):
+                bad.append(f"side {arm.name}: tokens_fp is not the fingerprint of its tokens")
+            if arm.scores_fp != scores_fingerprint(scores):
+                bad.append(f"side {arm.name}: scores_fp is not the fingerprint of its scores")
+            elif any(len(arrays.decode(v)) != len(arm.response_ids) for v in scores.values() if v):
+                bad.append(f"side {arm.name}: a score array's length is not its response's")
         return bad
 
     def replay_job(self, replay: Replay) -> Job:
@@ -290,20 +295,20 @@ class Attest(Experiment):
         part = replay.record.part
         sides: tuple[Any, ...] = ()
         if part == REFERENCE:
-            sides = tuple((a["name"], a["engine"], a["construction"], a["precision"], tuple(a["response_ids"]))
-                          for a in replay.record.payload.get("arms") or [])
+            sides = tuple((a.name, a.engine, a.construction, a.precision, tuple(a.response_ids))
+                          for a in PAYLOAD.validate_python(replay.record.payload).arms)
         return Job(replay.item, replay.settings, self._params(own, part, None, sides))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         """A decoded response: its prompt's prefill and one step per token after the first (none for a file's); the
         reference: one forward of prompt + response - 1 per side."""
-        p = record.payload
-        prompt = len(p.get("prompt_ids") or [])
+        p = PAYLOAD.validate_python(record.payload)
+        prompt = len(p.prompt_ids)
         if record.part == REFERENCE:
-            return [prompt + len(a["response_ids"]) - 1 for a in p.get("arms") or []]
-        if p.get("precision") == "file":
+            return [prompt + len(a.response_ids) - 1 for a in p.arms]
+        if p.precision == "file":
             return []
-        n = len(p.get("response_ids") or [])
+        n = len(p.response_ids or [])
         return [prompt, *[1] * (n - 1)] if n else None
 
     def planned_forwards(self, assumed: Assumed, options: AttestOptions) -> Planned:
@@ -371,14 +376,14 @@ class Attest(Experiment):
         return lines
 
 
-def sides_of(item_id: str, own: AttestStage, recorded: dict[tuple[str, str], Payload]
+def sides_of(item_id: str, own: AttestStage, recorded: dict[tuple[str, str], AttestPayload]
              ) -> tuple[tuple[str, str, str, str, tuple[int, ...]], ...]:
     """The responses an item's reference part scores: the served one, then each honest variant recorded."""
     served = recorded[(item_id, "")]
-    file = served.get("precision") == "file"
-    out = [("served", "file" if file else "hf", "file" if file else "live", str(served.get("precision")),
-            tuple(served["response_ids"]))]
-    out += [(f"honest@{p}", "hf", "live", p, tuple(recorded[(item_id, p)]["response_ids"]))
+    file = served.precision == "file"
+    out = [("served", "file" if file else "hf", "file" if file else "live", str(served.precision),
+            tuple(served.response_ids or ()))]
+    out += [(f"honest@{p}", "hf", "live", p, tuple(recorded[(item_id, p)].response_ids or ()))
             for p in own.honest if (item_id, p) in recorded]
     return tuple(out)
 

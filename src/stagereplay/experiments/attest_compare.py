@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stagereplay.experiments.attest_summary import AttestSummary
 from stagereplay.experiments.compared import RunComparison, differences_answer, differences_table
 from stagereplay.experiments.format import Table, as_rows, k_of_n
+from stagereplay.records.attested import AttestPayload
 from stagereplay.records.differences import Differences
 from stagereplay.records.ledger import Record
 
@@ -36,7 +37,8 @@ def compared(records: tuple[list[Record], list[Record]], item_ids: Sequence[str]
              runs: tuple[str, str], sections: tuple[AttestSummary, AttestSummary],
              differences: Differences) -> RunComparison:
     """The comparison as `compare` writes it (module docstring)."""
-    served = [{r.item_id: r.payload.get("tokens_fp") for r in side if r.part == ""} for side in records]
+    served = [{r.item_id: AttestPayload.model_validate(r.payload).tokens_fp for r in side if r.part == ""}
+              for side in records]
     shared = [i for i in item_ids if i in served[0] and i in served[1]]
     same = sum(served[0][i] == served[1][i] for i in shared)
     c = AttestComparison(runs=runs, checkpoint=checkpoint, items=len(shared), same_tokens=same, decisions=sections)

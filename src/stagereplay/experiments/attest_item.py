@@ -18,7 +18,6 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.records import arrays
 from stagereplay.records.attested import AttestPayload, AttestSide, Kind
-from stagereplay.records.payloads import Payload
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
@@ -132,7 +131,7 @@ def served_lm(lm: LM, path: str, precision: str) -> LM:
     return cached_lm(replace(lm.config.with_precision(precision), path=path), machine_store=machine_store)
 
 
-def decoded_part(lm: LM, job: Job[AttestParams]) -> Payload:
+def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
     """The served response ('') or an honest variant's (a precision): read from the file, or decoded live."""
     p, dc, item = job.params, job.settings.decode, job.item
     prompt = list(item.prompt_ids)
@@ -150,10 +149,10 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> Payload:
         precision = lm.config.precision
     return AttestPayload(status="ok", kind=kind, source=p.source, prompt_ids=prompt, response_ids=response,
                          tokens_fp=ids_fingerprint([*prompt, *response]), precision=precision, seed=seed,
-                         stop=stop).as_payload()
+                         stop=stop)
 
 
-def reference_part(lm: LM, job: Job[AttestParams]) -> Payload:
+def reference_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
     """The claimed model's reference scores of the served response and every honest one (`reference_scores`)."""
     from stagereplay.engine.reference import reference_scores
 
@@ -163,9 +162,9 @@ def reference_part(lm: LM, job: Job[AttestParams]) -> Payload:
     arms = [side_of(name, engine, construction, precision, prompt, response, seed,
                     reference_scores(lm, prompt, response, dc, seed=seed))
             for name, engine, construction, precision, response in p.sides]
-    return AttestPayload(status="ok", kind="reference", source=p.source, prompt_ids=prompt, arms=arms).as_payload()
+    return AttestPayload(status="ok", kind="reference", source=p.source, prompt_ids=prompt, arms=arms)
 
 
-def attest_item(lm: LM, job: Job[AttestParams]) -> Payload:
+def attest_item(lm: LM, job: Job[AttestParams]) -> AttestPayload:
     """One item's part (module docstring)."""
     return reference_part(lm, job) if job.params.which == REFERENCE else decoded_part(lm, job)
