@@ -36,30 +36,11 @@ GRID = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def serve(lm: Any, prompt: list[int], max_new: int, decode: Any, seed: int) -> list[int]:
-    """What an honest server running `lm` serves: live decode from a retained cache, greedy, or vLLM's seeded pick
-    argmax(softmax(warped logits) / E) with E [V] drawn per step from a generator seeded with `seed`."""
-    import torch
+    """What an honest server running `lm` serves: the experiment's own live decode (`attest_item.serve`), greedy or
+    vLLM's seeded pick."""
+    from stagereplay.experiments.attest_item import serve as served
 
-    from stagereplay.engine.decode import Sampler
-    from stagereplay.engine.reference import gumbel_noise
-
-    cache = lm.new_cache(len(prompt) + max_new - 1)
-    logits = lm.stepper.forward(prompt, cache, 0, prompt=prompt)  # [V]
-    generator = torch.Generator(device=lm.config.device).manual_seed(seed) if decode.sample else None
-    warp = Sampler(replace(decode, sample=False), 0, lm.config.device).warp
-    tokens: list[int] = []
-    past = len(prompt)
-    while True:
-        x = logits.float()[None]  # [1, V]
-        if generator is None:
-            token = int(x.argmax())
-        else:
-            token = int((torch.softmax(warp(x), dim=-1) / gumbel_noise(1, x.shape[1], generator)).argmax())
-        tokens.append(token)
-        if token in lm.eos or len(tokens) >= max_new:
-            return tokens
-        logits = lm.stepper.forward([token], cache, past, prompt=prompt)
-        past += 1
+    return served(lm, prompt, max_new, decode, seed)[0]
 
 
 def main() -> None:
