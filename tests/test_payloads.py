@@ -42,6 +42,17 @@ def toy_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def matched_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """matched alone on the toy, as small as a whole payload allows (2 items, 8 suffix tokens): its ok items hold
+    every part the forgeries change (arms with their tokens and fingerprints, comparisons, diagnostics)."""
+    out = tmp_path_factory.mktemp("payloads-matched") / "run"
+    result = CliRunner().invoke(app, ["matched", "--n", "2", "--precision", "bf16", "--max-new-tokens", "8",
+                                      "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
 def _read_back(experiment: str, payload: dict[str, Any]) -> payloads.PayloadModel:
     """The payload as its model; it must write back the recorded bytes."""
     model = READERS[experiment].validate_python(payload)
@@ -125,20 +136,20 @@ FORGED = {
 
 
 @pytest.mark.parametrize("forgery", sorted(FORGED))
-def test_a_field_the_model_lacks_or_a_value_of_another_type_is_refused(toy_run, forgery):
-    payload = _first_ok(toy_run, "matched")
+def test_a_field_the_model_lacks_or_a_value_of_another_type_is_refused(matched_run, forgery):
+    payload = _first_ok(matched_run, "matched")
     _read_back("matched", payload)  # control: as recorded, it reads
     with pytest.raises(ValidationError):
         READERS["matched"].validate_python(FORGED[forgery](payload))
 
 
-def test_verify_says_an_arm_that_is_not_one(toy_run):
+def test_verify_says_an_arm_that_is_not_one(matched_run):
     """`--verify-only`'s claims read each arm as its model: an arm of another type is a finding (control: none as
     recorded)."""
     from stagereplay.audit.verify import claim_findings
 
-    record = next(r for r in items(read_ledger(toy_run)) if r.experiment == "matched" and r.payload["status"] == "ok")
-    stage = read_manifest(toy_run).stages["matched/primary"]
+    record = next(r for r in items(read_ledger(matched_run)) if r.experiment == "matched" and r.payload["status"] == "ok")
+    stage = read_manifest(matched_run).stages["matched/primary"]
     assert claim_findings(record, stage, record) == []
     forged = record.model_copy(update={"payload": _arm(record.payload, correct="yes")})
     found = [f.what for f in claim_findings(forged, stage, record)]
