@@ -86,9 +86,11 @@ def test_draws_start_from_one_snapshot_without_touching_it(tiny_dir):
 
 @pytest.fixture(scope="module")
 def resampled(tmp_path_factory):
-    """A toy matched run of 3 items with K = 2 draws at bf16 (the run's precision) and fp32 (fixed prefixes)."""
+    """A toy matched run of 3 items with K = 2 draws at bf16 (the run's precision) and fp32 (fixed prefixes), each
+    suffix and draw 16 tokens long at most (the properties read are counts, seeds and equalities, not lengths)."""
     out = tmp_path_factory.mktemp("resample") / "run"
-    r = runner.invoke(app, ["matched", "--n", "3", "--out", str(out), "--quiet", "--workers", "1"])
+    r = runner.invoke(app, ["matched", "--n", "3", "--max-new-tokens", "16", "--out", str(out), "--quiet",
+                            "--workers", "1"])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["resample", str(out), "--k", str(K), "--precisions", "bf16,fp32", "--quiet"])
     assert r.exit_code == 0, r.output
