@@ -67,7 +67,7 @@ def carry_over(chain: list[Record], k: int) -> None:
     """After editing the matched record `chain[k]`, edit the copies too: every 2x2 or transplant arm that carries
     one of its arms over (`same_as`) gets that arm's fields, and what follows from the arms is recomputed (a 2x2's
     comparisons, a transplant's outcomes), as a careful forger would."""
-    from stagereplay.experiments.transplant import outcome
+    from stagereplay.experiments.transplant import followed
 
     source = chain[k]
     arms = {f"{source.experiment}/{source.checkpoint}:{a['name']}": a for a in source.payload.get("arms", [])}
@@ -85,7 +85,8 @@ def carry_over(chain: list[Record], k: int) -> None:
             for key, prefix in (("directions", ""), ("control", "control:")):
                 for direction in p.get(key, {}):
                     donor, _, recipient = direction.partition("->")
-                    p[key][direction] = outcome(suffix[f"{prefix}{direction}"], suffix[donor], suffix[recipient])
+                    p[key][direction] = followed(suffix[f"{prefix}{direction}"], suffix[donor],
+                                                 suffix[recipient]).as_payload()
         chain[i] = with_payload(r, p)
 
 
