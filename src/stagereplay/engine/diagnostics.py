@@ -49,7 +49,7 @@ class LogitComparison(TypedDict):
     divergence: DivergenceLogits | None
 
 
-class TensorDifference(TypedDict):
+class TensorDistance(TypedDict):
     """How far one tensor is from its reference: max |a - b|, ||a - b|| / ||a|| (None: not finite), and the
     elements whose bits differ."""
 
@@ -58,27 +58,27 @@ class TensorDifference(TypedDict):
     n_diff: int
 
 
-class LayerDifference(TypedDict):
+class LayerDistance(TypedDict):
     layer: int
-    k: TensorDifference
-    v: TensorDifference
+    k: TensorDistance
+    v: TensorDistance
 
 
-class BandDifference(TypedDict):
+class BandDistance(TypedDict):
     """One position band, over every layer: [start, end) in absolute positions."""
 
     band: str
     start: int
     end: int
-    k: TensorDifference
-    v: TensorDifference
+    k: TensorDistance
+    v: TensorDistance
 
 
-class CacheDifference(TypedDict):
+class CacheDistance(TypedDict):
     """How far one cache is from another, per layer and per position band (`cache_difference`)."""
 
-    layers: list[LayerDifference]
-    bands: list[BandDifference]
+    layers: list[LayerDistance]
+    bands: list[BandDistance]
 
 
 def _finite(x: float) -> float | None:
@@ -158,14 +158,14 @@ def _per_position(x: torch.Tensor, y: torch.Tensor, n_positions: int) -> torch.T
     return out
 
 
-def _summary(s: Sequence[float]) -> TensorDifference:
+def _summary(s: Sequence[float]) -> TensorDistance:
     """maxabs, rel_l2 = ||a-b|| / ||a||, n_diff from the reduced [max, sum sq diff, sum sq a, count]."""
     maxabs, sq, ref, n = s
     rel = 0.0 if sq == 0 else math.sqrt(sq / ref) if ref > 0 else math.inf
     return {"maxabs": _finite(maxabs), "rel_l2": _finite(rel), "n_diff": int(n)}
 
 
-def cache_difference(a: Any, b: Any, prompt_len: int, n_positions: int) -> CacheDifference | None:
+def cache_difference(a: Any, b: Any, prompt_len: int, n_positions: int) -> CacheDistance | None:
     """How far cache `b` is from cache `a` (the reference), per layer and per position band, K and V apart.
 
     Both caches cover absolute positions 0..n_positions-1 (P[0:T-1] for a boundary state: n_positions = T-1).
