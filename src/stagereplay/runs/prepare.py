@@ -137,7 +137,6 @@ def warm(model: ModelConfig, items: list[Item], settings: ReplaySettings, determ
 
     captured = captures_steps(model.precision, model.cache) and model.batch == 1 and model.weights
     out: RunDeterminism = {}
-    out.update(determinism)
     if here:
         lm = cached_lm(model, machine_store=machine_store)
         if items and model.weights and model.batch > 1:  # the batched step shown batch-invariant before items share it
@@ -147,8 +146,9 @@ def warm(model: ModelConfig, items: list[Item], settings: ReplaySettings, determ
             prompt, furthest = reach
             lm.prove(prompt, furthest, lm.cache_len(max(len(i.prompt_ids) for i in items), settings.decode))
             captured = lm.stepper.capture
-        out = {}
         out.update(lm.determinism)
+    else:
+        out.update(determinism)
     # Captured steps are the eager ones, bit for bit, where proven (once per machine and model setting: workers
     # reuse what the first to need it proved, records.proofs), and each record's environment says the outcome
     # (`fast_steps`); the manifest says whether they were on.
