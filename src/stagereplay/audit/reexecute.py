@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from stagereplay.audit.versions import as_recorded
 from stagereplay.engine.model import ModelConfig
@@ -351,12 +351,19 @@ def _compare(record: Record, again: dict[str, Any], served: bool, bound: bool, e
     tally.again[record.seq] = record.model_copy(update={"payload": again})
 
 
+class SummaryExtras(TypedDict, total=False):
+    """The audit summary's fields only some audits have: the inputs found elsewhere, the units sampled."""
+
+    relocated: list[dict[str, str]]
+    sample: Sample
+
+
 def _summary(records: list[Record], checked: AuditSummary, tally: _Tally, env_summary: EnvironmentSummary,
              chosen: dict[str, list[Record]], config: AuditConfig, relocated: list[dict[str, str]] | None
              ) -> AuditSummary:
     broken = checked.broken_records
     findings = tally.mismatches
-    optional: dict[str, Any] = {"relocated": relocated} if relocated else {}
+    optional: SummaryExtras = {"relocated": relocated} if relocated else {}
     if config.sample is not None:
         optional["sample"] = Sample(
             per_stage=config.sample, seed=config.seed,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 from stagereplay.errors import StageReplayError
 
@@ -20,12 +20,20 @@ THINK_MARKER = "</think>"
 """The default rule for a model whose tokenizer has this token and whose chat template opens a think block."""
 
 
+class BoundaryMatch(TypedDict, total=False):
+    """How a marker matched on decoded text found the boundary, as the item's record keeps it: both keys, always
+    together (total=False only so that a record's fields can be unpacked from `match or {}`)."""
+
+    boundary_match: Literal["text"]
+    marker_inside_token: bool  # the marker ended inside the boundary token (a merged token such as `</think>\n`)
+
+
 class Watch(Protocol):
     def step(self, token: int) -> bool:
         """Take the next generated token; True when it has just completed stage 1."""
         ...
 
-    def detail(self) -> dict[str, Any] | None:
+    def detail(self) -> BoundaryMatch | None:
         """How the boundary was found, for the item's record; None where there is nothing to add."""
         ...
 
@@ -84,7 +92,7 @@ class _IdWatch:
     def step(self, token: int) -> bool:
         return token == self.token
 
-    def detail(self) -> dict[str, Any] | None:
+    def detail(self) -> BoundaryMatch | None:
         return None
 
 
@@ -110,7 +118,7 @@ class _TextWatch:
         self.tail = window[-(len(self.text) - 1) :] if len(self.text) > 1 else ""
         return False
 
-    def detail(self) -> dict[str, Any] | None:
+    def detail(self) -> BoundaryMatch | None:
         return {"boundary_match": "text", "marker_inside_token": bool(self.after)}
 
 
@@ -172,7 +180,7 @@ class _RegexWatch:
         self.tail = window
         return False
 
-    def detail(self) -> dict[str, Any] | None:
+    def detail(self) -> BoundaryMatch | None:
         return None
 
 
@@ -220,7 +228,7 @@ class _CountWatch:
         self.seen += 1
         return self.seen == self.n
 
-    def detail(self) -> dict[str, Any] | None:
+    def detail(self) -> BoundaryMatch | None:
         return None
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from stagereplay.engine.cache import bits
 from stagereplay.engine.steps import TOP_K
@@ -26,13 +26,68 @@ if TYPE_CHECKING:
 LAST_BAND = 16  # the last positions before the boundary get their own band
 
 
+class ArmLogits(TypedDict):
+    """One arm's logits at the first divergent step."""
+
+    margin: float | None  # top-1 minus top-2 logit (None: one candidate, or not finite)
+    top: list[tuple[int, float | None]]  # the top-5 (token id, logit), best first, ties by id
+
+
+class DivergenceLogits(TypedDict):
+    """Both arms at the first step where their tokens differ."""
+
+    step: int
+    logit_maxabs: float | None
+    a: ArmLogits
+    b: ArmLogits
+
+
+class LogitComparison(TypedDict):
+    """What two arms' logits say (`logit_comparison`)."""
+
+    first_step_logit_maxabs: float | None
+    divergence: DivergenceLogits | None
+
+
+class TensorDistance(TypedDict):
+    """How far one tensor is from its reference: max |a - b|, ||a - b|| / ||a|| (None: not finite), and the
+    elements whose bits differ."""
+
+    maxabs: float | None
+    rel_l2: float | None
+    n_diff: int
+
+
+class LayerDistance(TypedDict):
+    layer: int
+    k: TensorDistance
+    v: TensorDistance
+
+
+class BandDistance(TypedDict):
+    """One position band, over every layer: [start, end) in absolute positions."""
+
+    band: str
+    start: int
+    end: int
+    k: TensorDistance
+    v: TensorDistance
+
+
+class CacheDistance(TypedDict):
+    """How far one cache is from another, per layer and per position band (`cache_difference`)."""
+
+    layers: list[LayerDistance]
+    bands: list[BandDistance]
+
+
 def _finite(x: float) -> float | None:
     """JSON has no NaN or infinity: a non-finite summary is stored as null."""
     return x if math.isfinite(x) else None
 
 
 def logit_comparison(first_a: torch.Tensor | None, first_b: torch.Tensor | None, divergence: int | None,
-                     at_a: torch.Tensor | None = None, at_b: torch.Tensor | None = None) -> dict[str, Any]:
+                     at_a: torch.Tensor | None = None, at_b: torch.Tensor | None = None) -> LogitComparison:
     """What two arms' logits say, given each arm's logits [V] at its first step and at the first divergent step.
 
     `first_step_logit_maxabs` is the fp32 max-abs difference at the first suffix step: both arms see the same
@@ -43,7 +98,7 @@ def logit_comparison(first_a: torch.Tensor | None, first_b: torch.Tensor | None,
     """
     import torch
 
-    out: dict[str, Any] = {"first_step_logit_maxabs": None, "divergence": None}
+    out: LogitComparison = {"first_step_logit_maxabs": None, "divergence": None}
     if first_a is not None and first_b is not None and first_a.shape == first_b.shape:
         out["first_step_logit_maxabs"] = _finite(float((first_a.float() - first_b.float()).abs().max()))
     d = divergence
@@ -56,10 +111,10 @@ def logit_comparison(first_a: torch.Tensor | None, first_b: torch.Tensor | None,
     top = torch.sort(pair, dim=-1, descending=True, stable=True)  # values, indices [2, V]
     maxabs = (pair[0] - pair[1]).abs().max()
     values, ids, gap = top.values[:, :k].tolist(), top.indices[:, :k].tolist(), float(maxabs)
-    arms = []
+    arms: list[ArmLogits] = []
     for v, i in zip(values, ids, strict=True):
         arms.append({"margin": _finite(v[0] - v[1]) if k > 1 else None,
-                     "top": [[int(t), _finite(float(x))] for t, x in zip(i, v, strict=True)]})
+                     "top": [(int(t), _finite(float(x))) for t, x in zip(i, v, strict=True)]})
     out["divergence"] = {"step": d, "logit_maxabs": _finite(gap), "a": arms[0], "b": arms[1]}
     return out
 
@@ -103,14 +158,14 @@ def _per_position(x: torch.Tensor, y: torch.Tensor, n_positions: int) -> torch.T
     return out
 
 
-def _summary(s: Sequence[float]) -> dict[str, Any]:
+def _summary(s: Sequence[float]) -> TensorDistance:
     """maxabs, rel_l2 = ||a-b|| / ||a||, n_diff from the reduced [max, sum sq diff, sum sq a, count]."""
     maxabs, sq, ref, n = s
     rel = 0.0 if sq == 0 else math.sqrt(sq / ref) if ref > 0 else math.inf
     return {"maxabs": _finite(maxabs), "rel_l2": _finite(rel), "n_diff": int(n)}
 
 
-def cache_difference(a: Any, b: Any, prompt_len: int, n_positions: int) -> dict[str, Any] | None:
+def cache_difference(a: Any, b: Any, prompt_len: int, n_positions: int) -> CacheDistance | None:
     """How far cache `b` is from cache `a` (the reference), per layer and per position band, K and V apart.
 
     Both caches cover absolute positions 0..n_positions-1 (P[0:T-1] for a boundary state: n_positions = T-1).

@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
-from stagereplay.engine.boundary import BoundaryRule, stage1_end
+from stagereplay.engine.boundary import BoundaryMatch, BoundaryRule, stage1_end
 from stagereplay.engine.steps import TOP_K, StepRecord
 from stagereplay.errors import StageReplayError
 
@@ -37,6 +37,41 @@ if TYPE_CHECKING:
 BACKENDS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8), "fp8": ()}
 """transformers' quantized-cache backends and the bit widths each takes (fp8: per tensor, no width)."""
 NEEDS = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
+
+
+class GeneratedOption(TypedDict):
+    """The option as records keep it: each part only where it is set."""
+
+    speculate: NotRequired[str]  # prompt-lookup:N | draft:PATH | self
+    cache: NotRequired[str]  # quanto:BITS | hqq:BITS | fp8
+
+
+class GeneratedLive(GeneratedOption):
+    """How generate() built an item's live: the option, and the tokens each of its steps added (more than one where
+    speculation was accepted)."""
+
+    added: list[int]
+
+
+class QuantizedCacheConfig(TypedDict):
+    """transformers' `cache_config` for a QuantizedCache."""
+
+    backend: str
+    nbits: NotRequired[int]
+
+
+class GenerationSettings(TypedDict, total=False):
+    """The generation-config settings an option sets (transformers' GenerationConfig keywords)."""
+
+    prompt_lookup_num_tokens: int
+    cache_implementation: Literal["quantized"]
+    cache_config: QuantizedCacheConfig
+
+
+class DraftArgument(TypedDict, total=False):
+    """generate()'s draft model argument: absent where the option has no draft."""
+
+    assistant_model: Any  # a transformers model
 
 
 @dataclass(frozen=True)
@@ -62,8 +97,13 @@ class Generated:
     def __bool__(self) -> bool:
         return bool(self.speculate or self.cache)
 
-    def as_dict(self) -> dict[str, str]:
-        return {k: v for k, v in (("speculate", self.speculate), ("cache", self.cache)) if v}
+    def as_dict(self) -> GeneratedOption:
+        out: GeneratedOption = {}
+        if self.speculate:
+            out["speculate"] = self.speculate
+        if self.cache:
+            out["cache"] = self.cache
+        return out
 
     def check(self, cache: str, batch: int) -> None:
         """Refuse in one line, before anything loads, what cannot run here: a backend's package missing, a draft
@@ -90,19 +130,22 @@ class Generated:
     def describe(self) -> str:
         return ", ".join(f"{k} {v}" for k, v in self.as_dict().items())
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> GenerationSettings:
         """generate()'s generation-config settings for this option."""
-        out: dict[str, Any] = {}
+        out: GenerationSettings = {}
         kind, _, arg = self.speculate.partition(":")
         if kind == "prompt-lookup":
             out["prompt_lookup_num_tokens"] = int(arg)
         if self.cache:
             backend, _, bits = self.cache.partition(":")
             out["cache_implementation"] = "quantized"
-            out["cache_config"] = {"backend": backend, **({"nbits": int(bits)} if bits else {})}
+            config: QuantizedCacheConfig = {"backend": backend}
+            if bits:
+                config["nbits"] = int(bits)
+            out["cache_config"] = config
         return out
 
-    def assistant(self, lm: Any) -> dict[str, Any]:
+    def assistant(self, lm: Any) -> DraftArgument:
         """generate()'s draft model argument for this option, if it has one."""
         kind, _, arg = self.speculate.partition(":")
         if kind == "draft":
@@ -186,7 +229,7 @@ class Built:
 
     tokens: tuple[int, ...]
     end: int | None
-    match: dict[str, Any] | None
+    match: BoundaryMatch | None
     cache: Any
     positions: _Positions
     added: tuple[int, ...]

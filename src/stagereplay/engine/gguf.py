@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from stagereplay.errors import StageReplayError
 
@@ -115,13 +115,20 @@ def _transformers_version() -> str:
     return metadata.version("transformers")
 
 
-def from_pretrained_args(path: str | Path, weights: bool = False) -> tuple[Path, dict[str, Any]]:
+class GgufArguments(TypedDict, total=False):
+    """`from_pretrained` keywords for a GGUF file (none for a folder)."""
+
+    gguf_file: str  # the file's name, in the folder passed as the path
+    quantization_config: Any  # transformers' GgufConfig(dequantize=True), when the weights load
+
+
+def from_pretrained_args(path: str | Path, weights: bool = False) -> tuple[Path, GgufArguments]:
     """What `from_pretrained` takes for this path: a folder as is; a GGUF file as its folder and `gguf_file`,
     dequantized when the weights load."""
     p = Path(path)
     if not is_gguf(p):
         return p, {}
-    kwargs: dict[str, Any] = {"gguf_file": p.name}
+    kwargs: GgufArguments = {"gguf_file": p.name}
     if weights:
         from transformers import GgufConfig
 

@@ -9,7 +9,7 @@ not a rounding one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from stagereplay.errors import StageReplayError
 
@@ -66,6 +66,15 @@ def check_budgets(longest_prompt: int, stage1: int | None, max_new_tokens: int, 
     return budget
 
 
+class RecordedRope(TypedDict):
+    """A `Rope` as the manifest records it, with whether the run's longest sequence may move its frequencies."""
+
+    type: str
+    original_context: int | None
+    length_dependent: bool
+    may_change: bool
+
+
 @dataclass(frozen=True)
 class Rope:
     """The config's RoPE scaling, as the manifest records it."""
@@ -78,7 +87,7 @@ class Rope:
         """Whether a sequence of `longest` positions can move a length-dependent RoPE off its trained frequencies."""
         return self.length_dependent and self.original_context is not None and longest > self.original_context
 
-    def as_dict(self, longest: int) -> dict[str, Any]:
+    def as_dict(self, longest: int) -> RecordedRope:
         return {"type": self.type, "original_context": self.original_context,
                 "length_dependent": self.length_dependent, "may_change": self.may_change(longest)}
 

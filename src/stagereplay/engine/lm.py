@@ -16,9 +16,9 @@ import logging
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
-from stagereplay.engine.boundary import BoundaryRule
+from stagereplay.engine.boundary import BoundaryMatch, BoundaryRule
 from stagereplay.engine.cache import cache_fingerprint, clone_cache, new_cache
 from stagereplay.engine.constructions import Construction, parse_construction
 from stagereplay.engine.decode import (
@@ -31,9 +31,10 @@ from stagereplay.engine.decode import (
     eos_ids,
     graphs_steps,
 )
-from stagereplay.engine.generated import Generated
+from stagereplay.engine.generated import Generated, GeneratedLive
 from stagereplay.engine.limits import model_context, stage1_budget, static_cache_len
 from stagereplay.engine.model import (
+    DeterminismSettings,
     ModelConfig,
     generation_config,
     load_config_and_tokenizer,
@@ -41,7 +42,7 @@ from stagereplay.engine.model import (
     resolve_attn_impl,
     set_determinism,
 )
-from stagereplay.engine.proof import BatchProof, Proof
+from stagereplay.engine.proof import BatchCheck, BatchProof, Proof, ProofOutcome
 from stagereplay.engine.proof_stores import IN_PROCESS, ProofStore
 from stagereplay.engine.prover import Prover
 from stagereplay.engine.steps import StepRecord
@@ -81,11 +82,11 @@ class BoundaryState:
     seed: int = 0  # the continuation's sampling seed, shared by every construction of one item
     live_suffix: Continuation | None = None  # for `live`: what the uninterrupted original loop went on to emit
     roundtrip: bool | None = None  # for `retokenized`: did decode -> encode return the same IDs?
-    match: dict[str, Any] | None = None  # for `live`: how the boundary rule matched, when there is more to say
+    match: BoundaryMatch | None = None  # for `live`: how the boundary rule matched, when there is more to say
     cache_len: int | None = None
     """With a static cache: the positions L it is allocated for (`LM.cache_len`), which every construction of
     this item shares, since a static forward attends over all L rows. None for a dynamic cache."""
-    generated: dict[str, Any] | None = None
+    generated: GeneratedLive | None = None
     """For live built by transformers' generate() (`engine.generated`): the option, and the tokens each of its steps
     added (more than one where speculation was accepted)."""
     stage1_steps: StepRecord | None = field(default=None, repr=False, compare=False)
@@ -114,10 +115,24 @@ class NoBoundary(Exception):
         self.generated = tuple(generated)
 
 
+class Determinism(TypedDict, total=False):
+    """What every record's environment says of a model's numbers (`LM.determinism`): the settings it was loaded
+    with (engine.model.set_determinism; none for a model made without them), the rows of a batched step (only when
+    above 1), and the proofs' outcomes once they exist (engine.prover)."""
+
+    threads: int
+    deterministic_algorithms: bool
+    cublas_workspace_config: str | None
+    allow_tf32: bool
+    batch: int
+    fast_steps: ProofOutcome
+    batch_check: BatchCheck
+
+
 class LM:
     """A model, its tokenizer and the settings that fix its numbers."""
 
-    def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, settings: dict[str, Any] | None = None,
+    def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, settings: DeterminismSettings | None = None,
                  model_config: Any = None, generation_config: Any = None, proofs: ProofStore | None = None):
         """`model` None (with its `model_config` and `generation_config`): the tokenizer, EOS ids and context of
         the model and none of its weights (`ModelConfig.weights` False), all a run reads from our engine when a
@@ -127,7 +142,7 @@ class LM:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.settings = dict(settings or {})  # as loaded, never changed: `determinism` adds what happened since
+        self.settings = settings  # as loaded, never changed: `determinism` adds what happened since
         self.stepper = Stepper(model, config.device, capture=captures_steps(config.precision, config.cache),
                                graphs=graphs_steps(config.precision, config.cache, config.device))
         if model is not None:
@@ -135,7 +150,7 @@ class LM:
         self.eos = eos_ids(generation_config, tokenizer)
         self.n_layers = int(model_config.get_text_config().num_hidden_layers)
         self.context = model_context(model_config)
-        self.prover = Prover(self.stepper, config, self.settings, self.context,
+        self.prover = Prover(self.stepper, config, self.settings or {}, self.context,
                              IN_PROCESS if proofs is None else proofs)
         # Asked before every fast step with the prompt of the sequence stepped, which each method below passes with
         # its steps: a proof that step needs first prefills it. Passed, not left on the LM by the last call, so no
@@ -143,12 +158,17 @@ class LM:
         self.stepper.guard = self.prover.guard
 
     @property
-    def determinism(self) -> dict[str, Any]:
+    def determinism(self) -> Determinism:
         """What every record's environment says of this model's numbers, made afresh at each read: the settings it
         was loaded with, the rows of a batched step (a row's bits may depend on the row count), and the outcomes
         of the proofs made so far (engine.prover: `fast_steps`, `batch_check`)."""
-        rows = {"batch": self.config.batch} if self.config.batch > 1 else {}
-        return {**self.settings, **rows, **self.prover.recorded()}
+        out: Determinism = {}
+        if self.settings is not None:
+            out.update(self.settings)
+        if self.config.batch > 1:
+            out["batch"] = self.config.batch
+        out.update(self.prover.recorded())
+        return out
 
     def prove(self, prompt: Sequence[int], reach: int, allocated: int | None = None) -> Proof | None:
         """Prove the fast step from `prompt` to `reach` now (engine.prover.Prover.prove)."""

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from stagereplay.errors import StageReplayError
 
@@ -21,6 +21,34 @@ AUTO = "auto"
 """`--attn-impl auto` (the default): the attention transformers picks for the model, resolved before a run starts
 (`resolve_attn_impl`) and recorded as what it resolved to."""
 CACHES: tuple[str, ...] = ("dynamic", "static")
+
+
+class RecordedModel(TypedDict):
+    """A `ModelConfig` as records keep it (`ModelConfig.as_dict`)."""
+
+    path: str
+    precision: str
+    device: str
+    threads: int
+    attn_impl: str
+    cache: str
+    batch: NotRequired[int]  # only when above 1
+    static_len: NotRequired[int]  # only when set
+
+
+class DeterminismSettings(TypedDict):
+    """What `set_determinism` set, as it reads back."""
+
+    threads: int
+    deterministic_algorithms: bool
+    cublas_workspace_config: str | None  # cuBLAS's workspace, set for deterministic GEMMs on a GPU
+    allow_tf32: bool
+
+
+class Placement(TypedDict, total=False):
+    """`from_pretrained` arguments that load straight onto a device (empty: load to the host, then move)."""
+
+    device_map: str
 
 
 @dataclass(frozen=True)
@@ -69,15 +97,15 @@ class ModelConfig:
     def with_precision(self, precision: str) -> ModelConfig:
         return ModelConfig(**{**asdict(self), "precision": precision})
 
-    def as_dict(self) -> dict[str, Any]:
-        """The fields as records keep them: `batch` only when above 1, so a batch-1 run records what it always
-        recorded (and a record without it reads back as batch 1)."""
-        out = asdict(self)
-        del out["weights"]
-        if self.batch == 1:
-            del out["batch"]
-        if self.static_len is None:  # recorded only when set, as `batch`
-            del out["static_len"]
+    def as_dict(self) -> RecordedModel:
+        """The fields as records keep them, in their order, `weights` left out: `batch` only when above 1, so a
+        batch-1 run records what it always recorded (and a record without it reads back as batch 1)."""
+        out: RecordedModel = {"path": self.path, "precision": self.precision, "device": self.device,
+                              "threads": self.threads, "attn_impl": self.attn_impl, "cache": self.cache}
+        if self.batch != 1:
+            out["batch"] = self.batch
+        if self.static_len is not None:  # recorded only when set, as `batch`
+            out["static_len"] = self.static_len
         return out
 
 
@@ -100,7 +128,7 @@ def check_cache(cache: str) -> str:
     return cache
 
 
-def set_determinism(threads: int, device: str) -> dict[str, Any]:
+def set_determinism(threads: int, device: str) -> DeterminismSettings:
     """Fix threads and turn on deterministic algorithms; return what was set, for the manifest."""
     import torch
 
@@ -356,7 +384,7 @@ def load_model_and_tokenizer(config: ModelConfig) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _placement(device: str) -> dict[str, Any]:
+def _placement(device: str) -> Placement:
     """`from_pretrained` arguments that load straight onto `device`.
 
     On a GPU, a one-device `device_map` makes transformers materialise each tensor there as it reads it: no full

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,24 @@ if TYPE_CHECKING:
     from stagereplay.engine.decode import Stepper
 
 log = logging.getLogger(__name__)
+
+
+class ProofOutcome(TypedDict):
+    """What a record's environment keeps of a proof (`Proof.as_dict`)."""
+
+    path: str
+    anchor: str
+    equal: bool
+    first_difference: int | None
+
+
+class BatchCheck(TypedDict):
+    """What a record's environment keeps of the batched step's check (`BatchProof`)."""
+
+    rows: int
+    steps: int
+    invariant: bool
+    equals_batch_1: bool
 
 
 @dataclass(frozen=True)
@@ -78,7 +96,7 @@ class Proof:
         was compared: the same allocation, and a position stepped (the proof's prompt was prefilled, not stepped)."""
         return self.allocated == allocated and self.prompt <= position < self.positions
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> ProofOutcome:
         """What a record's environment keeps: what was proven and its outcome. Not how far, from which prompt, by
         whom, in how long or whether it was stored (a worker may prove or reuse, a store may be off), so that a
         run's ledger is the same bytes for any --workers or executor; the store's entry (records.proofs) keeps
@@ -206,8 +224,9 @@ class BatchProof:
     invariant: bool  # each row's logits the same bits together, alone and in another slot
     equals_batch_1: bool  # ... and the same bits as the batch-1 eager step (row-count-invariant kernels)
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def as_dict(self) -> BatchCheck:
+        return {"rows": self.rows, "steps": self.steps, "invariant": self.invariant,
+                "equals_batch_1": self.equals_batch_1}
 
     def line(self) -> str:
         if not self.invariant:

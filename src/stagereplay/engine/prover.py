@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from stagereplay.engine.cache import new_cache
 from stagereplay.engine.decode import Stepper
 from stagereplay.engine.proof import (
     MIN_REACH,
+    BatchCheck,
     BatchProof,
     Proof,
+    ProofOutcome,
     next_reach,
     proof_progress,
     prove_batched,
@@ -34,6 +36,13 @@ if TYPE_CHECKING:
     from stagereplay.engine.model import ModelConfig
 
 log = logging.getLogger(__name__)
+
+
+class ProofsRecorded(TypedDict, total=False):
+    """The proofs' outcomes a record's environment keeps, each once it exists."""
+
+    fast_steps: ProofOutcome
+    batch_check: BatchCheck
 
 
 class Prover:
@@ -59,10 +68,10 @@ class Prover:
     def fast(self) -> bool:
         return self.stepper.capture or self.stepper.graphs is not None
 
-    def recorded(self) -> dict[str, Any]:
+    def recorded(self) -> ProofsRecorded:
         """What every record's environment adds to the model's settings: the latest proof's outcome (`fast_steps`)
         once one was made or taken, the batched step's (`batch_check`) once it ran."""
-        out: dict[str, Any] = {}
+        out: ProofsRecorded = {}
         if self.proof is not None:
             out["fast_steps"] = self.proof.as_dict()
         if self.batch_proof is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from stagereplay.engine.diagnostics import cache_difference, logit_comparison
+from stagereplay.engine.diagnostics import DivergenceLogits, cache_difference, logit_comparison
 from stagereplay.engine.lm import BoundaryState, Continuation
 from stagereplay.engine.steps import StepRecord, replay_logits
 from stagereplay.experiments.stats import first_divergence
@@ -73,13 +73,14 @@ def diagnose(arms: dict[str, tuple[BoundaryState, Continuation]], pairs: Iterabl
             at_a = at_b = None
             if d is not None and d < ca.record.n and d < cb.record.n:
                 at_a, at_b = _logits_at(kept[a], d), _logits_at(kept[b], d)
-            entry = logit_comparison(ca.record.full.get(0), cb.record.full.get(0), d, at_a, at_b)
-            if entry["divergence"] is None and d is not None and d < ca.record.n and d < cb.record.n:
+            logits = logit_comparison(ca.record.full.get(0), cb.record.full.get(0), d, at_a, at_b)
+            divergence: Divergence | DivergenceLogits | None = logits["divergence"]
+            if divergence is None and d is not None and d < ca.record.n and d < cb.record.n:
                 # an arm whose logits cannot be had there: each side's recorded top-k, no logit difference
-                entry["divergence"] = Divergence(step=d, logit_maxabs=None, a=_from_top(ca.record, d),
-                                                 b=_from_top(cb.record, d))
-            entry["cache"] = None
+                divergence = Divergence(step=d, logit_maxabs=None, a=_from_top(ca.record, d), b=_from_top(cb.record, d))
+            cache = None
             if (a, b) in with_cache and sa.prefix == sb.prefix and sa.cache is not None and sb.cache is not None:
-                entry["cache"] = cache_difference(sa.cache, sb.cache, sa.prompt_len, len(sa.prefix) - 1)
-            out[pair_key(a, b)] = PairDiagnostics.model_validate(entry)
+                cache = cache_difference(sa.cache, sb.cache, sa.prompt_len, len(sa.prefix) - 1)
+            out[pair_key(a, b)] = PairDiagnostics.model_validate(
+                {**logits, "divergence": divergence, "cache": cache})
     return Diagnostics(margins=margins, pairs=out)

@@ -14,7 +14,7 @@ finding (tampering or a broken run); under other kernels it is "not reproduced h
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 NOT_RECORDED = "not recorded"
 
@@ -44,8 +44,8 @@ _GPU: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def _get(env: dict[str, Any], path: tuple[str, ...]) -> Any:
-    value: Any = env
+def _get(env: Mapping[str, object], path: tuple[str, ...]) -> object:
+    value: object = env
     for key in path:
         if not isinstance(value, dict) or key not in value:
             return NOT_RECORDED
@@ -53,16 +53,17 @@ def _get(env: dict[str, Any], path: tuple[str, ...]) -> Any:
     return value
 
 
-def device_kind(env: dict[str, Any]) -> str:
+def device_kind(env: Mapping[str, object]) -> str:
     device = env.get("device")
     return str(device).split(":")[0] if device else NOT_RECORDED
 
 
-def kernel_fields(env: dict[str, Any]) -> dict[str, Any]:
-    """The fields of `env` (a recorded environment, `records.provenance.environment`) that choose kernels,
-    by name: the device kind, then the common ones, then the CPU's or the GPU's."""
+def kernel_fields(env: Mapping[str, object]) -> dict[str, object]:
+    """The fields of `env` (a recorded environment, `records.provenance.environment`: JSON as it was read) that
+    choose kernels, by name: the device kind, then the common ones, then the CPU's or the GPU's, each value as
+    recorded (`NOT_RECORDED` where it was not)."""
     kind = device_kind(env)
-    fields: dict[str, Any] = {"device": kind}
+    fields: dict[str, object] = {"device": kind}
     for name, path in _COMMON + (_GPU if kind == "cuda" else _CPU):
         value = _get(env, path)
         # An unset variable is no cap, whether or not the recording stagereplay listed it.
@@ -71,7 +72,8 @@ def kernel_fields(env: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def kernel_differences(recorded: dict[str, Any], here: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+def kernel_differences(recorded: Mapping[str, object], here: Mapping[str, object]
+                       ) -> list[tuple[str, object, object]]:
     """(field, recorded value, value here) for each kernel-choosing field that differs. A field the run did
     not record (an older run) counts as differing: nothing says its kernels were these."""
     a, b = kernel_fields(recorded), kernel_fields(here)
@@ -79,13 +81,13 @@ def kernel_differences(recorded: dict[str, Any], here: dict[str, Any]) -> list[t
             if a.get(name, NOT_RECORDED) != b.get(name, NOT_RECORDED)]
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     if isinstance(value, dict):
         parts = [k if v is True else f"{k}={v}" for k, v in value.items() if v not in (None, False)]
         return "+".join(parts) or "none"
     return str(value)
 
 
-def describe(differences: list[tuple[str, Any, Any]]) -> str:
+def describe(differences: list[tuple[str, object, object]]) -> str:
     """`ISA AVX512 (run) vs AVX2 (here); threads 1 (run) vs 2 (here)`."""
     return "; ".join(f"{name} {_show(a)} (run) vs {_show(b)} (here)" for name, a, b in differences)

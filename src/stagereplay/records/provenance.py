@@ -16,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -190,7 +191,7 @@ def _kernels(device: str) -> dict[str, Any]:
     return out
 
 
-def environment(device: str, determinism: dict[str, Any]) -> dict[str, Any]:
+def environment(device: str, determinism: Mapping[str, object]) -> dict[str, Any]:
     """This process's environment for work on `device` under `determinism` (what `set_determinism` set)."""
     return json.loads(_environment(device, json.dumps(determinism, sort_keys=True)))
 

@@ -22,7 +22,8 @@ from typing import Any
 
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.limits import model_context, static_cache_len
-from stagereplay.engine.model import ModelConfig, check_model_dir, resolve_attn_impl
+from stagereplay.engine.lm import Determinism
+from stagereplay.engine.model import DeterminismSettings, ModelConfig, check_model_dir, resolve_attn_impl
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import choose, pin
@@ -104,19 +105,26 @@ def prepare(command: str, inputs: Inputs, experiment: Experiment, options: Any, 
                                    f"{context}", "lower --max-new-tokens or shorten the prompts")
         reach = (min((i.prompt_ids for i in items), key=len), longest) if items else None
     model = shared_static_len(model, settings.decode, items, context)
-    determinism = warm(model, items, settings, determinism, quiet, reach,
-                       here=ex.workers == 1 and ex.executor == "local")
+    recorded = warm(model, items, settings, determinism, quiet, reach, here=ex.workers == 1 and ex.executor == "local")
     prepared = PreparedRun(command=command, model=model, data=data, settings=settings, stage1=stage1,
                            items=tuple(shard_items(items, parse_shard(inputs.input.shard))), data_hash=data_hash,
-                           engine=engine, determinism=frozen(determinism), ex=ex, quiet=quiet)
+                           engine=engine, determinism=frozen(recorded), ex=ex, quiet=quiet)
     if not quiet and stage1 is not None:
         log.info(stage1.line())
     identity = engine.identity(model)
     return prepared if identity is None else replace(prepared, engine_identity=frozen(identity))
 
 
-def warm(model: ModelConfig, items: list[Item], settings: ReplaySettings, determinism: dict[str, Any], quiet: bool,
-         reach: tuple[tuple[int, ...], int] | None, here: bool) -> dict[str, Any]:
+class RunDeterminism(Determinism, total=False):
+    """The determinism a manifest records (`warm`): the process's, whether single-token steps are captured, and
+    whether they are CUDA graphs (only when they are)."""
+
+    captured_steps: bool
+    cuda_graph_steps: bool
+
+
+def warm(model: ModelConfig, items: list[Item], settings: ReplaySettings, determinism: DeterminismSettings,
+         quiet: bool, reach: tuple[tuple[int, ...], int] | None, here: bool) -> RunDeterminism:
     """Where the run steps in this process (`here`; else workers load their own replicas): load the model into this
     process's cache and prove its fast step as far as the run is sure to go (`prove_reach`), with a progress bar
     unless `quiet`, or show the batched step batch-invariant where items share it. A model loaded without its
@@ -128,6 +136,7 @@ def warm(model: ModelConfig, items: list[Item], settings: ReplaySettings, determ
     from stagereplay.records.proofs import machine_store
 
     captured = captures_steps(model.precision, model.cache) and model.batch == 1 and model.weights
+    out: RunDeterminism = {}
     if here:
         lm = cached_lm(model, machine_store=machine_store)
         if items and model.weights and model.batch > 1:  # the batched step shown batch-invariant before items share it
@@ -137,14 +146,16 @@ def warm(model: ModelConfig, items: list[Item], settings: ReplaySettings, determ
             prompt, furthest = reach
             lm.prove(prompt, furthest, lm.cache_len(max(len(i.prompt_ids) for i in items), settings.decode))
             captured = lm.stepper.capture
-        determinism = dict(lm.determinism)
+        out.update(lm.determinism)
+    else:
+        out.update(determinism)
     # Captured steps are the eager ones, bit for bit, where proven (once per machine and model setting: workers
     # reuse what the first to need it proved, records.proofs), and each record's environment says the outcome
     # (`fast_steps`); the manifest says whether they were on.
-    determinism["captured_steps"] = captured
+    out["captured_steps"] = captured
     if graphs_steps(model.precision, model.cache, model.device):  # CUDA graphs replay the eager kernels
-        determinism["cuda_graph_steps"] = True
-    return determinism
+        out["cuda_graph_steps"] = True
+    return out
 
 
 def shared_static_len(model: ModelConfig, decode: DecodeConfig, items: list[Item], context: int) -> ModelConfig:

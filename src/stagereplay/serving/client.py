@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from http import client
 from typing import Any
 from urllib import parse
@@ -32,8 +33,8 @@ class Client:
                                    "pass --url http://HOST:PORT")
         self.url, self.key_env, self.timeout, self.retries = public_url(url), key_env, timeout, retries
 
-    def call(self, path: str, body: dict[str, Any] | None = None, quiet_status: tuple[int, ...] = ()) -> Any:
-        """GET (no body) or POST `body` to `path`; the JSON reply. None for a status in `quiet_status` (an
+    def call(self, path: str, body: Mapping[str, object] | None = None, quiet_status: tuple[int, ...] = ()) -> Any:
+        """GET (no body) or POST `body` (a request's JSON) to `path`; the JSON reply. None for a status in `quiet_status` (an
         endpoint the server does not have)."""
         text = self.text(path, body, quiet_status)
         if text is None:
@@ -57,7 +58,7 @@ class Client:
             "audit a server that takes both: llama-server (/completion) or vllm serve (/v1/completions); "
             "transformers serve and llama-cpp-python's server take no token-ID prompts (docs/how-to/server.md)")
 
-    def text(self, path: str, body: dict[str, Any] | None = None, quiet_status: tuple[int, ...] = (404, 405, 501)
+    def text(self, path: str, body: Mapping[str, object] | None = None, quiet_status: tuple[int, ...] = (404, 405, 501)
              ) -> str | None:
         """The reply's text; None for a status in `quiet_status`. Connection errors and 5xx are retried `retries`
         times."""

@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NotRequired, TypedDict
 
 from stagereplay.errors import StageReplayError
 from stagereplay.serving import http_rollout
@@ -58,6 +58,8 @@ from stagereplay.serving.seam import (
     EngineKind,
     EngineOptions,
     Generation,
+    Instance,
+    LoadSeen,
     PromptScores,
     Restarts,
     RestoresSlot,
@@ -65,6 +67,7 @@ from stagereplay.serving.seam import (
     Sampling,
     ScoresPrompt,
     ServesUnderLoad,
+    SlotSaveRestore,
 )
 from stagereplay.serving.server_identity import (
     ServerIdentity,
@@ -131,7 +134,58 @@ class HttpOptions(EngineOptions):
         return Client(self.url, self.api_key_env, self.timeout, self.retries)
 
 
-def _top_native(step: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+class Candidate(TypedDict):
+    """One of a step's top tokens in llama-server's /completion reply."""
+
+    id: int
+    logprob: float
+
+
+class NativeStep(TypedDict, total=False):
+    """One step of llama-server's /completion `completion_probabilities`: the token emitted, and the top tokens."""
+
+    id: int
+    logprob: float
+    top_logprobs: list[Candidate]
+
+
+class CompletionRequest(TypedDict):
+    """The body of a greedy request to an OpenAI-style /v1/completions, with token IDs in and out."""
+
+    model: str | None
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    logprobs: int
+    return_tokens_as_token_ids: bool
+    seed: int
+    cache_prompt: bool
+    cache_salt: NotRequired[str]  # vLLM: the blocks of a request under another salt are never reused
+
+
+class ServerChecks(TypedDict, total=False):
+    """What `HttpEngine.check` measured of the server before any item (empty until it ran)."""
+
+    verbatim_ids: bool
+    greedy: bool
+    top_logprobs: int
+    tokenizer: str  # "compared" | "no endpoint"
+    cached_when_reused: int | None
+    cached_when_bypassed: int | None
+    instance: Instance
+
+
+class Resumed(TypedDict):
+    """A resumed run's view of the server (`HttpEngine.note_resume`): the item the run resumed after, whether the
+    server restarted since (None: cannot tell), and its instance then and now."""
+
+    after: str
+    restarted: bool | None
+    before: Instance
+    now: Instance
+
+
+def _top_native(step: NativeStep) -> tuple[tuple[int, float], ...]:
     return tuple((int(t["id"]), float(t["logprob"])) for t in step.get("top_logprobs", []))
 
 
@@ -144,8 +198,8 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
     def __init__(self, config: EngineConfig, client: Client, api: str, identity: ServerIdentity):
         self.config, self.client, self.api, self.identity = config, client, api, identity
         self.options = config.own(HttpOptions)
-        self.checked: dict[str, Any] = {}
-        self.resumed: dict[str, Any] | None = None  # set by `note_resume` when a run resumes on this server
+        self.checked: ServerChecks = {}
+        self.resumed: Resumed | None = None  # set by `note_resume` when a run resumes on this server
         self._salt = ""  # the cache salt of the last request that bypassed the cache (openai dialect)
         # A speculating vLLM says what a request drafted only through its server-wide counters, read around a request
         # sent alone (not under load, where other requests' drafts count too).
@@ -174,7 +228,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
             prompt = int(reply.get("tokens_evaluated", -1))
             draft = llama_server_draft(timings, bool(self.identity.speculative))
             return Generation(ids_out, tuple(_top_native(s) for s in steps), cached, finish, draft), prompt
-        body: dict[str, Any] = {
+        body: CompletionRequest = {
             "model": self.identity.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
             "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "seed": self.config.seed,
             "cache_prompt": reuse}
@@ -214,7 +268,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
         return self.options.slot_restore
 
     def slot_restore(self, prompt: Sequence[int], live_tokens: int, prefix: Sequence[int], max_new: int
-                     ) -> tuple[Generation, Generation, dict[str, Any]]:
+                     ) -> tuple[Generation, Generation, SlotSaveRestore]:
         """llama-server's slot save/restore (`--slot-save-path`): live's request again in slot A, that slot's K/V
         saved and restored into slot B (A itself, erased first, on a one-slot server), and the prefix continued
         in B reusing what was restored. The live request (to check it is live's) and the continuation."""
@@ -229,7 +283,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
         return live, g, {"slots": [a, b], "saved": saved.get("n_saved"), "restored": restored.get("n_restored")}
 
     def generate_loaded(self, ids: Sequence[int], max_tokens: int, others: Sequence[Sequence[int]]
-                        ) -> tuple[Generation, dict[str, Any]]:
+                        ) -> tuple[Generation, LoadSeen]:
         """`generate(ids, reuse=False)` while `--concurrency` requests for `others` run without pause around it:
         each asks for `TRAFFIC_TOKENS` tokens, may reuse the server's prefix cache as any client's request would
         (the measured one may not), and is sent again as soon as it returns, so the batch the request meets keeps
@@ -355,7 +409,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
                         "cached_when_reused": reused.cached, "cached_when_bypassed": bypassed.cached,
                         "instance": instance}
 
-    def instance(self) -> dict[str, Any]:
+    def instance(self) -> Instance:
         """What tells this server's life from another's: vLLM's process start time (its /metrics'
         `process_start_time_seconds`); llama-server's task counter (the highest task id its /slots show: it only
         grows while the server runs, and starts again from 0). Empty where the server says neither."""
@@ -367,7 +421,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
                 return {"started": float(line.split()[1])}
         return {}
 
-    def note_resume(self, before: dict[str, Any], requests: int, after: str) -> bool | None:
+    def note_resume(self, before: Instance, requests: int, after: str) -> bool | None:
         """Whether the server restarted (its caches then cold) since a run's last record, `after` (the item),
         was made by a process that saw the server as `before` (its `instance`) and sent it at least `requests`
         completions since: True where it surely did (another start time; a task counter below where those

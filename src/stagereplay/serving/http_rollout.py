@@ -22,7 +22,7 @@ import math
 import shlex
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from stagereplay.errors import StageReplayError
 from stagereplay.serving.client import Client
@@ -84,7 +84,18 @@ def prompt_scoring(api: str, identity: ServerIdentity, mode: str) -> str | None:
     return None
 
 
-def _sampler(sampling: Sampling) -> dict[str, Any]:
+class SamplerFields(TypedDict):
+    """How a sampled request draws, in the fields both servers' completion bodies take."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float  # 0: off (llama-server's default is not)
+    seed: int
+    samplers: list[str]  # llama-server's sampler chain, in generate()'s order (vLLM ignores it)
+
+
+def _sampler(sampling: Sampling) -> SamplerFields:
     return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": 0.0,
             "seed": sampling.seed, "samplers": SAMPLERS}
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagereplay.engine.boundary import After, BoundaryRule, Watch, stage1_end
+from stagereplay.engine.boundary import After, BoundaryMatch, BoundaryRule, Watch, stage1_end
 from stagereplay.serving.seam import Generation
 
 FIRST_STAGE1 = 256
@@ -71,7 +71,7 @@ class Live:
 
     generation: Generation
     end: int | None
-    match: dict[str, Any] | None
+    match: BoundaryMatch | None
     max_tokens: int
     tries: int
     state: Any = None

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 from stagereplay.errors import StageReplayError
 from stagereplay.serving import llamacpp_rollout
@@ -101,7 +101,14 @@ def _cpu_flags() -> list[str] | None:
     return None
 
 
-def build_info() -> dict[str, Any]:
+class LlamaCppBuild(TypedDict):
+    """llama.cpp's build as `build_info` reads it."""
+
+    version: str  # llama-cpp-python's, which names the vendored llama.cpp commit
+    system_info: str  # llama.cpp's system info line: the CPU features the build compiled in
+
+
+def build_info() -> LlamaCppBuild:
     """What fixes llama.cpp's kernels here: its version (the vendored llama.cpp commit comes with it) and the CPU
     features the build compiled in, as llama.cpp reports them (a native build's are the CPU's own)."""
     import llama_cpp
@@ -392,7 +399,7 @@ class LlamaCppKind(EngineKind):
              ) -> LlamaCppEngine:
         return load(config, model_path, precision, threads, device)
 
-    def build(self, config: EngineConfig) -> dict[str, Any]:
+    def build(self, config: EngineConfig) -> LlamaCppBuild:
         require()
         return build_info()
 

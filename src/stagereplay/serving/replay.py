@@ -14,7 +14,7 @@ from stagereplay.serving.http import public_url
 from stagereplay.serving.matched import LOADED
 
 
-def engine_build_here(stages: Mapping[str, StageSection]) -> dict[str, Any] | None:
+def engine_build_here(stages: Mapping[str, StageSection]) -> Mapping[str, object] | None:
     """The build of the serving engine a run's stages name, as it is here (llama.cpp's installed build, the
     server's at its address; the audit compares it as it compares torch's kernels), or None where no stage names an
     engine that records one."""

@@ -276,7 +276,7 @@ def _mismatch_environment(lm: Any, job: Job, arms: ServingArms) -> JobResult:
 
 
 @lru_cache(maxsize=4)
-def _build(config: EngineConfig) -> dict[str, Any] | None:
+def _build(config: EngineConfig) -> Mapping[str, object] | None:
     return kind_of(config.name).build(config)
 
 

@@ -38,9 +38,9 @@ engine class; one line of `serving.engines.ENGINES` registers the kind. No code 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypedDict, TypeVar
 
 from stagereplay.errors import StageReplayError
 
@@ -231,6 +231,15 @@ class PrefillsInChunks(ABC):
         """`generate(ids)` from nothing, the prompt processed `chunk` tokens per batch."""
 
 
+class SlotSaveRestore(TypedDict):
+    """What a server said of a slot saved and restored: the slot saved from, then the slot restored into, and the
+    positions it says it saved and restored (None: it did not say)."""
+
+    slots: list[int]
+    saved: int | None
+    restored: int | None
+
+
 class RestoresSlot(ABC):
     """A server slot saved, restored into another slot and continued there."""
 
@@ -243,9 +252,18 @@ class RestoresSlot(ABC):
 
     @abstractmethod
     def slot_restore(self, prompt: Sequence[int], live_tokens: int, prefix: Sequence[int], max_new: int
-                     ) -> tuple[Generation, Generation, dict[str, Any]]:
+                     ) -> tuple[Generation, Generation, SlotSaveRestore]:
         """live's request again in one slot, that slot saved and restored into another, the prefix continued
         there: (the live request, the continuation, what the server said of the save and the restore)."""
+
+
+class LoadSeen(TypedDict):
+    """What a request under load met: the other requests kept in flight around it, those in flight when it was
+    sent, and those that returned while it ran."""
+
+    concurrency: int
+    in_flight_at_send: int
+    returned_meanwhile: int
 
 
 class ServesUnderLoad(ABC):
@@ -256,7 +274,7 @@ class ServesUnderLoad(ABC):
 
     @abstractmethod
     def generate_loaded(self, ids: Sequence[int], max_tokens: int, others: Sequence[Sequence[int]]
-                        ) -> tuple[Generation, dict[str, Any]]:
+                        ) -> tuple[Generation, LoadSeen]:
         """`generate(ids, reuse=False)` while requests for `others` are in flight; and what was seen of them."""
 
 
@@ -293,6 +311,13 @@ class ChecksFirst(ABC):
     def check(self, tokenizer: Any) -> None: ...
 
 
+class Instance(TypedDict, total=False):
+    """What tells one life of a process from another's, as far as it says (neither: it says nothing)."""
+
+    started: float  # when the process started (vLLM's `process_start_time_seconds`)
+    tasks: int  # a counter that only grows while the process runs (llama-server's highest task id)
+
+
 class Restarts(ABC):
     """A process that may restart between a run's items (its caches then cold), which a resumed run can tell."""
 
@@ -302,11 +327,11 @@ class Restarts(ABC):
         """Where it is, for a note."""
 
     @abstractmethod
-    def instance(self) -> dict[str, Any]:
+    def instance(self) -> Instance:
         """What tells this process's life from another's."""
 
     @abstractmethod
-    def note_resume(self, before: dict[str, Any], requests: int, after: str) -> bool | None:
+    def note_resume(self, before: Instance, requests: int, after: str) -> bool | None:
         """Whether it restarted since a record made when it was `before` and `requests` requests ago (None: it
         cannot tell)."""
 
@@ -371,9 +396,9 @@ class EngineKind(ABC):
         """Other requests in flight around each under-load arm (0: none)."""
         return 0
 
-    def build(self, config: EngineConfig) -> dict[str, Any] | None:
-        """What fixes its kernels, as installed here, for the audit to compare with the recorded one (None: the
-        engine records none)."""
+    def build(self, config: EngineConfig) -> Mapping[str, object] | None:
+        """What fixes its kernels, as installed here, for the audit to compare with the recorded one (each engine's
+        own fields, compared field by field with the recorded JSON; None: the engine records none)."""
         return None
 
     def at_address(self, config: EngineConfig, url: str) -> EngineConfig | None:

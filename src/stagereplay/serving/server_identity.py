@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -71,7 +71,7 @@ class ServerIdentity(BaseModel):
     total_slots: int | None = Field(None, description="llama-server: its slots (requests served at once)")
     n_ctx: int | None = Field(None, description="llama-server: each slot's context")
     model_ftype: str | None = Field(None, description="llama-server: the model's weight type")
-    model_meta: dict[str, Any] | None = Field(None, description="llama-server's /v1/models `meta` as it says it "
+    model_meta: dict[str, object] | None = Field(None, description="llama-server's /v1/models `meta` as it says it "
                                                                "(n_params, size, n_ctx_train, ...: its JSON)")
     speculative: bool | None = Field(None, description="whether it speculates (llama-server's /slots; vLLM's "
                                                        "speculation counters exist)")
@@ -139,7 +139,32 @@ def identify(client: Client, api: str) -> tuple[str, ServerIdentity]:
     return "openai", identity.with_(metrics_identity(client.text("/metrics") or "", client.url))
 
 
-def llama_server(client: Client, props: dict[str, Any]) -> ServerIdentity:
+class SlotDefaults(TypedDict, total=False):
+    """llama-server's /props `default_generation_settings`, the part read here."""
+
+    n_ctx: int  # each slot's context
+
+
+class LlamaServerProps(TypedDict, total=False):
+    """llama-server's /props reply, the fields read here (as the server sends them: `ServerIdentity.said` refuses
+    one of another type)."""
+
+    build_info: str
+    model_alias: str
+    model_path: str
+    total_slots: int
+    model_ftype: str
+    default_generation_settings: SlotDefaults
+
+
+class MetricsSaid(TypedDict, total=False):
+    """What vLLM's /metrics say of its cache, as `ServerIdentity` fields."""
+
+    cache_config: dict[str, str]  # `CACHE_CONFIG`'s labels that say how the cache is built
+    speculative: bool  # its speculation counters exist
+
+
+def llama_server(client: Client, props: LlamaServerProps) -> ServerIdentity:
     """A llama-server's identity from its /props (the server's JSON), /v1/models and /slots."""
     settings = props.get("default_generation_settings") or {}
     identity = ServerIdentity.said(
@@ -170,7 +195,7 @@ def slots_identity(client: Client) -> ServerIdentity:
 def metrics_identity(text: str, url: str = "") -> ServerIdentity:
     """What vLLM's /metrics say of its cache: its cache configuration's labels, and whether it speculates (its
     speculation counters exist). Nothing for a server without those metrics."""
-    said: dict[str, Any] = {}
+    said: MetricsSaid = {}
     for name, labels, _ in samples(text):
         if name == CACHE_CONFIG:
             said["cache_config"] = {k: labels[k] for k in CACHE_LABELS if k in labels}

@@ -33,9 +33,9 @@ from __future__ import annotations
 import gc
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 from stagereplay.errors import StageReplayError
 from stagereplay.serving.seam import (
@@ -68,6 +68,22 @@ ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_T
        "VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES")
 
 
+class CacheKnobs(TypedDict, total=False):
+    """The options that change how vLLM builds the cache, as its `LLM` takes them: each only where it is not vLLM's
+    default."""
+
+    kv_cache_dtype: str
+    max_num_batched_tokens: int
+    speculative_config: dict[str, object] | None  # vLLM's own JSON object, passed through as the user wrote it
+
+
+class LoadArguments(TypedDict, total=False):
+    """The other arguments of vLLM's `LLM` that depend on where and how it runs."""
+
+    gpu_memory_utilization: float
+    disable_log_stats: bool
+
+
 @dataclass(frozen=True)
 class VllmOptions(EngineOptions):
     """vLLM's settings (`--engine vllm`)."""
@@ -97,9 +113,9 @@ class VllmOptions(EngineOptions):
                                    "pass e.g. 2048, or leave it to vLLM")
         self.speculative()
 
-    def speculative(self) -> dict[str, Any] | None:
-        """`speculative_config` as the dict vLLM takes (None: no speculation); refused in one line where it is no
-        JSON object."""
+    def speculative(self) -> dict[str, object] | None:
+        """`speculative_config` as the dict vLLM takes (None: no speculation), its JSON as given (vLLM reads it);
+        refused in one line where it is no JSON object."""
         if not self.speculative_config:
             return None
         try:
@@ -112,10 +128,10 @@ class VllmOptions(EngineOptions):
                                    "\"prompt_lookup_max\": 4}'")
         return config
 
-    def knobs(self) -> dict[str, Any]:
+    def knobs(self) -> CacheKnobs:
         """The options that change how vLLM builds the cache, as its `LLM` takes them, where they differ from its
         defaults."""
-        knobs: dict[str, Any] = {}
+        knobs: CacheKnobs = {}
         if self.kv_cache_dtype != "auto":
             knobs["kv_cache_dtype"] = self.kv_cache_dtype
         if self.max_num_batched_tokens is not None:
@@ -251,7 +267,7 @@ def load(config: EngineConfig, model_path: str, precision: str, threads: int, de
         os.environ.setdefault(key, value)
     require()
     import vllm
-    kwargs: dict[str, Any] = {}
+    kwargs: LoadArguments = {}
     if device.startswith("cuda"):
         kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
     knobs = options.knobs()
@@ -262,16 +278,18 @@ def load(config: EngineConfig, model_path: str, precision: str, threads: int, de
                        enforce_eager=options.enforce_eager, enable_prefix_caching=True, seed=config.seed,
                        max_num_seqs=1, logprobs_mode=f"{config.logprobs_mode}_logprobs", **knobs, **kwargs)
     except Exception as e:  # vLLM raises what its backend cannot take as any of several types
-        given = knobs | ({"block_size": options.block_size} if options.block_size != DEFAULT_BLOCK else {})
+        given: dict[str, object] = {**knobs, **({"block_size": options.block_size}
+                                                 if options.block_size != DEFAULT_BLOCK else {})}
         if not given:
             raise
         raise refused(given, e) from e
     return VLLMEngine(llm, config, precision, {k: os.environ.get(k) for k in ENV})
 
 
-def refused(knobs: dict[str, Any], error: Exception) -> StageReplayError:
-    """The one line for a load vLLM refused with a cache option set: the option its message speaks of (else every
-    one set), and vLLM's own first line."""
+def refused(knobs: Mapping[str, object], error: Exception) -> StageReplayError:
+    """The one line for a load vLLM refused with a cache option set (`knobs`: each set, by its name in
+    `KNOB_WORDS`, with its value): the option its message speaks of (else every one set), and vLLM's own first
+    line."""
     said = (str(error).strip().splitlines() or [""])[0][:300]
     words = said.lower().replace("-", "_")
     named = [k for k in knobs if any(w in words for w in KNOB_WORDS[k])] or list(knobs)

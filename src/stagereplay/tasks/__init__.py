@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from stagereplay.errors import StageReplayError
 from stagereplay.tasks.base import Item, Scorer, exact_match, last_number, regex_scorer
@@ -12,6 +12,15 @@ from stagereplay.tasks.scoring import scorer_by_name
 
 __all__ = ["DataConfig", "Item", "Scorer", "exact_match", "last_number", "load_items", "regex_scorer",
            "scorer_by_name"]
+
+
+class RecordedData(TypedDict):
+    """A `DataConfig` as the manifest records it (`DataConfig.as_dict`)."""
+
+    path: str | None
+    n: int | None
+    columns: NotRequired[str]  # only when given
+    source: NotRequired[str]  # only when not `prompts`
 
 
 @dataclass(frozen=True)
@@ -34,13 +43,15 @@ class DataConfig:
                                    "pass --data, or drop --columns")
         source(self.source).check_columns(self.columns)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> RecordedData:
         """As the manifest records it: `columns` and `source` only when given (another source than prompts), so that
         runs without them keep their identity."""
-        out: dict[str, Any] = {"path": self.path, "n": self.n}
+        out: RecordedData = {"path": self.path, "n": self.n}
         if self.columns is not None:
             out["columns"] = self.columns
-        return {**out, "source": self.source} if self.source != "prompts" else out
+        if self.source != "prompts":
+            out["source"] = self.source
+        return out
 
 
 def load_items(config: DataConfig, tokenizer: Any, context: int | None = None) -> tuple[list[Item], str]:
