@@ -40,7 +40,7 @@ from stagereplay.experiments.attest_item import (
 )
 from stagereplay.experiments.attest_stats import ALPHA
 from stagereplay.experiments.attest_summary import AttestSummary
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.experiment import RESPONSE_IGNORES, Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job
@@ -151,10 +151,7 @@ class Attest(Experiment):
     continuations: ClassVar[bool] = False
     many: ClassVar[bool] = True
     label: ClassVar[str] = "attest"
-    ignores: ClassVar[frozenset[str]] = frozenset({
-        "boundary.marker", "boundary.regex", "boundary.after", "decode.max_stage1_tokens", "input.scorer",
-        "numerics.batch", "choice.cross"})
-    """A response has no stage boundary and no label, and is scored one sequence at a time."""
+    ignores: ClassVar[frozenset[str]] = RESPONSE_IGNORES
     helps: ClassVar[dict[str, str]] = {
         "decode.max_new_tokens": "response length limit of a simulated server (a file's responses keep their length)",
         "decode.sample": "the claim: seeded sampling (vLLM's per-request seed) instead of greedy",

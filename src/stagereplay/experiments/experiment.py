@@ -111,6 +111,13 @@ class Assumed:
         return continuation_forwards(self.items[i].suffix) if i < self.divergent else []
 
 
+
+RESPONSE_IGNORES: frozenset[str] = frozenset({
+    "boundary.marker", "boundary.regex", "boundary.after", "decode.max_stage1_tokens", "input.scorer",
+    "numerics.batch", "choice.cross"})
+"""What an experiment on whole responses does nothing with (its `ignores`): a response has no stage boundary and no
+label, and is scored one sequence at a time."""
+
 class Experiment(ABC):
     """One experiment of the protocol (module docstring)."""
 

@@ -37,7 +37,7 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import LAYOUTS, MODES, Layout, Mode, Scored
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.experiment import RESPONSE_IGNORES, Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job
@@ -155,10 +155,7 @@ class Mismatch(Experiment):
     uses_boundary: ClassVar[bool] = False
     continuations: ClassVar[bool] = False
     label: ClassVar[str] = "mismatch"
-    ignores: ClassVar[frozenset[str]] = frozenset({
-        "boundary.marker", "boundary.regex", "boundary.after", "decode.max_stage1_tokens", "input.scorer",
-        "numerics.batch", "choice.cross"})
-    """A response has no stage boundary and no label, and is scored one sequence at a time."""
+    ignores: ClassVar[frozenset[str]] = RESPONSE_IGNORES
     helps: ClassVar[dict[str, str]] = {
         "decode.max_new_tokens": "response length limit: tokens each rollout generates after its prompt",
         "decode.sample": "sample each rollout (seeded) instead of decoding it greedily",
