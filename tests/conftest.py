@@ -21,6 +21,43 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: F401
 from tiny import save_r1_model, save_tiny_model
 
+# Captured steps (engine.decode.Stepper: torch.compile, eager backend) are traced once per model a process loads, about
+# a second, more than a tiny model's whole run costs; they pay off on real traces of thousands of tokens. Outside the
+# modules and tests marked `capture` (the captured step's own tests, its proofs, the whole protocol run) steps run
+# eagerly, in this process and the ones it starts: torch reads `TORCHDYNAMO_DISABLE` when a step would be compiled. A
+# captured step gives the eager step's bits (engine.proof), so what a test asserts of a run holds either way.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+CAPTURE_OFF = os.environ["TORCHDYNAMO_DISABLE"] == "1"
+
+
+COMPILING = ("capture", "vllm")
+"""Marks under which torch.compile is left on: a captured step's tests, and vLLM's (which compiles its own model)."""
+
+
+def _capture_on(node: pytest.Item | pytest.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps captured for `node` where it is marked so (a model loaded with capture off would step eagerly: this
+    process's models are dropped)."""
+    from stagereplay.execution.models import release_models
+
+    marked = any(node.get_closest_marker(m) is not None for m in COMPILING)
+    if CAPTURE_OFF and marked and os.environ.get("TORCHDYNAMO_DISABLE"):
+        monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+        release_models()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_captured_where_marked(request: pytest.FixtureRequest):
+    """Before the module's own fixtures, which may make runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        _capture_on(request.node, mp)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_captured_where_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    _capture_on(request.node, monkeypatch)
+    yield
+
 
 def _built_once(root: Path, build: Callable[[Path, str], Path]) -> Callable[[str], Path]:
     """`get(key)` -> `build(root / key, key)`, made on the first call for that key and kept for the session."""

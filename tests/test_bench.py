@@ -173,8 +173,10 @@ def test_last_line_rejects_a_crash() -> None:
 
 
 SLOW = ("paper.py", "constructions.py", "long_trace.py", "long_trace.py --cache static", "gpu_check.sh", "plan.py",
-        "matched_floor.py", "mismatch.py memory", "attest.py")
-"""Scripts whose smoke run is a whole protocol run (or several): the slow tier, which CI also runs."""
+        "matched_floor.py", "mismatch.py memory", "attest.py", "resample.py", "batch.py", "scale.py", "decode.py",
+        "step_profile.py", "gpu_decode.py", "gpu_check.py")
+"""Scripts whose smoke run is a whole protocol run, several runs or a sweep of decodes (over 4 s on 2 cores): the
+slow tier, which CI also runs."""
 SERVER = ("server.py",)
 """Scripts whose smoke run starts llama-server: the server tier (tests/test_server.py says how to run it)."""
 VLLM = ("vllm_rollouts.py",)

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.capture  # the caches a captured step keeps alive
+
 README = Path(__file__).parents[1] / "README.md"
 NAMES = {"matched": "matched", "precision-2x2": "precision_2x2", "bridge": "bridge", "transplant": "transplant",
          "resample": "resample"}

@@ -23,7 +23,8 @@ from stagereplay.engine.decode import capture_available
 from stagereplay.engine.lm import load
 from stagereplay.execution.kernels import PORTABLE
 
-pytestmark = pytest.mark.skipif(not capture_available(), reason="dynamo is unsupported or disabled here")
+pytestmark = [pytest.mark.capture,
+              pytest.mark.skipif(not capture_available(), reason="dynamo is unsupported or disabled here")]
 
 
 def _differing(results):

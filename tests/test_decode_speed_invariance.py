@@ -14,11 +14,13 @@ import pytest
 import torch
 from conftest import attn_for, generated_cache
 from nudge import nudged
-from tiny import ARCHS
+from tiny import ARCHS, tiered
 
 from stagereplay.engine.cache import compare_caches, layer_span, new_cache
 from stagereplay.engine.decode import DecodeConfig, Sampler, Stepper, capture_available, decode
 from stagereplay.engine.lm import load
+
+pytestmark = pytest.mark.capture  # the captured step against generate() and the eager step
 
 PROMPT = "Q: what is 12+7? Think.\n"
 
@@ -97,7 +99,7 @@ def test_each_step_gets_the_inputs_generate_gives(tiny_dir, arch):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", tiered(ARCHS, quick=("llama", "gemma3")))
 def test_logits_and_cache_equal_generate_bitwise(tiny_dir, arch, precision):
     """Every step's logits and the final cache of the live loop are generate()'s, bit for bit."""
     lm = load(str(tiny_dir(arch)), precision=precision, attn_impl=attn_for(arch))
@@ -145,7 +147,7 @@ def test_positions_are_a_view_of_the_requested_range():
     assert stepper.positions(0, 1).dtype == torch.long
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", tiered(ARCHS, quick=("qwen2", "gemma2")))
 def test_captured_steps_are_the_eager_steps_bit_for_bit(tiny_dir, arch):
     """Single-token steps captured by dynamo (eager backend) give the eager forward's logits and cache bits."""
     import torch._dynamo

@@ -154,6 +154,7 @@ def test_position_bands_cover_prompt_and_stage1(prompt_len, n, names):
 # --- the decode loop's step record ---------------------------------------------------------------
 
 
+@pytest.mark.capture
 @pytest.mark.parametrize("capture", [False, True])
 def test_recording_steps_changes_no_token_and_no_logit(tiny_dir, capture):
     """The loop reduces each step as it goes: the same picks, and each step's record is that of the logits the

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import attn_for
 from nudge import nudged
-from tiny import ARCHS
+from tiny import ARCHS, tiered
 
 from stagereplay.engine.boundary import After
 from stagereplay.engine.cache import cache_fingerprint, clone_cache, compare_caches, layer_span
@@ -27,7 +27,7 @@ def _generate(lm, prompt, n):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", tiered(ARCHS, quick=("qwen2", "gemma2")))
 def test_live_loop_equals_generate(tiny_dir, arch, precision):
     """Live generation (stage 1, snapshot, then on) emits exactly what generate(do_sample=False) emits."""
     lm = load(str(tiny_dir(arch)), precision=precision, attn_impl=attn_for(arch), device=DEVICE)

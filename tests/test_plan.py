@@ -22,6 +22,8 @@ from stagereplay.experiments.precision_2x2 import grid_lengths
 from stagereplay.plan.recorded import plan_run
 from stagereplay.records.ledger import items, read_ledger
 
+pytestmark = pytest.mark.capture  # a plan counts the forwards of the captured step's proofs
+
 # DeepSeek-R1-Distill-Qwen-14B's shape, as its config.json states it (no weights, no tokenizer).
 R1_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
           "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40,

@@ -20,7 +20,8 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.proof import MIN_REACH, Proof, next_reach, schedule
 from stagereplay.engine.proof_stores import IN_PROCESS, FastStep, Layered, MemoryStore, layered
 
-pytestmark = pytest.mark.skipif(not capture_available(), reason="dynamo is unsupported or disabled here")
+pytestmark = [pytest.mark.capture,
+              pytest.mark.skipif(not capture_available(), reason="dynamo is unsupported or disabled here")]
 
 
 def _window_model(tmp_path: Path, window: int) -> Path:

@@ -17,7 +17,8 @@ from stagereplay.records.ledger import Record
 runner = CliRunner()
 
 
-pytestmark = pytest.mark.slow  # a whole `paper` run and four audits of it: the slow tier (CI runs it)
+pytestmark = [pytest.mark.slow, pytest.mark.capture]  # a whole `paper` run and four audits of it, steps captured as a
+# user's are: the slow tier (CI runs it)
 
 
 @pytest.fixture(scope="module")

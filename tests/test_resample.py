@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from conftest import attn_for, tables_text
+from tiny import tiered
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -30,7 +31,7 @@ def _hf_generate(lm, prompt, n, seed, **sampling):
 
 @pytest.mark.parametrize("sampling", [SAMPLING, {"temperature": 1.3, "top_p": 1.0, "top_k": 20},
                                       {"temperature": 0.8, "top_p": 0.7, "top_k": 40}])
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "gemma2"])
+@pytest.mark.parametrize("arch", tiered(("qwen2", "llama", "gemma2"), quick=("gemma2",)))
 def test_one_sampled_continuation_equals_generate_do_sample(tiny_dir, arch, sampling):
     """Our loop with a generator seeded s emits what generate(do_sample=True) emits after manual_seed(s)."""
     lm = load(str(tiny_dir(arch)), precision="bf16", attn_impl=attn_for(arch))

@@ -44,6 +44,8 @@ from stagereplay.engine.lm import load
 from stagereplay.engine.steps import StepRecord
 from stagereplay.toy import toy_checkpoint
 
+pytestmark = pytest.mark.capture  # the host syncs of a run's proven fast steps
+
 READS = frozenset({
     "item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__format__", "__repr__",
     "__str__", "__contains__", "equal", "allclose", "nonzero", "argwhere", "masked_select", "unique",

@@ -15,6 +15,18 @@ REFUSED = ("jamba", "bamba", "mamba")
 """Caches with recurrent state beside or instead of K/V: refused up front."""
 
 
+def tiered(values, quick):
+    """`values` as pytest parameters: those in `quick` run in the default tier, the others in the slow tier (CI runs
+    both). A sweep keeps one case of each kind quick (a full-attention cache, a sliding-window one) and the whole
+    sweep in CI."""
+    import pytest
+
+    missing = [v for v in quick if v not in values]
+    assert not missing, f"quick cases {missing} are not among {values}"
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=() if v in quick else pytest.mark.slow)
+            for v in values]
+
+
 def save_char_tokenizer(path: Path) -> None:
     """A character-level fast tokenizer that AutoTokenizer loads, with bos/eos/pad."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
