@@ -4,8 +4,9 @@ reference, and tested against the honest floor measured here on the same prompts
 Per item, four kinds of unit (`records.attested`):
 
     ''            the served response: a file's row (`--served FILE`, the rollout-file format: prompt_ids,
-                  response_ids, logprobs, optional seed), or decoded here under a stated served setting
-                  (`--served-precision`, `--served-checkpoint`): a simulation of a server, not a server
+                  response_ids, logprobs, optional seed), asked of a running server (`--engine http --url URL`,
+                  `serving.attest`), or decoded here under a stated served setting (`--served-precision`,
+                  `--served-checkpoint`): a simulation of a server, not a server
     <precision>   an honest variant: the claimed model's live decode at bf16, fp16, fp32 (`--honest`), with the
                   claimed sampler (greedy, or vLLM's seeded Gumbel-max pick with the request's seed)
     reference     the claimed model at the run's precision, one forward over prompt + response per side, scoring
@@ -45,7 +46,7 @@ from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job
 from stagereplay.experiments.verdict import Fact
-from stagereplay.records.attested import AttestPayload
+from stagereplay.records.attested import AttestPayload, Source
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import first_error
@@ -97,7 +98,8 @@ class AttestOptions:
 class AttestStage(StageSection):
     """Attest's frozen section."""
 
-    source: str = Field(description="generated (a simulated server, decoded here) | file (served outputs)")
+    source: str = Field(description="generated (a simulated server, decoded here) | file (served outputs) | server "
+                                    "(asked of a running server: the stage's engine)")
     served_model: str | None = Field(None, description="generated: the simulated server's checkpoint folder")
     served_precision: str | None = Field(None, description="generated: the simulated server's precision")
     honest: list[str] = Field(description="the honest variants' precisions, each a part of every item")
@@ -108,6 +110,8 @@ class AttestStage(StageSection):
     def served_label(self) -> str:
         if self.source == "file":
             return "a file of served outputs"
+        if self.source == "server" and self.engine is not None:
+            return f"a running server ({self.engine.name}{': ' + self.runs_at if self.runs_at else ''})"
         return f"simulated: {Path(self.served_model or self.model.path).name} at {self.served_precision}, live decode"
 
     def claim_label(self) -> str:
@@ -152,6 +156,7 @@ class Attest(Experiment):
     many: ClassVar[bool] = True
     label: ClassVar[str] = "attest"
     ignores: ClassVar[frozenset[str]] = RESPONSE_IGNORES
+    serving: ClassVar[str | None] = "served"
     helps: ClassVar[dict[str, str]] = {
         "decode.max_new_tokens": "response length limit of a simulated server (a file's responses keep their length)",
         "decode.sample": "the claim: seeded sampling (vLLM's per-request seed) instead of greedy",
@@ -226,8 +231,9 @@ class Attest(Experiment):
     def _params(self, own: AttestStage, which: str, columns: str | None = None,
                 sides: tuple[Any, ...] = ()) -> AttestParams:
         generated = own.source == "generated" and not which
-        return AttestParams(which, "generated" if own.source == "generated" else "file", columns, sides,
-                            own.served_model if generated else None, own.served_precision if generated else None)
+        source: Source = "generated" if own.source == "generated" else "server" if own.source == "server" else "file"
+        return AttestParams(which, source, columns, sides, own.served_model if generated else None,
+                            own.served_precision if generated else None)
 
     def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Any:
         """The served responses, each honest variant's, then (once their tokens are recorded) the reference's
@@ -303,8 +309,8 @@ class Attest(Experiment):
         prompt = len(p.prompt_ids)
         if record.part == REFERENCE:
             return [prompt + len(a.response_ids) - 1 for a in p.arms]
-        if p.precision == "file":
-            return []
+        if p.source != "generated" and not record.part:
+            return []  # a file's response, or a server's: none of ours
         n = len(p.response_ids or [])
         return [prompt, *[1] * (n - 1)] if n else None
 
@@ -377,9 +383,9 @@ def sides_of(item_id: str, own: AttestStage, recorded: dict[tuple[str, str], Att
              ) -> tuple[tuple[str, str, str, str, tuple[int, ...]], ...]:
     """The responses an item's reference part scores: the served one, then each honest variant recorded."""
     served = recorded[(item_id, "")]
-    file = served.precision == "file"
-    out = [("served", "file" if file else "hf", "file" if file else "live", str(served.precision),
-            tuple(served.response_ids or ()))]
+    file = served.source == "file"
+    engine = "file" if file else own.engine.name if served.source == "server" and own.engine is not None else "hf"
+    out = [("served", engine, "file" if file else "live", str(served.precision), tuple(served.response_ids or ()))]
     out += [(f"honest@{p}", "hf", "live", p, tuple(recorded[(item_id, p)].response_ids or ()))
             for p in own.honest if (item_id, p) in recorded]
     return tuple(out)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from stagereplay.engine.decode import DecodeConfig, Sampler, derive_seed
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.records import arrays
-from stagereplay.records.attested import AttestPayload, AttestSide, Kind
+from stagereplay.records.attested import AttestPayload, AttestSide, Kind, Source
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
@@ -33,24 +33,27 @@ SCORES = ("logprobs", "margin", "match", "logit_rank", "prob", "gumbel_match", "
 class AttestParams(Params):
     """An attest job: its part ('' the served response, a precision an honest variant, `reference` the scores), where
     the served response comes from, the file's column mapping, for the reference part the responses to score
-    ((name, engine, construction, precision, response) each), and for a simulated server its checkpoint folder and
-    precision (the served part loads them itself: a unit's model is the claimed one's)."""
+    ((name, engine, construction, precision, response) each), for a simulated server its checkpoint folder and
+    precision (the served part loads them itself: a unit's model is the claimed one's), and where the requests' seeds
+    must fit a server's span (`seed_span`), that span: every part's seed is then folded below it, as the server's."""
 
     which: str
-    source: Literal["generated", "file"]
+    source: Source
     columns: str | None = None
     sides: tuple[tuple[str, str, str, str, tuple[int, ...]], ...] = ()
     served_model: str | None = None
     served_precision: str | None = None
+    seed_span: int | None = None
 
     @property
     def part(self) -> str:
         return self.which
 
 
-def item_seed(item: Any, decode: DecodeConfig, columns: str | None) -> int | None:
+def item_seed(item: Any, decode: DecodeConfig, columns: str | None, span: int | None = None) -> int | None:
     """The per-request seed of a sampled claim for `item`: a served file's row's own `seed` where it has one, else
-    derived from the run's seed and the item; None for a greedy claim."""
+    derived from the run's seed and the item (below `span` where a server takes seeds of that span); None for a
+    greedy claim."""
     if not decode.sample:
         return None
     from stagereplay.tasks.rollouts import RolloutItem, read
@@ -59,7 +62,8 @@ def item_seed(item: Any, decode: DecodeConfig, columns: str | None) -> int | Non
         seed = read(item, columns).sampling.get("seed")
         if seed is not None:
             return int(seed)
-    return derive_seed(decode.seed, item.id, "served")
+    seed = derive_seed(decode.seed, item.id, "served")
+    return seed if span is None else seed % span
 
 
 def max_new(item: Any, decode: DecodeConfig) -> int:
@@ -135,8 +139,9 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
     """The served response ('') or an honest variant's (a precision): read from the file, or decoded live."""
     p, dc, item = job.params, job.settings.decode, job.item
     prompt = list(item.prompt_ids)
-    seed = item_seed(item, dc, p.columns)
+    seed = item_seed(item, dc, p.columns, p.seed_span)
     kind: Kind = "honest" if p.which else "served"
+    assert not (kind == "served" and p.source == "server"), "a server's response is asked of it (serving.attest)"
     if kind == "served" and p.source == "file":
         from stagereplay.tasks.rollouts import RolloutItem, read
 
@@ -158,7 +163,7 @@ def reference_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
 
     p, dc, item = job.params, job.settings.decode, job.item
     prompt = list(item.prompt_ids)
-    seed = item_seed(item, dc, p.columns)
+    seed = item_seed(item, dc, p.columns, p.seed_span)
     arms = [side_of(name, engine, construction, precision, prompt, response, seed,
                     reference_scores(lm, prompt, response, dc, seed=seed))
             for name, engine, construction, precision, response in p.sides]

@@ -137,7 +137,8 @@ class Experiment(ABC):
     serving: ClassVar[str | None] = None
     """What it asks of a serving engine (an engine that keeps its own cache, `serving.runs.FORMS`): `arms` (arms from
     the prompt), `prefix_arms` (arms on the matched run's prefixes, per precision), `rollouts` (rollouts sampled in the
-    engine, scored teacher-forced); None: it needs the cache itself, and is refused there."""
+    engine, scored teacher-forced), `served` (a response served per prompt, the rest ours); None: it needs the cache
+    itself, and is refused there."""
     ignores: ClassVar[frozenset[str]] = frozenset()
     """The inputs a run it makes does nothing with, dotted as its command's groups name them (`boundary.marker`,
     `numerics.batch` of `runs.inputs.Inputs`; `choice.cross` of the engine choice): its command does not offer them."""

@@ -2,8 +2,9 @@
 responses to the same prompt, and the reference's per-token scores of each (`engine.reference`), every array encoded
 (`records.arrays`).
 
-    part ""           the served response: read from a file of served outputs, or decoded here by a stated served
-                      setting (a simulation of a server)
+    part ""           the served response: read from a file of served outputs, asked of a running server (with the
+                      server's log-probabilities where it gives them), or decoded here by a stated served setting (a
+                      simulation of a server)
     part <precision>  an honest variant: the claimed model's live decode at that precision (bf16, fp16, fp32)
     part reference    the claimed model's one-shot reference, scoring the served response and every honest one
 """
@@ -17,15 +18,18 @@ from pydantic import Field
 from stagereplay.records.payloads import PayloadModel, optional
 
 Kind = Literal["served", "honest", "reference"]
+Source = Literal["generated", "file", "server"]
 
 
 class AttestSide(PayloadModel):
     """One response (the served one, or an honest variant's) scored by the claimed model's reference, per token."""
 
     name: str = Field(description="served, or honest@<precision>")
-    engine: str = Field(description="who produced the response: hf (ours) or file (a file of served outputs)")
+    engine: str = Field(description="who produced the response: hf (ours), file (a file of served outputs), or the "
+                              "serving engine that served it (http: a running server)")
     construction: str = Field(description="live (decoded from a retained cache) | file")
-    precision: str = Field(description="the precision it was decoded at ('file' for a file's)")
+    precision: str = Field(description="the precision it was decoded at ('file' for a file's; a server's: its model's "
+                                       "type as it says it)")
     response_ids: list[int] = Field(description="the response's token IDs")
     tokens_fp: str = Field(description="sha256 of prompt + response token IDs")
     seed: int | None = Field(description="the per-request seed the claimed sampler drew with (null: greedy claim)")
@@ -44,13 +48,17 @@ class AttestPayload(PayloadModel):
 
     status: Literal["ok"] = Field(description="done")
     kind: Kind = Field(description="served (part ''), honest (part <precision>) or reference (part reference)")
-    source: Literal["generated", "file"] = Field(description="where the served response came from")
+    source: Source = Field(description="where the served response came from: generated (a simulated server), file, "
+                                       "or server (asked of a running server)")
     prompt_ids: list[int] = Field(description="the prompt's token IDs")
     response_ids: list[int] | None = optional("served and honest parts: the response's token IDs")
     tokens_fp: str | None = optional("served and honest parts: sha256 of prompt + response token IDs")
-    precision: str | None = optional("served and honest parts: the precision it was decoded at ('file' for a file)")
+    precision: str | None = optional("served and honest parts: the precision it was decoded at ('file' for a file; "
+                                     "a server's model type as it says it)")
     seed: int | None = optional("served and honest parts: the per-request seed of a sampled claim")
-    stop: str | None = optional("a decoded response: eos or length")
+    stop: str | None = optional("a decoded or server's response: eos or length")
+    logprobs: str | None = optional("a server's served part: per token, the log-probability the server gave it (its "
+                                    "raw distribution): f32, where it gave one for every token")
     arms: list[AttestSide] = Field(default_factory=list, description="part reference: the served response and each "
                                    "honest one, scored (absent elsewhere)")
 

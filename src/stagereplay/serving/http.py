@@ -112,6 +112,8 @@ class HttpOptions(EngineOptions):
                 "--kv-cache-dtype ...)"})
 
     def check(self) -> None:
+        if not self.url:
+            raise StageReplayError("--engine http needs the server's address", "pass --url http://HOST:PORT")
         if self.api not in ("auto", "llama-server", "openai"):
             raise StageReplayError(f"unknown --api {self.api!r}", "use auto, llama-server or openai")
         if self.timeout <= 0 or self.retries < 0 or self.concurrency < 0:
@@ -513,6 +515,10 @@ class HttpKind(EngineKind):
         options = config.own(HttpOptions)
         api, identity = identify(options.client(), options.api)
         return http_rollout.prompt_scoring(api, identity, config.logprobs_mode)
+
+    def seeded_draws(self, config: EngineConfig) -> str | None:
+        options = config.own(HttpOptions)
+        return http_rollout.seeded_draws(*identify(options.client(), options.api))
 
     def arms(self, config: EngineConfig) -> tuple[str, ...]:
         options = config.own(HttpOptions)

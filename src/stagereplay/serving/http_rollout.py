@@ -84,6 +84,15 @@ def prompt_scoring(api: str, identity: ServerIdentity, mode: str) -> str | None:
     return None
 
 
+def seeded_draws(api: str, identity: ServerIdentity) -> str | None:
+    """None where the server's seeded draws are vLLM's sampler's (`EngineKind.seeded_draws`): a `vllm serve`; else
+    why not, in one line."""
+    if api == "llama-server" or identity.server in LLAMA_SERVER:
+        return ("llama-server draws from its own sampler chain and random generator, not vLLM's seeded pick that a "
+                "seeded claim is replayed with")
+    return None
+
+
 class SamplerFields(TypedDict):
     """How a sampled request draws, in the fields both servers' completion bodies take."""
 

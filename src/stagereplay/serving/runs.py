@@ -6,6 +6,8 @@ with its own section, batches and item function, and a one-line refusal for the 
     precision_2x2   its arms on the matched run's prefixes crossed with precision (`serving.precision_2x2`)
     mismatch        the engine's sampled rollouts and its own prefill of them, our engine's scores of the same
                     tokens (incremental, and the trainer's one-shot per precision) (`serving.mismatch`)
+    attest          the engine's served response to each prompt, greedy or seeded as claimed; the claimed model's
+                    honest variants and reference scores in ours (`serving.attest`)
 
 Matched and the 2x2 run greedy (their arms are compared across engines, whose samplers differ); mismatch draws its
 rollouts with the run's sampling, in the engine's own sampler (every other side is teacher-forced on those tokens).
@@ -30,6 +32,7 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.local import WorkerDied
+from stagereplay.experiments.attest import AttestOptions, AttestStage
 from stagereplay.experiments.experiment import Batch, Replay
 from stagereplay.experiments.jobs import Job, JobResult, with_environment
 from stagereplay.experiments.matched import MatchedOptions, MatchedStage, fixed_prefixes
@@ -39,6 +42,8 @@ from stagereplay.experiments.prepared import OURS, PreparedRun, RunEngine, Runna
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import EngineSection, ModelSection, StageSection
+from stagereplay.serving.attest import ServedAttestParams, served_attest_item
+from stagereplay.serving.attest import served_params as attest_params
 from stagereplay.serving.engines import config_from_dict, kind_of
 from stagereplay.serving.matched import (
     ServingArms,
@@ -80,6 +85,9 @@ class Served(ABC):
 
     def check(self, arms: ServingArms, model: ModelConfig, options: Any) -> None:  # noqa: B027  # nothing by default
         """Refuse in one line, before anything loads, what the engine cannot run of it."""
+
+    def check_decode(self, arms: ServingArms, decode: DecodeConfig) -> None:  # noqa: B027  # nothing by default
+        """Refuse in one line, before anything loads, a decoding the engine cannot run as asked."""
 
     @abstractmethod
     def section(self, arms: ServingArms, prepared: PreparedRun, options: Any, run: Run) -> StageSection: ...
@@ -251,7 +259,7 @@ class ServedMismatch(Served):
         return ExecConfig(isolated=arms.kind.isolated)
 
     def env_work(self, arms: ServingArms) -> Work:
-        return partial(_mismatch_environment, arms=arms)
+        return partial(_served_environment, work=self.work, served=ServedMismatchParams, arms=arms)
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
         """A trainer part's, as ours counts them; part '': our incremental score (the prompt, then one token each)."""
@@ -264,15 +272,84 @@ class ServedMismatch(Served):
         return [int(ours["start"]), *[1] * (n - 1)]
 
 
-def _mismatch_environment(lm: Any, job: Job, arms: ServingArms) -> JobResult:
-    """Part '' with the engine's settings in its environment; a trainer part, which the engine does not run, with
-    the engine's build as installed here (what the audit compares for every record of the stage), the engine not
-    loaded."""
-    if isinstance(job.params, ServedMismatchParams):
-        return with_engine_environment(served_mismatch_item, lm, job)
-    out = with_environment(served_mismatch_item, lm, job)
+def _served_environment(lm: Any, job: Job, work: Work, served: type, arms: ServingArms) -> JobResult:
+    """A part the engine runs (its params a `served`) with the engine's settings in its environment; a part of ours,
+    which the engine does not run, with the engine's build as installed here (what the audit compares for every
+    record of the stage), the engine not loaded."""
+    if isinstance(job.params, served):
+        return with_engine_environment(work, lm, job)
+    out = with_environment(work, lm, job)
     build = _build(arms.engine)
     return out if build is None else replace(out, environment={**out.environment, "engine": {"build": build}})
+
+
+class ServedAttest(Served):
+    """Attest with the engine as the server under test (`serving.attest.served_attest_item`): its served response
+    to each prompt (part ''); the honest variants and the reference's scores are ours, as `experiments.attest`
+    makes them, on our model with its weights (the stage's `cross` is ours, so the audit loads it the same way)."""
+
+    work = staticmethod(served_attest_item)
+    samples = True
+
+    def check(self, arms: ServingArms, model: ModelConfig, options: AttestOptions) -> None:
+        """The served outputs come from the engine: a file of them, or a simulated server's setting, is refused with
+        it; so are the arms an engine option adds (matched's), which attest does not make."""
+        self.experiment.check(model, options)
+        name = arms.engine.name
+        if options.served is not None:
+            raise StageReplayError(f"--served gives the served outputs, and --engine {name} asks a server for them",
+                                   f"pass one of --served FILE or --engine {name}")
+        given = [flag for flag, on in (("--served-precision", options.served_precision != AttestOptions.served_precision),
+                                       ("--served-checkpoint", bool(options.served_checkpoint))) if on]
+        if given:
+            raise StageReplayError(f"{', '.join(given)} simulate a server, and --engine {name} asks a real one",
+                                   f"drop {', '.join(given)}")
+        if not issubclass(arms.kind.engine, Samples):
+            raise StageReplayError(f"the {name} engine does not serve a response as asked",
+                                   "attest a running server (--engine http --url URL), or a file of its outputs")
+        extra = arms.kind.arms(arms.engine)
+        if extra:
+            raise StageReplayError(f"attest sends one request per prompt: the {', '.join(extra)} arms an option of "
+                                   f"--engine {name} adds are matched's", "drop the option that adds them")
+
+    def check_decode(self, arms: ServingArms, decode: DecodeConfig) -> None:
+        """A seeded claim needs a server whose seeded draws are the sampler the reference replays."""
+        reason = arms.kind.seeded_draws(arms.engine) if decode.sample else None
+        if reason is not None:
+            raise StageReplayError(f"a seeded claim (--sample) cannot be checked here: {reason}",
+                                   "check the server's greedy outputs (drop --sample)")
+
+    @staticmethod
+    def ours(arms: ServingArms) -> ServingArms:
+        return ServingArms(arms.engine, "hf")
+
+    def section(self, arms: ServingArms, prepared: PreparedRun, options: AttestOptions, run: Run) -> StageSection:
+        own = self.experiment.section(prepared, options, run).as_stage(AttestStage)
+        return own.model_copy(update={
+            "source": "server", "served_model": None, "served_precision": None,
+            "engine": EngineSection.model_validate(arms.engine.as_dict()), "cross": self.ours(arms).cross,
+            "runs_at": runs_at(arms, prepared.model)})
+
+    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterator[Batch]:
+        """`experiments.attest`'s batches (the served responses, the honest variants, the reference's scores of
+        them), every one on our model with its weights, part '' asked of the engine."""
+        ours = replace(prepared, model=replace(prepared.model, weights=True))
+        for batch in self.experiment.batches(ours, stage, run):
+            yield Batch(batch.model, [replace(job, params=attest_params(job.params, arms)) for job in batch.jobs])
+
+    def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
+        job = self.experiment.replay_job(replay)
+        return replace(job, params=attest_params(job.params, arms))
+
+    def exec_config(self, arms: ServingArms) -> ExecConfig:
+        return ExecConfig(isolated=arms.kind.isolated)
+
+    def env_work(self, arms: ServingArms) -> Work:
+        return partial(_served_environment, work=self.work, served=ServedAttestParams, arms=arms)
+
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        """Ours, as the experiment counts them (part '': none, the server's own)."""
+        return self.experiment.unit_forwards(record, stage)
 
 
 @lru_cache(maxsize=4)
@@ -280,10 +357,11 @@ def _build(config: EngineConfig) -> Mapping[str, object] | None:
     return kind_of(config.name).build(config)
 
 
-FORMS: dict[str, type[Served]] = {"arms": ServedMatched, "prefix_arms": ServedGrid, "rollouts": ServedMismatch}
+FORMS: dict[str, type[Served]] = {"arms": ServedMatched, "prefix_arms": ServedGrid, "rollouts": ServedMismatch,
+                                  "served": ServedAttest}
 """How a serving engine runs an experiment, by the form the experiment asks for (`Experiment.serving`): arms from
 the prompt (matched's), arms on the matched run's prefixes per precision (the 2x2's), rollouts sampled in the engine
-and scored teacher-forced (mismatch's)."""
+and scored teacher-forced (mismatch's), a served response per prompt checked against the claimed model (attest's)."""
 
 
 @dataclass(frozen=True)
@@ -328,6 +406,7 @@ class ServingRun(RunEngine):
         if decode.sample and not self.served(experiment).samples:
             raise StageReplayError(f"--engine {self.name} runs greedy: its sampler is not ours, so draws would not "
                                    "compare across engines", "drop --sample")
+        self.served(experiment).check_decode(self.arms, decode)
 
     def section(self, experiment: Runnable, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
         return self.served(experiment).section(self.arms, prepared, options, run)

@@ -384,6 +384,12 @@ class EngineKind(ABC):
             return f"the {self.name} engine scores a sequence's tokens under raw log-probabilities only"
         return None
 
+    def seeded_draws(self, config: EngineConfig) -> str | None:
+        """None where its seeded draws are vLLM's sampler's (the pick argmax(probs / E), E ~ Exp(1) from a generator
+        seeded with the request's seed), which a seeded claim is replayed with (`engine.reference`); else the one
+        line that says why not."""
+        return f"the {self.name} engine draws with a sampler of its own, not vLLM's seeded one a seeded claim replays"
+
     def arms(self, config: EngineConfig) -> tuple[str, ...]:
         """The arms its capabilities add beside oneshot and prefix-cache, as this run's options switch them on."""
         return SavesState.ARMS if issubclass(self.engine, SavesState) else ()

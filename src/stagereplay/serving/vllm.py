@@ -314,6 +314,9 @@ class VllmKind(EngineKind):
     def logprobs_modes(self, config: EngineConfig) -> tuple[str, ...]:
         return LOGPROBS_MODES  # vLLM's raw_logprobs and processed_logprobs
 
+    def seeded_draws(self, config: EngineConfig) -> str | None:
+        return None  # vLLM's own sampler, a seeded request's draws from its generator
+
     def prompt_scoring(self, config: EngineConfig) -> str | None:
         if config.logprobs_mode != "raw":
             return ("vLLM's prompt logprobs skip its sampler, so they are raw in any logprobs_mode: a sequence is not "

@@ -1,0 +1,61 @@
+"""`attest --engine http --url URL` against a real llama-server (the build .ci/llamacpp.sh makes) serving the toy as
+a GGUF file: serving the claimed weights (the primary checkpoint in f32) it is not flagged; serving other weights
+(the later checkpoint) on the same prompts it is, each decided against the same honest floor measured here. The
+server's identity is recorded as mismatch's http runs record it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from servers import llama_server
+from typer.testing import CliRunner
+
+from stagereplay.cli import app
+from stagereplay.records.ledger import items, read_ledger
+
+pytestmark = pytest.mark.server
+runner = CliRunner()
+ARGS = ["attest", "--n", "8", "--max-new-tokens", "16", "--precision", "fp32", "--quiet"]
+
+
+def _attest(checkpoint: str, root: Path) -> tuple[int, Path, str]:
+    """An attest run of the claimed toy (primary) against llama-server serving `checkpoint` as an f32 GGUF."""
+    from gguf_files import write_toy_gguf
+
+    model = write_toy_gguf(root / f"toy-{checkpoint}.gguf", checkpoint)
+    run = root / f"run-{checkpoint}"
+    with llama_server(model, root / f"{checkpoint}.log") as server:
+        result = runner.invoke(app, [*ARGS, "--engine", "http", "--url", server.url, "--out", str(run)])
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, run, server.url
+
+
+def _section(run: Path) -> dict:
+    return json.loads((run / "results.json").read_text())["attest"][0]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("attest-server")
+
+
+def test_an_honest_llama_server_is_not_flagged_and_its_identity_is_recorded(root: Path):
+    code, run, url = _attest("primary", root)
+    s = _section(run)
+    assert code == 0 and not s["flagged"], s
+    manifest = json.loads((run / "manifest.json").read_text())
+    engine = manifest["environment"]["engine"]
+    assert engine["api"] == "llama-server" and engine["server"]["server"] == "llama-server", engine
+    assert engine["checked"]["verbatim_ids"] and engine["checked"]["greedy"], engine
+    assert manifest["stages"]["attest/primary"]["engine"]["url"] == url
+    served = [r.payload for r in items(read_ledger(run)) if r.experiment == "attest" and r.part == ""]
+    assert len(served) == 8 and all(p["source"] == "server" and p["logprobs"] for p in served)
+
+
+def test_a_llama_server_serving_other_weights_is_flagged(root: Path):
+    """The control of the test above: the same prompts, the same claim, the server running the later checkpoint."""
+    code, run, _ = _attest("later", root)
+    s = _section(run)
+    assert code == 1 and s["flagged"], s
