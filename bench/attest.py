@@ -31,8 +31,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from common import AttestVariant, attest_rows, attest_summary
+
 ALPHA = 0.01
-GRID = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def serve(lm: Any, prompt: list[int], max_new: int, decode: Any, seed: int) -> list[int]:
@@ -58,14 +59,6 @@ def main() -> None:
     from stagereplay.engine.decode import DecodeConfig, derive_seed
     from stagereplay.engine.lm import load
     from stagereplay.engine.reference import reference_scores
-    from stagereplay.experiments.attest_stats import (
-        Items,
-        curve,
-        decide,
-        item_interval,
-        run_statistic,
-        tokens_for_power,
-    )
     from stagereplay.experiments.stats import wilson_interval
     from stagereplay.tasks.toy import HELDOUT_SEED, toy_items
     from stagereplay.toy import toy_checkpoint
@@ -93,7 +86,7 @@ def main() -> None:
     summary: dict[str, str] = {}
     honest_flags = [0, 0]
     for claim, (claimed, score, variants) in claims.items():
-        per_variant: dict[str, tuple[list[np.ndarray], list[np.ndarray], bool]] = {}
+        per_variant: dict[str, AttestVariant] = {}
         for variant, (server, decode, honest) in variants.items():
             scores, mismatches = [], []
             for item in items:
@@ -105,40 +98,12 @@ def main() -> None:
                 else:
                     scores.append(ts.margin.astype(np.float64))
                 mismatches.append((~ts.match).astype(np.float64))
-            per_variant[variant] = (scores, mismatches, honest)
-        null = Items.of([s for scores, _, honest in per_variant.values() if honest for s in scores[:half]])
-        rows = []
-        print(f"\nclaim: {claim}; statistic: mean {score} per token; null: {len(null)} items, {null.tokens} tokens "
-              f"(calibration prompts, honest variants pooled); held out: {len(items) - half} prompts")
-        print(f"{'variant':<18} {'items':>5} {'tokens':>6} {'statistic [95% over items]':>30} {'mismatch':>8} "
-              f"{'FPR at 1% [95%]':>20} {'AUC at 32/128/512 tok':>22} {'tok for 99% power':>17}")
-        for variant, (scores, mismatches, honest) in per_variant.items():
-            held = Items.of(scores[half:])
-            stat, (lo, hi) = run_statistic(held), item_interval(held)
-            mismatch = run_statistic(Items.of(mismatches[half:]))
-            row: dict[str, Any] = {"variant": variant, "honest": honest, "items": len(held), "tokens": held.tokens,
-                                   "statistic": stat, "interval": [lo, hi], "mismatch_rate": mismatch}
-            fpr = auc_text = power_text = ""
-            if honest:
-                flags = sum(decide(Items.of([s]), null, ALPHA, args.draws, seed=i, needed=False).flagged
-                            for i, s in enumerate(scores[half:]))
-                w = wilson_interval(flags, len(held))
-                row.update(flagged=flags, fpr_interval=list(w))
-                fpr = f"{flags}/{len(held)} [{w[0]:.3f}, {w[1]:.3f}]"
-                honest_flags[0] += flags
-                honest_flags[1] += len(held)
-            else:
-                c = curve(held, null, GRID, ALPHA, args.draws)
-                needed = tokens_for_power(c)
-                row.update(auc=dict(zip(map(int, c.tokens), map(float, c.auc), strict=True)),
-                           power=dict(zip(map(int, c.tokens), map(float, c.power), strict=True)), tokens_needed=needed)
-                auc_text = "/".join(f"{row['auc'][t]:.3f}" for t in (32, 128, 512))
-                power_text = f"<= {needed}" if needed is not None else f"> {GRID[-1]}"
-                summary[f"{claim} {variant}"] = f"AUC {row['auc'][128]:.3f} at 128 tokens, 99% power {power_text}"
-            rows.append(row)
-            print(f"{variant:<18} {len(held):>5} {held.tokens:>6} {stat:>10.4f} [{lo:.4f}, {hi:.4f}]   "
-                  f"{mismatch:>8.4f} {fpr:>20} {auc_text:>22} {power_text:>17}")
-        figures[claim] = {"statistic": score, "null_items": len(null), "null_tokens": null.tokens, "rows": rows}
+            per_variant[variant] = AttestVariant(scores, mismatches, honest)
+        rows, flagged, null = attest_rows(per_variant, half, args.draws, ALPHA,
+                                          title=f"claim: {claim}; statistic: mean {score} per token; ")
+        honest_flags = [honest_flags[0] + flagged[0], honest_flags[1] + flagged[1]]
+        summary |= {f"{claim} {r['variant']}": attest_summary(r) for r in rows if not r["honest"]}
+        figures[claim] = {"statistic": score, **null, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     w = wilson_interval(*honest_flags)

@@ -352,3 +352,159 @@ def draft_totals(run: Path) -> tuple[int, int] | None:
                 totals[0] += arm["draft"]["drafted"]
                 totals[1] += arm["draft"]["accepted"]
     return (totals[0], totals[1]) if seen else None
+
+
+# --- Servers -------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerDidNotStart(SystemExit):
+    """A server that exited or never answered: the script exits naming its log, unless it catches this."""
+
+    def __init__(self, log: Path) -> None:
+        super().__init__(f"error: the server did not start; its log: {log}")
+        self.log = log
+
+    def reason(self) -> str:
+        """The log's first error line (llama-server's `E` lines), without its timestamp."""
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        first = next((line for line in lines if " E " in line), "see " + str(self.log))
+        return first.split(" E ", 1)[-1].strip()
+
+
+def wait_up(proc: Any, url: str, path: str, log: Path, tries: int) -> str:
+    """`url` once `path` answers; else the server is stopped and `ServerDidNotStart` raised."""
+    import urllib.request
+
+    for _ in range(tries):
+        try:
+            with urllib.request.urlopen(url + path, timeout=2):
+                return url
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    proc.kill()
+    raise ServerDidNotStart(log)
+
+
+def start_llama_server(binary: str, model: str, flags: Sequence[str], log: Path, saves: Path | None = None
+                       ) -> tuple[Any, str]:
+    """llama-server on 127.0.0.1 at a free port (no web UI; a slot folder where `saves` is given): its process and
+    its address once /health answers."""
+    import subprocess
+
+    port = free_port()
+    slots: list[str] = []
+    if saves is not None:
+        saves.mkdir(parents=True, exist_ok=True)
+        slots = ["--slot-save-path", str(saves)]
+    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--no-webui", *slots, *flags]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    return proc, wait_up(proc, f"http://127.0.0.1:{port}", "/health", log, 600)
+
+
+# --- Attest: a variant's rows against the honest null --------------------------------------------------------------
+
+ATTEST_GRID = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+@dataclass
+class AttestVariant:
+    """One served variant of the claimed model: its per-item scores (the statistic's) and mismatches, and whether it
+    is honest (part of the null)."""
+
+    scores: list[Any]
+    mismatches: list[Any]
+    honest: bool
+
+
+def attest_rows(variants: dict[str, AttestVariant], half: int, draws: int, alpha: float = 0.01,
+                grid: Sequence[int] = ATTEST_GRID, title: str = "") -> tuple[list[dict[str, Any]], list[int], dict[str, Any]]:
+    """The null (every honest variant's first `half` items, pooled) and one printed row per variant on the held-out
+    items: its statistic with its 95% interval over items and mismatch rate; for an honest variant the false-positive
+    rate of the per-item decision at `alpha` (Wilson interval); for a substitution the AUC against the null at runs of
+    t tokens and the tokens needed for 99% power. Returns the rows, [flagged, decided] of the honest variants, and
+    the null's size."""
+    from stagereplay.experiments.attest_stats import (
+        Items,
+        curve,
+        decide,
+        item_interval,
+        run_statistic,
+        tokens_for_power,
+    )
+    from stagereplay.experiments.stats import wilson_interval
+
+    null = Items.of([s for v in variants.values() if v.honest for s in v.scores[:half]])
+    print(f"\n{title}null: {len(null)} items, {null.tokens} tokens (calibration prompts, honest variants pooled); "
+          f"held out: {len(next(iter(variants.values())).scores) - half} prompts")
+    print(f"{'variant':<18} {'items':>5} {'tokens':>6} {'statistic [95% over items]':>30} {'mismatch':>8} "
+          f"{'FPR at 1% [95%]':>20} {'AUC at 32/128/512 tok':>22} {'tok for 99% power':>17}")
+    rows, flagged = [], [0, 0]
+    for name, v in variants.items():
+        held = Items.of(v.scores[half:])
+        stat, (lo, hi) = run_statistic(held), item_interval(held)
+        mismatch = run_statistic(Items.of(v.mismatches[half:]))
+        row: dict[str, Any] = {"variant": name, "honest": v.honest, "items": len(held), "tokens": held.tokens,
+                               "statistic": stat, "interval": [lo, hi], "mismatch_rate": mismatch}
+        fpr = auc_text = power_text = ""
+        if v.honest:
+            flags = sum(decide(Items.of([s]), null, alpha, draws, seed=i, needed=False).flagged
+                        for i, s in enumerate(v.scores[half:]))
+            w = wilson_interval(flags, len(held))
+            row.update(flagged=flags, fpr_interval=list(w))
+            fpr = f"{flags}/{len(held)} [{w[0]:.3f}, {w[1]:.3f}]"
+            flagged[0] += flags
+            flagged[1] += len(held)
+        else:
+            c = curve(held, null, grid, alpha, draws)
+            needed = tokens_for_power(c)
+            row.update(auc=dict(zip(map(int, c.tokens), map(float, c.auc), strict=True)),
+                       power=dict(zip(map(int, c.tokens), map(float, c.power), strict=True)), tokens_needed=needed)
+            auc_text = "/".join(f"{row['auc'][t]:.3f}" for t in (32, 128, 512))
+            power_text = f"<= {needed}" if needed is not None else f"> {grid[-1]}"
+        rows.append(row)
+        print(f"{name:<18} {len(held):>5} {held.tokens:>6} {stat:>10.4f} [{lo:.4f}, {hi:.4f}]   "
+              f"{mismatch:>8.4f} {fpr:>20} {auc_text:>22} {power_text:>17}")
+    return rows, flagged, {"null_items": len(null), "null_tokens": null.tokens}
+
+
+def attest_summary(row: dict[str, Any], grid: Sequence[int] = ATTEST_GRID, at: int = 128) -> str:
+    """A substitution's row in a line: its AUC at `at` tokens and the tokens it needs for 99% power."""
+    needed = row["tokens_needed"]
+    power = f"<= {needed}" if needed is not None else f"> {grid[-1]}"
+    return f"AUC {row['auc'][at]:.3f} at {at} tokens, 99% power {power}"
+
+
+def attest_figure(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
+    """Each substitution's AUC against the honest null by run length (tokens), on a log axis, as a PNG at `path`:
+    Token-DiFR's figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for row in rows:
+        if "auc" in row:
+            tokens = sorted(row["auc"], key=int)
+            ax.plot([int(t) for t in tokens], [row["auc"][t] for t in tokens], marker="o", label=row["variant"])
+    ax.axhline(0.999, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("served tokens per run (whole responses)")
+    ax.set_ylabel("AUC against the honest null")
+    ax.set_ylim(0.0, 1.02)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -33,17 +33,15 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import draft_totals
+from common import draft_totals, free_port, start_llama_server, wait_up
 
 
 @dataclass(frozen=True)
@@ -66,21 +64,6 @@ class Config:
         return self.flags if chosen else (*self.flags, "--no-repack")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(binary: str, model: str, flags: list[str], log: Path, saves: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    saves.mkdir(parents=True, exist_ok=True)
-    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--slot-save-path",
-           str(saves), *flags]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
-    return proc, wait_up(proc, f"http://127.0.0.1:{port}", "/health", log, 600)
-
-
 def start_vllm(python: str, model: str, flags: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
@@ -88,19 +71,6 @@ def start_vllm(python: str, model: str, flags: list[str], log: Path) -> tuple[su
            str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
     return proc, wait_up(proc, f"http://127.0.0.1:{port}", "/v1/models", log, 1800)
-
-
-def wait_up(proc: subprocess.Popen[bytes], url: str, path: str, log: Path, tries: int) -> str:
-    for _ in range(tries):
-        try:
-            with urllib.request.urlopen(url + path, timeout=2):
-                return url
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.2)
-    proc.kill()
-    sys.exit(f"error: the server did not start; its log: {log}")
 
 
 def server_flags(a: argparse.Namespace, config: Config, slots: int) -> list[str]:
@@ -231,7 +201,7 @@ def main() -> int:
             flags = server_flags(a, config, slots)
             log = a.out / f"server-{config.name}-s{slots}.log"
             proc, url = (start_vllm(a.vllm, a.model, flags, log) if a.vllm
-                         else start(a.server, a.model, flags, log, a.out / "slots"))
+                         else start_llama_server(a.server, a.model, flags, log, a.out / "slots"))
             try:
                 for load in loads:
                     name = f"{config.name}-s{slots}-c{load}"

@@ -83,6 +83,11 @@ TINY: dict[str, tuple[list[str], str]] = {
                          r"mismatch --rollouts \S+ --model \S+ --out RUN$"),
     # The toy as a GGUF served by llama-server (the server tier: LLAMA_CPP_LIB_PATH names the build): two named
     # configurations, the second speculating and compared with the first, each under a load of 2.
+    "attest_servers.py": (["{tmp}/toy.gguf", "{tmp}/out", "--server", "{llama_server}", "--quantize",
+                           "{llama_quantize}", "--items", "toy", "--n", "4", "--max-new-tokens", "8", "--draws", "99",
+                           "--threads", "1"],
+                          r"^attest_servers: honest FPR at 1% \d+/\d+ \[[\d.]+, [\d.]+\]; Q8_0: AUC [\d.]+ at 300 "
+                          r"tokens, 99% power .*; Q4_0: AUC .*; K/V q4_0: refused by llama-server$"),
     "server.py": (["{tmp}/toy.gguf", "{tmp}/items.jsonl", "{tmp}/out", "--server", "{llama_server}", "--config",
                    "plain=", "--config", "ngram=--spec-type ngram-simple --spec-ngram-simple-size-n 2 "
                    "--spec-ngram-simple-size-m 8", "--slots", "1", "--loads", "2", "--n", "2", "--boundary-after", "4",
@@ -177,7 +182,7 @@ SLOW = ("paper.py", "constructions.py", "long_trace.py", "long_trace.py --cache 
         "step_profile.py", "gpu_decode.py", "gpu_check.py")
 """Scripts whose smoke run is a whole protocol run, several runs or a sweep of decodes (over 4 s on 2 cores): the
 slow tier, which CI also runs."""
-SERVER = ("server.py",)
+SERVER = ("attest_servers.py", "server.py")
 """Scripts whose smoke run starts llama-server: the server tier (tests/test_server.py says how to run it)."""
 VLLM = ("vllm_rollouts.py",)
 """Scripts whose smoke run needs vLLM: the vLLM tier (its venv; tests/test_vllm.py runs it too)."""
@@ -204,7 +209,8 @@ def test_bench_script_runs_tiny(script: str, tmp_path: Path) -> None:
     args, pattern = TINY[script]
     if script in SERVER:
         binary = _serve_the_toy(tmp_path)
-        args = [a.replace("{llama_server}", binary) for a in args]
+        quantizer = str(Path(binary).parent / "llama-quantize")
+        args = [a.replace("{llama_server}", binary).replace("{llama_quantize}", quantizer) for a in args]
     runner = ["bash"] if script.split()[0].endswith(".sh") else [sys.executable]
     cmd = [*runner, str(BENCH / script.split()[0]), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
     # A shell script's python3 is this interpreter; its scratch files (OUT, the temporary directory) in tmp_path.
