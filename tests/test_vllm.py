@@ -553,3 +553,32 @@ def test_ngram_speculation_records_each_requests_drafts(fp32_run, tmp_path):
     assert sum(a["draft"]["drafted"] for a in arms if a["name"] == "live") > 0
     assert json.loads((out / "manifest.json").read_text())["environment"]["engine"]["speculative_config"] == NGRAM
     assert not [a for p in _records(fp32_run) for a in p["arms"] if "draft" in a]
+
+
+# -- attest: is `vllm serve` running the claimed model? ------------------------------------------------------------
+
+
+def test_attest_asks_vllm_serve_and_flags_a_claim_it_does_not_serve(tmp_path):
+    """`vllm serve` running the toy's primary checkpoint, asked by attest for greedy responses: claimed as the primary
+    checkpoint it is consistent (exit 0) and its identity is recorded; the control, the same server claimed as the
+    later checkpoint, is flagged (exit 1)."""
+    from servers import start_vllm_server
+
+    from stagereplay.toy import toy_checkpoint
+
+    server = start_vllm_server(toy_checkpoint("primary"), tmp_path / "log.txt")
+    common = ["attest", "--engine", "http", "--url", server.url, "--precision", "fp32", "--n", "8",
+              "--max-new-tokens", "16", "--quiet"]
+    try:
+        claimed = runner.invoke(app, [*common, "--out", str(tmp_path / "claimed")])
+        other = runner.invoke(app, [*common, "--model", str(toy_checkpoint("later")), "--out", str(tmp_path / "other")])
+    finally:
+        server.stop()
+
+    def section(name: str) -> dict:
+        return json.loads((tmp_path / name / "results.json").read_text())["attest"][0]
+
+    assert claimed.exit_code == 0 and not section("claimed")["flagged"], claimed.output
+    engine = json.loads((tmp_path / "claimed" / "manifest.json").read_text())["environment"]["engine"]
+    assert engine["api"] == "openai" and engine["build"]["server"] == "vllm", engine
+    assert other.exit_code == 1 and section("other")["flagged"], other.output
