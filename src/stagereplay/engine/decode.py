@@ -261,6 +261,16 @@ class Stepper:
                 if _compiled_frames() != frames:
                     release_capture_garbage()
 
+    def forward_rows(self, ids: Sequence[int], cache: Any, past: int, rows: int) -> torch.Tensor:
+        """`forward` as `rows` identical requests in one batch, eagerly: row 0's last logits [V]. What a server
+        decoding a request beside `rows - 1` others runs (`cache` holds `rows` rows); the kernels see a batch of
+        `rows`, so the bits may differ from batch 1's."""
+        import torch
+
+        with torch.inference_mode():
+            input_ids = torch.tensor([list(ids)] * rows, dtype=torch.long, device=self.device)  # (rows, n)
+            return self._step(input_ids, self.positions(past, len(ids)).expand(rows, -1), cache)
+
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
         """One forward with generate()'s inputs; the last position's logits [V]."""
         extra = {"position_ids": positions} if self.takes_positions else {}

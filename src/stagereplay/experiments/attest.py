@@ -7,8 +7,10 @@ Per item, four kinds of unit (`records.attested`):
                   response_ids, logprobs, optional seed), asked of a running server (`--engine http --url URL`,
                   `serving.attest`), or decoded here under a stated served setting (`--served-precision`,
                   `--served-checkpoint`): a simulation of a server, not a server
-    <precision>   an honest variant: the claimed model's live decode at bf16, fp16, fp32 (`--honest`), with the
-                  claimed sampler (greedy, or vLLM's seeded Gumbel-max pick with the request's seed)
+    <variant>     an honest variant (`--honest`, `experiments.attest_variants`): the claimed model decoded at a
+                  precision (bf16, fp16, fp32) from a live cache, a chunked prefill, a reused prefix, or as one of
+                  several concurrent requests, with the claimed sampler (greedy, or vLLM's seeded Gumbel-max pick
+                  with the request's seed)
     reference     the claimed model at the run's precision, one forward over prompt + response per side, scoring
                   the served response and every honest one (`engine.reference.reference_scores`)
 
@@ -32,6 +34,7 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.attest_item import (
+    LIVE,
     REFERENCE,
     SCORES,
     AttestParams,
@@ -41,6 +44,7 @@ from stagereplay.experiments.attest_item import (
 )
 from stagereplay.experiments.attest_stats import ALPHA
 from stagereplay.experiments.attest_summary import AttestSummary
+from stagereplay.experiments.attest_variants import PRECISIONS, HonestVariant, parse_variants
 from stagereplay.experiments.experiment import RESPONSE_IGNORES, Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
@@ -59,7 +63,8 @@ if TYPE_CHECKING:
     from stagereplay.tasks import DataConfig
 
 EXPERIMENT = "attest"
-HONEST = ("bf16", "fp16", "fp32")
+HONEST = ("bf16", "fp16", "fp32", "bf16/chunked:16", "bf16/prefix:16", "bf16/batched:4")
+"""The default honest variants: live decode at each precision, then the constructions a serving engine uses, at bf16."""
 MIN_ITEMS = 2
 """A decision needs a calibration prompt and a held-out one: its interval is over responses."""
 PAYLOAD: TypeAdapter[AttestPayload] = TypeAdapter(AttestPayload)
@@ -79,16 +84,19 @@ class AttestOptions:
         "without --served: the checkpoint the simulated server runs: a model folder, or the toy's primary or later "
         "(default: the claimed model itself)")})
     honest: tuple[str, ...] = field(default=HONEST, metadata={"help": (
-        "the claimed model's honest variants measured as the null: live decode at each precision (bf16, fp16, fp32)")})
+        "the claimed model's honest variants measured as the null: PRECISION (live decode at bf16, fp16 or fp32), "
+        "PRECISION/chunked:N (the prompt prefilled N tokens at a time), PRECISION/prefix:B (the prompt's whole blocks "
+        "of B tokens reused from an earlier request's cache), PRECISION/batched:R (one of R concurrent requests)")})
     alpha: float = field(default=ALPHA, metadata={"help": "the false-positive rate the decision is made at"})
     split_seed: int = field(default=0, metadata={"help": (
         "the seed of the rule that splits the items into calibration (the null) and held-out prompts")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "honest", tuple(self.honest))
-        for p in (*self.honest, self.served_precision):
-            if p not in HONEST:
-                raise StageReplayError(f"unknown precision {p!r} for a decode", f"use {', '.join(HONEST)}")
+        parse_variants(self.honest)
+        if self.served_precision not in PRECISIONS:
+            raise StageReplayError(f"unknown precision {self.served_precision!r} for a decode",
+                                   f"use {', '.join(PRECISIONS)}")
         if not self.honest:
             raise StageReplayError("no honest variant given", "pass --honest bf16,fp16,fp32")
         if not 0 < self.alpha < 0.5:
@@ -102,7 +110,8 @@ class AttestStage(StageSection):
                                     "(asked of a running server: the stage's engine)")
     served_model: str | None = Field(None, description="generated: the simulated server's checkpoint folder")
     served_precision: str | None = Field(None, description="generated: the simulated server's precision")
-    honest: list[str] = Field(description="the honest variants' precisions, each a part of every item")
+    honest: list[str] = Field(description="the honest variants (experiments.attest_variants), each a part of every "
+                                          "item")
     alpha: float = Field(description="the false-positive rate of the decision")
     split_seed: int = Field(description="the seed of the calibration split")
     calibration: list[str] = Field(description="the item ids whose honest responses make the null")
@@ -241,18 +250,18 @@ class Attest(Experiment):
         own: AttestStage = self.stage_of(stage)
         columns = prepared.data.columns
         yield Batch(prepared.model, [Job(item, prepared.settings, self._params(own, "", columns))
-                                     for item in prepared.items])
+                                     for item in prepared.items], at="served")
         for p in own.honest:
-            yield Batch(prepared.model.with_precision(p), [Job(item, prepared.settings, self._params(own, p, columns))
-                                                           for item in prepared.items])
+            yield Batch(self.unit_model(prepared.model, p), [Job(item, prepared.settings, self._params(own, p, columns))
+                                                             for item in prepared.items], at=f"honest {p}")
         recorded = {(r.item_id, r.part): PAYLOAD.validate_python(r.payload)
                     for r in run.find(EXPERIMENT, prepared.checkpoint)}
         yield Batch(prepared.model, [
             Job(item, prepared.settings, self._params(own, REFERENCE, columns, sides_of(item.id, own, recorded)))
-            for item in prepared.items if (item.id, "") in recorded])
+            for item in prepared.items if (item.id, "") in recorded], at=f"reference {prepared.model.precision}")
 
     def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
-        return model.with_precision(part) if part in HONEST else model
+        return model.with_precision(HonestVariant.parse(part).precision) if part not in ("", REFERENCE) else model
 
     def where(self, record: Record) -> str:
         return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
@@ -303,8 +312,8 @@ class Attest(Experiment):
         return Job(replay.item, replay.settings, self._params(own, part, None, sides))
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
-        """A decoded response: its prompt's prefill and one step per token after the first (none for a file's); the
-        reference: one forward of prompt + response - 1 per side."""
+        """A decoded response: its prompt's prefill (as its variant builds it) and one step per token after the
+        first (none for a file's or a server's); the reference: one forward of prompt + response - 1 per side."""
         p = PAYLOAD.validate_python(record.payload)
         prompt = len(p.prompt_ids)
         if record.part == REFERENCE:
@@ -312,15 +321,16 @@ class Attest(Experiment):
         if p.source != "generated" and not record.part:
             return []  # a file's response, or a server's: none of ours
         n = len(p.response_ids or [])
-        return [prompt, *[1] * (n - 1)] if n else None
+        variant = HonestVariant.parse(record.part) if record.part else LIVE
+        return variant.forwards(prompt, n) if n else None
 
     def planned_forwards(self, assumed: Assumed, options: AttestOptions) -> Planned:
         """The forwards `unit_forwards` counts, on the lengths a plan assumes (each response at its suffix)."""
-        def decoded(u: Any) -> list[int]:
-            return [u.prompt, *[1] * (u.suffix - 1)]
+        def decoded(u: Any, variant: HonestVariant = LIVE) -> list[int]:
+            return variant.forwards(u.prompt, u.suffix)
 
         return {"": [(u, [] if options.served else decoded(u)) for u in assumed.items],
-                **{p: [(u, decoded(u)) for u in assumed.items] for p in options.honest},
+                **{v.name: [(u, decoded(u, v)) for u in assumed.items] for v in parse_variants(options.honest)},
                 REFERENCE: [(u, [u.prompt + u.suffix - 1] * (1 + len(options.honest))) for u in assumed.items]}
 
     def peak_caches(self, stage: StageSection) -> int:
@@ -386,8 +396,9 @@ def sides_of(item_id: str, own: AttestStage, recorded: dict[tuple[str, str], Att
     file = served.source == "file"
     engine = "file" if file else own.engine.name if served.source == "server" and own.engine is not None else "hf"
     out = [("served", engine, "file" if file else "live", str(served.precision), tuple(served.response_ids or ()))]
-    out += [(f"honest@{p}", "hf", "live", p, tuple(recorded[(item_id, p)].response_ids or ()))
-            for p in own.honest if (item_id, p) in recorded]
+    variants = [HonestVariant.parse(p) for p in own.honest]
+    out += [(f"honest@{v.name}", "hf", v.construction, v.precision, tuple(recorded[(item_id, v.name)].response_ids or ()))
+            for v in variants if (item_id, v.name) in recorded]
     return tuple(out)
 
 

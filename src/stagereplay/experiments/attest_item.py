@@ -1,9 +1,10 @@
 """One attest job's work: an item's served response, an honest variant's, or the reference's scores of them all.
 
-    serve(lm, prompt, max_new, decode, seed)   what a server running `lm` serves: live decode from a retained cache,
+    serve(lm, prompt, max_new, decode, seed)   what a server running `lm` serves: live decode from a retained cache
+                                               (or the cache an honest variant's server builds, `attest_variants`),
                                                greedy, or vLLM's seeded pick argmax(probs / E), E ~ Exp(1) per step
                                                from a generator seeded with the request's seed
-    attest_item(lm, job)                       the job's part: served (''), honest (<precision>) or reference
+    attest_item(lm, job)                       the job's part: served (''), honest (a variant's name) or reference
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from stagereplay.engine.decode import DecodeConfig, Sampler, derive_seed
 from stagereplay.engine.lm import ids_fingerprint
+from stagereplay.experiments.attest_variants import HonestVariant
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.records import arrays
 from stagereplay.records.attested import AttestPayload, AttestSide, Kind, Source
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
     from stagereplay.engine.reference import TokenScores
 
+LIVE = HonestVariant("bf16")
+"""The live construction (its precision is the model's own: a variant's precision picks the unit's model)."""
 REFERENCE = "reference"
 """The part of an item's reference scores."""
 SCORES = ("logprobs", "margin", "match", "logit_rank", "prob", "gumbel_match", "gumbel_margin")
@@ -31,7 +35,7 @@ SCORES = ("logprobs", "margin", "match", "logit_rank", "prob", "gumbel_match", "
 
 @dataclass(frozen=True)
 class AttestParams(Params):
-    """An attest job: its part ('' the served response, a precision an honest variant, `reference` the scores), where
+    """An attest job: its part ('' the served response, an honest variant's name, `reference` the scores), where
     the served response comes from, the file's column mapping, for the reference part the responses to score
     ((name, engine, construction, precision, response) each), for a simulated server its checkpoint folder and
     precision (the served part loads them itself: a unit's model is the claimed one's), and where the requests' seeds
@@ -71,16 +75,17 @@ def max_new(item: Any, decode: DecodeConfig) -> int:
     return int(getattr(item, "response_len", 0) or decode.max_new_tokens)
 
 
-def serve(lm: LM, prompt: Sequence[int], limit: int, decode: DecodeConfig, seed: int | None) -> tuple[list[int], str]:
-    """What an honest server running `lm` serves for `prompt` (module docstring): the tokens and why it stopped
-    (eos or length)."""
+def serve(lm: LM, prompt: Sequence[int], limit: int, decode: DecodeConfig, seed: int | None,
+          variant: HonestVariant = LIVE) -> tuple[list[int], str]:
+    """What an honest server running `lm` serves for `prompt` (module docstring), its prompt's cache built and its
+    steps run as `variant` says (`experiments.attest_variants`; live by default): the tokens and why it stopped (eos
+    or length)."""
     import torch
 
     from stagereplay.engine.reference import gumbel_noise
 
     prompt = list(prompt)
-    cache = lm.new_cache(len(prompt) + limit - 1)
-    logits = lm.stepper.forward(prompt, cache, 0, prompt=prompt)  # [V]
+    cache, logits = variant.prefill(lm, prompt, limit)  # [V]
     generator = None
     if decode.sample and seed is not None:
         generator = torch.Generator(device=lm.config.device).manual_seed(seed)
@@ -96,7 +101,7 @@ def serve(lm: LM, prompt: Sequence[int], limit: int, decode: DecodeConfig, seed:
         tokens.append(token)
         if token in lm.eos or len(tokens) >= limit:
             return tokens, "eos" if token in lm.eos else "length"
-        logits = lm.stepper.forward([token], cache, past, prompt=prompt)
+        logits = variant.step(lm, cache, token, past, prompt)
         past += 1
 
 
@@ -150,7 +155,8 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
     else:
         if kind == "served" and p.served_model is not None:
             lm = served_lm(lm, p.served_model, p.served_precision or lm.config.precision)
-        response, stop = serve(lm, prompt, max_new(item, dc), dc, seed)
+        variant = HonestVariant.parse(p.which) if kind == "honest" else LIVE
+        response, stop = serve(lm, prompt, max_new(item, dc), dc, seed, variant)
         precision = lm.config.precision
     return AttestPayload(status="ok", kind=kind, source=p.source, prompt_ids=prompt, response_ids=response,
                          tokens_fp=ids_fingerprint([*prompt, *response]), precision=precision, seed=seed,

@@ -19,11 +19,13 @@ from stagereplay.experiments.attest_stats import (
     ALPHA,
     DRAWS,
     Items,
+    curve,
     decide,
     item_interval,
     nearest,
     pooled_statistics,
     run_statistic,
+    tokens_for_power,
 )
 from stagereplay.experiments.stats import wilson_interval
 from stagereplay.records import arrays
@@ -33,6 +35,10 @@ from stagereplay.records.ledger import Record
 SERVED = "served"
 QUANTILES = 101
 """The null's statistic at the served run's length, kept as this many quantiles (the figure's)."""
+POWER = 0.99
+"""The power `tokens_for_power` asks for."""
+LONGEST = 4096
+"""The longest run the power curve looks at (its lengths: powers of two from 8, and the served run's own)."""
 
 
 class _Frozen(BaseModel):
@@ -42,7 +48,7 @@ class _Frozen(BaseModel):
 class VariantRow(_Frozen):
     """One scored side over the run's items: the served response, or an honest variant."""
 
-    name: str = Field(description="served, or honest@<precision>")
+    name: str = Field(description="served, or honest@<variant>")
     items: int = Field(description="items")
     tokens: int = Field(description="tokens over them")
     statistic: float = Field(description="mean score per token")
@@ -50,6 +56,14 @@ class VariantRow(_Frozen):
     match_rate: float = Field(description="tokens that are the reference's argmax")
     flagged: int | None = Field(None, description="honest: held-out items flagged alone at alpha")
     heldout: int | None = Field(None, description="honest: held-out items decided")
+
+
+class PowerPoint(_Frozen):
+    """Runs of one length made of the served responses, against honest runs of that length."""
+
+    tokens: int = Field(description="run length")
+    auc: float = Field(description="P(a served run's statistic > an honest run's), ties counted half")
+    power: float = Field(description="served runs flagged at alpha")
 
 
 class AttestSummary(_Frozen):
@@ -81,6 +95,12 @@ class AttestSummary(_Frozen):
     variants: list[VariantRow] = Field(description="the served side and each honest variant, over every item")
     null_quantiles: list[float] = Field(description="the null's statistic at the served run's token count, as "
                                                     f"{QUANTILES} quantiles (the figure)")
+    power_by_tokens: list[PowerPoint] = Field(default_factory=list, description=(
+        "the served responses resampled whole into runs of each length, against honest runs of that length: how "
+        "well a run of that many tokens tells this server from honest serving (the second figure)"))
+    tokens_for_power: int | None = Field(None, description=(
+        f"the fewest tokens from which runs like the served one are flagged with {POWER:.0%} power at alpha "
+        f"(null: not within {LONGEST})"))
 
 
 def per_token(side: AttestSide) -> np.ndarray:
@@ -133,6 +153,7 @@ def summarize_attest(records: list[Record], stage: Any, checkpoint: str) -> Atte
                                                                             "heldout": len(alone)}))
     variants = {n: Items.of([per_token(sides[i][n]) for i in ids]) for n in honest}
     null_stats = pooled_statistics(null, run.tokens, DRAWS, seed=0)
+    c = curve(run, null, power_lengths(run.tokens), stage.alpha, DRAWS, seed=1)
     return AttestSummary(
         checkpoint=checkpoint, source=stage.source, served=stage.served_label(), claim=stage.claim_label(),
         score="gumbel mismatch" if served and served[0].gumbel_match is not None else "margin",
@@ -141,7 +162,15 @@ def summarize_attest(records: list[Record], stage: Any, checkpoint: str) -> Atte
         tokens_needed=d.tokens_needed, null_items=d.null_items, null_tokens=d.null_tokens, calibration=calibration,
         nearest=[(n, float(x)) for n, x in nearest(run, variants)], difr=_difr(served), honest_fpr=(flags, total),
         honest_fpr_interval=wilson_interval(flags, total) if total else (0.0, 1.0), variants=rows,
-        null_quantiles=[float(q) for q in np.quantile(null_stats, np.linspace(0, 1, QUANTILES))])
+        null_quantiles=[float(q) for q in np.quantile(null_stats, np.linspace(0, 1, QUANTILES))],
+        power_by_tokens=[PowerPoint(tokens=int(t), auc=float(a), power=float(w))
+                         for t, a, w in zip(c.tokens, c.auc, c.power, strict=True)],
+        tokens_for_power=tokens_for_power(c, POWER))
 
 
-__all__ = ["ALPHA", "AttestSummary", "VariantRow", "per_token", "summarize_attest"]
+def power_lengths(served: int) -> list[int]:
+    """The run lengths the power curve looks at: powers of two from 8 to `LONGEST`, and the served run's own."""
+    return sorted({*(2**k for k in range(3, LONGEST.bit_length())), served})
+
+
+__all__ = ["ALPHA", "AttestSummary", "PowerPoint", "VariantRow", "per_token", "summarize_attest"]

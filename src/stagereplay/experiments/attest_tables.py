@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from stagereplay.experiments.attest_summary import AttestSummary
+from stagereplay.experiments.attest_summary import LONGEST, POWER, AttestSummary
 from stagereplay.experiments.figures import ReportFigure, png
 from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, slug
 from stagereplay.experiments.verdict import Fact, Question
@@ -39,6 +39,7 @@ def attest_tables(s: AttestSummary) -> list[Table]:
             [f"mean {s.score} [95% over responses]", f"{_g(s.statistic)} [{_g(s.interval[0])}, {_g(s.interval[1])}]"],
             ["threshold", _g(s.threshold)], ["tokens (responses)", f"{s.tokens} ({s.items})"],
             ["tokens needed", NA if s.tokens_needed is None else str(s.tokens_needed)],
+            [f"tokens for {POWER:.0%} power", power_words(s)],
             ["null", f"{s.null_items} honest responses, {s.null_tokens} tokens ({len(s.calibration)} prompts)"],
             ["nearest honest variant", ", ".join(f"{n} ({_g(d)})" for n, d in s.nearest[:3]) or NA],
             ["honest held-out flagged", f"{k_of_n(*s.honest_fpr)} [{lo:.3f}, {hi:.3f}]"],
@@ -71,13 +72,46 @@ def attest_verdict(s: AttestSummary) -> list[Fact]:
                            f"[{lo:.3f}, {hi:.3f}]", holds=not s.flagged)]
 
 
+def power_words(s: AttestSummary) -> str:
+    """How many tokens flag runs like the served one with `POWER` power, in words."""
+    if s.tokens_for_power is not None:
+        return f"{s.tokens_for_power} (runs like the served one)"
+    return f"- (not within {LONGEST} tokens)" if s.power_by_tokens else NA
+
+
 def attest_figures(s: AttestSummary) -> list[ReportFigure]:
-    """The null's statistic at the served run's length against the served run's, with the threshold."""
-    return [ReportFigure(f"fig-attest-{slug(s.checkpoint)}", f"Served run vs the honest null ({s.checkpoint})",
-                         f"The distribution of the mean {s.score} of honest runs of {s.tokens} tokens (whole responses "
-                         "resampled from the null) with the threshold at the false-positive rate (dashed) and the "
-                         "served run's statistic with its interval over responses (solid).",
-                         png(_figure(s)), after=(f"table-attest-sides-{slug(s.checkpoint)}",))]
+    """The null's statistic at the served run's length against the served run's, with the threshold; then AUC and
+    power by run length."""
+    out = [ReportFigure(f"fig-attest-{slug(s.checkpoint)}", f"Served run vs the honest null ({s.checkpoint})",
+                        f"The distribution of the mean {s.score} of honest runs of {s.tokens} tokens (whole responses "
+                        "resampled from the null) with the threshold at the false-positive rate (dashed) and the "
+                        "served run's statistic with its interval over responses (solid).",
+                        png(_figure(s)), after=(f"table-attest-sides-{slug(s.checkpoint)}",))]
+    if s.power_by_tokens:
+        out.append(ReportFigure(
+            f"fig-attest-power-{slug(s.checkpoint)}", f"Tokens to tell this server from honest serving ({s.checkpoint})",
+            "Runs of each length made of the served responses (resampled whole) against honest runs of that length: "
+            f"the AUC, and the fraction flagged at the {s.alpha:g} false-positive rate (power). An honest server stays "
+            "near 0.5 and the rate; a substitution climbs to 1. The dotted line is the served run's length.",
+            png(_power_figure(s)), after=(f"table-attest-sides-{slug(s.checkpoint)}",)))
+    return out
+
+
+def _power_figure(s: AttestSummary) -> Any:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 3.0), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    t = [p.tokens for p in s.power_by_tokens]
+    ax.plot(t, [p.auc for p in s.power_by_tokens], marker="o", color="#2b6cb0", label="AUC")
+    ax.plot(t, [p.power for p in s.power_by_tokens], marker="s", color="#c53030", label=f"power at {s.alpha:g}")
+    ax.axhline(POWER, color="#718096", linestyle="--", linewidth=0.8, label=f"{POWER:.0%}")
+    ax.axvline(s.tokens, color="#2d3748", linestyle=":", label="served run")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("tokens in a run", fontsize=8)
+    ax.legend(fontsize=7)
+    return fig
 
 
 def _figure(s: AttestSummary) -> Any:

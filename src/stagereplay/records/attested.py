@@ -5,7 +5,10 @@ responses to the same prompt, and the reference's per-token scores of each (`eng
     part ""           the served response: read from a file of served outputs, asked of a running server (with the
                       server's log-probabilities where it gives them), or decoded here by a stated served setting (a
                       simulation of a server)
-    part <precision>  an honest variant: the claimed model's live decode at that precision (bf16, fp16, fp32)
+    part <variant>    an honest variant (experiments.attest_variants): the claimed model decoded at a precision
+                      (bf16, fp16, fp32) from a live cache (the part is the precision), a chunked prefill
+                      (bf16/chunked:16), a reused prefix (bf16/prefix:16), or as one of concurrent requests
+                      (bf16/batched:4)
     part reference    the claimed model's one-shot reference, scoring the served response and every honest one
 """
 
@@ -24,10 +27,11 @@ Source = Literal["generated", "file", "server"]
 class AttestSide(PayloadModel):
     """One response (the served one, or an honest variant's) scored by the claimed model's reference, per token."""
 
-    name: str = Field(description="served, or honest@<precision>")
+    name: str = Field(description="served, or honest@<variant> (bf16, bf16/chunked:16, ...)")
     engine: str = Field(description="who produced the response: hf (ours), file (a file of served outputs), or the "
                               "serving engine that served it (http: a running server)")
-    construction: str = Field(description="live (decoded from a retained cache) | file")
+    construction: str = Field(description="live (decoded from a retained cache) | chunked:<n> | prefix:<b> | "
+                                          "batched:<r> (an honest variant's) | file")
     precision: str = Field(description="the precision it was decoded at ('file' for a file's; a server's: its model's "
                                        "type as it says it)")
     response_ids: list[int] = Field(description="the response's token IDs")
@@ -47,7 +51,7 @@ class AttestPayload(PayloadModel):
     """Attest, one item and part."""
 
     status: Literal["ok"] = Field(description="done")
-    kind: Kind = Field(description="served (part ''), honest (part <precision>) or reference (part reference)")
+    kind: Kind = Field(description="served (part ''), honest (part <variant>) or reference (part reference)")
     source: Source = Field(description="where the served response came from: generated (a simulated server), file, "
                                        "or server (asked of a running server)")
     prompt_ids: list[int] = Field(description="the prompt's token IDs")

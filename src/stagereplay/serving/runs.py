@@ -335,7 +335,7 @@ class ServedAttest(Served):
         them), every one on our model with its weights, part '' asked of the engine."""
         ours = replace(prepared, model=replace(prepared.model, weights=True))
         for batch in self.experiment.batches(ours, stage, run):
-            yield Batch(batch.model, [replace(job, params=attest_params(job.params, arms)) for job in batch.jobs])
+            yield replace(batch, jobs=[replace(job, params=attest_params(job.params, arms)) for job in batch.jobs])
 
     def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
         job = self.experiment.replay_job(replay)
