@@ -7,16 +7,18 @@ model's honest floor, the way `stagereplay attest --engine http` decides (attest
 
 The claimed weights: CLAIMED.gguf's values in f32 (`llama-quantize --allow-requantize ... F32`, OUT/claimed.F32.gguf:
 a quantized GGUF such as SmolLM2's Q4_1 is claimed as the values it holds). Our engine loads them (transformers'
-GGUF loader) for the reference, a one-shot fp32 prefill of prompt + served tokens, and for its honest live decodes
-at bf16, fp16 and fp32. Served, greedy, one request per prompt (token IDs in and out, nothing cached), by
-llama-server (`-np 1 -c 2048`, `--threads`) in these configurations:
+GGUF loader) for the reference, a one-shot fp32 prefill of prompt + served tokens, and for its honest variants
+(`attest --honest`'s): live decodes at bf16, fp16 and fp32, and at bf16 a chunked prefill, a prefix reused from an
+earlier request's cache and a batch of 4 concurrent requests. Served, greedy, one request per prompt (token IDs in and
+out, nothing cached), by llama-server (`-np 1 -c 2048`, `--threads`) in these configurations:
 
     llama-server        the claimed f32 weights as they are: an honest engine (llama.cpp's kernels, its f16 K/V)
+    llama-server x4     the same, under load: 4 slots (`-np 4`) and 4 requests in flight at once, batched together
     Q8_0, Q4_K_M, Q4_0  the claimed weights quantized by llama-quantize (the same vendored source as the server)
     K/V q8_0, K/V q4_0  the claimed weights with the cache quantized (-ctk/-ctv, flash attention on)
 
 The prompts split in two: the first half calibrates the null (the responses of the honest configurations the claim
-admits, pooled: by default ours at three precisions and llama-server's; `--null "ours fp32,llama-server"` claims f32
+admits, pooled: by default all of ours and llama-server's, alone and under load; `--null "ours fp32,llama-server"` claims f32
 serving, and the others become rows to flag), the second is held out. Statistic: the mean margin per token (the reference's max
 logit minus the served token's), as `attest` decides a greedy claim. Per variant: its statistic with its 95%
 interval over items; for honest ones the false-positive rate at 1% of the per-item decision on held-out prompts
@@ -34,6 +36,8 @@ import argparse
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +51,24 @@ from common import (
 )
 
 ALPHA = 0.01
-HONEST = ("ours bf16", "ours fp16", "ours fp32", "llama-server")
+OURS = ("bf16", "fp16", "fp32", "bf16/chunked:16", "bf16/prefix:16", "bf16/batched:4")
+"""Our engine's honest variants (experiments.attest_variants: live decode at each precision, a chunked prefill, a
+prefix reused from an earlier request's cache, a batch of concurrent requests)."""
+CONCURRENT = 4
+"""llama-server under load: this many requests in flight at once on as many slots."""
+HONEST = (*(f"ours {v}" for v in OURS), "llama-server", f"llama-server x{CONCURRENT}")
 GRID = (8, 16, 32, 64, 128, 256, 300, 512, 1024, 2048)
 """Run lengths the AUC is measured at: attest's, and 300 (Token-DiFR's 4-bit figure: AUC > 0.999 within 300 tokens)."""
 WEIGHTS = ("Q8_0", "Q4_K_M", "Q4_0")
 CACHES = {"K/V q8_0": ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"],
           "K/V q4_0": ["-ctk", "q4_0", "-ctv", "q4_0", "-fa", "on"]}
+
+
+def ask(engine: Any, max_new_tokens: int, prompt: list[int]) -> list[int]:
+    """The server's greedy response to `prompt`, token IDs."""
+    from stagereplay.serving.seam import Sampling
+
+    return list(engine.sample(prompt, max_new_tokens, Sampling()).tokens)
 
 
 def quantize(binary: str, source: Path, out: Path, kind: str, requantize: bool = False) -> Path:
@@ -118,10 +134,11 @@ def main() -> None:
     from stagereplay.engine.lm import load
     from stagereplay.engine.reference import reference_scores
     from stagereplay.experiments.attest_item import serve
+    from stagereplay.experiments.attest_variants import HonestVariant
     from stagereplay.experiments.stats import wilson_interval
     from stagereplay.serving.http import HttpOptions
     from stagereplay.serving.http import load as http_engine
-    from stagereplay.serving.seam import EngineConfig, Sampling
+    from stagereplay.serving.seam import EngineConfig
 
     torch.set_num_threads(args.threads)
     claimed = quantize(args.quantize, args.claimed, args.out / "claimed.F32.gguf", "F32", requantize=True)
@@ -141,18 +158,23 @@ def main() -> None:
         return scores, mismatches
 
     variants: dict[str, AttestVariant] = {}
-    for precision in ("bf16", "fp16", "fp32"):
-        lm = reference if precision == "fp32" else load(str(claimed), precision, "cpu", args.threads)
-        served = [serve(lm, prompt, args.max_new_tokens, greedy, 0)[0] for _, prompt in items]
-        variants[f"ours {precision}"] = AttestVariant(*scored(served), honest=f"ours {precision}" in null_names)
-        print(f"ours {precision}: {sum(map(len, served))} tokens served", flush=True)
-    configs = [(name, path, []) for name, path in served_files.items()] + [
-        (name, claimed, flags) for name, flags in CACHES.items()]
+    models = {"fp32": reference}
+    for name in OURS:
+        variant = HonestVariant.parse(name)
+        if variant.precision not in models:
+            models[variant.precision] = load(str(claimed), variant.precision, "cpu", args.threads)
+        served = [serve(models[variant.precision], prompt, args.max_new_tokens, greedy, 0, variant)[0]
+                  for _, prompt in items]
+        variants[f"ours {name}"] = AttestVariant(*scored(served), honest=f"ours {name}" in null_names)
+        print(f"ours {name}: {sum(map(len, served))} tokens served", flush=True)
+    configs = [(name, path, [], 1) for name, path in served_files.items()] + [
+        (f"llama-server x{CONCURRENT}", claimed, [], CONCURRENT)] + [
+        (name, claimed, flags, 1) for name, flags in CACHES.items()]
     refused: dict[str, str] = {}
-    for name, path, flags in configs:
+    for name, path, flags, slots in configs:
         log = args.out / f"server-{name.replace('/', '').replace(' ', '-')}.log"
         try:
-            proc, url = start_llama_server(args.server, str(path), ["-np", "1", "-c", "2048", "-t",
+            proc, url = start_llama_server(args.server, str(path), ["-np", str(slots), "-c", str(2048 * slots), "-t",
                                                                      str(args.threads), *flags], log)
         except ServerDidNotStart as e:  # e.g. a quantized cache whose blocks do not divide the model's head size
             refused[name] = e.reason()
@@ -160,7 +182,8 @@ def main() -> None:
             continue
         try:
             engine = http_engine(EngineConfig("http", HttpOptions(url=url)), str(claimed), "fp32", args.threads, "cpu")
-            served = [list(engine.sample(prompt, args.max_new_tokens, Sampling()).tokens) for _, prompt in items]
+            with ThreadPoolExecutor(slots) as pool:  # in flight together where the server has the slots
+                served = list(pool.map(partial(ask, engine, args.max_new_tokens), [p for _, p in items]))
         finally:
             proc.terminate()
             proc.wait()

@@ -70,6 +70,7 @@ def test_an_honest_served_file_is_not_flagged(root: Path, served_file: Path, hon
     s, t = _section(run), _section(honest_run)
     assert not s["flagged"] and s["source"] == "file" and s["tokens"] == t["tokens"], s
     assert s["statistic"] == t["statistic"] and s["difr"] == t["difr"]
+    assert s["prompts_not_reencoded"] == [] and t["prompts_not_reencoded"] is None  # the toy's prompts, as it makes them
 
 
 def test_a_served_file_without_logprobs_decides_as_with_them(root: Path, served_file: Path, honest_run: Path):
@@ -167,3 +168,30 @@ def test_verify_finds_a_score_that_is_not_its_fingerprints(root: Path, honest_ru
     found = _invoke(["audit", str(forged), "--verify-only"])
     assert found.exit_code == 1 and "side served: scores_fp is not the fingerprint of its scores" in found.output, \
         found.output
+
+
+def test_a_served_prompt_the_claimed_tokenizer_would_not_make_is_reported(root: Path, r1_dir):
+    """A served file's prompt whose text the claimed tokenizer encodes otherwise ("an" as its two letters, where the
+    tokenizer merges them) is named in the report, and only that one: the server tokenizes otherwise."""
+    from transformers import AutoTokenizer
+
+    model = r1_dir("merged")
+    tok = AutoTokenizer.from_pretrained(model)
+    merged, a, n = (tok.convert_tokens_to_ids(t) for t in ("an", "a", "n"))
+    rows = []
+    for k, text in enumerate(["an ant ran", "tea and rain", "a tan hat", "nine ants"]):
+        prompt = tok.encode(text, add_special_tokens=False)
+        assert merged in prompt, prompt
+        if k == 2:
+            at = prompt.index(merged)
+            prompt = [*prompt[:at], a, n, *prompt[at + 1:]]
+        rows.append({"id": f"p{k}", "prompt_ids": prompt, "response_ids": tok.encode("at the end", add_special_tokens=False)})
+    served = root / "split.jsonl"
+    served.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = root / "split"
+    result = _invoke(["attest", "--model", str(model), "--served", str(served), "--honest", "bf16", "--quiet",
+                      "--out", str(run)])
+    assert result.exit_code in (0, 1), result.output
+    assert _section(run)["prompts_not_reencoded"] == ["p2"]
+    assert "1/4" in (run / "report.md").read_text() and "not what the claimed model's tokenizer makes" in (
+        run / "report.md").read_text()

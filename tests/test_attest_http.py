@@ -68,6 +68,8 @@ def test_the_served_part_is_asked_of_the_server_and_recorded_with_its_identity(s
     manifest = json.loads((run / "manifest.json").read_text())
     stage = manifest["stages"]["attest/primary"]
     assert stage["source"] == "server" and stage["engine"]["url"] == url and stage["cross"] == "hf"
+    config = manifest["config"]  # the run's identity: the server's outputs, no simulated setting
+    assert config["source"] == "server" and not any(k.startswith("served_") for k in config), config
     engine = manifest["environment"]["engine"]
     assert engine["server"]["build"] == "fake-1" and engine["checked"]["verbatim_ids"] is True
     reference = next(r for r in records if r.part == "reference")
@@ -163,3 +165,21 @@ def test_every_part_of_a_server_run_draws_with_the_seed_the_server_takes():
         params = wrapped.attest if isinstance(wrapped, ServedAttestParams) else wrapped
         assert isinstance(wrapped, ServedAttestParams) == (which == "")
         assert isinstance(params, AttestParams) and params.seed_span == SEED_SPAN
+
+
+def test_a_plan_leaves_the_servers_forwards_out():
+    """Priced before it runs: a server's responses are its own forwards (the served row has none), a simulated
+    server's are ours; every other row is the same."""
+    args = ["attest", "--n", "3", "--max-new-tokens", "6", "--honest", "bf16,bf16/chunked:8", "--plan"]
+    asked = runner.invoke(app, [*args, "--engine", "http", "--url", "http://127.0.0.1:9"], env={"COLUMNS": "150"})
+    simulated = runner.invoke(app, args, env={"COLUMNS": "150"})
+    assert asked.exit_code == 0 and simulated.exit_code == 0, asked.output + simulated.output
+
+    def rows(output: str) -> dict[str, list[str]]:
+        return {line.split()[0]: line.split()[1:] for line in output.splitlines() if line.startswith("attest/")}
+
+    mine, theirs = rows(simulated.output), rows(asked.output)
+    assert theirs["attest/primary"][2] == "0" and int(mine["attest/primary"][2]) > 0
+    assert {k: v for k, v in theirs.items() if k != "attest/primary"} == {
+        k: v for k, v in mine.items() if k != "attest/primary"}
+    assert "attest/primary@bf16/chunked:8" in theirs

@@ -82,9 +82,10 @@ def starting_command(experiment: Any) -> Callable[..., None]:
                 from stagereplay.runs.prepare import data_config
 
                 experiment.check_inputs(inputs, options)
+                served_by = choice.engine if choice.engine != "hf" else None
                 typer.echo(plan_experiment(experiment, options, inputs.input.model,
                                            data_config(inputs, experiment, options), inputs.decode,
-                                           inputs.numerics.precision))
+                                           inputs.numerics.precision, served_by))
                 return
             if out is None:
                 raise StageReplayError("no run directory given", "pass --out DIR (or --plan to price the run)")

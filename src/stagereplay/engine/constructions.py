@@ -171,6 +171,12 @@ class Chunked(Construction):
         return [(s, min(s + self.n, body_len)) for s in range(0, body_len, self.n)]
 
 
+def reencoded(tokenizer: Any, ids: Sequence[int]) -> tuple[int, ...]:
+    """`ids` decoded to text (special tokens kept) and encoded again (none added): the IDs the text route gives."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=False)
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
 @dataclass(frozen=True)
 class Retokenized(Construction):
     """P decoded to text and re-encoded, then one forward: the text route stage-replay methods often take. Its
@@ -179,8 +185,7 @@ class Retokenized(Construction):
     base = "retokenized"
 
     def build(self, lm: Builder, state: Source) -> Built:
-        text = lm.tokenizer.decode(list(state.prefix), skip_special_tokens=False)
-        ids = tuple(lm.tokenizer.encode(text, add_special_tokens=False))
+        ids = reencoded(lm.tokenizer, state.prefix)
         cache_len = state.cache_len
         if cache_len is not None:  # room for the same continuation after a prefix that re-encodes longer
             cache_len += max(0, len(ids) - len(state.prefix))

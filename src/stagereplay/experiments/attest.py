@@ -329,7 +329,7 @@ class Attest(Experiment):
         def decoded(u: Any, variant: HonestVariant = LIVE) -> list[int]:
             return variant.forwards(u.prompt, u.suffix)
 
-        return {"": [(u, [] if options.served else decoded(u)) for u in assumed.items],
+        return {"": [(u, [] if options.served or assumed.served_by else decoded(u)) for u in assumed.items],
                 **{v.name: [(u, decoded(u, v)) for u in assumed.items] for v in parse_variants(options.honest)},
                 REFERENCE: [(u, [u.prompt + u.suffix - 1] * (1 + len(options.honest))) for u in assumed.items]}
 

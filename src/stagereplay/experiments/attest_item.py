@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from stagereplay.engine.constructions import reencoded
 from stagereplay.engine.decode import DecodeConfig, Sampler, derive_seed
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments.attest_variants import HonestVariant
@@ -147,11 +148,13 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
     seed = item_seed(item, dc, p.columns, p.seed_span)
     kind: Kind = "honest" if p.which else "served"
     assert not (kind == "served" and p.source == "server"), "a server's response is asked of it (serving.attest)"
+    roundtrip = None
     if kind == "served" and p.source == "file":
         from stagereplay.tasks.rollouts import RolloutItem, read
 
         assert isinstance(item, RolloutItem)
         response, stop, precision = list(read(item, p.columns).response_ids), None, "file"
+        roundtrip = reencoded(lm.tokenizer, prompt) == tuple(prompt)
     else:
         if kind == "served" and p.served_model is not None:
             lm = served_lm(lm, p.served_model, p.served_precision or lm.config.precision)
@@ -160,7 +163,7 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
         precision = lm.config.precision
     return AttestPayload(status="ok", kind=kind, source=p.source, prompt_ids=prompt, response_ids=response,
                          tokens_fp=ids_fingerprint([*prompt, *response]), precision=precision, seed=seed,
-                         stop=stop)
+                         stop=stop, prompt_roundtrip=roundtrip)
 
 
 def reference_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:

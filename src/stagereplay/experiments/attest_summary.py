@@ -98,6 +98,9 @@ class AttestSummary(_Frozen):
     power_by_tokens: list[PowerPoint] = Field(default_factory=list, description=(
         "the served responses resampled whole into runs of each length, against honest runs of that length: how "
         "well a run of that many tokens tells this server from honest serving (the second figure)"))
+    prompts_not_reencoded: list[str] | None = Field(None, description=(
+        "a file's served prompts whose text the claimed tokenizer encodes to other IDs (item ids): prompts it would "
+        "not make, from a server of another tokenizer or built otherwise (null: not a file)"))
     tokens_for_power: int | None = Field(None, description=(
         f"the fewest tokens from which runs like the served one are flagged with {POWER:.0%} power at alpha "
         f"(null: not within {LONGEST})"))
@@ -134,6 +137,8 @@ def _row(name: str, sides: list[AttestSide]) -> VariantRow:
 def summarize_attest(records: list[Record], stage: Any, checkpoint: str) -> AttestSummary:
     """The section from the reference records of one stage (module docstring)."""
     by_item = {r.item_id: AttestPayload.model_validate(r.payload) for r in records if r.part == REFERENCE}
+    served_parts = [(r.item_id, AttestPayload.model_validate(r.payload)) for r in records if r.part == ""]
+    roundtrips = [(i, p.prompt_roundtrip) for i, p in served_parts if p.prompt_roundtrip is not None]
     ids = list(by_item)
     calibration = [i for i in stage.calibration if i in by_item]
     held = [i for i in ids if i not in set(calibration)]
@@ -165,7 +170,8 @@ def summarize_attest(records: list[Record], stage: Any, checkpoint: str) -> Atte
         null_quantiles=[float(q) for q in np.quantile(null_stats, np.linspace(0, 1, QUANTILES))],
         power_by_tokens=[PowerPoint(tokens=int(t), auc=float(a), power=float(w))
                          for t, a, w in zip(c.tokens, c.auc, c.power, strict=True)],
-        tokens_for_power=tokens_for_power(c, POWER))
+        tokens_for_power=tokens_for_power(c, POWER),
+        prompts_not_reencoded=[i for i, same in roundtrips if not same] if roundtrips else None)
 
 
 def power_lengths(served: int) -> list[int]:

@@ -43,6 +43,8 @@ def attest_tables(s: AttestSummary) -> list[Table]:
             ["null", f"{s.null_items} honest responses, {s.null_tokens} tokens ({len(s.calibration)} prompts)"],
             ["nearest honest variant", ", ".join(f"{n} ({_g(d)})" for n, d in s.nearest[:3]) or NA],
             ["honest held-out flagged", f"{k_of_n(*s.honest_fpr)} [{lo:.3f}, {hi:.3f}]"],
+            ["prompts the claimed tokenizer would not make", NA if s.prompts_not_reencoded is None else
+             k_of_n(len(s.prompts_not_reencoded), s.items)],
             ["Token-DiFR exact_match_rate", f"{s.difr.get('exact_match_rate', 0.0):.4f}"],
             ["Token-DiFR avg_margin", _g(s.difr.get("avg_margin", 0.0))],
             ["Token-DiFR avg_prob", _g(s.difr.get("avg_prob", 0.0))]]),
@@ -59,7 +61,7 @@ def attest_tables(s: AttestSummary) -> list[Table]:
 
 
 def _said(facts: Sequence[Fact]) -> str:
-    head = "yes, consistent with it" if all(f.holds for f in facts) else "no, not as claimed"
+    head = "yes, consistent with it" if all(f.holds for f in facts if f.holds is not None) else "no, not as claimed"
     return f"{head}: " + "; ".join(f.phrase for f in facts) + "."
 
 
@@ -68,8 +70,14 @@ ATTESTED = Question("server runs the claimed model", "Is the server running the 
 
 def attest_verdict(s: AttestSummary) -> list[Fact]:
     lo, hi = s.honest_fpr_interval
-    return [Fact(ATTESTED, f"{decision_line(s)}; honest held-out responses flagged {k_of_n(*s.honest_fpr)} "
-                           f"[{lo:.3f}, {hi:.3f}]", holds=not s.flagged)]
+    facts = [Fact(ATTESTED, f"{decision_line(s)}; honest held-out responses flagged {k_of_n(*s.honest_fpr)} "
+                            f"[{lo:.3f}, {hi:.3f}]", holds=not s.flagged)]
+    if s.prompts_not_reencoded:
+        facts.append(Fact(ATTESTED, f"{k_of_n(len(s.prompts_not_reencoded), s.items)} served prompts are not what the "
+                                    "claimed model's tokenizer makes of their text (first: item "
+                                    f"{s.prompts_not_reencoded[0]}): the server may tokenize otherwise; check that "
+                                    "--model is the claimed model, and the prompts as the server got them"))
+    return facts
 
 
 def power_words(s: AttestSummary) -> str:

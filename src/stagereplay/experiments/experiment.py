@@ -104,6 +104,8 @@ class Assumed:
     """The run's precision: a stage's part at it may carry arms over."""
     construction: str = "oneshot"
     """The matched stage's fresh construction (`paper`'s: oneshot): the arm later stages carry over."""
+    served_by: str | None = None
+    """The serving engine a run asks for what it serves (`--engine`), whose forwards are not ours (None: ours)."""
 
     def replay(self, i: int) -> list[int]:
         """The diagnostics decode the first-run arm of a divergent pair again to its first divergent step d (d + 1

@@ -90,6 +90,8 @@ class Runnable(Protocol):
 
     def check(self, model: ModelConfig, options: Any) -> None: ...
 
+    def identity(self, options: Any) -> dict[str, Any]: ...
+
     def section(self, prepared: PreparedRun, options: Any, run: Run) -> StageSection: ...
 
     def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterable[Batch]: ...
@@ -117,6 +119,10 @@ class RunEngine(ABC):
     def run_options(self) -> dict[str, Any]:
         """What the run's identity records of the engine beside the command's options ({} for ours)."""
         return {}
+
+    def run_identity(self, experiment: Runnable, options: Any) -> dict[str, Any]:
+        """The run's identity: the experiment's options as this engine runs them, and the engine's own."""
+        return {**experiment.identity(options), **self.run_options()}
 
     def check_source(self, model: str | None) -> None:  # noqa: B027  # ours runs any model
         """Refuse in one line a model it cannot run (None: the embedded toy's folder)."""

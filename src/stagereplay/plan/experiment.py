@@ -20,9 +20,11 @@ from stagereplay.plan.stages import StagePlan, model_shape
 
 
 def plan_experiment(experiment: Experiment, options: Any, model: str | None, data: Any, decode: Any,
-                    precision: str) -> str:
+                    precision: str, served_by: str | None = None) -> str:
     """The plan's table of a run of `experiment` with `options` on `model` (the embedded toy's when None) and the
-    items `data` gives (`tasks.DataConfig`, as the experiment reads its inputs), decoding with `decode`."""
+    items `data` gives (`tasks.DataConfig`, as the experiment reads its inputs), decoding with `decode`; `served_by`:
+    the serving engine the run uses (`--engine`): an experiment that asks it for what it serves leaves those
+    forwards out (`Experiment.planned_forwards`)."""
     from stagereplay.engine.limits import STAGE1_BUDGET, check_budgets
     from stagereplay.engine.model import ModelConfig, load_config_and_tokenizer
     from stagereplay.tasks import load_items
@@ -40,7 +42,7 @@ def plan_experiment(experiment: Experiment, options: Any, model: str | None, dat
                                decode.max_new_tokens, shape.context, STAGE1_BUDGET)
     lengths = tuple(Lengths(len(i.prompt_ids), stage1, experiment.sequence_end(i, decode) - len(i.prompt_ids))
                     for i in found)
-    assumed = Assumed(lengths, 0, False, shape.layers, precision)
+    assumed = Assumed(lengths, 0, False, shape.layers, precision, served_by=served_by)
     base = ModelConfig(path=model, precision=precision)
     caches = experiment.peak_caches(experiment.planned_stage(options))
     stages: list[StagePlan] = []

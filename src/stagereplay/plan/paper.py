@@ -112,14 +112,15 @@ def audit_stages(stages: list[StagePlan], sample: int | None) -> list[StagePlan]
 
 def render(stages: list[StagePlan], shape: Shape, rates: Rates | None, workers: int = 1) -> str:
     """A table, one row per stage, then the totals."""
-    head = (f"{'stage':28} {'prec':>5} {'items':>6} {'forwards':>10} {'prefill tok':>12} {'steps':>10} "
+    w = max([28, *(len(s.name) for s in stages)])
+    head = (f"{'stage':{w}} {'prec':>5} {'items':>6} {'forwards':>10} {'prefill tok':>12} {'steps':>10} "
             f"{'caches':>7} {'cache MiB':>10} {'weights MiB':>12}" + (f" {'hours':>8}" if rates else ""))
     lines = [head]
     total = 0.0
     for s in stages:  # caches: the most alive at once (per item, times the items stepping together); cache MiB:
         # one of them at the stage's longest sequence
         size = shape.cache_bytes(s.positions, s.precision) / 2**20
-        row = (f"{s.name:28} {s.precision:>5} {s.units:>6} {s.forwards:>10} {s.prefill_tokens:>12} {s.steps:>10} "
+        row = (f"{s.name:{w}} {s.precision:>5} {s.units:>6} {s.forwards:>10} {s.prefill_tokens:>12} {s.steps:>10} "
                f"{s.caches * s.rows:>7} {size:>10.1f} {shape.weight_bytes(s.precision) / 2**20:>12.1f}")
         if rates:
             hours = rates.wall(s, workers) / 3600

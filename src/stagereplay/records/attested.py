@@ -61,6 +61,8 @@ class AttestPayload(PayloadModel):
                                      "a server's model type as it says it)")
     seed: int | None = optional("served and honest parts: the per-request seed of a sampled claim")
     stop: str | None = optional("a decoded or server's response: eos or length")
+    prompt_roundtrip: bool | None = optional("a file's served part: whether the claimed tokenizer encodes the "
+                                             "prompt's text back to the same IDs (false: a prompt it would not make)")
     logprobs: str | None = optional("a server's served part: per token, the log-probability the server gave it (its "
                                     "raw distribution): f32, where it gave one for every token")
     arms: list[AttestSide] = Field(default_factory=list, description="part reference: the served response and each "

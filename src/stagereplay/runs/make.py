@@ -82,7 +82,7 @@ def make_run(out: str | Path, experiment: Experiment, options: Any = None, input
     options = experiment.Options() if options is None else options
     inputs = inputs or Inputs()
     prepared = prepare(experiment.name, inputs, experiment, options, engine, ex, quiet)
-    identity = {**experiment.identity(options), **engine.run_options()}
+    identity = engine.run_identity(experiment, options)
     if inputs.input.shard is not None:
         identity["shard"] = inputs.input.shard
     with open_run(Path(out), new_manifest(prepared, identity)) as run:

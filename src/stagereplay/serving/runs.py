@@ -86,6 +86,10 @@ class Served(ABC):
     def check(self, arms: ServingArms, model: ModelConfig, options: Any) -> None:  # noqa: B027  # nothing by default
         """Refuse in one line, before anything loads, what the engine cannot run of it."""
 
+    def identity(self, options: Any) -> dict[str, Any]:
+        """The experiment's options as the run's identity records them where this engine serves it."""
+        return self.experiment.identity(options)
+
     def check_decode(self, arms: ServingArms, decode: DecodeConfig) -> None:  # noqa: B027  # nothing by default
         """Refuse in one line, before anything loads, a decoding the engine cannot run as asked."""
 
@@ -312,6 +316,11 @@ class ServedAttest(Served):
             raise StageReplayError(f"attest sends one request per prompt: the {', '.join(extra)} arms an option of "
                                    f"--engine {name} adds are matched's", "drop the option that adds them")
 
+    def identity(self, options: AttestOptions) -> dict[str, Any]:
+        """The served outputs are the server's: no simulated setting is part of the run."""
+        own = self.experiment.identity(options)
+        return {**{k: v for k, v in own.items() if not k.startswith("served_")}, "source": "server"}
+
     def check_decode(self, arms: ServingArms, decode: DecodeConfig) -> None:
         """A seeded claim needs a server whose seeded draws are the sampler the reference replays."""
         reason = arms.kind.seeded_draws(arms.engine) if decode.sample else None
@@ -387,6 +396,9 @@ class ServingRun(RunEngine):
 
     def run_options(self) -> dict[str, Any]:
         return {"engine": self.arms.engine.as_dict(), "cross": self.arms.cross}
+
+    def run_identity(self, experiment: Runnable, options: Any) -> dict[str, Any]:
+        return {**self.served(experiment).identity(options), **self.run_options()}
 
     def check(self, experiment: Runnable, model: ModelConfig, options: Any) -> None:
         served = self.served(experiment)
