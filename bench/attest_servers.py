@@ -167,8 +167,8 @@ def main() -> None:
                   for _, prompt in items]
         variants[f"ours {name}"] = AttestVariant(*scored(served), honest=f"ours {name}" in null_names)
         print(f"ours {name}: {sum(map(len, served))} tokens served", flush=True)
-    configs = [(name, path, [], 1) for name, path in served_files.items()] + [
-        (f"llama-server x{CONCURRENT}", claimed, [], CONCURRENT)] + [
+    configs = [("llama-server", claimed, [], 1), (f"llama-server x{CONCURRENT}", claimed, [], CONCURRENT)] + [
+        (name, path, [], 1) for name, path in served_files.items() if name != "llama-server"] + [
         (name, claimed, flags, 1) for name, flags in CACHES.items()]
     refused: dict[str, str] = {}
     for name, path, flags, slots in configs:

@@ -446,8 +446,8 @@ def attest_rows(variants: dict[str, AttestVariant], half: int, draws: int, alpha
     null = Items.of([s for v in variants.values() if v.honest for s in v.scores[:half]])
     print(f"\n{title}null: {len(null)} items, {null.tokens} tokens (calibration prompts, honest variants pooled); "
           f"held out: {len(next(iter(variants.values())).scores) - half} prompts")
-    w = max(18, *(len(n) for n in variants))
-    print(f"{'variant':<{w}} {'items':>5} {'tokens':>6} {'statistic [95% over items]':>30} {'mismatch':>8} "
+    width = max(18, *(len(n) for n in variants))
+    print(f"{'variant':<{width}} {'items':>5} {'tokens':>6} {'statistic [95% over items]':>30} {'mismatch':>8} "
           f"{'FPR at 1% [95%]':>20} {'AUC at 32/128/512 tok':>22} {'tok for 99% power':>17}")
     rows, flagged = [], [0, 0]
     for name, v in variants.items():
@@ -473,7 +473,7 @@ def attest_rows(variants: dict[str, AttestVariant], half: int, draws: int, alpha
             auc_text = "/".join(f"{row['auc'][t]:.3f}" for t in (32, 128, 512))
             power_text = f"<= {needed}" if needed is not None else f"> {grid[-1]}"
         rows.append(row)
-        print(f"{name:<{w}} {len(held):>5} {held.tokens:>6} {stat:>10.4f} [{lo:.4f}, {hi:.4f}]   "
+        print(f"{name:<{width}} {len(held):>5} {held.tokens:>6} {stat:>10.4f} [{lo:.4f}, {hi:.4f}]   "
               f"{mismatch:>8.4f} {fpr:>20} {auc_text:>22} {power_text:>17}")
     return rows, flagged, {"null_items": len(null), "null_tokens": null.tokens}
 
