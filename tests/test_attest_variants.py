@@ -131,3 +131,19 @@ def test_a_run_records_each_variant_and_scores_it_with_its_construction(tmp_path
         ("honest@bf16/prefix:4", "prefix:4", "bf16"), ("honest@bf16/batched:3", "batched:3", "bf16")]
     section = json.loads((run / "results.json").read_text())["attest"][0]
     assert [v["name"] for v in section["variants"]][1:] == [f"honest@{n}" for n in honest.split(",")]
+
+
+@pytest.mark.parametrize("name", ["bf16/prefix:4", "bf16/chunked:4", "bf16/batched:2"])
+def test_each_variant_serves_a_sliding_window_model_past_its_window(tmp_path: Path, name: str):
+    """Gemma 3 with a window of 4, a prompt of 13 and 5 new tokens: every variant serves a whole response, making the
+    forwards it counts, on a cache whose window layers have dropped positions."""
+    from stagereplay.engine.decode import Stepper
+    from stagereplay.engine.lm import load
+
+    lm = load(str(save_window_model(tmp_path / "w", 4)), "bf16")
+    lm.stepper = Stepper(lm.model, "cpu")
+    variant = HonestVariant.parse(name)
+    prompt = [(5 * i + 1) % 30 + 4 for i in range(13)]
+    seen, response = _forwards_seen(lm, variant, prompt)
+    assert len(response) == GREEDY.max_new_tokens or response[-1] in lm.eos
+    assert variant.forwards(13, len(response)) == [r * n for r, n, _ in seen]
