@@ -50,10 +50,9 @@ from common import (
     start_llama_server,
 )
 
+from stagereplay.experiments.attest import HONEST as OURS
+
 ALPHA = 0.01
-OURS = ("bf16", "fp16", "fp32", "bf16/chunked:16", "bf16/prefix:16", "bf16/batched:4")
-"""Our engine's honest variants (experiments.attest_variants: live decode at each precision, a chunked prefill, a
-prefix reused from an earlier request's cache, a batch of concurrent requests)."""
 CONCURRENT = 4
 """llama-server under load: this many requests in flight at once on as many slots."""
 HONEST = (*(f"ours {v}" for v in OURS), "llama-server", f"llama-server x{CONCURRENT}")

@@ -77,19 +77,18 @@ def starting_command(experiment: Any) -> Callable[..., None]:
             from stagereplay.errors import StageReplayError
             from stagereplay.runs import engine_of, make_run
 
+            engine = engine_of(choice.engine, choice.cross, _given(engine_options))
             if plan:
                 from stagereplay.plan.experiment import plan_experiment
                 from stagereplay.runs.prepare import data_config
 
                 experiment.check_inputs(inputs, options)
-                served_by = choice.engine if choice.engine != "hf" else None
                 typer.echo(plan_experiment(experiment, options, inputs.input.model,
                                            data_config(inputs, experiment, options), inputs.decode,
-                                           inputs.numerics.precision, served_by))
+                                           inputs.numerics.precision, engine.serves))
                 return
             if out is None:
                 raise StageReplayError("no run directory given", "pass --out DIR (or --plan to price the run)")
-            engine = engine_of(choice.engine, choice.cross, _given(engine_options))
             _exit(experiment, make_run(out, experiment, options, inputs, engine, ex, quiet))
 
         guarded(go)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from stagereplay.engine.constructions import Chunked
 from stagereplay.errors import StageReplayError
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class HonestVariant:
     def spans(self, prompt_len: int) -> list[tuple[int, int]]:
         """The prompt's forwards on the cache the response decodes from, [start, stop) each."""
         if self.kind == "chunked":
-            return [(s, min(s + self.n, prompt_len)) for s in range(0, prompt_len, self.n)]
+            return Chunked(self.n).spans(prompt_len, prompt_len)
         k = self.reused(prompt_len)
         return [(0, k), (k, prompt_len)] if k else [(0, prompt_len)]
 

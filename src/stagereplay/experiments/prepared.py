@@ -120,6 +120,11 @@ class RunEngine(ABC):
         """What the run's identity records of the engine beside the command's options ({} for ours)."""
         return {}
 
+    @property
+    def serves(self) -> str | None:
+        """The serving engine a run asks for what it serves, whose forwards are not ours (None: ours)."""
+        return None
+
     def run_identity(self, experiment: Runnable, options: Any) -> dict[str, Any]:
         """The run's identity: the experiment's options as this engine runs them, and the engine's own."""
         return {**experiment.identity(options), **self.run_options()}

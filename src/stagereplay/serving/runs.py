@@ -397,6 +397,10 @@ class ServingRun(RunEngine):
     def run_options(self) -> dict[str, Any]:
         return {"engine": self.arms.engine.as_dict(), "cross": self.arms.cross}
 
+    @property
+    def serves(self) -> str | None:
+        return self.name
+
     def run_identity(self, experiment: Runnable, options: Any) -> dict[str, Any]:
         return {**self.served(experiment).identity(options), **self.run_options()}
 
