@@ -142,9 +142,44 @@ def test_a_seeded_claim_replays_the_sampler_and_an_honest_server_is_not_flagged(
                       "--honest", "bf16", "--quiet", "--out", str(run)])
     assert result.exit_code == 0, result.output
     s = _section(run)
-    assert s["score"] == "gumbel mismatch" and s["claim"] == "seeded sampling at temperature 1" and not s["flagged"]
+    assert s["score"] == "gumbel mismatch" and not s["flagged"]
+    assert s["claim"] == "seeded sampling at temperature 1, vLLM's sampler"
     reference = next(r for r in items(read_ledger(run)) if r.part == "reference")
     assert all(a["seed"] is not None and "gumbel_match" in a for a in reference.payload["arms"])
+
+
+def test_a_claim_of_vllms_cpu_sampler_is_told_from_one_of_its_native_sampler(root: Path):
+    """Served outputs drawn with vLLM's CPU build's sampler (simulated here, bf16), as a file with each row's seed:
+    claimed with that sampler the server is consistent; the control, the same file claimed with vLLM's native
+    sampler, misses more draws and is flagged. (The bf16 decode and the reference may part on a near tie, so a few
+    tokens can miss under the right claim too, on some CPUs: tests/test_reference.py checks the replay exactly.)"""
+    run = root / "seeded-cpu"
+    sampled = ["--sample", "--temperature", "1", "--seed", "3", "--honest", "bf16", "--quiet"]
+    result = _invoke(["attest", "--n", "6", "--max-new-tokens", "8", *sampled, "--seeded-sampler", "vllm-cpu",
+                      "--out", str(run)])
+    assert result.exit_code == 0, result.output
+    s = _section(run)
+    assert not s["flagged"] and s["claim"] == "seeded sampling at temperature 1, vLLM's CPU sampler", s
+    rows = [{"id": r.item_id, "prompt_ids": r.payload["prompt_ids"], "response_ids": a["response_ids"], "seed": a["seed"]}
+            for r in items(read_ledger(run)) if r.part == "reference" for a in r.payload["arms"] if a["name"] == "served"]
+    path = root / "served-cpu.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cpu = _invoke(["attest", "--served", str(path), *sampled, "--seeded-sampler", "vllm-cpu", "--out",
+                   str(root / "file-cpu")])
+    native = _invoke(["attest", "--served", str(path), *sampled, "--out", str(root / "file-native")])
+    right, wrong = _section(root / "file-cpu"), _section(root / "file-native")
+    assert cpu.exit_code == 0 and not right["flagged"], cpu.output
+    assert native.exit_code == 1 and wrong["flagged"] and wrong["statistic"] > right["statistic"], native.output
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--seeded-sampler", "vllm-cpu"], "--seeded-sampler names the sampler of a seeded claim, and this claim is greedy"),
+    (["--sample", "--seeded-sampler", "sglang"], "unknown seeded sampler 'sglang'"),
+])
+def test_a_seeded_sampler_that_cannot_apply_is_refused_in_one_line(root: Path, extra: list[str], says: str):
+    out = root / "refused-sampler"
+    result = _invoke(["attest", "--n", "4", *extra, "--out", str(out)])
+    assert result.exit_code == 2 and says in result.output and not out.exists(), result.output
 
 
 def test_verify_finds_a_score_that_is_not_its_fingerprints(root: Path, honest_run: Path):

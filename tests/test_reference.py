@@ -8,8 +8,9 @@ import torch
 
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import load
-from stagereplay.engine.reference import gumbel_noise, reduce_rows, reference_scores
+from stagereplay.engine.reference import reduce_rows, reference_scores
 from stagereplay.engine.scoring import rollout, score_oneshot
+from stagereplay.engine.seeded import VllmCpu, VllmNative, gumbel_noise
 from stagereplay.errors import StageReplayError
 from stagereplay.toy import toy_checkpoint
 
@@ -62,10 +63,10 @@ def test_the_reference_is_the_one_shot_score_of_the_served_tokens_and_finds_a_pl
 def test_vllms_seeded_draws_are_replayed_and_another_seed_is_not():
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
     drawn = vllm_draws(logits, SAMPLED, seed=11)
-    out = reduce_rows(logits, drawn, SAMPLED, torch.Generator().manual_seed(11))
+    out = reduce_rows(logits, drawn, SAMPLED, VllmNative(11, "cpu"))
     assert bool(out["gumbel_match"].all()) and bool((out["gumbel_rank"] == 0).all())
     assert bool((out["gumbel_margin"] == 0).all())
-    other = reduce_rows(logits, drawn, SAMPLED, torch.Generator().manual_seed(12))
+    other = reduce_rows(logits, drawn, SAMPLED, VllmNative(12, "cpu"))
     assert not bool(other["gumbel_match"].all())  # control: the wrong seed
     assert not bool(out["match"].all())  # sampled tokens are not all the argmax
 
@@ -73,11 +74,61 @@ def test_vllms_seeded_draws_are_replayed_and_another_seed_is_not():
 def test_a_token_the_claimed_sampler_removes_has_no_probability_and_an_infinite_gumbel_margin():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0] + [-5.0] * 26])
     dc = DecodeConfig(sample=True, temperature=1.0, top_k=2)
-    out = reduce_rows(logits, torch.tensor([2]), dc, torch.Generator().manual_seed(0))
+    out = reduce_rows(logits, torch.tensor([2]), dc, VllmNative(0, "cpu"))
     assert out["prob"][0] == 0 and out["gumbel_rank"][0] == float("inf") and out["gumbel_margin"][0] == float("inf")
     assert out["margin"][0] == 2.0 and out["logit_rank"][0] == 2
-    kept = reduce_rows(logits, torch.tensor([1]), dc, torch.Generator().manual_seed(0))
+    kept = reduce_rows(logits, torch.tensor([1]), dc, VllmNative(0, "cpu"))
     assert 0 < kept["prob"][0] < 1 and torch.isfinite(kept["gumbel_margin"][0])  # control: a token top-k keeps
+
+
+def splitmix64(state: int, n: int) -> list[int]:
+    """The first `n` outputs of the SplitMix64 generator seeded with `state` (Steele, Lea and Flood 2014), written as
+    the generator is usually written: the state advances by the golden gamma, and each output mixes the state."""
+    out = []
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) % 2**64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def vllm_cpu_draws(logits: torch.Tensor, seed: int) -> list[int]:
+    """Tokens vLLM's CPU sampler draws from rows `logits` [N, V] (already warped) for one request seeded with `seed`,
+    from its definition, in Python integers and libm: per step a seed s from the request's generator, the key the
+    generator's first output from s, token i's noise the key-seeded generator's output i + 1."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    picks = []
+    for row in logits.tolist():
+        s = int(torch.randint(0, 2**31, (1,), generator=g, dtype=torch.long))
+        key = splitmix64((s - 0x9E3779B97F4A7C15) % 2**64, 1)[0]  # the output of the state s
+        noise = [-math.log(-math.log(((b >> 11) + 0.5) * 2.0**-53)) for b in splitmix64(key, len(row))]
+        scores = [x + n for x, n in zip(row, noise, strict=True)]
+        picks.append(scores.index(max(scores)))
+    return picks
+
+
+def test_the_cpu_samplers_noise_is_splitmix64_as_published():
+    """SplitMix64 seeded with 0 begins 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F (the reference
+    implementation's known outputs): the oracle below is that generator."""
+    assert splitmix64(0, 3) == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+def test_vllms_cpu_sampler_is_replayed_and_is_not_the_native_one():
+    """The CPU build's draws, written from the definition, are what `VllmCpu` picks, rank first, margin 0; the
+    controls: another seed, and vLLM's native sampler on the same seed, pick other tokens."""
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
+    dc = DecodeConfig(sample=True, temperature=1.0)
+    drawn = torch.tensor(vllm_cpu_draws(logits, seed=11))
+    out = reduce_rows(logits, drawn, dc, VllmCpu(11, "cpu"))
+    assert bool(out["gumbel_match"].all()) and bool((out["gumbel_rank"] == 0).all())
+    assert bool((out["gumbel_margin"] == 0).all())
+    assert not bool(reduce_rows(logits, drawn, dc, VllmCpu(12, "cpu"))["gumbel_match"].all())
+    assert not bool(reduce_rows(logits, drawn, dc, VllmNative(11, "cpu"))["gumbel_match"].all())
+    assert not bool(out["match"].all())  # sampled tokens are not all the argmax
 
 
 def test_noise_rows_are_drawn_one_after_another_from_one_generator():
@@ -95,4 +146,4 @@ def test_bad_served_tokens_are_refused_in_one_line(toy):
     with pytest.raises(StageReplayError, match="no tokens"):
         reference_scores(toy, prompt, [], GREEDY)
     with pytest.raises(StageReplayError, match="Gumbel-max check needs a sampled claim"):
-        reduce_rows(torch.zeros(1, 4), torch.tensor([0]), GREEDY, torch.Generator())
+        reduce_rows(torch.zeros(1, 4), torch.tensor([0]), GREEDY, VllmNative(0, "cpu"))

@@ -558,27 +558,74 @@ def test_ngram_speculation_records_each_requests_drafts(fp32_run, tmp_path):
 # -- attest: is `vllm serve` running the claimed model? ------------------------------------------------------------
 
 
-def test_attest_asks_vllm_serve_and_flags_a_claim_it_does_not_serve(tmp_path):
-    """`vllm serve` running the toy's primary checkpoint, asked by attest for greedy responses: claimed as the primary
-    checkpoint it is consistent (exit 0) and its identity is recorded; the control, the same server claimed as the
-    later checkpoint, is flagged (exit 1)."""
+@pytest.fixture(scope="module")
+def toy_server(tmp_path_factory: pytest.TempPathFactory):
+    """`vllm serve` running the toy's primary checkpoint (fp32), for attest's checks."""
     from servers import start_vllm_server
 
     from stagereplay.toy import toy_checkpoint
 
-    server = start_vllm_server(toy_checkpoint("primary"), tmp_path / "log.txt")
-    common = ["attest", "--engine", "http", "--url", server.url, "--precision", "fp32", "--n", "8",
+    server = start_vllm_server(toy_checkpoint("primary"), tmp_path_factory.mktemp("vllm-serve") / "log.txt")
+    yield server
+    server.stop()
+
+
+def _attested(run: Path) -> dict:
+    return json.loads((run / "results.json").read_text())["attest"][0]
+
+
+def test_attest_asks_vllm_serve_and_flags_a_claim_it_does_not_serve(toy_server, tmp_path):
+    """`vllm serve` running the toy's primary checkpoint, asked by attest for greedy responses: claimed as the primary
+    checkpoint it is consistent (exit 0) and its identity is recorded; the control, the same server claimed as the
+    later checkpoint, is flagged (exit 1)."""
+    from stagereplay.toy import toy_checkpoint
+
+    common = ["attest", "--engine", "http", "--url", toy_server.url, "--precision", "fp32", "--n", "8",
               "--max-new-tokens", "16", "--quiet"]
-    try:
-        claimed = runner.invoke(app, [*common, "--out", str(tmp_path / "claimed")])
-        other = runner.invoke(app, [*common, "--model", str(toy_checkpoint("later")), "--out", str(tmp_path / "other")])
-    finally:
-        server.stop()
-
-    def section(name: str) -> dict:
-        return json.loads((tmp_path / name / "results.json").read_text())["attest"][0]
-
-    assert claimed.exit_code == 0 and not section("claimed")["flagged"], claimed.output
+    claimed = runner.invoke(app, [*common, "--out", str(tmp_path / "claimed")])
+    other = runner.invoke(app, [*common, "--model", str(toy_checkpoint("later")), "--out", str(tmp_path / "other")])
+    assert claimed.exit_code == 0 and not _attested(tmp_path / "claimed")["flagged"], claimed.output
     engine = json.loads((tmp_path / "claimed" / "manifest.json").read_text())["environment"]["engine"]
     assert engine["api"] == "openai" and engine["build"]["server"] == "vllm", engine
-    assert other.exit_code == 1 and section("other")["flagged"], other.output
+    assert other.exit_code == 1 and _attested(tmp_path / "other")["flagged"], other.output
+
+
+def test_the_cpu_sampler_replays_vllms_own_kernel_draw_for_draw():
+    """`engine.seeded.VllmCpu` against the CPU build's `fused_gumbel_argmax` itself, with the step seeds a request's
+    generator gives: the same token on every row, over vocabularies of 7 to 151,936, half the rows holding a near tie
+    (two tokens whose noised scores differ by fp32's grain) that the kernel's running best settles."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    from stagereplay.engine.seeded import VllmCpu, splitmix_gumbel
+
+    gen = torch.Generator().manual_seed(0)
+    tied = 0
+    for vocab in (7, 49152, 151936):
+        for seed in range(4):
+            logits = torch.randn(32, vocab, generator=gen) * 3  # [32, V]
+            request = torch.Generator().manual_seed(seed)
+            steps = [int(torch.randint(0, 2**31, (1,), generator=request, dtype=torch.long)) for _ in range(32)]
+            g = splitmix_gumbel(steps, vocab, "cpu")  # [32, V]
+            for r in range(0, 32, 2):
+                top = float(logits[r].max()) + 40
+                logits[r, 0] = top
+                logits[r, vocab - 1] = float(torch.tensor(top + float(g[r, 0] - g[r, vocab - 1]), dtype=torch.float32))
+            kernel = torch.ops._C.fused_gumbel_argmax(logits, torch.tensor(steps))
+            assert torch.equal(VllmCpu(seed, "cpu").draw(logits).pick, kernel), (vocab, seed)
+            tied += int(((kernel == 0) | (kernel == vocab - 1))[::2].sum())
+    assert tied == 3 * 4 * 16  # every planted near tie went to one of its pair
+
+
+def test_a_seeded_claim_on_vllms_cpu_build_is_replayed_with_its_cpu_sampler(toy_server, tmp_path):
+    """`vllm serve` (the CPU build) sampling at temperature 1 with each request's seed: claimed with its own sampler
+    (`--seeded-sampler vllm-cpu`) every served token is the replayed draw and the server is consistent; the control,
+    the same server claimed with vLLM's native sampler (what a GPU server runs), misses draws and is flagged."""
+    common = ["attest", "--engine", "http", "--url", toy_server.url, "--precision", "fp32", "--n", "8",
+              "--max-new-tokens", "16", "--sample", "--temperature", "1", "--seed", "3", "--quiet"]
+    cpu = runner.invoke(app, [*common, "--seeded-sampler", "vllm-cpu", "--out", str(tmp_path / "cpu")])
+    native = runner.invoke(app, [*common, "--out", str(tmp_path / "native")])
+    s = _attested(tmp_path / "cpu")
+    assert cpu.exit_code == 0 and not s["flagged"] and s["claim"].endswith("vLLM's CPU sampler"), cpu.output
+    assert s["statistic"] == 0 and s["score"] == "gumbel mismatch", s  # every served token the replayed draw
+    assert native.exit_code == 1 and _attested(tmp_path / "native")["flagged"], native.output

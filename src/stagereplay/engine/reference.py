@@ -5,11 +5,10 @@ scored on the row of reference logits that predicts it.
     reference_scores(lm, prompt, served, decode, seed, head, chunk)   one response: prefill, then `reduce_rows`
                                                                        chunk by chunk
     logits_scores(logits, served, decode, seed, chunk)                 the same from reference logits in hand [N, V]
-    reduce_rows(logits, served, decode, generator)                     the per-token scores of rows [C, V] of
+    reduce_rows(logits, served, decode, sampler)                       the per-token scores of rows [C, V] of
                                                                        reference logits, on their device
     TokenScores.difr(), difr_summary(scores)                           the same tokens in Token-DiFR's terms
                                                                        (`TokenMetrics`, `compute_metrics_summary`)
-    gumbel_noise(rows, width, generator)                               vLLM's per-request exponential noise [C, V]
 
 Per served token (`TokenScores`, each field [N]):
 
@@ -19,13 +18,14 @@ Per served token (`TokenScores`, each field [N]):
   `logprob`: the served token's log-softmax (the model's own distribution, whatever the sampler).
 - `prob`: the served token's probability under the claimed sampler (Token-DiFR's `prob`): the softmax after
   temperature, top-k and top-p when the claim samples; one-hot on the argmax when it is greedy.
-- `gumbel_match`, `gumbel_margin`, `gumbel_rank`: where the claim samples with a known per-request seed, vLLM's
-  sampler replayed (Token-DiFR's `_verify_vllm_gumbel_max`): the pick is argmax(probs / E), E ~ Exp(1) [V] drawn
-  row after row from one `torch.Generator` seeded with the request's seed on the logits' device (vLLM draws on its
-  own device: a CUDA server's noise is reproduced on CUDA). `gumbel_margin`: the largest of logits + T * G (G =
-  -log E, tokens the sampler removes excluded) minus the served token's, inf where the sampler removed it;
-  `gumbel_rank`: how many tokens beat the served one on probs / E, inf where removed. None when the claim is greedy
-  or has no seed.
+- `gumbel_match`, `gumbel_margin`, `gumbel_rank`: where the claim samples with a known per-request seed, the
+  server's seeded sampler replayed (`engine.seeded`; `seeded` names it). vLLM's native one is Token-DiFR's
+  `_verify_vllm_gumbel_max`: the pick is argmax(probs / E), E ~ Exp(1) [V] drawn row after row from one
+  `torch.Generator` seeded with the request's seed on the logits' device (vLLM draws on its own device: a CUDA
+  server's noise is reproduced on CUDA); `vllm-cpu` is vLLM's CPU build's. `gumbel_match`: the replayed sampler
+  picks the served token; `gumbel_margin`: the largest of logits + T * G (G the sampler's Gumbel noise, tokens the
+  sampler removes excluded) minus the served token's, inf where the sampler removed it; `gumbel_rank`: how many
+  tokens the sampler ranks above the served one, inf where removed. None when the claim is greedy or has no seed.
 
 Memory: the prefill keeps hidden states [N, H]; the LM head and every reduction run on `chunk` rows at a time, so
 what lives is [chunk, V] plus the per-token results [N]: O(tokens), never [N, V].
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from stagereplay.engine.decode import DecodeConfig, Sampler
 from stagereplay.engine.scoring import HEADS, head_logits
+from stagereplay.engine.seeded import SeededSampler, seeded_sampler
 from stagereplay.errors import StageReplayError
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 
 CHUNK = 256
 """Rows of reference logits made and reduced at a time: [CHUNK, V] fp32 is the largest tensor a score holds."""
+BLOCK = 32
+"""Rows of a chunk a seeded sampler draws noise for at a time: its noise [BLOCK, V] is fp64 on the CPU sampler."""
 
 
 @dataclass(frozen=True)
@@ -108,31 +111,22 @@ def difr_summary(scores: Sequence[TokenScores]) -> dict[str, float | int]:
     }
 
 
-def gumbel_noise(rows: int, width: int, generator: torch.Generator) -> torch.Tensor:
-    """E ~ Exp(1), [rows, width] fp32 on the generator's device, one row of `width` drawn after another: what vLLM's
-    sampler draws for one seeded request over `rows` steps (`q[i].exponential_(generator=...)` per step)."""
-    import torch
-
-    return torch.stack([torch.empty(width, dtype=torch.float32, device=generator.device).exponential_(
-        generator=generator) for _ in range(rows)])
-
-
 def _count_above(values: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
     """Per row of `values` [C, V]: how many entries exceed that row's `gold` [C] (a rank from 0), int64 [C]."""
     return (values > gold[:, None]).sum(dim=-1)
 
 
 def reduce_rows(logits: torch.Tensor, served: torch.Tensor, decode: DecodeConfig,
-                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+                sampler: SeededSampler | None = None) -> dict[str, torch.Tensor]:
     """The scores of served tokens `served` [C] (int64) on the reference logits that predict them, `logits` [C, V]
     (any float dtype; widened to fp32 first, as a sampler widens them). Returns [C] tensors on the logits' device,
-    keyed by `TokenScores`' field names; the Gumbel-max ones only with `generator` (seeded with the request's seed,
-    advanced by C rows here), which needs a sampling `decode`."""
+    keyed by `TokenScores`' field names; the Gumbel-max ones only with `sampler` (the request's seeded sampler,
+    `engine.seeded`, advanced by C steps here, `BLOCK` rows of noise at a time), which needs a sampling `decode`."""
     import torch
 
-    if generator is not None and not decode.sample:
+    if sampler is not None and not decode.sample:
         raise StageReplayError("a Gumbel-max check needs a sampled claim",
-                               "pass the claimed sampler (sample=True, its temperature) or no generator")
+                               "pass the claimed sampler (sample=True, its temperature) or no seeded sampler")
     x = logits.float()  # [C, V]
     served = served.to(x.device)
     gold = x.gather(1, served[:, None])[:, 0]  # [C]
@@ -148,18 +142,27 @@ def reduce_rows(logits: torch.Tensor, served: torch.Tensor, decode: DecodeConfig
     warped = Sampler(replace(decode, sample=False), 0, str(x.device)).warp(x)  # [C, V], -inf where removed
     probs = torch.softmax(warped, dim=-1)  # [C, V]
     out["prob"] = probs.gather(1, served[:, None])[:, 0]
-    if generator is None:
+    if sampler is None:
         return out
-    noise = gumbel_noise(x.shape[0], x.shape[1], generator)  # [C, V]
-    scores = probs / noise  # [C, V]: vLLM's pick is this row's argmax
-    removed = ~torch.isfinite(warped.gather(1, served[:, None])[:, 0])  # [C]
-    gold_score = scores.gather(1, served[:, None])[:, 0]
-    inf = torch.full_like(gold, float("inf"))
-    noised = (x + -torch.log(noise) * decode.temperature).masked_fill(~torch.isfinite(warped), float("-inf"))
-    out["gumbel_match"] = scores.argmax(dim=-1) == served
-    out["gumbel_margin"] = noised.max(dim=-1).values - noised.gather(1, served[:, None])[:, 0]
-    out["gumbel_rank"] = torch.where(removed, inf, _count_above(scores, gold_score).float())
+    parts = [_gumbel_rows(x[a : a + BLOCK], warped[a : a + BLOCK], served[a : a + BLOCK], decode, sampler)
+             for a in range(0, x.shape[0], BLOCK)]
+    out.update({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
     return out
+
+
+def _gumbel_rows(x: torch.Tensor, warped: torch.Tensor, served: torch.Tensor, decode: DecodeConfig,
+                 sampler: SeededSampler) -> dict[str, torch.Tensor]:
+    """The Gumbel-max scores of rows [B, V]: raw fp32 logits `x`, the claimed sampler's `warped` ones."""
+    import torch
+
+    drawn = sampler.draw(warped)
+    removed = ~torch.isfinite(warped.gather(1, served[:, None])[:, 0])  # [B]
+    gold_order = drawn.order.gather(1, served[:, None])[:, 0]
+    noised = (x + drawn.gumbel * decode.temperature).masked_fill(~torch.isfinite(warped), float("-inf"))
+    inf = torch.full(served.shape, float("inf"), device=x.device)
+    return {"gumbel_match": drawn.pick == served,
+            "gumbel_margin": (noised.max(dim=-1).values - noised.gather(1, served[:, None])[:, 0]).float(),
+            "gumbel_rank": torch.where(removed, inf, _count_above(drawn.order, gold_order).float())}
 
 
 def _check_served(served: Sequence[int], width: int) -> None:
@@ -183,12 +186,14 @@ def _model_head(lm: LM, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def reference_scores(lm: LM, prompt: Sequence[int], served: Sequence[int], decode: DecodeConfig,
-                     seed: int | None = None, head: str = "model", chunk: int = CHUNK) -> TokenScores:
+                     seed: int | None = None, head: str = "model", chunk: int = CHUNK,
+                     seeded: str = "vllm") -> TokenScores:
     """Score the N tokens `served` after `prompt` against `lm`, the claimed model: one forward over
     prompt + served[:-1] with no cache (hidden states [N, H] of the rows that predict the served tokens), then the
     LM head (`head` "model", or "fp32": engine.scoring.head_logits) and `reduce_rows` on `chunk` rows at a time.
     `decode` is the claimed sampler (greedy, or sampling with its temperature, top-k and top-p); `seed`, where
-    the server drew with vLLM's per-request seed, adds the Gumbel-max scores."""
+    the server drew with a per-request seed, adds the Gumbel-max scores of the seeded sampler `seeded`
+    (`engine.seeded.SAMPLERS`)."""
     import torch
 
     if head not in HEADS:
@@ -202,9 +207,7 @@ def reference_scores(lm: LM, prompt: Sequence[int], served: Sequence[int], decod
     if len(prompt) + len(served) > lm.context:
         raise StageReplayError(f"prompt + served tokens ({len(prompt) + len(served)}) exceed the claimed model's "
                                f"context of {lm.context}", "drop or truncate the response")
-    generator = None
-    if seed is not None and decode.sample:
-        generator = torch.Generator(device=lm.config.device).manual_seed(seed)
+    sampler = seeded_sampler(seeded, seed, lm.config.device) if seed is not None and decode.sample else None
     ids = [*prompt, *served[:-1]]
     rows = slice(len(prompt) - 1, len(ids))
     targets = torch.tensor(served, device=lm.config.device)
@@ -215,7 +218,7 @@ def reference_scores(lm: LM, prompt: Sequence[int], served: Sequence[int], decod
         for start in range(0, len(served), chunk):
             h = hidden[start : start + chunk]  # [C, H]
             logits = head_logits(lm, h) if head == "fp32" else _model_head(lm, h)  # [C, V]
-            parts.append(reduce_rows(logits, targets[start : start + chunk], decode, generator))
+            parts.append(reduce_rows(logits, targets[start : start + chunk], decode, sampler))
     return _collected(parts)
 
 
@@ -230,9 +233,10 @@ def _collected(parts: Sequence[dict[str, torch.Tensor]]) -> TokenScores:
 
 
 def logits_scores(logits: torch.Tensor, served: Sequence[int], decode: DecodeConfig, seed: int | None = None,
-                  chunk: int = CHUNK) -> TokenScores:
+                  chunk: int = CHUNK, seeded: str = "vllm") -> TokenScores:
     """`TokenScores` of served tokens [N] from reference logits already in hand, [N, V] (row i predicts served[i]),
-    reduced `chunk` rows at a time with one generator seeded with `seed` (sampled claims only) across them."""
+    reduced `chunk` rows at a time with one seeded sampler `seeded` seeded with `seed` (sampled claims only) across
+    them."""
     import torch
 
     if len(served) != logits.shape[0]:
@@ -242,7 +246,7 @@ def logits_scores(logits: torch.Tensor, served: Sequence[int], decode: DecodeCon
         raise StageReplayError(f"chunk must be at least 1, got {chunk}", "pass a positive chunk")
     served = [int(t) for t in served]
     _check_served(served, int(logits.shape[1]))
-    generator = torch.Generator(device=logits.device).manual_seed(seed) if seed is not None and decode.sample else None
+    sampler = seeded_sampler(seeded, seed, str(logits.device)) if seed is not None and decode.sample else None
     targets = torch.tensor(served, device=logits.device)
-    return _collected([reduce_rows(logits[a : a + chunk], targets[a : a + chunk], decode, generator)
+    return _collected([reduce_rows(logits[a : a + chunk], targets[a : a + chunk], decode, sampler)
                        for a in range(0, len(served), chunk)])

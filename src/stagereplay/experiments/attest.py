@@ -90,10 +90,18 @@ class AttestOptions:
     alpha: float = field(default=ALPHA, metadata={"help": "the false-positive rate the decision is made at"})
     split_seed: int = field(default=0, metadata={"help": (
         "the seed of the rule that splits the items into calibration (the null) and held-out prompts")})
+    seeded_sampler: str = field(default="vllm", metadata={"help": (
+        "a seeded claim (--sample): the server's sampler, replayed with each request's seed: vllm (vLLM on GPUs, "
+        "Token-DiFR's replay) or vllm-cpu (vLLM's CPU build)")})
 
     def __post_init__(self) -> None:
+        from stagereplay.engine.seeded import SAMPLERS
+
         object.__setattr__(self, "honest", tuple(self.honest))
         parse_variants(self.honest)
+        if self.seeded_sampler not in SAMPLERS:
+            raise StageReplayError(f"unknown seeded sampler {self.seeded_sampler!r}",
+                                   f"pass --seeded-sampler {' or '.join(SAMPLERS)}")
         if self.served_precision not in PRECISIONS:
             raise StageReplayError(f"unknown precision {self.served_precision!r} for a decode",
                                    f"use {', '.join(PRECISIONS)}")
@@ -115,6 +123,8 @@ class AttestStage(StageSection):
     alpha: float = Field(description="the false-positive rate of the decision")
     split_seed: int = Field(description="the seed of the calibration split")
     calibration: list[str] = Field(description="the item ids whose honest responses make the null")
+    seeded_sampler: str = Field("vllm", description="a seeded claim: the server's sampler replayed "
+                                                    "(engine.seeded.SAMPLERS)")
 
     def served_label(self) -> str:
         if self.source == "file":
@@ -125,7 +135,11 @@ class AttestStage(StageSection):
 
     def claim_label(self) -> str:
         dc = self.settings.decode
-        return "greedy" if not dc.sample else f"seeded sampling at temperature {dc.temperature:g}"
+        if not dc.sample:
+            return "greedy"
+        from stagereplay.engine.seeded import SAMPLERS
+
+        return f"seeded sampling at temperature {dc.temperature:g}, {SAMPLERS[self.seeded_sampler].label}"
 
 
 def calibration_split(item_ids: list[str], seed: int) -> list[str]:
@@ -199,6 +213,9 @@ class Attest(Experiment):
         if n is not None and n < MIN_ITEMS:
             raise StageReplayError(f"--n {n} is too few responses to decide on: the null calibrates on some prompts "
                                    "and the decision's interval is over responses", f"pass --n {MIN_ITEMS} or more")
+        if options.seeded_sampler != "vllm" and not inputs.decode.sample:
+            raise StageReplayError("--seeded-sampler names the sampler of a seeded claim, and this claim is greedy",
+                                   "add --sample (with --temperature and --seed), or drop --seeded-sampler")
         if options.served is None:
             return
         given = [flag for flag, on in (("--max-new-tokens", inputs.decode.max_new_tokens != DecodeConfig().max_new_tokens),
@@ -224,6 +241,7 @@ class Attest(Experiment):
         generated = options.served is None
         return {"source": "generated" if generated else "file", "honest": list(options.honest),
                 "alpha": options.alpha, "split_seed": options.split_seed,
+                **({"seeded_sampler": options.seeded_sampler} if options.seeded_sampler != "vllm" else {}),
                 **({"served_precision": options.served_precision, "served_checkpoint": options.served_checkpoint}
                    if generated else {})}
 
@@ -234,7 +252,7 @@ class Attest(Experiment):
             source="generated" if generated else "file",
             served_model=served_path(prepared.model, options.served_checkpoint) if generated else None,
             served_precision=options.served_precision if generated else None, honest=list(options.honest),
-            alpha=options.alpha, split_seed=options.split_seed,
+            alpha=options.alpha, split_seed=options.split_seed, seeded_sampler=options.seeded_sampler,
             calibration=calibration_split([i.id for i in prepared.items], options.split_seed))
 
     def _params(self, own: AttestStage, which: str, columns: str | None = None,
@@ -242,7 +260,7 @@ class Attest(Experiment):
         generated = own.source == "generated" and not which
         source: Source = "generated" if own.source == "generated" else "server" if own.source == "server" else "file"
         return AttestParams(which, source, columns, sides, own.served_model if generated else None,
-                            own.served_precision if generated else None)
+                            own.served_precision if generated else None, seeded=own.seeded_sampler)
 
     def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Any:
         """The served responses, each honest variant's, then (once their tokens are recorded) the reference's

@@ -2,8 +2,8 @@
 
     serve(lm, prompt, max_new, decode, seed)   what a server running `lm` serves: live decode from a retained cache
                                                (or the cache an honest variant's server builds, `attest_variants`),
-                                               greedy, or vLLM's seeded pick argmax(probs / E), E ~ Exp(1) per step
-                                               from a generator seeded with the request's seed
+                                               greedy, or the claimed seeded sampler's pick (`engine.seeded`: vLLM's,
+                                               or its CPU build's) with the request's seed
     attest_item(lm, job)                       the job's part: served (''), honest (a variant's name) or reference
 """
 
@@ -39,8 +39,9 @@ class AttestParams(Params):
     """An attest job: its part ('' the served response, an honest variant's name, `reference` the scores), where
     the served response comes from, the file's column mapping, for the reference part the responses to score
     ((name, engine, construction, precision, response) each), for a simulated server its checkpoint folder and
-    precision (the served part loads them itself: a unit's model is the claimed one's), and where the requests' seeds
-    must fit a server's span (`seed_span`), that span: every part's seed is then folded below it, as the server's."""
+    precision (the served part loads them itself: a unit's model is the claimed one's), where the requests' seeds
+    must fit a server's span (`seed_span`), that span: every part's seed is then folded below it, as the server's,
+    and the claimed seeded sampler (`engine.seeded.SAMPLERS`; a sampled claim only)."""
 
     which: str
     source: Source
@@ -49,6 +50,7 @@ class AttestParams(Params):
     served_model: str | None = None
     served_precision: str | None = None
     seed_span: int | None = None
+    seeded: str = "vllm"
 
     @property
     def part(self) -> str:
@@ -77,28 +79,21 @@ def max_new(item: Any, decode: DecodeConfig) -> int:
 
 
 def serve(lm: LM, prompt: Sequence[int], limit: int, decode: DecodeConfig, seed: int | None,
-          variant: HonestVariant = LIVE) -> tuple[list[int], str]:
+          variant: HonestVariant = LIVE, seeded: str = "vllm") -> tuple[list[int], str]:
     """What an honest server running `lm` serves for `prompt` (module docstring), its prompt's cache built and its
-    steps run as `variant` says (`experiments.attest_variants`; live by default): the tokens and why it stopped (eos
-    or length)."""
-    import torch
-
-    from stagereplay.engine.reference import gumbel_noise
+    steps run as `variant` says (`experiments.attest_variants`; live by default), a sampled claim drawn by the seeded
+    sampler `seeded` (`engine.seeded`): the tokens and why it stopped (eos or length)."""
+    from stagereplay.engine.seeded import seeded_sampler
 
     prompt = list(prompt)
     cache, logits = variant.prefill(lm, prompt, limit)  # [V]
-    generator = None
-    if decode.sample and seed is not None:
-        generator = torch.Generator(device=lm.config.device).manual_seed(seed)
+    sampler = seeded_sampler(seeded, seed, lm.config.device) if decode.sample and seed is not None else None
     warp = Sampler(replace(decode, sample=False), 0, lm.config.device).warp
     tokens: list[int] = []
     past = len(prompt)
     while True:
         x = logits.float()[None]  # [1, V]
-        if generator is None:
-            token = int(x.argmax())
-        else:
-            token = int((torch.softmax(warp(x), dim=-1) / gumbel_noise(1, x.shape[1], generator)).argmax())
+        token = int(x.argmax()) if sampler is None else int(sampler.draw(warp(x)).pick[0])
         tokens.append(token)
         if token in lm.eos or len(tokens) >= limit:
             return tokens, "eos" if token in lm.eos else "length"
@@ -159,7 +154,7 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
         if kind == "served" and p.served_model is not None:
             lm = served_lm(lm, p.served_model, p.served_precision or lm.config.precision)
         variant = HonestVariant.parse(p.which) if kind == "honest" else LIVE
-        response, stop = serve(lm, prompt, max_new(item, dc), dc, seed, variant)
+        response, stop = serve(lm, prompt, max_new(item, dc), dc, seed, variant, p.seeded)
         precision = lm.config.precision
     return AttestPayload(status="ok", kind=kind, source=p.source, prompt_ids=prompt, response_ids=response,
                          tokens_fp=ids_fingerprint([*prompt, *response]), precision=precision, seed=seed,
@@ -174,7 +169,7 @@ def reference_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
     prompt = list(item.prompt_ids)
     seed = item_seed(item, dc, p.columns, p.seed_span)
     arms = [side_of(name, engine, construction, precision, prompt, response, seed,
-                    reference_scores(lm, prompt, response, dc, seed=seed))
+                    reference_scores(lm, prompt, response, dc, seed=seed, seeded=p.seeded))
             for name, engine, construction, precision, response in p.sides]
     return AttestPayload(status="ok", kind="reference", source=p.source, prompt_ids=prompt, arms=arms)
 
