@@ -1,9 +1,11 @@
-"""Is llama-server running the claimed model? Its quantized weights and quantized K/V caches against the claimed
-model's honest floor, the way `stagereplay attest --engine http` decides (attest's statistics, on more prompts).
+"""Is a server running the claimed model? llama-server's (and vLLM's) quantized weights and K/V caches, and a smaller
+model, against the claimed model's honest floor, the way `stagereplay attest --engine http` decides (attest's
+statistics, on more prompts).
 
     python bench/attest_servers.py CLAIMED.gguf OUT --server BUILD/llama-server --quantize BUILD/llama-quantize
     python bench/attest_servers.py SmolLM2-135M-Instruct.Q4_1.gguf OUT --items chat --server ... --quantize ...
     python bench/attest_servers.py toy.gguf OUT --items toy --n 40 --max-new-tokens 24 ...   # a quicker look
+    python bench/attest_servers.py ... --vllm .venv-vllm-ci/bin/python   # vLLM's CPU build as well (its venv)
 
 The claimed weights: CLAIMED.gguf's values in f32 (`llama-quantize --allow-requantize ... F32`, OUT/claimed.F32.gguf:
 a quantized GGUF such as SmolLM2's Q4_1 is claimed as the values it holds). Our engine loads them (transformers'
@@ -17,9 +19,22 @@ out, nothing cached), by llama-server (`-np 1 -c 2048`, `--threads`) in these co
     Q8_0, Q4_K_M, Q4_0  the claimed weights quantized by llama-quantize (the same vendored source as the server)
     K/V q8_0, K/V q4_0  the claimed weights with the cache quantized (-ctk/-ctv, flash attention on)
 
+a smaller model, served by our engine (fp32, live decode):
+
+    one layer fewer     the claimed model with one decoder layer removed (the one two thirds of the way down), as a
+                        provider serving a layer-pruned model would
+
+and, with `--vllm PYTHON` (the vLLM venv's interpreter), by `vllm serve` (the CPU build) on the claimed f32 weights
+written as a model folder (OUT/claimed-hf), fp32, eager, blocks of 32, its default prefix caching on:
+
+    vllm serve          an honest engine (vLLM's kernels)
+    vllm serve x4       the same, 4 requests in flight at once, batched together
+    vllm K/V fp8        the cache quantized (`--kv-cache-dtype fp8`; the CPU build runs it with AVX-512 and a head size
+                        divisible by 32, and refuses it otherwise)
+
 The prompts split in two: the first half calibrates the null (the responses of the honest configurations the claim
-admits, pooled: by default all of ours and llama-server's, alone and under load; `--null "ours fp32,llama-server"` claims f32
-serving, and the others become rows to flag), the second is held out. Statistic: the mean margin per token (the reference's max
+admits, pooled: by default all of ours, llama-server's and vllm serve's, alone and under load; `--null "ours
+fp32,llama-server"` claims f32 serving, and the others become rows to flag), the second is held out. Statistic: the mean margin per token (the reference's max
 logit minus the served token's), as `attest` decides a greedy claim. Per variant: its statistic with its 95%
 interval over items; for honest ones the false-positive rate at 1% of the per-item decision on held-out prompts
 (Wilson interval); for substitutions the AUC against the null at runs of t tokens and the tokens needed to flag them
@@ -48,6 +63,8 @@ from common import (
     attest_rows,
     attest_summary,
     start_llama_server,
+    start_vllm_server,
+    stop_server,
 )
 
 from stagereplay.experiments.attest import HONEST as OURS
@@ -55,12 +72,14 @@ from stagereplay.experiments.attest import HONEST as OURS
 ALPHA = 0.01
 CONCURRENT = 4
 """llama-server under load: this many requests in flight at once on as many slots."""
-HONEST = (*(f"ours {v}" for v in OURS), "llama-server", f"llama-server x{CONCURRENT}")
+VLLM_HONEST = ("vllm serve", f"vllm serve x{CONCURRENT}")
+HONEST = (*(f"ours {v}" for v in OURS), "llama-server", f"llama-server x{CONCURRENT}", *VLLM_HONEST)
 GRID = (8, 16, 32, 64, 128, 256, 300, 512, 1024, 2048)
 """Run lengths the AUC is measured at: attest's, and 300 (Token-DiFR's 4-bit figure: AUC > 0.999 within 300 tokens)."""
 WEIGHTS = ("Q8_0", "Q4_K_M", "Q4_0")
 CACHES = {"K/V q8_0": ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"],
           "K/V q4_0": ["-ctk", "q4_0", "-ctv", "q4_0", "-fa", "on"]}
+VLLM_FLAGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager"]
 
 
 def ask(engine: Any, max_new_tokens: int, prompt: list[int]) -> list[int]:
@@ -68,6 +87,28 @@ def ask(engine: Any, max_new_tokens: int, prompt: list[int]) -> list[int]:
     from stagereplay.serving.seam import Sampling
 
     return list(engine.sample(prompt, max_new_tokens, Sampling()).tokens)
+
+
+def one_layer_fewer(lm: Any, folder: Path) -> Path:
+    """The model of `lm` without its decoder layer two thirds of the way down, saved at `folder` with its tokenizer
+    (made once: an existing folder is kept)."""
+    if folder.exists():
+        return folder
+    import copy
+
+    model = copy.deepcopy(lm.model)
+    layers = model.model.layers
+    drop = len(layers) * 2 // 3
+    model.model.layers = type(layers)([layer for k, layer in enumerate(layers) if k != drop])
+    for k, layer in enumerate(model.model.layers):
+        layer.self_attn.layer_idx = k
+    config = model.config
+    config.num_hidden_layers = len(model.model.layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [t for k, t in enumerate(config.layer_types) if k != drop]
+    model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+    return folder
 
 
 def quantize(binary: str, source: Path, out: Path, kind: str, requantize: bool = False) -> Path:
@@ -113,17 +154,20 @@ def main() -> None:
     p.add_argument("--items", choices=("toy", "chat"), default="chat")
     p.add_argument("--n", type=int, default=80, help="prompts (half calibrate, half held out)")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--null", default=",".join(HONEST),
+    p.add_argument("--vllm", default=None, metavar="PYTHON",
+                   help="the vLLM venv's interpreter: adds vllm serve's configurations")
+    p.add_argument("--null", default=None,
                    help="the honest configurations the claim admits, which make the null (the others are rows to "
-                        "flag, as a server claiming f32 and running bf16 would be)")
+                        "flag, as a server claiming f32 and running bf16 would be); default: every honest one run")
     p.add_argument("--draws", type=int, default=999, help="null resamples per decision and per run length")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--figure", type=Path, default=None, help="draw each substitution's AUC by run length here (PNG)")
     args = p.parse_args()
-    null_names = {n.strip() for n in args.null.split(",") if n.strip()}
-    if not null_names or null_names - set(HONEST):
-        sys.exit(f"error: --null {args.null!r} names no honest configuration or others; use some of {', '.join(HONEST)}")
+    honest = [h for h in HONEST if args.vllm or h not in VLLM_HONEST]
+    null_names = {n.strip() for n in (args.null or ",".join(honest)).split(",") if n.strip()}
+    if not null_names or null_names - set(honest):
+        sys.exit(f"error: --null {args.null!r} names no honest configuration or others; use some of {', '.join(honest)}")
     args.out.mkdir(parents=True, exist_ok=True)
 
     import numpy as np
@@ -166,26 +210,49 @@ def main() -> None:
                   for _, prompt in items]
         variants[f"ours {name}"] = AttestVariant(*scored(served), honest=f"ours {name}" in null_names)
         print(f"ours {name}: {sum(map(len, served))} tokens served", flush=True)
-    configs = [("llama-server", claimed, [], 1), (f"llama-server x{CONCURRENT}", claimed, [], CONCURRENT)] + [
-        (name, path, [], 1) for name, path in served_files.items() if name != "llama-server"] + [
-        (name, claimed, flags, 1) for name, flags in CACHES.items()]
+    def llama(path: Path, flags: list[str], slots: int) -> Any:
+        return partial(start_llama_server, args.server, str(path),
+                       ["-np", str(slots), "-c", str(2048 * slots), "-t", str(args.threads), *flags])
+
+    smaller = load(str(one_layer_fewer(reference, args.out / "smaller-hf")), "fp32", "cpu", args.threads)
+    served = [serve(smaller, prompt, args.max_new_tokens, greedy, 0)[0] for _, prompt in items]
+    variants["one layer fewer"] = AttestVariant(*scored(served), honest=False)
+    print(f"one layer fewer ({smaller.model.config.num_hidden_layers} layers): {sum(map(len, served))} tokens served",
+          flush=True)
+    del smaller
+
+    configs = [("llama-server", "llama-server", llama(claimed, [], 1), 1),
+               (f"llama-server x{CONCURRENT}", "llama-server", llama(claimed, [], CONCURRENT), CONCURRENT)]
+    if args.vllm:
+        folder = args.out / "claimed-hf"  # the claimed f32 weights as vLLM loads them
+        if not folder.exists():
+            reference.model.save_pretrained(folder)
+            reference.tokenizer.save_pretrained(folder)
+
+        def vllm(flags: list[str]) -> Any:
+            return lambda log: start_vllm_server(args.vllm, str(folder), [*VLLM_FLAGS, *flags], log, args.threads)
+
+        configs += [("vllm serve", "vllm serve", vllm([]), 1),
+                    (f"vllm serve x{CONCURRENT}", "vllm serve", vllm([]), CONCURRENT),
+                    ("vllm K/V fp8", "vllm serve", vllm(["--kv-cache-dtype", "fp8"]), 1)]
+    configs += [(name, "llama-server", llama(path, [], 1), 1) for name, path in served_files.items()
+                if name != "llama-server"]
+    configs += [(name, "llama-server", llama(claimed, flags, 1), 1) for name, flags in CACHES.items()]
     refused: dict[str, str] = {}
-    for name, path, flags, slots in configs:
+    for name, server, start, slots in configs:
         log = args.out / f"server-{name.replace('/', '').replace(' ', '-')}.log"
         try:
-            proc, url = start_llama_server(args.server, str(path), ["-np", str(slots), "-c", str(2048 * slots), "-t",
-                                                                     str(args.threads), *flags], log)
+            proc, url = start(log)
         except ServerDidNotStart as e:  # e.g. a quantized cache whose blocks do not divide the model's head size
-            refused[name] = e.reason()
-            print(f"{name}: refused by llama-server ({refused[name]})", flush=True)
+            refused[name] = f"{server}: {e.reason()}"
+            print(f"{name}: refused by {refused[name]}", flush=True)
             continue
         try:
             engine = http_engine(EngineConfig("http", HttpOptions(url=url)), str(claimed), "fp32", args.threads, "cpu")
             with ThreadPoolExecutor(slots) as pool:  # in flight together where the server has the slots
                 served = list(pool.map(partial(ask, engine, args.max_new_tokens), [p for _, p in items]))
         finally:
-            proc.terminate()
-            proc.wait()
+            stop_server(proc)
         variants[name] = AttestVariant(*scored(served), honest=name in null_names)
         print(f"{name}: {sum(map(len, served))} tokens served", flush=True)
 
@@ -195,10 +262,11 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"claimed": args.claimed.name, **null, "rows": rows, "refused": refused}, indent=1))
     if args.figure:
-        attest_figure(rows, args.figure, f"{args.claimed.name} claimed (f32), served by llama-server")
+        servers = "llama-server and vllm serve" if args.vllm else "llama-server"
+        attest_figure(rows, args.figure, f"{args.claimed.name} claimed (f32), served by {servers}")
     w = wilson_interval(*flagged)
     subs = "; ".join([*(f"{r['variant']}: {attest_summary(r, GRID, 300)}" for r in rows if not r["honest"]),
-                      *(f"{name}: refused by llama-server" for name in refused)])
+                      *(f"{name}: refused by {why.split(':')[0]}" for name, why in refused.items())])
     print(f"attest_servers: honest FPR at 1% {flagged[0]}/{flagged[1]} [{w[0]:.3f}, {w[1]:.3f}]; {subs}")
 
 

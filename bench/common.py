@@ -373,10 +373,16 @@ class ServerDidNotStart(SystemExit):
         self.log = log
 
     def reason(self) -> str:
-        """The log's first error line (llama-server's `E` lines), without its timestamp."""
+        """The log's first error line (llama-server's `E` lines), without its timestamp; else the first exception a
+        Python server logged (vLLM's root cause, `NotImplementedError: ...`), else the log's path."""
+        import re
+
         lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
-        first = next((line for line in lines if " E " in line), "see " + str(self.log))
-        return first.split(" E ", 1)[-1].strip()
+        first = next((line for line in lines if " E " in line), None)
+        if first is not None:
+            return first.split(" E ", 1)[-1].strip()
+        raised = (re.search(r"\b[A-Z]\w*(?:Error|Exception): .*", line) for line in lines if " WARNING " not in line)
+        return next((m.group(0).strip() for m in raised if m), "see " + str(self.log))
 
 
 def wait_up(proc: Any, url: str, path: str, log: Path, tries: int) -> str:
@@ -407,8 +413,46 @@ def start_llama_server(binary: str, model: str, flags: Sequence[str], log: Path,
         saves.mkdir(parents=True, exist_ok=True)
         slots = ["--slot-save-path", str(saves)]
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--no-webui", *slots, *flags]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            start_new_session=True)  # its own process group: `stop_server` stops it alone
     return proc, wait_up(proc, f"http://127.0.0.1:{port}", "/health", log, 600)
+
+
+def start_vllm_server(python: str, model: str, flags: Sequence[str], log: Path, threads: int) -> tuple[Any, str]:
+    """`vllm serve` (its OpenAI server, run by `python`: the vLLM venv's, as .ci/run makes it) on 127.0.0.1 at a free
+    port, in its own process group (`stop_server` ends its engine processes too): its process and its address once
+    /v1/models answers."""
+    import os
+    import subprocess
+
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
+           str(port), "--max-logprobs", "5", "--seed", "0", *flags]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,  # noqa: SIM115
+                            start_new_session=True)
+    try:
+        return proc, wait_up(proc, f"http://127.0.0.1:{port}", "/v1/models", log, 3000)
+    except ServerDidNotStart:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: Any) -> None:
+    """A server started in its own process group, stopped with every process it started."""
+    import os
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 # --- Attest: a variant's rows against the honest null --------------------------------------------------------------
