@@ -537,6 +537,20 @@ def test_a_small_step_budget_prefills_in_chunks_and_is_recorded(tmp_path):
         assert pairs[("oneshot", "oneshot#replica")]["suffix_equal"]
 
 
+def test_attest_on_vllm_in_process_is_replayed_with_the_cpu_sampler(tmp_path):
+    """`attest --engine vllm`: vLLM in this process serves each prompt with the request's seed at temperature 1; the
+    claim of its CPU sampler replays every served token and is consistent; the control, the claim of vLLM's native
+    sampler on the same engine and seeds, is flagged."""
+    common = ["attest", "--engine", "vllm", "--precision", "fp32", "--n", "4", "--max-new-tokens", "8", "--sample",
+              "--temperature", "1", "--seed", "3", "--quiet"]
+    cpu = runner.invoke(app, [*common, "--seeded-sampler", "vllm-cpu", "--out", str(tmp_path / "cpu")])
+    native = runner.invoke(app, [*common, "--out", str(tmp_path / "native")])
+    right = json.loads((tmp_path / "cpu" / "results.json").read_text())["attest"][0]
+    assert cpu.exit_code == 0 and right["statistic"] == 0 and not right["flagged"], cpu.output
+    wrong = json.loads((tmp_path / "native" / "results.json").read_text())["attest"][0]
+    assert native.exit_code == 1 and wrong["flagged"], native.output
+
+
 # The ngram test comes last: in vLLM 0.32.0's CPU build, an LLM made in a process where a speculating one was made
 # fails in its Triton kernel overrides (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'); the CLI
 # makes one LLM per process.
