@@ -14,7 +14,8 @@ per request) for the seeded claim. Two claims:
   server sampling at temperature 0.5 (seeded). Statistic: the mean margin per token (reference max logit minus the
   served token's), and the mismatch rate beside it.
 - seeded, temperature 1 (vLLM's per-request seed known): honest variants as above with that sampler; substitutions
-  are the later checkpoint and temperature 0.8 with the same seeds. Statistic: the Gumbel-max mismatch rate.
+  are the later checkpoint, temperature 0.8 and top-p 0.9 with the same seeds. Statistic: the Gumbel-max mismatch
+  rate.
 
 The prompts split in two: the first half calibrates the null (every honest variant's items pooled), the second is
 held out. Per variant: its items, tokens, the statistic with its 95% interval over items; for honest variants the
@@ -80,7 +81,8 @@ def main() -> None:
             "temperature 0.5": ("bf16", replace(t1, temperature=0.5), False)}),
         "seeded t=1": (t1, "gumbel mismatch", {
             "bf16 live": ("bf16", t1, True), "fp16 live": ("fp16", t1, True), "fp32 live": ("fp32", t1, True),
-            "later checkpoint": ("later", t1, False), "temperature 0.8": ("bf16", replace(t1, temperature=0.8), False)}),
+            "later checkpoint": ("later", t1, False), "temperature 0.8": ("bf16", replace(t1, temperature=0.8), False),
+            "top-p 0.9": ("bf16", replace(t1, top_p=0.9), False)}),
     }
     figures: dict[str, Any] = {}
     summary: dict[str, str] = {}
