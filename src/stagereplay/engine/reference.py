@@ -2,9 +2,10 @@
 tokens (teacher-forced, as Token-DiFR's reference is vLLM's prompt log-probabilities), and every served token is
 scored on the row of reference logits that predicts it.
 
-    reference_scores(lm, prompt, served, decode, seed, head, chunk)   one response: prefill, then `reduce_rows`
+    reference_scores(lm, prompt, served, decode, seed, head, chunk, seeded)
+                                                                       one response: prefill, then `reduce_rows`
                                                                        chunk by chunk
-    logits_scores(logits, served, decode, seed, chunk)                 the same from reference logits in hand [N, V]
+    logits_scores(logits, served, decode, seed, chunk, seeded)         the same from reference logits in hand [N, V]
     reduce_rows(logits, served, decode, sampler)                       the per-token scores of rows [C, V] of
                                                                        reference logits, on their device
     TokenScores.difr(), difr_summary(scores)                           the same tokens in Token-DiFR's terms
