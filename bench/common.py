@@ -424,10 +424,15 @@ def start_vllm_server(python: str, model: str, flags: Sequence[str], log: Path, 
     /v1/models answers."""
     import os
     import subprocess
+    import tempfile
 
     port = free_port()
+    # Its processes talk over Unix sockets under VLLM_RPC_BASE_PATH (the temporary folder by default), whose paths
+    # must fit in 107 characters: a short folder of its own, where a deep TMPDIR (a test's) would not fit.
+    sockets = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.mkdtemp(prefix="vllm-", dir="/tmp" if os.path.isdir(
+        "/tmp") else None)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+           "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "VLLM_RPC_BASE_PATH": sockets}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
            str(port), "--max-logprobs", "5", "--seed", "0", *flags]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,  # noqa: SIM115
