@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from stagereplay.engine.decode import DecodeConfig, Sampler
 from stagereplay.engine.scoring import HEADS, head_logits
-from stagereplay.engine.seeded import SeededSampler, seeded_sampler
+from stagereplay.engine.seeded import DEFAULT, SeededSampler, seeded_sampler
 from stagereplay.errors import StageReplayError
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def _model_head(lm: LM, hidden: torch.Tensor) -> torch.Tensor:
 
 def reference_scores(lm: LM, prompt: Sequence[int], served: Sequence[int], decode: DecodeConfig,
                      seed: int | None = None, head: str = "model", chunk: int = CHUNK,
-                     seeded: str = "vllm") -> TokenScores:
+                     seeded: str = DEFAULT) -> TokenScores:
     """Score the N tokens `served` after `prompt` against `lm`, the claimed model: one forward over
     prompt + served[:-1] with no cache (hidden states [N, H] of the rows that predict the served tokens), then the
     LM head (`head` "model", or "fp32": engine.scoring.head_logits) and `reduce_rows` on `chunk` rows at a time.
@@ -234,7 +234,7 @@ def _collected(parts: Sequence[dict[str, torch.Tensor]]) -> TokenScores:
 
 
 def logits_scores(logits: torch.Tensor, served: Sequence[int], decode: DecodeConfig, seed: int | None = None,
-                  chunk: int = CHUNK, seeded: str = "vllm") -> TokenScores:
+                  chunk: int = CHUNK, seeded: str = DEFAULT) -> TokenScores:
     """`TokenScores` of served tokens [N] from reference logits already in hand, [N, V] (row i predicts served[i]),
     reduced `chunk` rows at a time with one seeded sampler `seeded` seeded with `seed` (sampled claims only) across
     them."""

@@ -1,7 +1,7 @@
 """vLLM's seeded samplers, replayed: the token one seeded request draws at each step, from the request's seed alone.
 
-    SAMPLERS                          name -> class: `vllm` (vLLM's native sampler, the one GPU servers run and
-                                      Token-DiFR replays) and `vllm-cpu` (vLLM's CPU build)
+    SAMPLERS, DEFAULT                 name -> class: `vllm` (vLLM's native sampler, the one GPU servers run and
+                                      Token-DiFR replays; the default) and `vllm-cpu` (vLLM's CPU build)
     seeded_sampler(name, seed, device)  one request's sampler, its generator seeded with the request's seed
     sampler.draw(warped)              `Drawn` for rows of warped logits [C, V] (fp32 after temperature, top-k and
                                       top-p, -inf where removed), one row per step: each row advances the request's
@@ -114,6 +114,8 @@ class VllmCpu(SeededSampler):
 
 
 SAMPLERS: dict[str, type[SeededSampler]] = {s.name: s for s in (VllmNative, VllmCpu)}
+DEFAULT = VllmNative.name
+"""A seeded claim's sampler unless one is named: vLLM's native one, what GPU servers run and Token-DiFR replays."""
 
 
 def seeded_sampler(name: str, seed: int, device: str) -> SeededSampler:

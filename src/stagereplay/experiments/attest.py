@@ -32,6 +32,8 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from stagereplay.engine.decode import DecodeConfig, derive_seed
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
+from stagereplay.engine.seeded import DEFAULT as DEFAULT_SAMPLER
+from stagereplay.engine.seeded import SAMPLERS
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.attest_item import (
     LIVE,
@@ -90,13 +92,11 @@ class AttestOptions:
     alpha: float = field(default=ALPHA, metadata={"help": "the false-positive rate the decision is made at"})
     split_seed: int = field(default=0, metadata={"help": (
         "the seed of the rule that splits the items into calibration (the null) and held-out prompts")})
-    seeded_sampler: str = field(default="vllm", metadata={"help": (
+    seeded_sampler: str = field(default=DEFAULT_SAMPLER, metadata={"help": (
         "a seeded claim (--sample): the server's sampler, replayed with each request's seed: vllm (vLLM on GPUs, "
         "Token-DiFR's replay) or vllm-cpu (vLLM's CPU build)")})
 
     def __post_init__(self) -> None:
-        from stagereplay.engine.seeded import SAMPLERS
-
         object.__setattr__(self, "honest", tuple(self.honest))
         parse_variants(self.honest)
         if self.seeded_sampler not in SAMPLERS:
@@ -123,7 +123,7 @@ class AttestStage(StageSection):
     alpha: float = Field(description="the false-positive rate of the decision")
     split_seed: int = Field(description="the seed of the calibration split")
     calibration: list[str] = Field(description="the item ids whose honest responses make the null")
-    seeded_sampler: str = Field("vllm", description="a seeded claim: the server's sampler replayed "
+    seeded_sampler: str = Field(DEFAULT_SAMPLER, description="a seeded claim: the server's sampler replayed "
                                                     "(engine.seeded.SAMPLERS)")
 
     def served_label(self) -> str:
@@ -137,8 +137,6 @@ class AttestStage(StageSection):
         dc = self.settings.decode
         if not dc.sample:
             return "greedy"
-        from stagereplay.engine.seeded import SAMPLERS
-
         return f"seeded sampling at temperature {dc.temperature:g}, {SAMPLERS[self.seeded_sampler].label}"
 
 
@@ -213,7 +211,7 @@ class Attest(Experiment):
         if n is not None and n < MIN_ITEMS:
             raise StageReplayError(f"--n {n} is too few responses to decide on: the null calibrates on some prompts "
                                    "and the decision's interval is over responses", f"pass --n {MIN_ITEMS} or more")
-        if options.seeded_sampler != "vllm" and not inputs.decode.sample:
+        if options.seeded_sampler != DEFAULT_SAMPLER and not inputs.decode.sample:
             raise StageReplayError("--seeded-sampler names the sampler of a seeded claim, and this claim is greedy",
                                    "add --sample (with --temperature and --seed), or drop --seeded-sampler")
         if options.served is None:
@@ -241,7 +239,7 @@ class Attest(Experiment):
         generated = options.served is None
         return {"source": "generated" if generated else "file", "honest": list(options.honest),
                 "alpha": options.alpha, "split_seed": options.split_seed,
-                **({"seeded_sampler": options.seeded_sampler} if options.seeded_sampler != "vllm" else {}),
+                **({"seeded_sampler": options.seeded_sampler} if options.seeded_sampler != DEFAULT_SAMPLER else {}),
                 **({"served_precision": options.served_precision, "served_checkpoint": options.served_checkpoint}
                    if generated else {})}
 

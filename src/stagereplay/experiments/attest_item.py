@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from stagereplay.engine.constructions import reencoded
 from stagereplay.engine.decode import DecodeConfig, Sampler, derive_seed
 from stagereplay.engine.lm import ids_fingerprint
+from stagereplay.engine.seeded import DEFAULT
 from stagereplay.experiments.attest_variants import HonestVariant
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.records import arrays
@@ -50,7 +51,7 @@ class AttestParams(Params):
     served_model: str | None = None
     served_precision: str | None = None
     seed_span: int | None = None
-    seeded: str = "vllm"
+    seeded: str = DEFAULT
 
     @property
     def part(self) -> str:
@@ -79,7 +80,7 @@ def max_new(item: Any, decode: DecodeConfig) -> int:
 
 
 def serve(lm: LM, prompt: Sequence[int], limit: int, decode: DecodeConfig, seed: int | None,
-          variant: HonestVariant = LIVE, seeded: str = "vllm") -> tuple[list[int], str]:
+          variant: HonestVariant = LIVE, seeded: str = DEFAULT) -> tuple[list[int], str]:
     """What an honest server running `lm` serves for `prompt` (module docstring), its prompt's cache built and its
     steps run as `variant` says (`experiments.attest_variants`; live by default), a sampled claim drawn by the seeded
     sampler `seeded` (`engine.seeded`): the tokens and why it stopped (eos or length)."""
