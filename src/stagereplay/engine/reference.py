@@ -145,18 +145,19 @@ def reduce_rows(logits: torch.Tensor, served: torch.Tensor, decode: DecodeConfig
     out["prob"] = probs.gather(1, served[:, None])[:, 0]
     if sampler is None:
         return out
-    parts = [_gumbel_rows(x[a : a + BLOCK], warped[a : a + BLOCK], served[a : a + BLOCK], decode, sampler)
-             for a in range(0, x.shape[0], BLOCK)]
+    parts = [_gumbel_rows(x[a : a + BLOCK], warped[a : a + BLOCK], probs[a : a + BLOCK], served[a : a + BLOCK], decode,
+                          sampler) for a in range(0, x.shape[0], BLOCK)]
     out.update({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
     return out
 
 
-def _gumbel_rows(x: torch.Tensor, warped: torch.Tensor, served: torch.Tensor, decode: DecodeConfig,
-                 sampler: SeededSampler) -> dict[str, torch.Tensor]:
-    """The Gumbel-max scores of rows [B, V]: raw fp32 logits `x`, the claimed sampler's `warped` ones."""
+def _gumbel_rows(x: torch.Tensor, warped: torch.Tensor, probs: torch.Tensor, served: torch.Tensor,
+                 decode: DecodeConfig, sampler: SeededSampler) -> dict[str, torch.Tensor]:
+    """The Gumbel-max scores of rows [B, V]: raw fp32 logits `x`, the claimed sampler's `warped` ones and their
+    softmax `probs`."""
     import torch
 
-    drawn = sampler.draw(warped)
+    drawn = sampler.draw(warped, probs)
     removed = ~torch.isfinite(warped.gather(1, served[:, None])[:, 0])  # [B]
     gold_order = drawn.order.gather(1, served[:, None])[:, 0]
     noised = (x + drawn.gumbel * decode.temperature).masked_fill(~torch.isfinite(warped), float("-inf"))

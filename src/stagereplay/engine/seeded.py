@@ -3,9 +3,10 @@
     SAMPLERS, DEFAULT                 name -> class: `vllm` (vLLM's native sampler, the one GPU servers run and
                                       Token-DiFR replays; the default) and `vllm-cpu` (vLLM's CPU build)
     seeded_sampler(name, seed, device)  one request's sampler, its generator seeded with the request's seed
-    sampler.draw(warped)              `Drawn` for rows of warped logits [C, V] (fp32 after temperature, top-k and
-                                      top-p, -inf where removed), one row per step: each row advances the request's
-                                      generator as the server's step does
+    sampler.draw(warped, probs)       `Drawn` for rows of warped logits [C, V] (fp32 after temperature, top-k and
+                                      top-p, -inf where removed; `probs` their softmax where the caller has it),
+                                      one row per step: each row advances the request's generator as the server's
+                                      step does
 
 What each replays (vLLM 0.32):
 
@@ -63,7 +64,8 @@ class SeededSampler:
         self.seed = seed
         self.device = device
 
-    def draw(self, warped: torch.Tensor) -> Drawn:
+    def draw(self, warped: torch.Tensor, probs: torch.Tensor | None = None) -> Drawn:
+        """`probs`: softmax(warped), where the caller has it already (made here where a sampler needs it)."""
         raise NotImplementedError
 
 
@@ -79,11 +81,12 @@ class VllmNative(SeededSampler):
         super().__init__(seed, device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def draw(self, warped: torch.Tensor) -> Drawn:
+    def draw(self, warped: torch.Tensor, probs: torch.Tensor | None = None) -> Drawn:
         import torch
 
         noise = gumbel_noise(warped.shape[0], warped.shape[1], self.generator)  # [C, V]
-        order = torch.softmax(warped, dim=-1) / noise  # vLLM's pick is this row's argmax
+        probs = torch.softmax(warped, dim=-1) if probs is None else probs
+        order = probs / noise  # vLLM's pick is this row's argmax
         return Drawn(order.argmax(dim=-1), order, -torch.log(noise))
 
 
@@ -99,7 +102,7 @@ class VllmCpu(SeededSampler):
         super().__init__(seed, device)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)  # vLLM's CPU build draws on the host
 
-    def draw(self, warped: torch.Tensor) -> Drawn:
+    def draw(self, warped: torch.Tensor, probs: torch.Tensor | None = None) -> Drawn:
         import torch
 
         steps = [int(torch.randint(0, 2**31, (1,), generator=self.generator, dtype=torch.long).item())
@@ -107,9 +110,12 @@ class VllmCpu(SeededSampler):
         gumbel = splitmix_gumbel(steps, warped.shape[1], warped.device)  # [C, V] float64
         order = warped.double() + gumbel  # [C, V]
         top = order.max(dim=-1, keepdim=True).values  # [C, 1]
-        near = (order >= top - TIE).cpu()  # [C, V]: the tokens a near tie could hand the pick to
-        rows = warped.float().cpu()
-        pick = [_kernel_pick(rows[r], near[r].nonzero()[:, 0].tolist(), steps[r]) for r in range(len(steps))]
+        near = (order >= top - TIE).nonzero()  # [K, 2] (row, token), ascending: the tokens a near tie could pick
+        values = warped[near[:, 0], near[:, 1]].float().tolist()  # only these logits go to the host
+        candidates: list[list[tuple[int, float]]] = [[] for _ in steps]
+        for (r, i), x in zip(near.tolist(), values, strict=True):
+            candidates[r].append((i, x))
+        pick = [_kernel_pick(c, step) for c, step in zip(candidates, steps, strict=True)]
         return Drawn(torch.tensor(pick, device=warped.device), order, gumbel)
 
 
@@ -168,9 +174,9 @@ def _mix_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _kernel_pick(row: torch.Tensor, near: list[int], step: int) -> int:
-    """The kernel's running best over the tokens `near` the maximum (ascending), with its bounds and arithmetic:
-    every other token lies more than `TIE` below them and cannot win against any of them."""
+def _kernel_pick(near: list[tuple[int, float]], step: int) -> int:
+    """The kernel's running best over the tokens `near` the maximum ((token, warped logit), ascending), with its
+    bounds and arithmetic: every other token lies more than `TIE` below them and cannot win against any of them."""
     key = _mix_int(step)
 
     def bits(i: int) -> int:
@@ -179,10 +185,10 @@ def _kernel_pick(row: torch.Tensor, near: list[int], step: int) -> int:
     def gumbel(b: int) -> float:
         return -math.log(-math.log((b + 0.5) * 2.0**-53))
 
-    best = near[0]
-    best_x, best_g = float(row[best]), gumbel(bits(best))
-    for i in near[1:]:
-        dx = float(row[i]) - best_x
+    best, best_x = near[0]
+    best_g = gumbel(bits(best))
+    for i, x in near[1:]:
+        dx = x - best_x
         if dx + GUMBEL_MAX <= best_g:
             continue
         b = bits(i)
@@ -190,5 +196,5 @@ def _kernel_pick(row: torch.Tensor, near: list[int], step: int) -> int:
             continue
         g = gumbel(b)
         if dx + g > best_g:
-            best, best_x, best_g = i, float(row[i]), g
+            best, best_x, best_g = i, x, g
     return best
