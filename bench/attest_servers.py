@@ -238,14 +238,14 @@ def main() -> None:
     configs += [(name, "llama-server", llama(path, [], 1), 1) for name, path in served_files.items()
                 if name != "llama-server"]
     configs += [(name, "llama-server", llama(claimed, flags, 1), 1) for name, flags in CACHES.items()]
-    refused: dict[str, str] = {}
+    refused: dict[str, tuple[str, str]] = {}  # name: (server, its reason)
     for name, server, start, slots in configs:
         log = args.out / f"server-{name.replace('/', '').replace(' ', '-')}.log"
         try:
             proc, url = start(log)
         except ServerDidNotStart as e:  # e.g. a quantized cache whose blocks do not divide the model's head size
-            refused[name] = f"{server}: {e.reason()}"
-            print(f"{name}: refused by {refused[name]}", flush=True)
+            refused[name] = (server, e.reason())
+            print(f"{name}: refused by {server}: {refused[name][1]}", flush=True)
             continue
         try:
             engine = http_engine(EngineConfig("http", HttpOptions(url=url)), str(claimed), "fp32", args.threads, "cpu")
@@ -260,13 +260,15 @@ def main() -> None:
                                       title=f"claimed: {args.claimed.name} as f32; the null: {', '.join(sorted(null_names))}; "
                                             "statistic: mean margin per token; ")
     if args.json:
-        args.json.write_text(json.dumps({"claimed": args.claimed.name, **null, "rows": rows, "refused": refused}, indent=1))
+        args.json.write_text(json.dumps({"claimed": args.claimed.name, **null, "rows": rows,
+                                               "refused": {n: f"{srv}: {why}" for n, (srv, why) in refused.items()}},
+                                              indent=1))
     if args.figure:
         servers = "llama-server and vllm serve" if args.vllm else "llama-server"
         attest_figure(rows, args.figure, f"{args.claimed.name} claimed (f32), served by {servers}")
     w = wilson_interval(*flagged)
     subs = "; ".join([*(f"{r['variant']}: {attest_summary(r, GRID, 300)}" for r in rows if not r["honest"]),
-                      *(f"{name}: refused by {why.split(':')[0]}" for name, why in refused.items())])
+                      *(f"{name}: refused by {server}" for name, (server, _) in refused.items())])
     print(f"attest_servers: honest FPR at 1% {flagged[0]}/{flagged[1]} [{w[0]:.3f}, {w[1]:.3f}]; {subs}")
 
 
