@@ -17,6 +17,9 @@ from stagereplay.records.ledger import items, read_ledger
 
 runner = CliRunner()
 SMALL = ["attest", "--n", "4", "--max-new-tokens", "6", "--honest", "bf16,fp32", "--quiet"]
+ENOUGH = ["attest", "--n", "20", "--max-new-tokens", "6", "--honest", "bf16,fp32", "--quiet"]
+"""The fewest prompts a decision at the default alpha rests on (`attest_decision.prompts_needed`): fewer read
+inconclusive where a statistic exceeds its null."""
 
 
 def _invoke(args: list[str]) -> Result:
@@ -91,11 +94,12 @@ def test_a_served_file_without_logprobs_decides_as_with_them(root: Path, served_
 def test_the_later_checkpoint_served_is_flagged(root: Path, honest_run: Path):
     """A real substitution on the same prompts: the decision flips from the honest run's, with the tokens it took."""
     run = root / "later"
-    result = _invoke([*SMALL, "--served-checkpoint", "later", "--out", str(run)])
+    result = _invoke([*ENOUGH, "--served-checkpoint", "later", "--out", str(run)])
     s = _section(run)
-    assert result.exit_code == 1 and s["flagged"] and s["p_value"] <= s["alpha"], (result.output, s)
+    assert result.exit_code == 1 and s["outcome"] == "flagged" and s["flagged"], (result.output, s)
+    assert any(t["flagged"] and not t["point_mass"] for t in s["tests"]), s["tests"]
     assert s["tokens_needed"] is not None and s["tokens_needed"] <= s["tokens"]
-    assert s["statistic"] > s["threshold"] and s["difr"]["exact_match_rate"] < 1.0
+    assert s["statistic"] > s["threshold"] and s["difr"]["exact_match_rate"] < 1.0 and s["evidence"]
     assert not _section(honest_run)["flagged"]  # the control: the claimed checkpoint served, not flagged
     assert "No, not as claimed" in (run / "report.md").read_text()
     assert 'id="fig-attest-primary"' in (run / "report.html").read_text()
@@ -154,8 +158,8 @@ def test_a_claim_of_vllms_cpu_sampler_is_told_from_one_of_its_native_sampler(roo
     fp32 decode only on a near tie) and the server is consistent; the control, the same file claimed with vLLM's
     native sampler, misses draws and is flagged."""
     run = root / "seeded-cpu"
-    sampled = ["--sample", "--temperature", "1", "--seed", "3", "--precision", "fp32", "--honest", "fp32", "--quiet"]
-    result = _invoke(["attest", "--n", "6", "--max-new-tokens", "8", "--served-precision", "fp32", *sampled,
+    sampled = ["--sample", "--temperature", "1", "--seed", "3", "--precision", "fp32", "--honest", "bf16,fp32", "--quiet"]
+    result = _invoke(["attest", "--n", "20", "--max-new-tokens", "8", "--served-precision", "fp32", *sampled,
                       "--seeded-sampler", "vllm-cpu", "--out", str(run)])
     assert result.exit_code == 0, result.output
     s = _section(run)
@@ -226,7 +230,9 @@ def test_a_served_prompt_the_claimed_tokenizer_would_not_make_is_reported(root: 
     run = root / "split"
     result = _invoke(["attest", "--model", str(model), "--served", str(served), "--honest", "bf16", "--quiet",
                       "--out", str(run)])
-    assert result.exit_code in (0, 1), result.output
+    # four responses the model did not make, on two calibration prompts: a statistic exceeds its null, and the null
+    # is too small to support the level, so the run is inconclusive (exit 3), never flagged
+    assert result.exit_code == 3 and _section(run)["outcome"] == "inconclusive", result.output
     assert _section(run)["prompts_not_reencoded"] == ["p2"]
     assert "1/4" in (run / "report.md").read_text() and "not what the claimed model's tokenizer makes" in (
         run / "report.md").read_text()

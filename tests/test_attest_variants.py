@@ -61,7 +61,7 @@ def _forwards_seen(lm, variant: HonestVariant, prompt: list[int]) -> tuple[list[
 
     handle = lm.model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        response, _ = serve(lm, prompt, GREEDY.max_new_tokens, GREEDY, None, variant)
+        response, _, _ = serve(lm, prompt, GREEDY.max_new_tokens, GREEDY, None, variant)
     finally:
         handle.remove()
     return seen, response

@@ -17,6 +17,7 @@ Per served token (`TokenScores`, each field [N]):
   the argmax (the greedy check); `margin`: max logit minus the served token's logit (Token-DiFR's margin at
   temperature 0, 0 on a match); `logit_rank`: how many tokens have a larger logit (Token-DiFR's `logit_rank`);
   `logprob`: the served token's log-softmax (the model's own distribution, whatever the sampler).
+- `argmax`: the reference's own greedy pick at the position (what an honest greedy server would most likely serve).
 - `prob`: the served token's probability under the claimed sampler (Token-DiFR's `prob`): the softmax after
   temperature, top-k and top-p when the claim samples; one-hot on the argmax when it is greedy.
 - `gumbel_match`, `gumbel_margin`, `gumbel_rank`: where the claim samples with a known per-request seed, the
@@ -67,6 +68,7 @@ class TokenScores:
     gumbel_match: np.ndarray | None = None  # [N] bool
     gumbel_margin: np.ndarray | None = None  # [N] fp32, inf where the claimed sampler removed the token
     gumbel_rank: np.ndarray | None = None  # [N] fp32, inf where removed
+    argmax: np.ndarray | None = None  # [N] int64: the reference's own greedy pick at each position
 
     def __len__(self) -> int:
         return len(self.match)
@@ -131,8 +133,10 @@ def reduce_rows(logits: torch.Tensor, served: torch.Tensor, decode: DecodeConfig
     x = logits.float()  # [C, V]
     served = served.to(x.device)
     gold = x.gather(1, served[:, None])[:, 0]  # [C]
+    top = x.argmax(dim=-1)  # [C] the first of tied maxima, as the greedy pick takes it
     out = {
-        "match": x.argmax(dim=-1) == served,  # the first of tied maxima, as the greedy pick takes it
+        "argmax": top,
+        "match": top == served,
         "margin": x.max(dim=-1).values - gold,
         "logit_rank": _count_above(x, gold),
         "logprob": torch.log_softmax(x, dim=-1).gather(1, served[:, None])[:, 0],

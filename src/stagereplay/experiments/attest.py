@@ -34,8 +34,9 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.seeded import DEFAULT as DEFAULT_SAMPLER
 from stagereplay.engine.seeded import SAMPLERS
-from stagereplay.errors import StageReplayError
+from stagereplay.errors import FLAGGED, INCONCLUSIVE, OK, StageReplayError
 from stagereplay.experiments.attest_item import (
+    EXTRA_SCORES,
     LIVE,
     REFERENCE,
     SCORES,
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
 EXPERIMENT = "attest"
 HONEST = ("bf16", "fp16", "fp32", "bf16/chunked:16", "bf16/prefix:16", "bf16/batched:4")
 """The default honest variants: live decode at each precision, then the constructions a serving engine uses, at bf16."""
+CLAIM_ENGINES = ("hf", "llama.cpp", "vllm")
+"""The engines a claim may name as serving the model: ours over transformers, llama.cpp, vLLM."""
 MIN_ITEMS = 2
 """A decision needs a calibration prompt and a held-out one: its interval is over responses."""
 PAYLOAD: TypeAdapter[AttestPayload] = TypeAdapter(AttestPayload)
@@ -95,6 +98,9 @@ class AttestOptions:
     seeded_sampler: str = field(default=DEFAULT_SAMPLER, metadata={"help": (
         "a seeded claim (--sample): the server's sampler, replayed with each request's seed: vllm (vLLM on GPUs, "
         "Token-DiFR's replay) or vllm-cpu (vLLM's CPU build)")})
+    claim_engine: str = field(default="", metadata={"help": (
+        "the engine the claim says serves the model: hf, llama.cpp or vllm (default: llama.cpp for a .gguf file, "
+        "else hf); a flag is said only where the honest variants run on it, else the run is inconclusive")})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "honest", tuple(self.honest))
@@ -107,6 +113,9 @@ class AttestOptions:
                                    f"use {', '.join(PRECISIONS)}")
         if not self.honest:
             raise StageReplayError("no honest variant given", "pass --honest bf16,fp16,fp32")
+        if self.claim_engine and self.claim_engine not in CLAIM_ENGINES:
+            raise StageReplayError(f"unknown --claim-engine {self.claim_engine!r}",
+                                   f"pass one of {', '.join(CLAIM_ENGINES)}")
         if not 0 < self.alpha < 0.5:
             raise StageReplayError(f"--alpha must lie in (0, 0.5), got {self.alpha}", "pass e.g. --alpha 0.01")
 
@@ -125,6 +134,7 @@ class AttestStage(StageSection):
     calibration: list[str] = Field(description="the item ids whose honest responses make the null")
     seeded_sampler: str = Field(DEFAULT_SAMPLER, description="a seeded claim: the server's sampler replayed "
                                                     "(engine.seeded.SAMPLERS)")
+    claim_engine: str = Field("hf", description="the engine the claim says serves the model (hf, llama.cpp, vllm)")
 
     def served_label(self) -> str:
         if self.source == "file":
@@ -147,6 +157,11 @@ def calibration_split(item_ids: list[str], seed: int) -> list[str]:
     k = min(max(1, (len(item_ids) + 1) // 2), max(1, len(item_ids) - 1))
     chosen = set(ranked[:k])
     return [i for i in item_ids if i in chosen]
+
+
+def claim_engine(model: ModelConfig, options: AttestOptions) -> str:
+    """The engine the claim names: the option's, else llama.cpp for a GGUF file (what serves one), else ours."""
+    return options.claim_engine or ("llama.cpp" if model.path.endswith(".gguf") else "hf")
 
 
 def served_path(model: ModelConfig, checkpoint: str) -> str:
@@ -222,9 +237,19 @@ class Attest(Experiment):
         if given:
             raise StageReplayError(f"{', '.join(given)} simulate a server, and --served gives its outputs",
                                    f"drop {', '.join(given)}, or simulate without --served")
+        from stagereplay.tasks.rollout_fields import SERVED
         from stagereplay.tasks.rollouts import scan
 
-        rows, _ = scan(options.served, inputs.input.columns, 1 << 31, 1 << 31, logprobs=False)
+        rows, _ = scan(options.served, inputs.input.columns, 1 << 31, 1 << 31, kind=SERVED)
+        dc = inputs.decode  # the reference replays the claim's sampling, so a row's own must be the claim's
+        claim = {"temperature": dc.temperature, "top_k": dc.top_k, "top_p": dc.top_p} if dc.sample else {"temperature": 0}
+        said = "samples with " + ", ".join(f"{k} {v:g}" for k, v in claim.items()) if dc.sample else "is greedy"
+        other = next(((r, k) for r in rows[:n] for k, v in claim.items() if r.sampling.get(k, v) != v), None)
+        if other is not None:
+            row, key = other
+            raise StageReplayError(f"{row.where}: {key} is {row.sampling[key]:g}, and the claim {said}",
+                                   "state the claim the server was asked for (--sample, --temperature, --top-k, "
+                                   "--top-p), or drop the rows sampled otherwise")
         if len(rows) < MIN_ITEMS:
             raise StageReplayError(f"{options.served} holds {len(rows)} served response(s): too few to decide on (a "
                                    "calibration prompt and a held-out one at least)",
@@ -240,6 +265,7 @@ class Attest(Experiment):
         return {"source": "generated" if generated else "file", "honest": list(options.honest),
                 "alpha": options.alpha, "split_seed": options.split_seed,
                 **({"seeded_sampler": options.seeded_sampler} if options.seeded_sampler != DEFAULT_SAMPLER else {}),
+                **({"claim_engine": options.claim_engine} if options.claim_engine else {}),
                 **({"served_precision": options.served_precision, "served_checkpoint": options.served_checkpoint}
                    if generated else {})}
 
@@ -251,6 +277,7 @@ class Attest(Experiment):
             served_model=served_path(prepared.model, options.served_checkpoint) if generated else None,
             served_precision=options.served_precision if generated else None, honest=list(options.honest),
             alpha=options.alpha, split_seed=options.split_seed, seeded_sampler=options.seeded_sampler,
+            claim_engine=claim_engine(prepared.model, options),
             calibration=calibration_split([i.id for i in prepared.items], options.split_seed))
 
     def _params(self, own: AttestStage, which: str, columns: str | None = None,
@@ -308,7 +335,7 @@ class Attest(Experiment):
         if p.response_ids is not None and p.tokens_fp != ids_fingerprint([*p.prompt_ids, *p.response_ids]):
             bad.append("tokens_fp is not the fingerprint of prompt_ids + response_ids")
         for arm in p.arms:
-            scores: dict[str, str | None] = {k: getattr(arm, k) for k in SCORES}
+            scores: dict[str, str | None] = {k: getattr(arm, k) for k in (*SCORES, *EXTRA_SCORES)}
             if arm.tokens_fp != ids_fingerprint([*p.prompt_ids, *arm.response_ids]):
                 bad.append(f"side {arm.name}: tokens_fp is not the fingerprint of its tokens")
             if arm.scores_fp != scores_fingerprint(scores):
@@ -382,8 +409,10 @@ class Attest(Experiment):
         return compared(records, item_ids, checkpoint, runs, sections, differences)
 
     def exit_code(self, summaries: Any) -> int:
-        """1 where the served run is flagged: not the claimed model at the stated rate."""
-        return int(any(s.flagged for s in summaries or []))
+        """FLAGGED where a served run is flagged (not the claimed model at the stated rate), else INCONCLUSIVE where
+        one is inconclusive, else OK."""
+        outcomes = {s.outcome for s in summaries or []}
+        return FLAGGED if "flagged" in outcomes else INCONCLUSIVE if "inconclusive" in outcomes else OK
 
     def told(self, records: list[Record]) -> list[str]:
         """Per side: its tokens, how many match the reference's argmax, and its mean margin."""

@@ -33,6 +33,8 @@ REFERENCE = "reference"
 """The part of an item's reference scores."""
 SCORES = ("logprobs", "margin", "match", "logit_rank", "prob", "gumbel_match", "gumbel_margin")
 """The encoded score arrays of a side, in the order `scores_fp` hashes them."""
+EXTRA_SCORES = ("argmax",)
+"""Score arrays a side may hold beyond `SCORES`, hashed after them by name where present."""
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,13 @@ def max_new(item: Any, decode: DecodeConfig) -> int:
 
 
 def serve(lm: LM, prompt: Sequence[int], limit: int, decode: DecodeConfig, seed: int | None,
-          variant: HonestVariant = LIVE, seeded: str = DEFAULT) -> tuple[list[int], str]:
+          variant: HonestVariant = LIVE, seeded: str = DEFAULT) -> tuple[list[int], str, list[float]]:
     """What an honest server running `lm` serves for `prompt` (module docstring), its prompt's cache built and its
     steps run as `variant` says (`experiments.attest_variants`; live by default), a sampled claim drawn by the seeded
-    sampler `seeded` (`engine.seeded`): the tokens and why it stopped (eos or length)."""
+    sampler `seeded` (`engine.seeded`): the tokens, why it stopped (eos or length), and the log-probability its own
+    decode gave each token (log-softmax of its raw logits: what a server returns as the token's log-probability)."""
+    import torch
+
     from stagereplay.engine.seeded import seeded_sampler
 
     prompt = list(prompt)
@@ -91,13 +96,15 @@ def serve(lm: LM, prompt: Sequence[int], limit: int, decode: DecodeConfig, seed:
     sampler = seeded_sampler(seeded, seed, lm.config.device) if decode.sample and seed is not None else None
     warp = Sampler(replace(decode, sample=False), 0, lm.config.device).warp
     tokens: list[int] = []
+    logprobs: list[float] = []
     past = len(prompt)
     while True:
         x = logits.float()[None]  # [1, V]
         token = int(x.argmax()) if sampler is None else int(sampler.draw(warp(x)).pick[0])
         tokens.append(token)
+        logprobs.append(float(torch.log_softmax(x[0], dim=-1)[token]))
         if token in lm.eos or len(tokens) >= limit:
-            return tokens, "eos" if token in lm.eos else "length"
+            return tokens, "eos" if token in lm.eos else "length", logprobs
         logits = variant.step(lm, cache, token, past, prompt)
         past += 1
 
@@ -114,7 +121,8 @@ def side_of(name: str, engine: str, construction: str, precision: str, prompt: S
         "prob": arrays.encode(scores.prob, "f32"),
         "gumbel_match": None if scores.gumbel_match is None else arrays.encode(scores.gumbel_match.astype(np.int32),
                                                                                "i32"),
-        "gumbel_margin": None if scores.gumbel_margin is None else arrays.encode(scores.gumbel_margin, "f32")}
+        "gumbel_margin": None if scores.gumbel_margin is None else arrays.encode(scores.gumbel_margin, "f32"),
+        "argmax": None if scores.argmax is None else arrays.encode(scores.argmax.astype(np.int32), "i32")}
     return AttestSide.model_validate({
         "name": name, "engine": engine, "construction": construction, "precision": precision,
         "response_ids": list(response), "tokens_fp": ids_fingerprint([*prompt, *response]), "seed": seed,
@@ -122,8 +130,11 @@ def side_of(name: str, engine: str, construction: str, precision: str, prompt: S
 
 
 def scores_fingerprint(encoded: dict[str, str | None]) -> str:
-    """sha256 over a side's encoded score arrays in `SCORES` order (an absent one as the empty string)."""
-    return hashlib.sha256("\n".join(encoded.get(k) or "" for k in SCORES).encode()).hexdigest()
+    """sha256 over a side's encoded score arrays in `SCORES` order (an absent one as the empty string), then each of
+    `EXTRA_SCORES` that is present."""
+    text = "\n".join(encoded.get(k) or "" for k in SCORES)
+    text += "".join(f"\n{k}:{encoded[k]}" for k in EXTRA_SCORES if encoded.get(k))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def served_lm(lm: LM, path: str, precision: str) -> LM:
@@ -149,17 +160,24 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
         from stagereplay.tasks.rollouts import RolloutItem, read
 
         assert isinstance(item, RolloutItem)
-        response, stop, precision = list(read(item, p.columns).response_ids), None, "file"
+        row = read(item, p.columns)
+        response, stop, precision = list(row.response_ids), None, "file"
+        import numpy as np
+
+        logprobs = arrays.encode(np.asarray(row.logprobs, dtype=np.float32), "f32") if row.logprobs else None
         roundtrip = reencoded(lm.tokenizer, prompt) == tuple(prompt)
     else:
         if kind == "served" and p.served_model is not None:
             lm = served_lm(lm, p.served_model, p.served_precision or lm.config.precision)
         variant = HonestVariant.parse(p.which) if kind == "honest" else LIVE
-        response, stop = serve(lm, prompt, max_new(item, dc), dc, seed, variant, p.seeded)
+        response, stop, decoded = serve(lm, prompt, max_new(item, dc), dc, seed, variant, p.seeded)
         precision = lm.config.precision
+        import numpy as np
+
+        logprobs = arrays.encode(np.asarray(decoded, dtype=np.float32), "f32")
     return AttestPayload(status="ok", kind=kind, source=p.source, prompt_ids=prompt, response_ids=response,
                          tokens_fp=ids_fingerprint([*prompt, *response]), precision=precision, seed=seed,
-                         stop=stop, prompt_roundtrip=roundtrip)
+                         stop=stop, prompt_roundtrip=roundtrip, logprobs=logprobs)
 
 
 def reference_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:

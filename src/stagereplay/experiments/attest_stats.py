@@ -10,14 +10,17 @@ as a data point calibrates its threshold too tight and flags honest runs. Here e
     pooled_statistics(items, tokens, ...)     statistics of runs of exactly `tokens` tokens made of whole items drawn
                                               with replacement, the last one truncated (one item truncated when it is
                                               longer than `tokens`) [n_draws]
+    null_statistics(null, tokens, ...)        pooled statistics widened by the null's own sampling error: the null of
+                                              `decide`
     decide(run, null, alpha, ...)             the decision at false-positive rate `alpha`: threshold, p-value, flag,
                                               and the tokens the run needed
     curve(substitute, null, tokens, ...)      AUC and power of a substitution against the null by run length
     tokens_for_power(curve, power)            the fewest tokens on the curve from which the power holds
     nearest(run, variants)                    the honest variants ordered by how close their statistic sits
 
-The p-value is empirical with the +1 correction, p = (1 + #{null >= s}) / (1 + n_draws), and the run is flagged
-iff p <= alpha, which is s > the threshold `decide` reports. Every function takes its randomness as a seed. Scores
+The p-value is empirical with the +1 correction, p = (1 + #{null >= s}) / (1 + n_draws), never below `p_floor` (what
+a null of so many responses can resolve for a run of so many), and the run is flagged iff p <= alpha, which is
+s > the threshold `decide` reports where the floor lets the null reach alpha. Every function takes its randomness as a seed. Scores
 must be finite (a token the claimed sampler removed is a mismatch, not an infinite margin).
 """
 
@@ -129,6 +132,33 @@ def pooled_statistics(items: Items, tokens: int, n_draws: int = DRAWS, seed: int
     return out
 
 
+def small_sample_scale(null_items: int, alpha: float) -> float:
+    """How much wider a null of `null_items` responses is drawn at `alpha` than resampling alone makes it: the
+    bootstrap's variance is (K - 1) / K of the sample's, and its tail a normal one where the variance itself was
+    estimated from K responses (Student's t with K - 1 degrees of freedom): sqrt(K / (K - 1)) t_{K-1}(1 - alpha) /
+    z(1 - alpha). 1.09 at K = 20 and alpha 0.01, 1.01 at K = 200."""
+    from scipy.stats import norm
+    from scipy.stats import t as student
+
+    k = max(null_items, 2)
+    return math.sqrt(k / (k - 1)) * float(student.ppf(1 - alpha, k - 1) / norm.ppf(1 - alpha))
+
+
+def null_statistics(null: Items, tokens: int, n_draws: int = DRAWS, seed: int = 0, alpha: float | None = None
+                    ) -> np.ndarray:
+    """What an honest run of `tokens` tokens may score, against a null that is itself a sample [n_draws]: a pooled run
+    (`pooled_statistics`) less the resampled null's own error about its mean (a run of all the null's tokens resampled,
+    centred on the null's statistic). A run is compared with the null's sample, not with honest serving's true mean,
+    and the null's mean is uncertain as much as the run's: leaving that out makes the threshold too tight, and a null
+    of as many responses as the run flags an honest one several times more often than alpha. With `alpha`, the
+    deviations are widened by `small_sample_scale` for a null of few responses."""
+    runs = pooled_statistics(null, tokens, n_draws, seed)
+    own = pooled_statistics(null, null.tokens, n_draws, seed + 7919)  # an independent stream for the null's own error
+    center = run_statistic(null)
+    scale = 1.0 if alpha is None else small_sample_scale(len(null), alpha)
+    return center + scale * ((runs - center) - (own - center))
+
+
 def _order_index(n_draws: int, alpha: float) -> int:
     """m: a statistic s has p <= alpha iff at most m null draws are >= s; needs m >= 0."""
     m = math.floor(alpha * (n_draws + 1) + 1e-9) - 1
@@ -150,14 +180,25 @@ def p_value(statistic: float, null_stats: np.ndarray) -> float:
     return float((1 + np.count_nonzero(null_stats >= statistic)) / (1 + len(null_stats)))
 
 
+def p_floor(null_items: int, run_items: int) -> float:
+    """The smallest p-value a run of `run_items` responses can honestly have against a null of `null_items`: 1 over
+    1 + the number of distinct runs the null can make (multisets of `run_items` of its responses). Resampling draws
+    more runs than that, but not a tail the null never showed: a run of one response against 10 honest ones is beyond
+    them all with probability 1/11 when it is honest, whatever the draws say."""
+    if null_items < 1:
+        return 1.0
+    log_runs = math.lgamma(null_items + run_items) - math.lgamma(run_items + 1) - math.lgamma(null_items)
+    return 0.0 if log_runs > 700 else 1.0 / (1 + round(math.exp(log_runs)))
+
+
 @dataclass(frozen=True)
 class Decision:
     """A run tested against the honest null at false-positive rate `alpha`."""
 
     statistic: float  # the run's mean score per token
     interval: tuple[float, float]  # its 95% interval over the run's items
-    threshold: float  # flagged iff statistic > threshold
-    p_value: float  # empirical, +1-corrected, against null runs of the same number of tokens
+    threshold: float  # flagged iff statistic > threshold (and the null can reach alpha: `reachable`)
+    p_value: float  # empirical, +1-corrected, against null runs of the same number of tokens, at least `p_floor`
     flagged: bool
     alpha: float
     tokens: int  # tokens in the run
@@ -165,30 +206,33 @@ class Decision:
     tokens_needed: int | None  # the fewest leading items' tokens from which every longer prefix is flagged
     null_items: int
     null_tokens: int
+    reachable: bool = True  # p_floor(null items, run items) <= alpha: the null can flag a run of this size at all
 
 
 def decide(run: Items, null: Items, alpha: float = ALPHA, n_draws: int = DRAWS, seed: int = 0,
            needed: bool = True) -> Decision:
     """Test `run` (a served run's per-token scores) against `null` (the honest variants' items on other prompts):
-    the null runs are `pooled_statistics` of the null at the run's token count. `tokens_needed` (with `needed`) looks
+    the null runs are `null_statistics` of the null at the run's token count. `tokens_needed` (with `needed`) looks
     at the run's prefixes of whole items, in order, one null per prefix; the decision itself is made on the whole
     run only."""
     _order_index(n_draws, alpha)
     stat = run_statistic(run)
-    null_stats = pooled_statistics(null, run.tokens, n_draws, seed)
-    p = p_value(stat, null_stats)
+    null_stats = null_statistics(null, run.tokens, n_draws, seed, alpha)
+    floor = p_floor(len(null), len(run))
+    p = max(p_value(stat, null_stats), floor)
     flagged = p <= alpha
     tokens_needed = None
     if flagged and needed:
         tokens_needed = run.tokens
         for k in range(len(run) - 1, 0, -1):
             prefix = run.head(k)
-            if p_value(run_statistic(prefix), pooled_statistics(null, prefix.tokens, n_draws, seed + k)) > alpha:
+            if max(p_value(run_statistic(prefix), null_statistics(null, prefix.tokens, n_draws, seed + k, alpha)),
+                   p_floor(len(null), k)) > alpha:
                 break
             tokens_needed = prefix.tokens
     return Decision(statistic=stat, interval=item_interval(run, seed=seed), threshold=threshold(null_stats, alpha),
                     p_value=p, flagged=flagged, alpha=alpha, tokens=run.tokens, items=len(run),
-                    tokens_needed=tokens_needed, null_items=len(null), null_tokens=null.tokens)
+                    tokens_needed=tokens_needed, null_items=len(null), null_tokens=null.tokens, reachable=floor <= alpha)
 
 
 def auc(positive: np.ndarray, negative: np.ndarray) -> float:

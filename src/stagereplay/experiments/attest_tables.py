@@ -17,39 +17,83 @@ def _g(x: float) -> str:
     return f"{x:.4g}"
 
 
+WORDS = {"consistent": "consistent", "flagged": "not consistent", "inconclusive": "inconclusive"}
+
+
 def decision_line(s: AttestSummary) -> str:
     """The decision in words, with its numbers."""
-    word = "not consistent" if s.flagged else "consistent"
     needed = f"; flagged from {s.tokens_needed} tokens" if s.tokens_needed is not None else ""
-    near = f"; nearest honest variant {s.nearest[0][0]}" if s.nearest else ""
-    return (f"{s.checkpoint}: {word} with the claimed model ({s.claim}) at a {s.alpha:g} false-positive rate: mean "
-            f"{s.score} {_g(s.statistic)} [{_g(s.interval[0])}, {_g(s.interval[1])}] vs threshold {_g(s.threshold)}, "
-            f"p = {_g(s.p_value)}, over {s.tokens} tokens of {s.items} responses{needed}{near}")
+    tests = "; ".join(
+        f"mean {t.score} {_g(t.statistic)} [{_g(t.interval[0])}, {_g(t.interval[1])}] vs threshold {_g(t.threshold)}"
+        f" (p = {_g(t.p_value)} against honest@{t.nearest.removeprefix('honest@')}, {_distance(t.distance)})"
+        for t in s.tests)
+    judged = "" if s.logprobs_used or s.source == "generated" else "; judged on tokens alone (no log-probability for " \
+                                                                    "every served token)"
+    return (f"{s.checkpoint}: {WORDS[s.outcome]} with the claimed model ({s.claim}, served by {s.claim_engine}) at a "
+            f"{s.alpha:g} false-positive rate: {tests}, over {s.tokens} tokens of {s.items} responses{needed}"
+            f"{judged}; {near_words(s)}")
+
+
+def _distance(z: float | None) -> str:
+    return "beyond a point-mass null" if z is None else f"{z:+.1f} null sd from honest"
+
+
+def near_words(s: AttestSummary) -> str:
+    """The honest variants by the distance of their statistic from the served run's, or that none is near."""
+    if s.beyond_honest:
+        return f"beyond every honest variant ({_distance(s.tests[0].distance)})"
+    if not s.nearest:
+        return "no honest variant"
+    name, d = s.nearest[0]
+    return f"nearest honest variant {name} (its mean {s.score} {_g(d)} away)"
+
+
+def heldout_words(s: AttestSummary) -> str:
+    """The honest false-positive rate by prompt, with its interval (or that the check could not fire)."""
+    if not s.heldout_reachable:
+        return (f"honest held-out responses not checked: one response against {len(s.calibration)} calibration "
+                f"prompts cannot reach the level (pass more prompts)")
+    lo, hi = s.heldout_interval
+    return (f"honest held-out responses flagged {s.heldout_rate:.1%} by prompt [{lo:.3f}, {hi:.3f}] over "
+            f"{s.heldout_prompts} prompts ({k_of_n(*s.honest_fpr)} responses)")
 
 
 def attest_tables(s: AttestSummary) -> list[Table]:
-    """The decision, and each side's statistic with Token-DiFR's match rate beside it."""
-    lo, hi = s.honest_fpr_interval
+    """The decision, each test, the evidence behind a "No", and each side's statistic with Token-DiFR's match rate."""
     decision = Table(
         f"table-attest-{slug(s.checkpoint)}", f"Is the server running the claimed model? ({s.checkpoint})",
         ("quantity", "value"), as_rows([
-            ["served", s.served], ["claim", s.claim], ["reference", f"one-shot prefill at {s.reference_precision}"],
-            ["decision", "flagged: not the claimed model" if s.flagged else "consistent with the claimed model"],
-            ["p-value", _g(s.p_value)], ["alpha", f"{s.alpha:g}"],
-            [f"mean {s.score} [95% over responses]", f"{_g(s.statistic)} [{_g(s.interval[0])}, {_g(s.interval[1])}]"],
-            ["threshold", _g(s.threshold)], ["tokens (responses)", f"{s.tokens} ({s.items})"],
+            ["served", s.served], ["claim", f"{s.claim}, served by {s.claim_engine}"],
+            ["reference", f"one-shot prefill at {s.reference_precision}"],
+            ["decision", {"flagged": "flagged: not the claimed model", "consistent": "consistent with the claimed "
+                          "model", "inconclusive": "inconclusive: the null cannot support the level"}[s.outcome]],
+            *[["why inconclusive", f"{b.reason}; {b.fix}"] for b in s.blockers],
+            ["alpha", f"{s.alpha:g}"], ["tokens (responses)", f"{s.tokens} ({s.items})"],
             ["tokens needed", NA if s.tokens_needed is None else str(s.tokens_needed)],
             [f"tokens for {POWER:.0%} power", power_words(s)],
-            ["null", f"{s.null_items} honest responses, {s.null_tokens} tokens ({len(s.calibration)} prompts)"],
-            ["nearest honest variant", ", ".join(f"{n} ({_g(d)})" for n, d in s.nearest[:3]) or NA],
-            ["honest held-out flagged", f"{k_of_n(*s.honest_fpr)} [{lo:.3f}, {hi:.3f}]"],
+            ["null", f"{s.null_items} honest responses, {s.null_tokens} tokens ({len(s.calibration)} prompts), on "
+                     f"{', '.join(s.null_engines)}"],
+            ["log-probabilities", "tested (log-prob gap)" if s.logprobs_used else "not tested: judged on tokens alone"],
+            ["honest variants by distance from the served run", near_words(s) if s.beyond_honest else
+             ", ".join(f"{n} ({_g(d)})" for n, d in s.nearest[:3]) or NA],
+            ["honest held-out flagged, by prompt", heldout_words(s)],
+            *([["the server samples?", s.samples]] if s.samples else []),
             ["prompts the claimed tokenizer would not make", NA if s.prompts_not_reencoded is None else
              k_of_n(len(s.prompts_not_reencoded), s.items)],
             ["Token-DiFR exact_match_rate", f"{s.difr.get('exact_match_rate', 0.0):.4f}"],
             ["Token-DiFR avg_margin", _g(s.difr.get("avg_margin", 0.0))],
             ["Token-DiFR avg_prob", _g(s.difr.get("avg_prob", 0.0))]]),
-        note="The statistic is the mean per-token score over the served tokens; the null is the claimed model's own "
-             "honest variants on the calibration prompts, resampled by whole responses.")
+        note="Each statistic is a mean per-token score over the served tokens, tested at its share of alpha; the null "
+             "is the claimed model's own honest variants on the calibration prompts, resampled by whole responses.")
+    tests = Table(
+        f"table-attest-tests-{slug(s.checkpoint)}", f"Each statistic against the honest null ({s.checkpoint})",
+        ("test", "score", "alpha", "served [95%]", "nearest null", "threshold", "p", "honest median (sd)", "distance",
+         "flagged"),
+        as_rows([[t.name, t.score, f"{t.alpha:g}", f"{_g(t.statistic)} [{_g(t.interval[0])}, {_g(t.interval[1])}]",
+                  t.nearest,
+                  _g(t.threshold), _g(t.p_value), f"{_g(t.null_center)} ({_g(t.null_spread)})"
+                  + (", a point mass" if t.point_mass else ""), _distance(t.distance), "yes" if t.flagged else "no"]
+                 for t in s.tests]))
     sides = Table(
         f"table-attest-sides-{slug(s.checkpoint)}", f"Served and honest responses, scored by the reference "
         f"({s.checkpoint})", ("side", "responses", "tokens", f"mean {s.score} [95%]", "match rate",
@@ -57,21 +101,36 @@ def attest_tables(s: AttestSummary) -> list[Table]:
         as_rows([[v.name, str(v.items), str(v.tokens), f"{_g(v.statistic)} [{_g(v.interval[0])}, {_g(v.interval[1])}]",
                   f"{v.match_rate:.4f}", NA if v.heldout is None else k_of_n(v.flagged or 0, v.heldout)]
                  for v in s.variants]))
-    return [decision, sides]
+    out = [decision, tests]
+    if s.evidence and s.outcome != "consistent":
+        out.append(Table(
+            f"table-attest-evidence-{slug(s.checkpoint)}", f"The served tokens that weigh most ({s.checkpoint})",
+            ("item", "position", "served token", "reference argmax", s.score, "served log-prob",
+             "reference log-prob"),
+            as_rows([[e.item, str(e.position), str(e.served), NA if e.argmax is None else str(e.argmax), _g(e.score),
+                      NA if e.served_logprob is None else _g(e.served_logprob), _g(e.reference_logprob)]
+                     for e in s.evidence])))
+    return [*out, sides]
 
 
 def _said(facts: Sequence[Fact]) -> str:
-    head = "yes, consistent with it" if all(f.holds for f in facts if f.holds is not None) else "no, not as claimed"
-    return f"{head}: " + "; ".join(f.phrase for f in facts) + "."
+    return "; ".join(f.phrase for f in facts) + "."
+
+
+def _answer(s: AttestSummary) -> str:
+    return {"consistent": "yes, consistent with it", "flagged": "no, not as claimed",
+            "inconclusive": "inconclusive, neither consistent nor flagged"}[s.outcome]
 
 
 ATTESTED = Question("server runs the claimed model", "Is the server running the claimed model?", _said, alone=True)
 
 
 def attest_verdict(s: AttestSummary) -> list[Fact]:
-    lo, hi = s.honest_fpr_interval
-    facts = [Fact(ATTESTED, f"{decision_line(s)}; honest held-out responses flagged {k_of_n(*s.honest_fpr)} "
-                            f"[{lo:.3f}, {hi:.3f}]", holds=not s.flagged)]
+    why = "".join(f"; inconclusive because {b.reason} ({b.fix})" for b in s.blockers)
+    facts = [Fact(ATTESTED, f"{_answer(s)}: {decision_line(s)}; {heldout_words(s)}{why}",
+                  holds=None if s.outcome == "inconclusive" else s.outcome == "consistent")]
+    if s.samples:
+        facts.append(Fact(ATTESTED, s.samples))
     if s.prompts_not_reencoded:
         facts.append(Fact(ATTESTED, f"{k_of_n(len(s.prompts_not_reencoded), s.items)} served prompts are not what the "
                                     "claimed model's tokenizer makes of their text (first: item "

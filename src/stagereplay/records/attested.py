@@ -44,6 +44,7 @@ class AttestSide(PayloadModel):
     prob: str = Field(description="per token, its probability under the claimed sampler: f32")
     gumbel_match: str | None = optional("a seeded sampled claim: per token, 1 where vLLM's sampler replayed picks it")
     gumbel_margin: str | None = optional("a seeded sampled claim: per token, the Gumbel-max margin (inf: removed)")
+    argmax: str | None = optional("per token, the reference's own greedy pick (its argmax): i32")
     scores_fp: str = Field(description="sha256 over the encoded score arrays, in field order")
 
 
@@ -63,8 +64,9 @@ class AttestPayload(PayloadModel):
     stop: str | None = optional("a decoded or server's response: eos or length")
     prompt_roundtrip: bool | None = optional("a file's served part: whether the claimed tokenizer encodes the "
                                              "prompt's text back to the same IDs (false: a prompt it would not make)")
-    logprobs: str | None = optional("a server's served part: per token, the log-probability the server gave it (its "
-                                    "raw distribution): f32, where it gave one for every token")
+    logprobs: str | None = optional("a decoded or server's response: per token, the log-probability its decoder gave "
+                                    "it (its raw distribution, log-softmax of its logits): f32; a server's where it "
+                                    "gave one for every token")
     arms: list[AttestSide] = Field(default_factory=list, description="part reference: the served response and each "
                                    "honest one, scored (absent elsewhere)")
 
