@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from stagereplay.errors import StageReplayError
+from stagereplay.tasks.rollout_fields import ROLLOUTS, SERVED, FileKind
 
 
 class Source(ABC):
@@ -77,28 +78,28 @@ class RolloutFile(Source):
     """A rollout file: each row a prompt, the response an engine sampled and its log-probabilities."""
 
     name: ClassVar[str] = "rollouts"
-    logprobs: ClassVar[bool] = True
-    """Whether every row must give its log-probabilities."""
+    kind: ClassVar[FileKind] = ROLLOUTS
+    """What its command calls the file, and whether every row must give its log-probabilities."""
 
     def check_columns(self, columns: str | None) -> None:
         from stagereplay.tasks.rollouts import mapping
 
-        mapping(columns)
+        mapping(columns, self.kind)
 
     def load(self, path: str | None, n: int | None, columns: str | None, tokenizer: Any, context: int | None
              ) -> tuple[list[Any], str]:
         from stagereplay.tasks.rollouts import scan
 
         if path is None:
-            raise StageReplayError("a rollout file's run names no file", "pass --rollouts FILE")
+            raise StageReplayError(f"this run's {self.kind.name} is not named", f"pass {self.kind.option} FILE")
         vocab = max(len(tokenizer), int(getattr(tokenizer, "vocab_size", 0) or 0))
-        found, data_hash = scan(path, columns, vocab, context or 1 << 31, n, self.logprobs)
+        found, data_hash = scan(path, columns, vocab, context or 1 << 31, n, self.kind)
         return list(found), data_hash
 
     def at(self, spec: str, columns: str | None) -> tuple[list[Any], str] | None:
         from stagereplay.tasks.rollouts import scan
 
-        return scan(spec, columns, 1 << 31, 1 << 31, logprobs=self.logprobs) if Path(spec).is_file() else None
+        return scan(spec, columns, 1 << 31, 1 << 31, kind=self.kind) if Path(spec).is_file() else None
 
 
 class ServedFile(RolloutFile):
@@ -106,7 +107,7 @@ class ServedFile(RolloutFile):
     log-probabilities."""
 
     name: ClassVar[str] = "served"
-    logprobs: ClassVar[bool] = False
+    kind: ClassVar[FileKind] = SERVED
 
 
 SOURCES: dict[str, Source] = {s.name: s for s in (Prompts(), RolloutFile(), ServedFile())}
