@@ -27,6 +27,7 @@ frameworks read (`experiments.mismatch_stats`, under verl's names).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -40,8 +41,15 @@ from stagereplay.errors import StageReplayError
 from stagereplay.experiments.experiment import RESPONSE_IGNORES, Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
-from stagereplay.experiments.jobs import Job
-from stagereplay.experiments.mismatch_item import MicroBatch, MismatchParams, Source, mismatch_item, outcome
+from stagereplay.experiments.jobs import Job, ReplaySettings
+from stagereplay.experiments.mismatch_item import (
+    MicroBatch,
+    MismatchParams,
+    Source,
+    mismatch_item,
+    outcome,
+    row_decode,
+)
 from stagereplay.experiments.mismatch_summary import MismatchSummary
 from stagereplay.experiments.verdict import Fact
 from stagereplay.records import arrays
@@ -69,8 +77,9 @@ class MismatchOptions:
 
     rollouts: str | None = field(default=None, metadata={"help": (
         "a rollout file to audit instead of generating rollouts: JSONL or Parquet rows of prompt_ids, response_ids and "
-        "the rollout engine's logprobs (map other names with --columns prompt_ids=COL,response_ids=COL,logprobs=COL,"
-        "id=COL)")})
+        "the rollout engine's logprobs, optionally an id and the row's temperature, top_p, top_k and seed (every side "
+        "scores a row under its own; map other names with --columns prompt_ids=COL,response_ids=COL,logprobs=COL,"
+        "id=COL,temperature=COL,...)")})
     precisions: tuple[str, ...] = field(default=("bf16", "fp32"), metadata={"help": (
         "the trainer's precisions: bf16, fp32, fp16, bf16-fp32-head (bf16 with the LM head in fp32)")})
     mode: Mode = field(default="raw", metadata={"flag": "--logprobs-mode", "help": (
@@ -163,7 +172,8 @@ class Mismatch(Experiment):
         "input.data": ("prompts to roll out: a JSONL, JSON, CSV or Parquet file, a datasets.save_to_disk folder, or "
                        "hf:NAME[:CONFIG][:SPLIT] (default: the toy task's held-out items); a rollout file: --rollouts"),
         "input.columns": ("map the data's fields: TARGET=COLUMN,... With --rollouts, TARGET prompt_ids, response_ids, "
-                          "logprobs or id; with --data, prompt, messages, user (a one-message chat) or id"),
+                          "logprobs, id, temperature, top_p, top_k or seed; with --data, prompt, messages, user (a "
+                          "one-message chat) or id"),
         "input.n": "roll out (or read) the first N items",
     }
     """What a mismatch run does with the inputs it takes: rollouts of a response, or a file of them."""
@@ -191,7 +201,8 @@ class Mismatch(Experiment):
 
     def check_inputs(self, inputs: Any, options: MismatchOptions) -> None:
         """A rollout file holds its responses and says how they were sampled: decoding options are refused with it,
-        not ignored."""
+        not ignored; processed log-probabilities of a greedy row (temperature 0) are refused, as it has no warped
+        distribution to take them from."""
         if options.rollouts is None:
             return
         given = [f"--{f.replace('_', '-')}" for f in ("max_new_tokens", "sample", "temperature", "top_k", "top_p", "seed")
@@ -200,6 +211,15 @@ class Mismatch(Experiment):
             raise StageReplayError(f"{', '.join(given)} decode nothing with --rollouts: the file holds the responses "
                                    "and how they were sampled", f"drop {', '.join(given)}, or generate the rollouts "
                                    "without --rollouts")
+        if options.mode == "processed":
+            from stagereplay.tasks.rollouts import scan
+
+            rows, _ = scan(options.rollouts, inputs.input.columns, 1 << 31, 1 << 31, inputs.input.n)
+            greedy = next((r for r in rows if r.sampling.get("temperature") == 0), None)
+            if greedy is not None:
+                raise StageReplayError(f"{greedy.where}: temperature is 0 (greedy), which has no processed "
+                                       "distribution to score the row under",
+                                       "score the file with --logprobs-mode raw, or drop its greedy rows")
 
     def check(self, model: ModelConfig, options: MismatchOptions) -> None:
         if model.batch > 1:
@@ -229,8 +249,15 @@ class Mismatch(Experiment):
             recorded = main_records(run, prepared.checkpoint)
             yield Batch(trainer_model(prepared.model, p), [
                 Job(item, prepared.settings, MismatchParams(p, own.mode, own.source, prompt=tuple(r.prompt_ids or ()),
-                                                            response=tuple(r.response_ids or ()), batch=own.batch()))
+                                                            response=tuple(r.response_ids or ()), batch=own.batch(),
+                                                            decode=self._row_decode(own, prepared.settings, r.sampling)))
                 for item in prepared.items if item.id in ids and (r := recorded.get(item.id)) is not None])
+
+    def _row_decode(self, own: MismatchStage, settings: ReplaySettings, sampling: Mapping[str, Any] | None
+                    ) -> DecodeConfig | None:
+        """The decode a trainer part scores a rollout file's row under: the row's sampling as its rollout part
+        recorded it (`row_decode`); None for a generated rollout (the run's)."""
+        return row_decode(settings.decode, sampling) if own.source == "file" else None
 
     def unit_positions(self, record: Record) -> int:
         arms = PAYLOAD.validate_python(record.payload).arms
@@ -293,7 +320,8 @@ class Mismatch(Experiment):
         if part:
             main = replay.matched or {}
             params = MismatchParams(part, own.mode, own.source, prompt=tuple(main.get("prompt_ids") or ()),
-                                    response=tuple(main.get("response_ids") or ()), batch=own.batch())
+                                    response=tuple(main.get("response_ids") or ()), batch=own.batch(),
+                                    decode=self._row_decode(own, replay.settings, main.get("sampling")))
         return Job(replay.item, replay.settings, params)
 
     def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
