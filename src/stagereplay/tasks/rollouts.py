@@ -175,8 +175,8 @@ def _parse(raw: Any, where: str, fields: dict[str, str], vocab: int, kind: FileK
 
 def scan(path: str | Path, columns: str | None, vocab: int, context: int, n: int | None = None,
          kind: FileKind = ROLLOUTS) -> tuple[list[RolloutItem], str]:
-    """Every row checked (module docstring), the first `n` kept as items; and the file's hash. Refusals speak of the
-    file as `kind` says."""
+    """The rows checked (module docstring) and kept as items, the first `n` of them (every row without `n`), and the
+    file's hash. Refusals speak of the file as `kind` says."""
     p = Path(path)
     if not p.is_file():
         raise StageReplayError(f"{kind.name} not found: {p}", f"pass {kind.option} FILE (JSONL or Parquet)")
