@@ -43,7 +43,7 @@ def compared(records: tuple[list[Record], list[Record]], item_ids: Sequence[str]
     same = sum(served[0][i] == served[1][i] for i in shared)
     c = AttestComparison(runs=runs, checkpoint=checkpoint, items=len(shared), same_tokens=same, decisions=sections)
     a, b = sections
-    rows = [["served", a.served, b.served], ["decision", *("flagged" if s.flagged else "consistent" for s in sections)],
+    rows = [["served", a.served, b.served], ["decision", *(s.outcome for s in sections)],
             ["p-value", f"{a.p_value:.4g}", f"{b.p_value:.4g}"],
             [f"mean {a.score}", f"{a.statistic:.4g}", f"{b.statistic:.4g}"],
             ["tokens needed", str(a.tokens_needed or "-"), str(b.tokens_needed or "-")],
