@@ -1,10 +1,12 @@
-"""The typer app every command registers on, the one-line handling of bad input that every command shares, and
-where the library's log lines go in a command."""
+"""The typer app every command registers on, what every command's exit code means (`stagereplay.errors`: bad input
+one line and `REFUSED`, a crash its traceback and `FAILED`, never a verdict), and where the library's log lines go in a
+command."""
 
 from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -12,11 +14,18 @@ import typer
 from typer.core import TyperGroup
 
 try:  # typer vendors click (0.2x on): its parser raises the vendored exceptions
-    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # an older typer on the real click
-    from click.exceptions import NoArgsIsHelpError, UsageError  # type: ignore[assignment]  # same names, older home
+    from click.exceptions import (  # type: ignore[assignment]  # same names, older home
+        ClickException,
+        NoArgsIsHelpError,
+        UsageError,
+    )
 
-from stagereplay.errors import StageReplayError
+from stagereplay.errors import FAILED, REFUSED, StageReplayError
+
+INTERRUPTED = 130
+"""A command stopped by Ctrl-C (SIGINT) exits 128 + 2, as a shell reports it: neither a verdict nor a crash."""
 
 COMMANDS: list[Callable[[], Mapping[str, tuple[Callable[..., Any], str | None]]]] = []
 """Sources of commands made when the command line is read (`cli.experiments`: one per registered experiment), each
@@ -24,9 +33,10 @@ giving {name: (the command's function, its help)}: a command registered after im
 
 
 class OneLineErrors(TyperGroup):
-    """Click's usage errors (a value of the wrong type, a missing or unknown option or command) as the one
-    `error: <problem>; <fix>` line and exit code 2 of every other bad input, not a usage box; and the commands
-    `COMMANDS` make, listed first."""
+    """Every command's exit: click's usage errors (a value of the wrong type, a missing or unknown option or command)
+    as the one `error: <problem>; <fix>` line and exit code 2 of every other bad input, not a usage box; an exception
+    a command did not answer as its traceback, one line saying it is a bug, and `FAILED`; Ctrl-C as `INTERRUPTED`.
+    And the commands `COMMANDS` make, listed first."""
 
     def list_commands(self, ctx: Any) -> list[str]:
         made = [name for source in COMMANDS for name in source()]
@@ -53,7 +63,50 @@ class OneLineErrors(TyperGroup):
             where = exc.ctx.command_path if exc.ctx else ctx.command_path
             problem = " ".join(exc.format_message().split())
             typer.echo(f"error: {problem.rstrip('.')}; see `{where} --help`", err=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(REFUSED) from None
+        except typer.Exit:
+            raise
+        except Exception as exc:
+            raise typer.Exit(exit_code_of(exc)) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(INTERRUPTED) from None
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """Click's main, with what escapes it before a command runs (while the command line is read, `--help` listing
+        the commands) answered as a command's failure is: the console script and `CliRunner` both come through
+        here."""
+        try:
+            return super().main(*args, **kwargs)
+        except (typer.Exit, typer.Abort, ClickException):
+            raise  # outside standalone mode: the caller's to handle
+        except Exception as exc:
+            if not kwargs.get("standalone_mode", True):
+                raise
+            sys.exit(exit_code_of(exc))
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code of a command that raised `exc`, its line said on stderr: bad input (`StageReplayError`, click's
+    own errors) is one line; an abort, or any other exception with its traceback, is `FAILED`, never a verdict (an
+    uncaught exception would otherwise exit 1, which is `FLAGGED`)."""
+    if isinstance(exc, StageReplayError):
+        typer.echo(f"error: {exc}", err=True)
+        return exc.exit_code
+    if isinstance(exc, ClickException):  # a click error that is not a usage error (a file it could not open)
+        typer.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
+        return REFUSED
+    if isinstance(exc, typer.Abort):
+        typer.echo("error: aborted", err=True)
+        return FAILED
+    if isinstance(exc, BrokenPipeError):  # `stagereplay ... | head`: what it said was not all read
+        typer.echo("error: the output was closed before the command finished (broken pipe)", err=True)
+        return FAILED
+    sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    first = (str(exc).strip().splitlines() or [""])[0]
+    typer.echo(f"error: internal failure ({type(exc).__name__}{': ' + first if first else ''}); a bug in stagereplay, "
+               "not a verdict: please report it with the traceback above", err=True)
+    return FAILED
 
 
 class _Stderr(logging.StreamHandler):
@@ -139,7 +192,8 @@ T = TypeVar("T")
 
 
 def guarded(fn: Callable[[], T]) -> T:
-    """Bad input -> one line on stderr naming the problem and the fix, exit code 2."""
+    """Bad input -> one line on stderr naming the problem and the fix, exit code 2 (`REFUSED`); anything else a
+    command raises is `OneLineErrors`'s to answer (`exit_code_of`)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*TypedStorage.*")
