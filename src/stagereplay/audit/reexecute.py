@@ -18,7 +18,7 @@ from typing import Any, TypedDict
 
 from stagereplay.audit.versions import as_recorded
 from stagereplay.engine.model import ModelConfig
-from stagereplay.errors import StageReplayError
+from stagereplay.errors import FLAGGED, INCONCLUSIVE, OK, StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.experiment import Replay
 from stagereplay.experiments.jobs import Job, Params
@@ -38,6 +38,7 @@ from stagereplay.records.payloads import PayloadModel
 from stagereplay.records.provenance import environment, model_hashes
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.records.summary import Count
+from stagereplay.report.audit_lines import re_executed
 from stagereplay.report.results import build_results, comparable_results
 from stagereplay.serving.runs import stage_engine
 from stagereplay.tasks import DataConfig, Item, load_items
@@ -152,10 +153,13 @@ def input_findings(manifest: Manifest, data_hash: str, item_ids: list[str],
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """What the audit re-executes: every unit, or a seeded sample of `sample` units per stage (after the
-    model-free checks have covered every record)."""
+    """What the audit re-executes: every unit, or a seeded sample of `sample` units per stage and part (after the
+    model-free checks have covered every record). A stage's parts (a 2x2's precisions, attest's served run, honest
+    variants and reference) are sampled apart, as `plan` rows them: a sample of 1 re-executes one unit of each."""
 
-    sample: int | None = field(default=None, metadata={"help": "units re-executed per stage (None: all)"})
+    sample: int | None = field(default=None, metadata={
+        "help": "units re-executed per stage and part (a precision, an honest variant: each a row of `plan`); "
+                "default: every unit"})
     seed: int = field(default=0, metadata={"help": "seed of the sample"})
 
     def __post_init__(self) -> None:
@@ -165,15 +169,18 @@ class AuditConfig:
 
 
 def sample_units(groups: dict[str, list[Record]], config: AuditConfig) -> dict[str, list[Record]]:
-    """A seeded sample of `config.sample` records per stage, drawn from the stage's records in ledger order
-    (one `random.Random(seed)` per stage, seeded by the stage's name, so adding a stage moves no other
-    stage's sample)."""
+    """Per stage, a seeded sample of `config.sample` of its records of each part, drawn from the part's records in
+    ledger order (one `random.Random` per stage and part, seeded by their names, so adding a stage or a part moves
+    no other's sample), kept in ledger order."""
     if config.sample is None:
         return groups
     out = {}
     for name, records in groups.items():
-        rng = random.Random(f"{config.seed}:{name}")
-        picked = set(rng.sample(range(len(records)), min(config.sample, len(records))))
+        picked: set[int] = set()
+        for part in dict.fromkeys(r.part for r in records):
+            mine = [k for k, r in enumerate(records) if r.part == part]
+            rng = random.Random(f"{config.seed}:{name}" + (f"@{part}" if part else ""))
+            picked |= {mine[k] for k in rng.sample(range(len(mine)), min(config.sample, len(mine)))}
         out[name] = [r for k, r in enumerate(records) if k in picked]
     return out
 
@@ -226,12 +233,28 @@ def audit_run(run_dir: Path, manifest: Manifest, records: list[Record], ex: Exec
     chosen = sample_units(_declared(stages, manifest.config, records), config)
     _reexecute(chosen, stages, records, by_id, ex, quiet, binds(manifest), other, tally)
     again_records = [tally.again.get(r.seq, r) for r in records]  # a sample: the rest as recorded
-    recorded, rebuilt = (comparable_results(build_results(run_dir, manifest, rs).as_json())
-                         for rs in (records, again_records))
-    kind: FindingKind = "not_reproduced_here" if tally.elsewhere else "integrity"
-    tally.mismatches += [Finding(what=f"results {f} is not what the re-executed records give", kind=kind)
-                         for f in diff_fields(recorded, rebuilt, lists=True)]
+    tally.mismatches += _results_findings(run_dir, manifest, records, again_records, tally)
     return _summary(records, checked, tally, env_summary, chosen, config, relocated)
+
+
+def _results_findings(run_dir: Path, manifest: Manifest, records: list[Record], again: list[Record],
+                      tally: _Tally) -> list[Finding]:
+    """The results the re-executed records give against those the recorded ones give. Records their experiment
+    cannot summarize are verify's finding (`verify.summary_findings`), so no results are compared from them; results
+    the re-executed records cannot make are this one's."""
+    from stagereplay.audit.verify import MALFORMED, one_line
+
+    try:
+        recorded = comparable_results(build_results(run_dir, manifest, records).as_json())
+    except MALFORMED:
+        return []
+    kind: FindingKind = "not_reproduced_here" if tally.elsewhere else "integrity"
+    try:
+        rebuilt = comparable_results(build_results(run_dir, manifest, again).as_json())
+    except MALFORMED as exc:
+        return [Finding(what=f"the re-executed records cannot be summarized ({one_line(exc)})", kind=kind)]
+    return [Finding(what=f"results {f} is not what the re-executed records give", kind=kind)
+            for f in diff_fields(recorded, rebuilt, lists=True)]
 
 
 def _other_kernels(run_dir: Path, manifest: Manifest, stages: Mapping[str, StageSection], records: list[Record]
@@ -379,17 +402,16 @@ def _summary(records: list[Record], checked: AuditSummary, tally: _Tally, env_su
         reproduced=not findings and not broken, **optional)
 
 
-EXIT_INTEGRITY, EXIT_NOT_REPRODUCED_HERE = 1, 3
-"""`stagereplay audit` exits 0 when every record is reproduced, 1 on any integrity finding (tampering or a
-broken run, whatever the machine), 3 when integrity holds but some units were not reproduced under this
-machine's other kernels."""
-
-
 def exit_code(summary: AuditSummary) -> int:
-    if summary.reproduced:
-        return 0
-    integrity = summary.integrity_ok or False  # an older audit.json, or verify-only: no split
-    return EXIT_NOT_REPRODUCED_HERE if integrity else EXIT_INTEGRITY
+    """`stagereplay audit`'s exit: OK when every record re-executed (and verified) reproduced; FLAGGED on any
+    integrity finding (tampering or a broken run, whatever the machine); INCONCLUSIVE when integrity holds but some
+    units were not reproduced under this machine's other kernels, or when it checked nothing (no record verified,
+    none re-executed): a check of nothing is not a pass."""
+    if not summary.reproduced:
+        integrity = summary.integrity_ok or False  # an older audit.json, or verify-only: no split
+        return INCONCLUSIVE if integrity else FLAGGED
+    checked = summary.records if summary.verify_only else re_executed(summary)
+    return INCONCLUSIVE if checked == 0 else OK
 
 
 def _collapse_diagnostics(item_id: str, bad: list[str]) -> list[str]:

@@ -6,6 +6,9 @@
     claims        every field that follows from other recorded fields follows: comparisons from their arms,
                   labels from the scorer, fingerprints from token IDs, transplant outcomes from the arms,
                   a transplant selection from its rule, results.json from the ledger
+    summary       each stage's records summarize as its experiment summarizes them (what results.json and the
+                  report are made of): a record its summary cannot read (a score array one short of its tokens)
+                  is named
 
 What needs the model (token IDs and cache fingerprints themselves) is the re-executing audit's part.
 A finding (`records.findings.Finding`) names the item, the stage and the field; a chain break (`Break`) the line.
@@ -25,6 +28,7 @@ from pydantic import ValidationError
 from stagereplay.audit.versions import claimed, derived_comparison
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.experiments import registry
+from stagereplay.experiments.experiment import Experiment
 from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.findings import Break, Finding
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record
@@ -88,20 +92,65 @@ def verify_run(run_dir: Path, manifest: Manifest, stored_results: bool = True) -
             if stage is not None:
                 findings += _guarded(r.item_id, stage_name(r), partial(
                     claim_findings, r, stage, matched.get((r.checkpoint, r.item_id)), binds(manifest)))
-        if stored_results:
+        unsummarized = summary_findings(manifest, records)
+        findings += unsummarized
+        if stored_results and not unsummarized:
             findings += _guarded("", "results.json", lambda: results_findings(run_dir, manifest, records))
-    return AuditSummary(chain_ok=not broken, broken_records=broken, findings=findings,
-                        notes=[] if binds(manifest) else [SCHEMA_1_NOTE], reproduced=not broken and not findings,
-                        verify_only=True)
+    return AuditSummary(items=len({r.item_id for r in records}), records=len(records), chain_ok=not broken,
+                        broken_records=broken, findings=findings, notes=[] if binds(manifest) else [SCHEMA_1_NOTE],
+                        reproduced=not broken and not findings, verify_only=True)
+
+
+MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, StopIteration)
+"""What reading a record too malformed to check raises (a field missing, of another type, arrays of other lengths):
+a finding, never a crash of the audit. Anything else a check raises is a bug, and the command's failure."""
 
 
 def _guarded(item: str, where: str, check: Callable[[], list[Finding]]) -> list[Finding]:
-    """A check's findings; a record or manifest too malformed to check (a field missing, of another type) is
-    itself the finding, never a crash of the audit."""
+    """A check's findings; a record or manifest too malformed to check is itself the finding."""
     try:
         return check()
-    except (KeyError, TypeError, AttributeError, ValueError, IndexError, StopIteration) as exc:
-        return [Finding(item_id=item, what=f"{where}: malformed ({type(exc).__name__}: {exc})")]
+    except MALFORMED as exc:
+        return [Finding(item_id=item, what=f"{where}: malformed ({one_line(exc)})")]
+
+
+def one_line(exc: BaseException) -> str:
+    """`<type>: <the message's first line>`, as a finding quotes what a check raised."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def summary_findings(manifest: Manifest, records: list[Record]) -> list[Finding]:
+    """Each declared stage's records summarized as its experiment summarizes them (`Experiment.summarize`, what
+    results.json and the report are made of). A stage whose summary fails names the records that fail it: those
+    whose summary alone fails as the stage's does, set aside until the rest summarize; failing with none of them
+    named, the stage is the finding."""
+    findings: list[Finding] = []
+    for name, stage in manifest.stages.items():
+        experiment = registry.of_stage(name)
+        checkpoint = name.partition("/")[2]
+        left = [r for r in records if r.experiment == experiment.name and r.checkpoint == checkpoint]
+        alone: dict[int, str | None] = {}
+        while (said := _summary_fails(experiment, left, stage, checkpoint)) is not None:
+            bad = [r for r in left if alone.setdefault(r.seq, _summary_fails(experiment, [r], stage, checkpoint))
+                   == said]
+            if not bad:
+                findings.append(Finding(what=f"{name}: its records cannot be summarized ({said})"))
+                break
+            findings += [Finding(item_id=r.item_id, what=f"{name}{'@' + r.part if r.part else ''}: its summary "
+                                                         f"fails on this record ({said})") for r in bad]
+            set_aside = {r.seq for r in bad}
+            left = [r for r in left if r.seq not in set_aside]
+    return findings
+
+
+def _summary_fails(experiment: Experiment, records: list[Record], stage: StageSection, checkpoint: str) -> str | None:
+    """Why `experiment` cannot summarize `records` (None: it can)."""
+    try:
+        experiment.summarize(records, stage, checkpoint)
+    except MALFORMED as exc:
+        return one_line(exc)
+    return None
 
 
 def dataset_findings(manifest: Manifest) -> list[Finding]:

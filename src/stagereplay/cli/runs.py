@@ -15,14 +15,15 @@ from stagereplay.errors import StageReplayError
 
 
 def _audit(on: Any, config: Any, run_dir: Path, verify_only: bool, quiet: bool) -> None:
-    """Re-execute a run from its manifest and ledger. Exit 0: every record reproduced; 1: an integrity finding
-    (tampering or a broken run, whatever the machine); 3: integrity holds, but units were not reproduced
-    under this machine's other kernels (the first line names the fields that differ)."""
+    """Re-execute a run from its manifest and ledger. Exit 0: every record re-executed reproduced (and every record
+    verified); 1: an integrity finding (tampering or a broken run, whatever the machine); 3: integrity holds, but
+    units were not reproduced under this machine's other kernels (the first line names the fields that differ), or
+    nothing was re-executed or verified, which is no pass."""
 
     def go() -> None:
         from stagereplay.audit.reexecute import exit_code
         from stagereplay.records.findings import Break
-        from stagereplay.report.audit_lines import finding_lines, verdict_line
+        from stagereplay.report.audit_lines import count_line, finding_lines, verdict_line, verify_line
         from stagereplay.runs import audit as run
 
         res = run(run_dir, config, verify_only, on, quiet)
@@ -40,14 +41,9 @@ def _audit(on: Any, config: Any, run_dir: Path, verify_only: bool, quiet: bool) 
         for line in finding_lines(res):
             typer.echo(line, err=True)
         if res.verify_only:
-            typer.echo("ledger intact, bound and complete" if res.reproduced else "ledger damaged" if not
-                       res.chain_ok else "ledger intact, but its claims or completeness fail")
+            typer.echo(verify_line(res))
         else:
-            t, c, sampled = res.trajectories, res.comparisons, res.sample
-            of = f" (a sample of {sampled.re_executed} of {sampled.of} records, seed {sampled.seed})" \
-                if sampled else ""
-            typer.echo(f"trajectories reproduced {t.k}/{t.n}, comparisons reproduced {c.k}/{c.n}{of}" if t and c
-                       else "trajectories and comparisons not counted")
+            typer.echo(count_line(res))
             typer.echo(verdict_line(res))
         code = exit_code(res)
         if code:

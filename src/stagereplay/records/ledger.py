@@ -17,10 +17,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +43,8 @@ from stagereplay.records.record import (
 __all__ = ["GENESIS", "SCHEMA_VERSION", "Manifest", "Record", "Run", "StageSection", "atomic_output", "atomic_write", "canonical_json",
            "chain_problems", "diff_fields", "open_run", "parse_record", "read_ledger", "read_manifest",
            "sha256_json"]
+
+log = logging.getLogger(__name__)
 MANIFEST, LEDGER, LOCK, RESULTS = "manifest.json", "ledger.jsonl", ".lock", "results.json"
 
 
@@ -248,8 +250,7 @@ def _set_aside_torn_tail(path: Path) -> None:
         f.truncate(cut)
         f.flush()
         os.fsync(f.fileno())
-    warnings.warn(f"{ledger}: an incomplete last record was set aside in {torn.name} and will be redone",
-                  stacklevel=2)
+    log.warning(f"{ledger}: an incomplete last record was set aside in {torn.name} and will be redone")
 
 
 @contextlib.contextmanager
