@@ -51,7 +51,8 @@ def _plan_command() -> Callable[..., None]:
         0, "--workers", help="processes; 0 = one per core on CPU (at most 2)", rich_help_panel="Execution"))
     groups = [Group(Inputs, "inputs", hide=HIDDEN),
               Group(PlanConfig, "assumed", hide=frozenset({"protocol.audit_sample"}), helps={"audit_sample": (
-                  "units per stage the audit re-executes (0: every unit; default: paper's, or what RUN's audit did)")}),
+                  "units per stage and part (a precision, an honest variant) the audit re-executes (0: every unit; default: "
+                  "paper's, or what RUN's audit did)")}),
               Group(RateOptions, "rates")]
     return command(body, groups, [workers], doc="What `paper` (or the run RUN) costs: forwards, caches, weights and "
                                                 "time per stage; runs nothing.", arguments=[run_dir])

@@ -19,7 +19,6 @@ positions (`LM.cache_len`), and is priced at that length whatever the suffixes t
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,15 +91,13 @@ def proof_stages(cfg: PlanConfig, prompt: int, reach: int, context: int, setting
 
 
 def audit_stages(stages: list[StagePlan], sample: int | None) -> list[StagePlan]:
-    """Before a run: the audit re-executes every unit of every stage, or `sample` units per stage (a 2x2's two
-    precisions are one stage), scaled from the stage's mean unit; one row per precision."""
-    units: Counter[str] = Counter()
-    for s in stages:
-        units[s.name.split("@")[0]] += s.units
+    """Before a run: the audit re-executes every unit of every stage, or `sample` units per stage and part (each row
+    here: a 2x2's precisions are sampled apart, `audit.reexecute.sample_units`), scaled from the row's mean unit; one
+    row per precision."""
     out: dict[str, StagePlan] = {}
     for s in stages:
         audit = out.setdefault(s.precision, StagePlan(f"audit@{s.precision}", s.precision))
-        total = units[s.name.split("@")[0]]
+        total = s.units
         share = 1.0 if sample is None or total == 0 else min(sample, total) / total
         audit.units += round(s.units * share)
         for k, v in s.sizes.items():
@@ -136,13 +133,16 @@ def render(stages: list[StagePlan], shape: Shape, rates: Rates | None, workers: 
 
 def prompt_lengths(model: str, data: str | None, n: int, prompt_tokens: int | None) -> list[int]:
     """The prompt lengths of the first `n` items as the model's tokenizer makes them (the toy task's without
-    `data`), or `prompt_tokens` for each when given (a directory holding only config.json has no tokenizer)."""
+    `data`), or `prompt_tokens` for each when given (a directory holding only config.json has no tokenizer; a GGUF
+    file holds its own)."""
     if prompt_tokens is not None:
         return [prompt_tokens] * n
+    from stagereplay.engine.gguf import is_gguf
     from stagereplay.engine.model import load_config_and_tokenizer
     from stagereplay.tasks import DataConfig, load_items
 
-    if not any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not is_gguf(model) and not any((Path(model) / f).is_file()
+                                      for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise StageReplayError(f"no tokenizer in {model} to measure the prompts with", "pass --prompt-tokens N")
     _, tokenizer = load_config_and_tokenizer(model)
     found = load_items(DataConfig(path=str(Path(data).resolve()) if data else None, n=n), tokenizer)[0]
@@ -198,7 +198,7 @@ def plan(cfg: PlanConfig, model: str | None = None, data: str | None = None, run
         header += (f"\nassumed: {cfg.n} items, prompts {min(prompts)}-{max(prompts)} tokens, stage 1 {s1}, suffix "
                    f"{cfg.suffix}, divergent {cfg.n if cfg.divergent is None else cfg.divergent}; "
                    f"2x2 and transplants {'carry the matched arms over' if cfg.dedup else 'recompute every arm'}; audit "
-                   + (f"of {cfg.audit_sample} units per stage" if cfg.audit_sample else "of every unit"))
+                   + (f"of {cfg.audit_sample} units per stage and part" if cfg.audit_sample else "of every unit"))
     else:
         header += f"\nmeasured: the lengths recorded in {run}"
     if batch > 1:

@@ -43,22 +43,37 @@ class Shape:
 
 
 def model_shape(path: str | Path) -> Shape:
-    """The shape from config.json (no weights loaded); parameters from the safetensors headers when the
-    directory has weights, else from the config (a Qwen2/Llama-style decoder: embeddings, attention with
-    q/k/v biases when the config says so, a gated MLP, norms, an untied head unless tied)."""
+    """The shape from the model's config (no weights loaded): a folder's config.json, or a GGUF file's metadata as
+    transformers maps it (`engine.gguf`). Parameters from the tensor headers (a folder's safetensors files, a GGUF
+    file's tensor table: every tensor's elements, whatever type it is stored in, since our engine dequantizes them at
+    load), else from the config (a Qwen2/Llama-style decoder: embeddings, attention with q/k/v biases when the config
+    says so, a gated MLP, norms, an untied head unless tied)."""
+    from stagereplay.engine.gguf import is_gguf
     from stagereplay.engine.limits import model_context
-    from stagereplay.engine.model import load_checked_config
+    from stagereplay.engine.model import check_model_dir, load_checked_config
 
     p = Path(path)
-    if not (p / "config.json").is_file():
-        raise StageReplayError(f"no config.json in {p}", "pass --model a directory holding the model's config.json")
-    config = load_checked_config(p)
+    if is_gguf(p):
+        config, params = load_checked_config(check_model_dir(p)), _gguf_params(p)
+    elif not (p / "config.json").is_file():
+        raise StageReplayError(f"no config.json in {p}", "pass --model a directory holding the model's config.json, "
+                                                          "or a .gguf file")
+    else:
+        config, params = load_checked_config(p), _safetensors_params(p)
     c = config.get_text_config()
     heads = int(c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     kv = int(getattr(c, "num_key_value_heads", None) or heads)
-    params = _safetensors_params(p) or _config_params(c, heads, kv, head_dim)
+    params = params or _config_params(c, heads, kv, head_dim)
     return Shape(int(c.num_hidden_layers), kv, head_dim, params, model_context(config))
+
+
+def _gguf_params(path: Path) -> int:
+    """Elements of every tensor in a GGUF file, from its tensor table (gguf's reader maps the file; no tensor's data
+    is read)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
 
 
 def _safetensors_params(path: Path) -> int:
@@ -102,7 +117,8 @@ class PlanConfig:
     later: bool = field(default=True, metadata={
         "cli": False, "help": "whether `paper` replicates at a later checkpoint"})
     audit_sample: int | None = field(default=None, metadata={
-        "help": "units per stage the audit re-executes (None or 0: every unit; of a run: None, what its audit did)"})
+        "help": "units per stage and part the audit re-executes (None or 0: every unit; of a run: None, what its audit "
+                "did)"})
     dedup: bool = field(default=True, metadata={
         "help": "the 2x2 and the transplants carry the matched arms over (--no-dedup: count them decoding the matched "
                 "arms again)"})
