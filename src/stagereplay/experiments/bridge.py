@@ -16,7 +16,7 @@ from stagereplay.engine.forwards import (
     no_boundary_forwards,
 )
 from stagereplay.engine.lm import LM, NoBoundary
-from stagereplay.errors import StageReplayError
+from stagereplay.errors import FLAGGED, OK, StageReplayError
 from stagereplay.experiments.arms import arm_record, compare, lengths_of, no_boundary
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
@@ -205,8 +205,8 @@ class Bridge(Experiment):
         return [Batch(prepared.model, jobs[:rows])]
 
     def exit_code(self, summaries: BridgeSummary | None) -> int:
-        """1 where a row's caches are not bit-exact: the bridge's claim failed."""
-        return int(summaries is not None and summaries.cache_bit_exact != summaries.rows)
+        """FLAGGED where a row's caches are not bit-exact: the bridge's claim failed."""
+        return FLAGGED if summaries is not None and summaries.cache_bit_exact != summaries.rows else OK
 
     def work(self, lm: LM, job: Job) -> PayloadModel:
         return bridge_item(lm, job)

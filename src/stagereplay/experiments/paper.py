@@ -19,7 +19,7 @@ from stagereplay.experiments.resample import Resample, ResampleConfig
 from stagereplay.experiments.transplant import Transplant, TransplantConfig
 
 AUDIT_SAMPLE = 10
-"""Units per stage the audit of `paper` re-executes by default: with every record verified without a model,
+"""Units per stage and part the audit of `paper` re-executes by default: with every record verified without a model,
 a seeded sample keeps the audit a fraction of the run (`stagereplay audit RUN` re-executes all of it). Ten
 keep `paper` on the embedded toy within about ten minutes on two cores (docs/reference/performance.md); at
 scale pick it for the detection wanted, 1 - (1 - f)^N for a fraction f of units that do not reproduce
@@ -50,7 +50,7 @@ class PaperConfig:
     resample: int = field(default=0, metadata={"help": "K sampled draws per state (0: no resample stage)"})
     resample_items: int = field(default=50, metadata={"help": "items the resample stage draws on"})
     audit_sample: int | None = field(default=AUDIT_SAMPLE, metadata={
-        "help": "units per stage the closing audit re-executes, after verifying every record (0 or None: every unit)"})
+        "help": "units per stage and part the closing audit re-executes, after verifying every record (0 or None: every unit)"})
 
     def __post_init__(self) -> None:
         if self.audit_sample == 0:  # the command line's "every unit"

@@ -113,8 +113,9 @@ def audit_tables(audit: AuditSummary) -> list[Table]:
     sample = audit.sample
     rows = [
         ["items audited", str(audit.items)],
-        ["records re-executed", f"a seeded sample of {sample.re_executed} of {sample.of} ({sample.per_stage} "
-                                f"per stage, seed {sample.seed}); every record verified" if sample else "every record"],
+        ["records re-executed", f"a seeded sample of {sample.re_executed} of {sample.of} ({sample.per_stage} per "
+                                f"stage and part, seed {sample.seed}); every record verified" if sample
+         else "every record"],
         ["trajectory fingerprints reproduced", count_of(audit.trajectories)],
         ["comparison fingerprints reproduced", count_of(audit.comparisons)],
         ["ledger hash chain intact", yes_no(audit.chain_ok)],

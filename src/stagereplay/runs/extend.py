@@ -135,7 +135,8 @@ def audit(run_dir: str | Path, config: AuditConfig | None = None, verify_only: b
         summary = audit_run(path, here, run.records, on.ex, quiet, config=config, relocated=moved,
                             server=on.where.server)
         atomic_write(path / AUDIT_FILE, audit_json(summary))
-        finish(run, quiet)
+        if checked.reproduced:  # results and report are rebuilt only from a ledger that verifies and summarizes
+            finish(run, quiet)
         return summary
 
 
