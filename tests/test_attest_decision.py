@@ -139,3 +139,16 @@ def test_without_the_nulls_own_error_an_honest_run_is_flagged_past_the_level(mon
     widened = flags()
     monkeypatch.setattr(attest_stats, "null_statistics", unwidened)
     assert widened <= 10 < flags(), widened
+
+
+def test_plan_says_how_many_prompts_the_level_needs():
+    from typer.testing import CliRunner
+
+    from stagereplay.cli import app
+
+    few = CliRunner().invoke(app, ["attest", "--plan", "--n", "8"])
+    assert few.exit_code == 0 and "20 prompts needed (10 calibrate); this run has 8 (4 calibrate)" in few.output
+    assert "reads inconclusive" in few.output, few.output
+    enough = CliRunner().invoke(app, ["attest", "--plan", "--n", "20", "--alpha", "0.05"])
+    assert enough.exit_code == 0 and "10 prompts needed (5 calibrate)" in enough.output
+    assert enough.output.rstrip().endswith("enough"), enough.output

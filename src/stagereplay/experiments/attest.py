@@ -379,6 +379,19 @@ class Attest(Experiment):
     def peak_caches(self, stage: StageSection) -> int:
         return 1
 
+    def plan_notes(self, options: AttestOptions, items: int) -> list[str]:
+        """How many prompts a decision at the stated alpha needs, beside how many the run has."""
+        from stagereplay.experiments.attest_decision import min_calibration, prompts_needed
+
+        need, calibrate = prompts_needed(options.alpha), len(calibration_split([str(i) for i in range(items)],
+                                                                             options.split_seed))
+        said = (f"decision at alpha {options.alpha:g}: {need} prompts needed ({min_calibration(options.alpha)} "
+                f"calibrate); this run has {items} ({calibrate} calibrate)")
+        if calibrate < min_calibration(options.alpha):
+            return [f"{said}: a statistic that exceeds its null reads inconclusive, never flagged; pass --n {need} "
+                    "or more"]
+        return [f"{said}: enough"]
+
     def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[AttestSummary]:
         from stagereplay.experiments.attest_summary import summarize_attest
 

@@ -308,6 +308,11 @@ class Experiment(ABC):
         of each unit it would run (`Planned`)."""
         raise NotImplementedError(f"{self.name} prices no assumed run (it is no stage of `paper`)")
 
+    def plan_notes(self, options: Any, items: int) -> list[str]:
+        """What a plan of a run of `items` items should say besides its cost (what the run can decide at that
+        size); none by default."""
+        return []
+
     @abstractmethod
     def tables(self, results: Any) -> list[Table]:
         """The report's tables of its results.json entry as `results_of` reads it (a list of `Summary`s if `many`,

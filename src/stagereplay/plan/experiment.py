@@ -59,4 +59,5 @@ def plan_experiment(experiment: Experiment, options: Any, model: str | None, dat
               + (f", stage 1 {stage1}" if experiment.uses_boundary else "")
               + f", {'suffix' if experiment.uses_boundary else 'response'} "
               f"{min(u.suffix for u in lengths)}-{max(u.suffix for u in lengths)} tokens; audit of every unit")
-    return header + "\n" + render(stages, shape, None)
+    notes = "".join(f"\n{line}" for line in experiment.plan_notes(options, len(found)))
+    return header + "\n" + render(stages, shape, None) + notes
