@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from servers import fake_server
+from fake_server import fake_server
 from typer.testing import CliRunner, Result
 
 from stagereplay.cli import app

@@ -5,12 +5,11 @@ the well-behaved fake passing as its negative control. The real servers are test
 from __future__ import annotations
 
 import json
-import math
 import time
 from typing import Any
 
 import pytest
-from servers import fake_server
+from fake_server import fake_server
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
@@ -307,11 +306,11 @@ _BEST_FIRST = [((5, -0.5), (9, -0.5), (7, -0.9)), ((8, -0.1),)]
 
 @pytest.mark.parametrize("steps", [_VLLM_STEPS, _CHAT_STEPS], ids=["vllm", "chat"])
 def test_openai_steps_read_either_shape_with_each_steps_top_best_first(steps):
-    from stagereplay.serving.http_rollout import openai_steps
+    from stagereplay.serving.replies import OpenAILogprobs, Where, openai_steps
 
-    tokens, top, chosen = openai_steps(steps)
-    assert tokens == [7, 8] and top == _BEST_FIRST
-    assert chosen[0] == -0.9 and math.isnan(chosen[1])
+    read = openai_steps(OpenAILogprobs.model_validate(steps), Where("http://canned", "/v1/completions"))
+    assert read.tokens == (7, 8) and list(read.top or ()) == _BEST_FIRST
+    assert read.chosen == (-0.9, None)
     # Negative control: the server's own order is not best first, so the order above is the parser's.
     assert [int(t.split(":")[1]) for t in _VLLM_STEPS["top_logprobs"][0]] != [5, 9, 7]
     assert [t["id"] for t in _CHAT_STEPS["content"][0]["top_logprobs"]] != [5, 9, 7]
@@ -332,16 +331,18 @@ class _Canned:
 
 def test_a_greedy_request_and_a_rollout_read_the_same_steps():
     """The greedy request's top-k (`Generation.top`, best first) and a rollout's own logprobs come from the one
-    parser of the OpenAI shape."""
-    from stagereplay.serving.http_rollout import openai_steps
+    reader of the OpenAI shape (`serving.replies`)."""
+    from stagereplay.serving.replies import OpenAILogprobs, Where, openai_steps
     from stagereplay.serving.seam import Sampling
     from stagereplay.serving.server_identity import ServerIdentity
 
-    reply = {"choices": [{"logprobs": _VLLM_STEPS, "finish_reason": "length"}], "usage": {"prompt_tokens": 3}}
+    steps = {**_VLLM_STEPS, "token_logprobs": [-0.9, -0.1]}  # a rollout's every token has its log-probability
+    reply = {"choices": [{"logprobs": steps, "finish_reason": "length"}], "usage": {"prompt_tokens": 3}}
     engine = http.HttpEngine(engine_config("http", {"url": "http://canned"}), _Canned(reply), "openai",
                              ServerIdentity(server="vllm", model="toy"))
     greedy = engine.generate([1, 2, 3], 2)
-    assert list(greedy.tokens) == openai_steps(_VLLM_STEPS)[0] and list(greedy.top) == _BEST_FIRST
+    read = openai_steps(OpenAILogprobs.model_validate(steps), Where("http://canned", "/v1/completions"))
+    assert greedy.tokens == read.tokens and list(greedy.top) == _BEST_FIRST
     drawn = engine.sample([1, 2, 3], 2, Sampling(temperature=1.0, seed=1))
     assert drawn.tokens == greedy.tokens and [s[0] for s in drawn.top] == [(5, -0.5), (8, -0.1)]
-    assert drawn.chosen is not None and drawn.chosen[0] == -0.9 and math.isnan(drawn.chosen[1])
+    assert drawn.chosen == (-0.9, -0.1)

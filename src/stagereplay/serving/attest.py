@@ -9,8 +9,9 @@ is `experiments.attest`'s own, in our engine, exactly as for a file of served ou
 
 Every part's seed is folded below the span a server takes (`SEED_SPAN`), so the seed the reference replays is the
 one the server drew with. The server was checked against the claimed model's tokenizer before the first item
-(`ChecksFirst`: token IDs taken verbatim, greedy at temperature 0, the same tokenizer); a reply that is not token IDs
-of that tokenizer is refused in one line, naming the item.
+(`ChecksFirst`: token IDs taken verbatim, greedy at temperature 0, the same tokenizer); every reply is read and checked
+where it arrives (`serving.replies`), and one that is not token IDs of that tokenizer is refused in one line, naming
+the item: exit 2, never read as a verdict, and no record made from it.
 """
 
 from __future__ import annotations

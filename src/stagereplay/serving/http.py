@@ -27,6 +27,9 @@ with `--api`:
 Before the first item `check` refuses, in one line with the fix, a server that does not answer, counts the prompt
 tokens differently from the IDs sent (it does not take IDs verbatim), tokenizes probe strings differently from the
 run's tokenizer, is not greedy at temperature 0 (two replicas of a probe differ), or returns no top-k logprobs.
+Every reply is read and checked where it arrives (`serving.replies`): one a run cannot use (a step count other than
+its tokens', an empty step, a log-probability that is not one, a token ID outside the run's tokenizer) is refused in
+one line, and no record is made from it.
 
 What the server says it is, and the settings it reports that change how it builds the cache (whether it speculates,
 its speculative types, the model's type and size), are its identity (`serving.server_identity`); what it does not
@@ -51,6 +54,18 @@ from typing import Any, ClassVar, NotRequired, TypedDict
 from stagereplay.errors import StageReplayError
 from stagereplay.serving import http_rollout
 from stagereplay.serving.client import Client, public_url
+from stagereplay.serving.replies import (
+    NativeReply,
+    OpenAIReply,
+    Read,
+    Steps,
+    Timings,
+    Tokenized,
+    Usage,
+    Where,
+    native_steps,
+    openai_steps,
+)
 from stagereplay.serving.seam import (
     TOP_LOGPROBS,
     ChecksFirst,
@@ -95,7 +110,8 @@ PROBES = ("Hello world", " 12+7=19.", "The answer is 42\n", "naïve café", "</t
 class HttpOptions(EngineOptions):
     """How to reach a running server and what to ask of it (`--engine http`)."""
 
-    url: str = field(default="", metadata={"help": "the server: http://HOST:PORT"})
+    url: str = field(default="", metadata={
+        "help": "the server: http://HOST:PORT (an OpenAI base URL, http://HOST:PORT/v1, names the same server)"})
     api: str = field(default="auto", metadata={
         "help": "auto | llama-server (/completion) | openai (/v1/completions)"})
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={
@@ -136,21 +152,6 @@ class HttpOptions(EngineOptions):
         return Client(self.url, self.api_key_env, self.timeout, self.retries)
 
 
-class Candidate(TypedDict):
-    """One of a step's top tokens in llama-server's /completion reply."""
-
-    id: int
-    logprob: float
-
-
-class NativeStep(TypedDict, total=False):
-    """One step of llama-server's /completion `completion_probabilities`: the token emitted, and the top tokens."""
-
-    id: int
-    logprob: float
-    top_logprobs: list[Candidate]
-
-
 class CompletionRequest(TypedDict):
     """The body of a greedy request to an OpenAI-style /v1/completions, with token IDs in and out."""
 
@@ -187,10 +188,6 @@ class Resumed(TypedDict):
     now: Instance
 
 
-def _top_native(step: NativeStep) -> tuple[tuple[int, float], ...]:
-    return tuple((int(t["id"]), float(t["logprob"])) for t in step.get("top_logprobs", []))
-
-
 class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, ScoresPrompt):
     """One server; greedy requests of one item at a time (and `generate_loaded`'s traffic around one); a rollout's
     sampled request, and a sequence's score where the server gives one (`HttpKind.prompt_scoring`)."""
@@ -201,6 +198,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
         self.config, self.client, self.api, self.identity = config, client, api, identity
         self.options = config.own(HttpOptions)
         self.checked: ServerChecks = {}
+        self.vocab: int | None = None  # the run's tokenizer's size, once `check` has it: an emitted token's bound
         self.resumed: Resumed | None = None  # set by `note_resume` when a run resumes on this server
         self._salt = ""  # the cache salt of the last request that bypassed the cache (openai dialect)
         # A speculating vLLM says what a request drafted only through its server-wide counters, read around a request
@@ -213,23 +211,21 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
     def complete(self, ids: Sequence[int], max_tokens: int, reuse: bool, slot: int = -1, salt: str = ""
                  ) -> tuple[Generation, int]:
         """One greedy request (llama-server: in `slot`, -1 for any; openai: under the cache `salt`, if any); its
-        generation and the prompt tokens the server says it took."""
+        generation and the prompt tokens the server says it took (-1: it did not say). The reply is read and
+        checked where it arrives (`serving.replies`)."""
         ids = [int(t) for t in ids]
         if self.api == "llama-server":
-            reply = self.client.call("/completion", {
+            where = Where(self.client.url, "/completion")
+            reply = where.read(NativeReply, self.client.call(where.path, {
                 "prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "n_probs": TOP_LOGPROBS,
                 "cache_prompt": reuse, "return_tokens": True, "seed": self.config.seed, "stream": False,
-                "id_slot": slot})
-            assert reply is not None
-            steps = reply.get("completion_probabilities") or []
-            ids_out = tuple(int(t) for t in reply.get("tokens") or [s["id"] for s in steps])
-            finish = "stop" if reply.get("stop_type") in ("eos", "word") else "length"
-            timings = reply.get("timings") or {}
-            cache_n = timings.get("cache_n")
-            cached = None if cache_n is None else int(cache_n)
-            prompt = int(reply.get("tokens_evaluated", -1))
-            draft = llama_server_draft(timings, bool(self.identity.speculative))
-            return Generation(ids_out, tuple(_top_native(s) for s in steps), cached, finish, draft), prompt
+                "id_slot": slot}))
+            read = self._greedy(native_steps(reply, where), where)
+            finish = "stop" if reply.stop_type in ("eos", "word") else "length"
+            timings = reply.timings or Timings()
+            draft = llama_server_draft(timings.said(), bool(self.identity.speculative))
+            prompt = -1 if reply.tokens_evaluated is None else reply.tokens_evaluated
+            return Generation(read.tokens, read.top, timings.cache_n, finish, draft), prompt
         body: CompletionRequest = {
             "model": self.identity.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
             "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True, "seed": self.config.seed,
@@ -238,20 +234,27 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
             body["cache_salt"] = salt
         counters = self._counts_drafts and self._alone
         before = SpecCounters.read(self.client) if counters else None
-        reply = self.client.call("/v1/completions", body)
-        assert reply is not None
-        choice = (reply.get("choices") or [{}])[0]
-        tokens, top, _ = http_rollout.openai_steps(choice.get("logprobs") or {})
-        usage = reply.get("usage") or {}
-        details = usage.get("prompt_tokens_details")  # null where the server does not count cached tokens
-        cached = None if not isinstance(details, dict) else int(details.get("cached_tokens") or 0)
-        finish = "stop" if choice.get("finish_reason") == "stop" else "length"
-        timings = reply.get("timings")  # llama-server's own field beside the OpenAI ones; vLLM has none
-        draft = None if not isinstance(timings, dict) else llama_server_draft(
-            timings, bool(self.identity.speculative))
+        where = Where(self.client.url, "/v1/completions")
+        answer = where.read(OpenAIReply, self.client.call(where.path, body))
+        choice = answer.choice(where)
+        read = self._greedy(openai_steps(choice.logprobs, where), where)
+        usage = answer.usage or Usage()
+        details = usage.prompt_tokens_details  # null where the server does not count cached tokens
+        cached = None if details is None else details.cached_tokens or 0
+        finish = "stop" if choice.finish_reason == "stop" else "length"
+        draft = None if answer.timings is None else llama_server_draft(answer.timings.said(),
+                                                                       bool(self.identity.speculative))
         if before is not None:  # vLLM's counters, read around a request sent alone: its own speculation
             draft = SpecCounters.read(self.client).since(before)
-        return Generation(tuple(tokens), tuple(top), cached, finish, draft), int(usage.get("prompt_tokens", -1))
+        prompt = -1 if usage.prompt_tokens is None else usage.prompt_tokens
+        return Generation(read.tokens, read.top, cached, finish, draft), prompt
+
+    def _greedy(self, steps: Steps, where: Where) -> Read:
+        """A greedy reply's steps, read: the top-k of every step."""
+        if steps.top is None and steps.tokens:
+            raise StageReplayError(f"the server at {self.client.url} returned no top-{TOP_LOGPROBS} logprobs",
+                                   "serve with logprobs enabled (vLLM: --max-logprobs 5 or more)")
+        return steps.read(where, self.vocab, top="every", chosen="whole")
 
     def generate(self, ids: Sequence[int], max_tokens: int, reuse: bool = False) -> Generation:
         return self.counted(ids, max_tokens, reuse)[0]
@@ -375,6 +378,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
         """Refuse a server whose numbers this run could not compare with ours (module docstring); what was
         measured goes into `settings()["checked"]`."""
         url = self.client.url
+        self.vocab = len(tokenizer)
         instance = self.instance()  # before the probes, which the server counts as tasks
         canonical = list(tokenizer.encode(" The answer to 12+7 is", add_special_tokens=False))
         split = [int(t) for c in "nineteen" for t in tokenizer.encode(c, add_special_tokens=False)]
@@ -385,7 +389,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
                 f"the server at {url} counted {counted} prompt tokens for the {len(probe)} token IDs sent: it does "
                 "not take token IDs verbatim",
                 "serve with an API that takes token-ID prompts (llama-server's /completion, vLLM's /v1/completions)")
-        if not g.tokens or len(g.top) != len(g.tokens) or any(len(step) < 2 for step in g.top):
+        if not g.tokens or not any(g.top) or any(0 < len(step) < 2 for step in g.top):  # (): a speculated step
             raise StageReplayError(f"the server at {url} returned no top-{TOP_LOGPROBS} logprobs",
                                    "serve with logprobs enabled (vLLM: --max-logprobs 5 or more)")
         again, _ = self.counted(probe, 8, reuse=False)
@@ -417,7 +421,10 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
         grows while the server runs, and starts again from 0). Empty where the server says neither."""
         if self.api == "llama-server":
             slots = self.client.call("/slots", quiet_status=(404, 405, 501))
-            return {} if slots is None else {"tasks": max((int(s.get("id_task", -1)) for s in slots), default=-1)}
+            if slots is None:
+                return {}
+            tasks = [s.get("id_task") for s in slots if isinstance(s, dict)] if isinstance(slots, list) else []
+            return {"tasks": max((t for t in tasks if isinstance(t, int)), default=-1)}
         for line in (self.client.text("/metrics") or "").splitlines():
             if line.startswith("process_start_time_seconds "):
                 return {"started": float(line.split()[1])}
@@ -464,8 +471,7 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
                 if reply is None:
                     return None
                 self._has_tokenize = True
-            assert reply is not None
-            theirs = [int(t["id"]) if isinstance(t, dict) else int(t) for t in reply.get("tokens", [])]
+            theirs = Where(self.client.url, "/tokenize").read(Tokenized, reply).ids()
             if theirs != ours:
                 return text, theirs, ours
         return None

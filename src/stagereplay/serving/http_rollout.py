@@ -18,14 +18,14 @@ Seeds are sent as 32-bit numbers (`serving.seam.SEED_SPAN`).
 
 from __future__ import annotations
 
-import math
 import shlex
 import uuid
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, TypedDict
+from collections.abc import Sequence
+from typing import Protocol, TypedDict
 
 from stagereplay.errors import StageReplayError
 from stagereplay.serving.client import Client
+from stagereplay.serving.replies import NativeReply, OpenAIReply, Timings, Where, native_steps, openai_steps
 from stagereplay.serving.seam import LOGPROBS_MODES, EngineConfig, Generation, PromptScores, Sampling
 from stagereplay.serving.server_identity import LLAMA_SERVER, ServerIdentity
 
@@ -40,14 +40,7 @@ class Server(Protocol):
     api: str
     identity: ServerIdentity
     config: EngineConfig
-
-
-def token_id(text: str) -> int:
-    """A token's ID from vLLM's `token_id:N` (return_tokens_as_token_ids)."""
-    if not text.startswith("token_id:"):
-        raise StageReplayError(f"the server returned the token {text!r}, not its ID",
-                               "serve with vLLM's return_tokens_as_token_ids support, or --api llama-server")
-    return int(text.split(":", 1)[1])
+    vocab: int | None  # the run's tokenizer's size: an emitted token's bound (None: not known yet)
 
 
 def declared_mode(server_args: str) -> str | None:
@@ -109,86 +102,45 @@ def _sampler(sampling: Sampling) -> SamplerFields:
             "seed": sampling.seed, "samplers": SAMPLERS}
 
 
-def _best(pairs: Sequence[tuple[int, float]]) -> tuple[int, float]:
-    return min(pairs, key=lambda p: (-p[1], p[0]))
-
-
 def sample(engine: Server, ids: Sequence[int], max_tokens: int, sampling: Sampling) -> Generation:
-    """`Samples.sample` on the server (module docstring)."""
+    """`Samples.sample` on the server (module docstring): the reply read and checked where it arrives
+    (`serving.replies`); each step's best candidate and each token's log-probability, read whole (None: the server
+    gave none)."""
     ids = [int(t) for t in ids]
-    processed = engine.config.logprobs_mode == "processed"
     if engine.api == "llama-server":
-        reply = engine.client.call("/completion", {
+        processed = engine.config.logprobs_mode == "processed"
+        where = Where(engine.client.url, "/completion")
+        reply = where.read(NativeReply, engine.client.call(where.path, {
             "prompt": ids, "n_predict": max_tokens, **_sampler(sampling), "n_probs": 1,
-            "post_sampling_probs": processed, "cache_prompt": False, "return_tokens": True, "stream": False})
-        assert reply is not None
-        steps = reply.get("completion_probabilities") or []
-        tokens = tuple(int(t) for t in reply.get("tokens") or [s["id"] for s in steps])
-        if processed:  # probabilities after the sampler chain
-            chosen = tuple(math.log(s["prob"]) if s["prob"] > 0 else -math.inf for s in steps)
-            top = tuple((_best([(int(t["id"]), math.log(t["prob"]) if t["prob"] > 0 else -math.inf)
-                                for t in s.get("top_probs") or []]),) for s in steps)
-        else:
-            chosen = tuple(float(s["logprob"]) for s in steps)
-            top = tuple((_best([(int(t["id"]), float(t["logprob"])) for t in s.get("top_logprobs") or []]),)
-                        for s in steps)
-        finish = "stop" if reply.get("stop_type") in ("eos", "word") else "length"
-        cached = (reply.get("timings") or {}).get("cache_n")
-        return Generation(tokens, top, None if cached is None else int(cached), finish, None, chosen)
+            "post_sampling_probs": processed, "cache_prompt": False, "return_tokens": True, "stream": False}))
+        read = native_steps(reply, where, processed).read(where, engine.vocab, top="whole", chosen="whole")
+        finish = "stop" if reply.stop_type in ("eos", "word") else "length"
+        cached = (reply.timings or Timings()).cache_n
+        return Generation(read.tokens, tuple(step[:1] for step in read.top), cached, finish, None, read.chosen)
     body = {"model": engine.identity.model, "prompt": ids, "max_tokens": max_tokens, **_sampler(sampling),
             "logprobs": 1, "return_tokens_as_token_ids": True, "cache_prompt": False, "cache_salt": uuid.uuid4().hex}
-    reply = engine.client.call("/v1/completions", body)
-    assert reply is not None
-    choice = (reply.get("choices") or [{}])[0]
-    tokens_, top_, chosen_ = openai_steps(choice.get("logprobs") or {})
-    finish = "stop" if choice.get("finish_reason") == "stop" else "length"
-    return Generation(tuple(tokens_), tuple((_best(s),) for s in top_), None, finish, None, tuple(chosen_))
-
-
-Steps = tuple[list[int], list[tuple[tuple[int, float], ...]], list[float]]
-"""Per generated (or echoed) token: its ID, the step's top (id, logprob) pairs best first, its own logprob."""
-
-
-def _best_first(pairs: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    """`Generation.top`'s order: logprob descending, ties by the lower id. vLLM's top_logprobs is a JSON object
-    whose keys come in no promised order (the emitted token may lead though another ranks above it)."""
-    return tuple(sorted(pairs, key=lambda p: (-p[1], p[0])))
-
-
-def _logprob(value: Any) -> float:
-    return math.nan if value is None else float(value)
-
-
-def openai_steps(logprobs: dict[str, Any]) -> Steps:
-    """Token IDs, each step's top (id, logprob) pairs best first and the emitted token's logprob (NaN where the
-    server gives none: the first echoed token), from either shape of `choices[0].logprobs` (llama-server's
-    chat shape with ids; vLLM's `token_id:N` strings)."""
-    if "content" in logprobs:
-        content = logprobs.get("content") or []
-        return ([int(s["id"]) for s in content],
-                [_best_first((int(t["id"]), float(t["logprob"])) for t in s.get("top_logprobs") or [])
-                 for s in content],
-                [_logprob(s.get("logprob")) for s in content])
-    tokens = [token_id(t) for t in logprobs.get("tokens") or []]
-    top = [_best_first((token_id(t), float(v)) for t, v in (step or {}).items())
-           for step in logprobs.get("top_logprobs") or []]
-    chosen = [_logprob(v) for v in logprobs.get("token_logprobs") or []]
-    return tokens, top, chosen
+    where = Where(engine.client.url, "/v1/completions")
+    choice = where.read(OpenAIReply, engine.client.call(where.path, body)).choice(where)
+    read = openai_steps(choice.logprobs, where).read(where, engine.vocab, top="whole", chosen="whole")
+    finish = "stop" if choice.finish_reason == "stop" else "length"
+    return Generation(read.tokens, tuple(step[:1] for step in read.top), None, finish, None, read.chosen)
 
 
 def score(engine: Server, ids: Sequence[int], start: int, sampling: Sampling) -> PromptScores:
     """`ScoresPrompt.score` on a `vllm serve`: one request for `ids` with `echo` and `logprobs` (its prompt logprobs
-    and one generated token), under a fresh cache salt."""
+    and one generated token), under a fresh cache salt; every scored token's log-probability and candidates read
+    from the reply, checked where it arrives."""
     reason = prompt_scoring(engine.api, engine.identity, engine.config.logprobs_mode)
     if reason is not None:
         raise StageReplayError(reason, "score the rollouts with our engine only (the trainer parts)")
     ids = [int(t) for t in ids]
     body = {"model": engine.identity.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True,
             "logprobs": 1, "return_tokens_as_token_ids": True, "cache_prompt": False, "cache_salt": uuid.uuid4().hex}
-    reply = engine.client.call("/v1/completions", body)
-    assert reply is not None
-    tokens, top, chosen = openai_steps(((reply.get("choices") or [{}])[0]).get("logprobs") or {})
-    if tokens[: len(ids)] != ids:
+    where = Where(engine.client.url, "/v1/completions")
+    steps = openai_steps(where.read(OpenAIReply, engine.client.call(where.path, body)).choice(where).logprobs, where)
+    if steps.tokens[: len(ids)] != tuple(ids):
         raise StageReplayError(f"the server at {engine.client.url} echoed other tokens than the {len(ids)} sent",
                                "serve with return_tokens_as_token_ids support (vllm serve)")
-    return PromptScores(tuple(chosen[start : len(ids)]), tuple(_best(s)[0] for s in top[start : len(ids)]))
+    read = steps.read(where, engine.vocab, top="every", chosen="every", start=start)
+    chosen = read.chosen or ()
+    return PromptScores(tuple(chosen[start : len(ids)]), tuple(step[0][0] for step in read.top[start : len(ids)]))

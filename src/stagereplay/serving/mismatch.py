@@ -40,7 +40,7 @@ from stagereplay.experiments.mismatch_item import (
 )
 from stagereplay.records.scored import MismatchPayload, ScoredArm
 from stagereplay.serving.matched import ServingArms, cached_engine
-from stagereplay.serving.seam import Generation, PromptScores, Samples, Sampling, ScoresPrompt
+from stagereplay.serving.seam import Generation, PromptScores, Restarts, Samples, Sampling, ScoresPrompt
 
 NO_TRANSPLANT = "none: a serving engine exposes no K/V cache to transplant"
 
@@ -82,7 +82,13 @@ def _served(name: str, engine: Any, scores: Generation | PromptScores, tokens_fp
     from stagereplay.engine.scoring import Scored
 
     if isinstance(scores, Generation):
-        assert scores.chosen is not None
+        if scores.chosen is None:
+            at = f" at {engine.address}" if isinstance(engine, Restarts) else ""
+            raise StageReplayError(f"the {engine.name} engine{at} returned no log-probability for every token it "
+                                   "drew (a speculating llama-server gives none for the tokens its drafts emit): a "
+                                   "rollout this run cannot score, so nothing was recorded from it",
+                                   "serve with log-probabilities and without speculative decoding (llama-server: no "
+                                   "--spec-type or -md; vLLM: --max-logprobs 1 or more)")
         lps = scores.chosen
         best = tuple(step[0][0] for step in scores.top) if len(scores.top) == len(scores.chosen) else None
     else:

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stagereplay.errors import StageReplayError
 from stagereplay.records.payloads import first_error
-from stagereplay.serving.client import Client
+from stagereplay.serving.client import URL_FIX, Client, gist
+from stagereplay.serving.replies import Reply, Where
 from stagereplay.serving.seam import Draft
 
 LLAMA_SERVER = ("llama-server", "llamacpp")
@@ -115,20 +116,29 @@ class ServerIdentity(BaseModel):
 
 def identify(client: Client, api: str) -> tuple[str, ServerIdentity]:
     """Which dialect the server speaks (`api` unless auto) and what it says it is: build, model, slots, and the
-    settings it reports that change how it builds the cache."""
+    settings it reports that change how it builds the cache. A server that has neither llama-server's /props nor
+    an OpenAI /v1/models is refused in one line with what it answered."""
     props = client.call("/props", quiet_status=QUIET) if api in ("auto", "llama-server") else None
-    if props is not None and "default_generation_settings" in props:
-        return ("llama-server" if api == "auto" else api), llama_server(client, props)
+    if isinstance(props, dict) and isinstance(props.get("default_generation_settings"), dict):
+        return ("llama-server" if api == "auto" else api), llama_server(client, cast(LlamaServerProps, props))
     if api == "llama-server":
         raise StageReplayError(f"the server at {client.url} has no llama-server /props", "pass --api openai")
-    models = client.call("/v1/models") or {}
-    data = models.get("data") or []
-    if not data:
+    status, text = client.reply("/v1/models")
+    if status >= 400:
+        asked = "/props nor /v1/models" if api == "auto" else "/v1/models"
+        if status in QUIET:
+            raise StageReplayError(f"the server at {client.url} has neither {asked} (HTTP {status}"
+                                   + (f": {gist(text)}" if gist(text) else "") + "): it is not llama-server or an "
+                                   "OpenAI-style server", URL_FIX)
+        raise client.refused("/v1/models", status, gist(text))
+    models = Where(client.url, "/v1/models").read(ModelList, client.parse("/v1/models", text))
+    if not models.data:
         raise StageReplayError(f"the server at {client.url} lists no model at /v1/models",
                                "start it with a model, or check --url")
-    first = data[0]
-    version = client.call("/version", quiet_status=(404, 405)) or {}
-    identity = ServerIdentity.said(client.url, server=first.get("owned_by"), build=version.get("version"),
+    first = models.data[0]
+    version = client.call("/version", quiet_status=(404, 405))
+    identity = ServerIdentity.said(client.url, server=first.get("owned_by"),
+                                   build=version.get("version") if isinstance(version, dict) else None,
                                    model=first.get("id"), root=first.get("root"),
                                    max_model_len=first.get("max_model_len"))
     if identity.llama_server:  # llama-server under --api openai: what its own endpoints say
@@ -137,6 +147,12 @@ def identify(client: Client, api: str) -> tuple[str, ServerIdentity]:
             identity = identity.with_(ServerIdentity.said(client.url, model_meta=meta))
         return "openai", identity.with_(slots_identity(client))
     return "openai", identity.with_(metrics_identity(client.text("/metrics") or "", client.url))
+
+
+class ModelList(Reply):
+    """An OpenAI-style /v1/models reply: the models it serves, each as the server describes it."""
+
+    data: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class SlotDefaults(TypedDict, total=False):
@@ -166,13 +182,14 @@ class MetricsSaid(TypedDict, total=False):
 
 def llama_server(client: Client, props: LlamaServerProps) -> ServerIdentity:
     """A llama-server's identity from its /props (the server's JSON), /v1/models and /slots."""
-    settings = props.get("default_generation_settings") or {}
+    settings = props.get("default_generation_settings") or {}  # a dict: `identify` read it as one
     identity = ServerIdentity.said(
         client.url, server="llama-server", build=props.get("build_info"), model=props.get("model_alias"),
         model_path=props.get("model_path"), total_slots=props.get("total_slots"), n_ctx=settings.get("n_ctx"),
         model_ftype=props.get("model_ftype"))
-    models = client.call("/v1/models", quiet_status=QUIET) or {}
-    meta = ((models.get("data") or [{}])[0] or {}).get("meta")
+    models = client.call("/v1/models", quiet_status=QUIET)
+    data = models.get("data") if isinstance(models, dict) else None
+    meta = data[0].get("meta") if isinstance(data, list) and data and isinstance(data[0], dict) else None
     if isinstance(meta, dict):
         identity = identity.with_(ServerIdentity.said(client.url, model_meta=meta))
     return identity.with_(slots_identity(client))
@@ -182,10 +199,10 @@ def slots_identity(client: Client) -> ServerIdentity:
     """What llama-server's /slots say of speculation: whether its slots speculate, and the speculative types of the
     last request a slot ran (none before the first request). Nothing where /slots is off."""
     slots = client.call("/slots", quiet_status=QUIET)
-    if not isinstance(slots, list) or not slots:
+    if not isinstance(slots, list) or not slots or not all(isinstance(s, dict) for s in slots):
         return ServerIdentity()
     speculative = any(bool(s.get("speculative")) for s in slots)
-    types = [(s.get("params") or {}).get("speculative.types") for s in slots]
+    types = [p.get("speculative.types") if isinstance(p := s.get("params"), dict) else None for s in slots]
     ran = [t for t in types if t is not None]
     if ran:
         return ServerIdentity.said(client.url, speculative=speculative, speculative_types=ran[0])
