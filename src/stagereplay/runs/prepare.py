@@ -5,6 +5,8 @@ In this order, each step refusing bad input in one line before the next costs an
     kernels       the CPU kernels chosen before torch loads (execution.kernels)
     model         the model's folder found, its attention resolved, as the engine loads it
     refusals      what the engine and the experiment cannot run (serving options, sampling on a server, ...)
+    engine bound  the positions a request may hold, asked of a serving engine (a server: whether it answers and
+                  speaks an API read here)
     items         the tokenizer and config only (no weights): the items loaded and each prompt checked
     stage 1       the boundary rule and the stage-1 budget resolved for this model and these items (`fit_stage1`)
     static length one allocation for every item where the steps are CUDA graphs (`shared_static_len`)
@@ -79,6 +81,9 @@ def prepare(command: str, inputs: Inputs, experiment: Experiment, options: Any, 
     engine.check(experiment, model, options)
     engine.check_source(inputs.input.model)
     check_worker_devices(model.device, ex.workers, ex.executor)  # one GPU per local worker, before anything loads
+    # The engine's own bound on a request's positions, asked of it before anything loads: a server that does not
+    # answer, or speaks no API read here, is refused in seconds, not once a model has loaded (minutes for a GGUF).
+    engine_context = engine.context()
     # The inputs are checked against the config and tokenizer before any weights load (minutes at 14B, or for a
     # GGUF file to dequantize): a bad item fails in seconds.
     from stagereplay.engine.lm import check_prompt
@@ -96,13 +101,16 @@ def prepare(command: str, inputs: Inputs, experiment: Experiment, options: Any, 
                               scorer=inputs.input.scorer or "last-number")
     stage1: Stage1Facts | None = None
     if experiment.uses_boundary:
-        settings, stage1 = fit_stage1(settings, config, tokenizer, items, engine.context())
+        settings, stage1 = fit_stage1(settings, config, tokenizer, items, engine_context)
         reach = prove_reach(settings, items) if items else None
     else:  # the whole response is the sequence: how far each item's reaches is the experiment's to say
         longest = max(experiment.sequence_end(i, settings.decode) for i in items)
-        if longest > context:
-            raise StageReplayError(f"a prompt and its response reach {longest} tokens, past the model's context of "
-                                   f"{context}", "lower --max-new-tokens or shorten the prompts")
+        limit, where = context, "the model's context"
+        if engine_context is not None and engine_context[0] < context:
+            limit, where = engine_context
+        if longest > limit:
+            raise StageReplayError(f"a prompt and its response reach {longest} tokens, past {where} of {limit}",
+                                   "lower --max-new-tokens or shorten the prompts")
         reach = (min((i.prompt_ids for i in items), key=len), longest) if items else None
     model = shared_static_len(model, settings.decode, items, context)
     recorded = warm(model, items, settings, determinism, quiet, reach, here=ex.workers == 1 and ex.executor == "local")
