@@ -50,9 +50,12 @@ def served(tokenizer, tmp_path_factory: pytest.TempPathFactory):
 def test_the_served_part_is_asked_of_the_server_and_recorded_with_its_identity(served):
     """Part '' of each item holds the server's reply (the fake's tokens, its log-probabilities), at most
     --max-new-tokens, and the manifest holds the server's identity and the checks it passed. The fake's tokens are
-    not the toy's, so the run is flagged (exit 1)."""
+    not the toy's, so a statistic exceeds the null; three prompts cannot support the level, so the run reads
+    inconclusive (exit 3), never flagged."""
     run, url, fake, result, _ = served
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 3, result.output
+    section = json.loads((run / "results.json").read_text())["attest"][0]
+    assert section["outcome"] == "inconclusive" and "too few" in [b["kind"] for b in section["blockers"]], section
     records = [r for r in items(read_ledger(run)) if r.experiment == "attest"]
     parts = [r for r in records if r.part == ""]
     assert len(parts) == 3

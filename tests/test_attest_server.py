@@ -1,7 +1,8 @@
 """`attest --engine http --url URL` against a real llama-server (the build .ci/llamacpp.sh makes) serving the toy as
-a GGUF file: serving the claimed weights (the primary checkpoint in f32) it is not flagged; serving other weights
-(the later checkpoint) on the same prompts it is, each decided against the same honest floor measured here. The
-server's identity is recorded as mismatch's http runs record it."""
+a GGUF file, claimed as that GGUF (so served by llama.cpp: the null holds llama.cpp's own variants, in process, beside
+our fp32 decode): serving the claimed weights (the primary checkpoint in f32) it is consistent; serving other weights
+(the later checkpoint) on the same prompts it is flagged, each decided against the same honest floor measured here.
+The server's identity is recorded as mismatch's http runs record it."""
 
 from __future__ import annotations
 
@@ -17,17 +18,21 @@ from stagereplay.records.ledger import items, read_ledger
 
 pytestmark = pytest.mark.server
 runner = CliRunner()
-ARGS = ["attest", "--n", "8", "--max-new-tokens", "16", "--precision", "fp32", "--quiet"]
+ARGS = ["attest", "--n", "20", "--max-new-tokens", "16", "--quiet"]
 
 
 def _attest(checkpoint: str, root: Path) -> tuple[int, Path, str]:
     """An attest run of the claimed toy (primary) against llama-server serving `checkpoint` as an f32 GGUF."""
     from gguf_files import write_toy_gguf
 
-    model = write_toy_gguf(root / f"toy-{checkpoint}.gguf", checkpoint)
+    claimed = root / "toy-primary.gguf"
+    if not claimed.exists():
+        write_toy_gguf(claimed, "primary")
+    model = claimed if checkpoint == "primary" else write_toy_gguf(root / f"toy-{checkpoint}.gguf", checkpoint)
     run = root / f"run-{checkpoint}"
     with llama_server(model, root / f"{checkpoint}.log") as server:
-        result = runner.invoke(app, [*ARGS, "--engine", "http", "--url", server.url, "--out", str(run)])
+        result = runner.invoke(app, [*ARGS, "--model", str(claimed), "--engine", "http", "--url", server.url,
+                                     "--out", str(run)])
     assert "Traceback" not in result.output, result.output
     return result.exit_code, run, server.url
 
@@ -44,18 +49,19 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_an_honest_llama_server_is_not_flagged_and_its_identity_is_recorded(root: Path):
     code, run, url = _attest("primary", root)
     s = _section(run)
-    assert code == 0 and not s["flagged"], s
+    assert code == 0 and s["outcome"] == "consistent", s
+    assert s["claim_engine"] == "llama.cpp" and "llama.cpp" in s["null_engines"], s
     manifest = json.loads((run / "manifest.json").read_text())
     engine = manifest["environment"]["engine"]
     assert engine["api"] == "llama-server" and engine["server"]["server"] == "llama-server", engine
     assert engine["checked"]["verbatim_ids"] and engine["checked"]["greedy"], engine
     assert manifest["stages"]["attest/primary"]["engine"]["url"] == url
     served = [r.payload for r in items(read_ledger(run)) if r.experiment == "attest" and r.part == ""]
-    assert len(served) == 8 and all(p["source"] == "server" and p["logprobs"] for p in served)
+    assert len(served) == 20 and all(p["source"] == "server" and p["logprobs"] for p in served)
 
 
 def test_a_llama_server_serving_other_weights_is_flagged(root: Path):
     """The control of the test above: the same prompts, the same claim, the server running the later checkpoint."""
     code, run, _ = _attest("later", root)
     s = _section(run)
-    assert code == 1 and s["flagged"], s
+    assert code == 1 and s["outcome"] == "flagged", s

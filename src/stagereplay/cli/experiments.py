@@ -103,7 +103,8 @@ def starting_command(experiment: Any) -> Callable[..., None]:
         return {n.removeprefix("choice."): v for n, v in names if n.startswith("choice.") == of_choice}
 
     ignored = [(n, True) for n in experiment.ignores]
-    groups = [Group(Inputs, "inputs", hide=frozenset(own(False, ignored)), helps=own(False, experiment.helps.items())),
+    groups = [Group(Inputs, "inputs", hide=frozenset(own(False, ignored)), helps=own(False, experiment.helps.items()),
+                    defaults=own(False, experiment.defaults.items())),
               Group(experiment.Options, "options", panel=_panel(experiment)), Group(ExecConfig, "ex"),
               Group(EngineChoice, "choice", hide=frozenset(own(True, ignored)), helps=own(True, experiment.helps.items())),
               *engines]

@@ -47,7 +47,15 @@ from stagereplay.experiments.attest_item import (
 )
 from stagereplay.experiments.attest_stats import ALPHA
 from stagereplay.experiments.attest_summary import AttestSummary
-from stagereplay.experiments.attest_variants import PRECISIONS, HonestVariant, parse_variants
+from stagereplay.experiments.attest_variants import (
+    ENGINE_VARIANTS,
+    PRECISIONS,
+    EngineVariant,
+    HonestVariant,
+    Variant,
+    parse_variants,
+    variant_of,
+)
 from stagereplay.experiments.experiment import RESPONSE_IGNORES, Assumed, Batch, Experiment, Planned, Replay
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
@@ -67,7 +75,11 @@ if TYPE_CHECKING:
 
 EXPERIMENT = "attest"
 HONEST = ("bf16", "fp16", "fp32", "bf16/chunked:16", "bf16/prefix:16", "bf16/batched:4")
-"""The default honest variants: live decode at each precision, then the constructions a serving engine uses, at bf16."""
+"""The default honest variants of a claim of our engine: live decode at each precision, then the constructions a
+serving engine uses, at bf16."""
+GGUF_OURS = ("fp32",)
+"""Our engine's honest variants in the default of a claim of another engine: its fp32 live decode (the reference's
+arithmetic, decoded), beside the engine's own defaults (`EngineHonesty.defaults`)."""
 CLAIM_ENGINES = ("hf", "llama.cpp", "vllm")
 """The engines a claim may name as serving the model: ours over transformers, llama.cpp, vLLM."""
 MIN_ITEMS = 2
@@ -88,10 +100,13 @@ class AttestOptions:
     served_checkpoint: str = field(default="", metadata={"help": (
         "without --served: the checkpoint the simulated server runs: a model folder, or the toy's primary or later "
         "(default: the claimed model itself)")})
-    honest: tuple[str, ...] = field(default=HONEST, metadata={"help": (
+    honest: tuple[str, ...] = field(default=(), metadata={"help": (
         "the claimed model's honest variants measured as the null: PRECISION (live decode at bf16, fp16 or fp32), "
         "PRECISION/chunked:N (the prompt prefilled N tokens at a time), PRECISION/prefix:B (the prompt's whole blocks "
-        "of B tokens reused from an earlier request's cache), PRECISION/batched:R (one of R concurrent requests)")})
+        "of B tokens reused from an earlier request's cache), PRECISION/batched:R (one of R concurrent requests), "
+        "ENGINE[/SETTING...] (a serving engine's own: llama.cpp, llama.cpp/repack, llama.cpp/flash, "
+        "llama.cpp/ubatch:N, llama.cpp/threads:N); default: " + ",".join(HONEST) + " for a claim of our engine; "
+        + ",".join(GGUF_OURS) + " and the engine's own defaults for another engine's")})
     alpha: float = field(default=ALPHA, metadata={"help": "the false-positive rate the decision is made at"})
     split_seed: int = field(default=0, metadata={"help": (
         "the seed of the rule that splits the items into calibration (the null) and held-out prompts")})
@@ -104,15 +119,13 @@ class AttestOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "honest", tuple(self.honest))
-        parse_variants(self.honest)
+        parse_variants(self.honest)  # the default's are checked where the claim's engine is known
         if self.seeded_sampler not in SAMPLERS:
             raise StageReplayError(f"unknown seeded sampler {self.seeded_sampler!r}",
                                    f"pass --seeded-sampler {' or '.join(SAMPLERS)}")
         if self.served_precision not in PRECISIONS:
             raise StageReplayError(f"unknown precision {self.served_precision!r} for a decode",
                                    f"use {', '.join(PRECISIONS)}")
-        if not self.honest:
-            raise StageReplayError("no honest variant given", "pass --honest bf16,fp16,fp32")
         if self.claim_engine and self.claim_engine not in CLAIM_ENGINES:
             raise StageReplayError(f"unknown --claim-engine {self.claim_engine!r}",
                                    f"pass one of {', '.join(CLAIM_ENGINES)}")
@@ -159,6 +172,16 @@ def calibration_split(item_ids: list[str], seed: int) -> list[str]:
     return [i for i in item_ids if i in chosen]
 
 
+def honest_of(model: ModelConfig, options: AttestOptions) -> tuple[str, ...]:
+    """The honest variants of the run: the option's, else the claim's engine's default (module `HONEST`,
+    `GGUF_OURS` and the engine's own `EngineHonesty.defaults`)."""
+    if options.honest:
+        return options.honest
+    engine = claim_engine(model, options)
+    found = ENGINE_VARIANTS.get(engine)
+    return HONEST if found is None else (*GGUF_OURS, *found.defaults)
+
+
 def claim_engine(model: ModelConfig, options: AttestOptions) -> str:
     """The engine the claim names: the option's, else llama.cpp for a GGUF file (what serves one), else ours."""
     return options.claim_engine or ("llama.cpp" if model.path.endswith(".gguf") else "hf")
@@ -202,8 +225,10 @@ class Attest(Experiment):
         "input.columns": ("map the data's fields: TARGET=COLUMN,... With --served, TARGET prompt_ids, response_ids, "
                           "logprobs, seed or id; with --data, prompt, messages, user or id"),
         "input.n": "check (or simulate) the first N items",
-        "numerics.precision": "the precision of the claimed model's reference (one-shot prefill): fp32 recommended",
+        "numerics.precision": ("the precision of the claimed model's reference (one-shot prefill): fp32, so that no "
+                               "honest engine's rounding is the reference's own"),
     }
+    defaults: ClassVar[dict[str, Any]] = {"numerics.precision": "fp32"}
 
     def data(self, path: str | None, n: int | None, columns: str | None, options: AttestOptions) -> DataConfig:
         """A file of served outputs is the run's data (its hash bound, its location not)."""
@@ -259,6 +284,9 @@ class Attest(Experiment):
         if model.batch > 1:
             raise StageReplayError("attest scores one sequence at a time", "run it with --batch 1")
         served_path(model, options.served_checkpoint)  # an unknown checkpoint is refused before anything loads
+        for v in parse_variants(honest_of(model, options)):
+            if isinstance(v, EngineVariant):
+                v.honesty()  # its engine serves it, and its settings are in range
 
     def identity(self, options: AttestOptions) -> dict[str, Any]:
         generated = options.served is None
@@ -275,7 +303,8 @@ class Attest(Experiment):
             model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
             source="generated" if generated else "file",
             served_model=served_path(prepared.model, options.served_checkpoint) if generated else None,
-            served_precision=options.served_precision if generated else None, honest=list(options.honest),
+            served_precision=options.served_precision if generated else None,
+            honest=list(honest_of(prepared.model, options)),
             alpha=options.alpha, split_seed=options.split_seed, seeded_sampler=options.seeded_sampler,
             claim_engine=claim_engine(prepared.model, options),
             calibration=calibration_split([i.id for i in prepared.items], options.split_seed))
@@ -304,7 +333,10 @@ class Attest(Experiment):
             for item in prepared.items if (item.id, "") in recorded], at=f"reference {prepared.model.precision}")
 
     def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
-        return model.with_precision(HonestVariant.parse(part).precision) if part not in ("", REFERENCE) else model
+        if part in ("", REFERENCE):
+            return model
+        variant = variant_of(part)
+        return model.with_precision(variant.precision) if isinstance(variant, HonestVariant) else model
 
     def where(self, record: Record) -> str:
         return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
@@ -364,17 +396,19 @@ class Attest(Experiment):
         if p.source != "generated" and not record.part:
             return []  # a file's response, or a server's: none of ours
         n = len(p.response_ids or [])
-        variant = HonestVariant.parse(record.part) if record.part else LIVE
+        variant = variant_of(record.part) if record.part else LIVE
         return variant.forwards(prompt, n) if n else None
 
     def planned_forwards(self, assumed: Assumed, options: AttestOptions) -> Planned:
         """The forwards `unit_forwards` counts, on the lengths a plan assumes (each response at its suffix)."""
-        def decoded(u: Any, variant: HonestVariant = LIVE) -> list[int]:
+        honest = options.honest or HONEST
+
+        def decoded(u: Any, variant: Variant = LIVE) -> list[int]:
             return variant.forwards(u.prompt, u.suffix)
 
         return {"": [(u, [] if options.served or assumed.served_by else decoded(u)) for u in assumed.items],
-                **{v.name: [(u, decoded(u, v)) for u in assumed.items] for v in parse_variants(options.honest)},
-                REFERENCE: [(u, [u.prompt + u.suffix - 1] * (1 + len(options.honest))) for u in assumed.items]}
+                **{v.name: [(u, decoded(u, v)) for u in assumed.items] for v in parse_variants(honest)},
+                REFERENCE: [(u, [u.prompt + u.suffix - 1] * (1 + len(honest))) for u in assumed.items]}
 
     def peak_caches(self, stage: StageSection) -> int:
         return 1
@@ -454,8 +488,9 @@ def sides_of(item_id: str, own: AttestStage, recorded: dict[tuple[str, str], Att
     file = served.source == "file"
     engine = "file" if file else own.engine.name if served.source == "server" and own.engine is not None else "hf"
     out = [("served", engine, "file" if file else "live", str(served.precision), tuple(served.response_ids or ()))]
-    variants = [HonestVariant.parse(p) for p in own.honest]
-    out += [(f"honest@{v.name}", "hf", v.construction, v.precision, tuple(recorded[(item_id, v.name)].response_ids or ()))
+    variants = [variant_of(p) for p in own.honest]
+    out += [(f"honest@{v.name}", v.engine if isinstance(v, EngineVariant) else "hf", v.construction,
+             str(recorded[(item_id, v.name)].precision), tuple(recorded[(item_id, v.name)].response_ids or ()))
             for v in variants if (item_id, v.name) in recorded]
     return tuple(out)
 

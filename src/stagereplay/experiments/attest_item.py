@@ -18,7 +18,8 @@ from stagereplay.engine.constructions import reencoded
 from stagereplay.engine.decode import DecodeConfig, Sampler, derive_seed
 from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.seeded import DEFAULT
-from stagereplay.experiments.attest_variants import HonestVariant
+from stagereplay.errors import StageReplayError
+from stagereplay.experiments.attest_variants import EngineVariant, HonestVariant, variant_of
 from stagereplay.experiments.jobs import Job, Params
 from stagereplay.records import arrays
 from stagereplay.records.attested import AttestPayload, AttestSide, Kind, Source
@@ -169,9 +170,16 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
     else:
         if kind == "served" and p.served_model is not None:
             lm = served_lm(lm, p.served_model, p.served_precision or lm.config.precision)
-        variant = HonestVariant.parse(p.which) if kind == "honest" else LIVE
-        response, stop, decoded = serve(lm, prompt, max_new(item, dc), dc, seed, variant, p.seeded)
-        precision = lm.config.precision
+        variant = variant_of(p.which) if kind == "honest" else LIVE
+        if isinstance(variant, EngineVariant):
+            if dc.sample:
+                raise StageReplayError(f"honest variant {variant.name} serves greedy claims only",
+                                       "drop it from --honest for a seeded claim")
+            response, stop, decoded, precision = variant.honesty().serve(lm, variant.settings, prompt,
+                                                                         max_new(item, dc), True)
+        else:
+            response, stop, decoded = serve(lm, prompt, max_new(item, dc), dc, seed, variant, p.seeded)
+            precision = lm.config.precision
         import numpy as np
 
         logprobs = arrays.encode(np.asarray(decoded, dtype=np.float32), "f32")

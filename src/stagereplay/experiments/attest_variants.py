@@ -10,7 +10,11 @@ a precision. A variant's name is its record's part.
     <precision>/batched:<r>   the prompt decoded as one of r concurrent requests for it: every forward has r rows, so
                               the kernels see a batch of r (a server under load)
 
-    HonestVariant.parse(name)          the variant a name spells; refused in one line otherwise
+    <engine>[/<setting>...]   served by a serving engine in this process with its own settings (`EngineVariant`:
+                              llama.cpp for a GGUF claim, `serving.llamacpp`), registered by the engine's module
+
+    variant_of(name)                   the variant a name spells (ours or an engine's); refused in one line otherwise
+    HonestVariant.parse(name)          ours
     variant.forwards(prompt, n)        token counts of the forwards a response of n tokens takes (rows included)
     variant.prefill(lm, prompt, cap)   the cache the variant's server holds after the prompt, and the last logits
     variant.step(lm, cache, t, past)   one decode step on it
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stagereplay.engine.constructions import Chunked
 from stagereplay.errors import StageReplayError
@@ -144,9 +148,83 @@ def _reuse(cache: Any, earlier: Any, k: int) -> None:
                 mine_v[:, :, lo - mine_at : hi - mine_at] = their_v[:, :, lo - their_at : hi - their_at]
 
 
-def parse_variants(names: Sequence[str]) -> tuple[HonestVariant, ...]:
+@dataclass(frozen=True)
+class EngineVariant:
+    """An honest variant served by a serving engine in this process, as the claimed stack serves the model: its
+    engine's family (the name's first segment) and the engine's own settings (`FAMILY/SETTING/SETTING:N`), which
+    the engine's `EngineHonesty` reads. None of its forwards are ours."""
+
+    engine: str
+    settings: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return "/".join((self.engine, *self.settings))
+
+    @property
+    def construction(self) -> str:
+        return "live"
+
+    @property
+    def precision(self) -> str:
+        return "engine"
+
+    def forwards(self, prompt_len: int, response_len: int) -> list[int]:
+        return []
+
+    def honesty(self) -> EngineHonesty:
+        """The engine's way of serving it; refused in one line where no engine serves honest variants by that
+        name."""
+        found = ENGINE_VARIANTS.get(self.engine)
+        if found is None:
+            known = ", ".join(sorted(ENGINE_VARIANTS)) or "none installed"
+            raise StageReplayError(f"honest variant {self.name!r}: no serving engine {self.engine!r} serves honest "
+                                   f"variants here ({known})", f"use {USAGE}, or an engine's variants")
+        found.check(self.settings)
+        return found
+
+
+class EngineHonesty(Protocol):
+    """How a serving engine serves the claimed model as an honest variant (registered by the engine's own module,
+    `register_engine`): its settings checked, and one response decoded."""
+
+    defaults: tuple[str, ...]
+    """The variants (full names) a claim of this engine measures by default."""
+
+    def check(self, settings: tuple[str, ...]) -> None:
+        """Each setting known and in range; else refused in one line."""
+
+    def serve(self, lm: LM, settings: tuple[str, ...], prompt: Sequence[int], limit: int, greedy: bool
+              ) -> tuple[list[int], str, list[float], str]:
+        """The response to `prompt` (at most `limit` tokens, greedy), why it stopped (eos or length), the engine's
+        log-probability of each token (its raw distribution), and the engine's description of what it ran."""
+
+
+ENGINE_VARIANTS: dict[str, EngineHonesty] = {}
+"""Serving engines that serve honest variants, by the family name their variants start with."""
+
+
+def register_engine(family: str, honesty: EngineHonesty) -> None:
+    ENGINE_VARIANTS[family] = honesty
+
+
+Variant = HonestVariant | EngineVariant
+
+
+def variant_of(name: str) -> Variant:
+    """The variant `name` spells: ours (`HonestVariant.parse`) where it starts with a precision, else an engine's
+    (`FAMILY/SETTING...`, its settings checked where the run is prepared: `EngineVariant.honesty`)."""
+    head, *rest = name.split("/")
+    if head in PRECISIONS:
+        return HonestVariant.parse(name)
+    if not head or not all(c.isalnum() or c in ".-_" for c in head) or any(not r for r in rest):
+        raise StageReplayError(f"unknown honest variant {name!r}", f"use {USAGE}, or ENGINE/SETTING (llama.cpp)")
+    return EngineVariant(head, tuple(rest))
+
+
+def parse_variants(names: Sequence[str]) -> tuple[Variant, ...]:
     """Each name's variant, in order; a name given twice is refused."""
-    variants = tuple(HonestVariant.parse(n) for n in names)
+    variants = tuple(variant_of(n) for n in names)
     seen = [v.name for v in variants]
     twice = sorted({n for n in seen if seen.count(n) > 1})
     if twice:
@@ -154,4 +232,5 @@ def parse_variants(names: Sequence[str]) -> tuple[HonestVariant, ...]:
     return variants
 
 
-__all__ = ["PRECISIONS", "HonestVariant", "parse_variants"]
+__all__ = ["ENGINE_VARIANTS", "PRECISIONS", "EngineHonesty", "EngineVariant", "HonestVariant", "Variant",
+           "parse_variants", "register_engine", "variant_of"]

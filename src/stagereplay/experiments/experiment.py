@@ -146,6 +146,8 @@ class Experiment(ABC):
     `numerics.batch` of `runs.inputs.Inputs`; `choice.cross` of the engine choice): its command does not offer them."""
     helps: ClassVar[dict[str, str]] = {}
     """Its command's own help texts of inputs it reads otherwise than the protocol does (dotted as `ignores`)."""
+    defaults: ClassVar[dict[str, Any]] = {}
+    """Its command's own defaults of shared inputs (dotted as `ignores`): attest's reference at fp32."""
     continuations: ClassVar[bool] = True
     """Whether its records hold the protocol's arms (continuations from boundary states, `records.payloads.Arm`:
     a prefix, suffixes, labels and the comparisons between them), which `verify` checks alike for every such

@@ -6,10 +6,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.serving import http, llamacpp, vllm
+from stagereplay.experiments.attest_variants import register_engine
+from stagereplay.serving import http, llamacpp, llamacpp_honest, vllm
 from stagereplay.serving.seam import EngineConfig, EngineKind, options_of
 
 ENGINES: dict[str, EngineKind] = {k.name: k for k in (vllm.VllmKind(), llamacpp.LlamaCppKind(), http.HttpKind())}
+register_engine(llamacpp_honest.FAMILY, llamacpp_honest.LlamaCppHonesty())  # its honest variants of a GGUF claim
 OURS = "hf"
 """Our engine's name where an engine is chosen (`--engine`, `--cross`)."""
 
