@@ -55,7 +55,7 @@ def test_plan_of_a_run_made_from_a_gguf(toy_gguf: Path, tmp_path: Path):
     from_file, from_folder = _invoke(["plan", str(runs["file"])]), _invoke(["plan", str(runs["folder"])])
     assert from_file.output.startswith(f"model {toy_gguf.name}: 4 layers"), from_file.output
     rows = [line for line in from_file.output.splitlines() if line.startswith(("attest/", "audit@"))]
-    assert len(rows) == 4 and rows == [line for line in from_folder.output.splitlines()
+    assert len(rows) == 5 and rows == [line for line in from_folder.output.splitlines()
                                        if line.startswith(("attest/", "audit@"))], from_file.output
 
 

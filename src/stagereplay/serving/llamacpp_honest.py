@@ -15,6 +15,7 @@ response is `LlamaCppEngine.sample` at temperature 0 (its pick and its raw log-p
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -69,14 +70,23 @@ def parse(settings: tuple[str, ...]) -> Setting:
 _LOADED: dict[tuple[Any, ...], LlamaCppEngine] = {}
 
 
+def close() -> None:
+    """The live context closed: at exit, before the interpreter tears down what llama-cpp-python's own finalizer
+    needs (else it prints a traceback)."""
+    for key in list(_LOADED):
+        _LOADED.pop(key).close()
+
+
+atexit.register(close)
+
+
 def _engine(setting: Setting, path: str, threads: int) -> LlamaCppEngine:
     """The context of these settings on `path`; the one before it closed (one context at a time)."""
     from stagereplay.serving.llamacpp import load
 
     key = (setting, path, threads)
     if key not in _LOADED:
-        for old in list(_LOADED):
-            _LOADED.pop(old).close()
+        close()
         _LOADED[key] = load(EngineConfig(FAMILY, setting.options), path, KV, threads, "cpu")
     return _LOADED[key]
 

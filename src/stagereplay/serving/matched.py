@@ -31,6 +31,7 @@ convention (feed P[T-1] as the first decode step over the cache of P[0:T-1]) yie
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -181,6 +182,13 @@ def arms_of(stage: StageSection) -> ServingArms:
 
 # One engine per process, as one model per process in `execution.local`: two precisions load one after the other.
 _ENGINES: dict[tuple[Any, ...], ServingEngine] = {}
+
+
+@atexit.register
+def _close_engines() -> None:
+    """Engines closed at exit, before the interpreter tears down what their own finalizers need."""
+    for key in list(_ENGINES):
+        _ENGINES.pop(key).close()
 
 
 def cached_engine(config: EngineConfig, lm: LM) -> ServingEngine:
