@@ -98,7 +98,13 @@ class LlamaCppHonesty:
 
     def check(self, settings: tuple[str, ...]) -> None:
         parse(settings)
-        require()
+        try:
+            require()
+        except StageReplayError:
+            raise StageReplayError(
+                "the null of a GGUF claim holds llama.cpp's own honest variants, and llama-cpp-python is not installed",
+                "pip install 'stagereplay[llamacpp]' (docs/how-to/llamacpp.md), or claim our engine's numerics "
+                "(--claim-engine hf) with our variants (--honest fp32,...)") from None
 
     def serve(self, lm: LM, settings: tuple[str, ...], prompt: Sequence[int], limit: int, greedy: bool
               ) -> tuple[list[int], str, list[float], str]:
