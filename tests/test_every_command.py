@@ -1,18 +1,18 @@
-"""Every reading command on a run of every registered experiment, a rollout-file mismatch included: export (Parquet
-and CSV), show, report, `audit --verify-only`, audit, compare (against the run itself, and against a run of the same
-experiment on other data: refused only in one line that says why) and plan on the recorded run. Each exits 0 with
-no traceback, and its output names the experiment's own fields (its records' arms or fields, its tables, its
-stage).
+"""Every reading command on a run of every registered experiment, an installed extension's (tests/plugin) and a
+rollout-file mismatch included: export (Parquet and CSV), show, report, `audit --verify-only`, audit, compare
+(against the run itself, and against a run on other data: refused only in one line that says why) and plan on the
+recorded run. Each exits 0 with no traceback, and its output holds the experiment's own fields (its records' arms as
+export rows, its tables in the report, its stage in the plan, and in `show` the item told record by record: every
+arm by name and every line the experiment tells of it, in its own section).
 
-The runs are as small as the toy allows: one run of the protocol (matched on 3 items, which one of them diverges
-within 8 tokens, so the transplant has an item; the 2x2, the bridge, the transplant and resample added to it), a
-generated mismatch run of 2 rollouts of 6 tokens, a rollout file of that run's own tokens, its columns renamed, and an attest
-run of 3 items of 4 tokens (two honest variants).
-Each command runs once per run (`Readings`), and each experiment's own fields are looked for in what it printed.
+Every experiment makes its own smallest run (`Experiment.smallest_run`), with nothing here naming it: one that makes
+runs makes one with its command, and one that extends a run adds its stage to the run its smallest run names
+(matched's, for every stage of the protocol and the plugin's: 3 items, one of which diverges within 8 tokens, so the
+transplant has a pair). Beside them, a rollout file of the generated mismatch run's own tokens, its columns renamed.
+Each command runs once per run (`Readings`).
 
-Controls: an experiment whose reader raises fails the check; an experiment defined in a test module
-(`echo_experiment`) and registered with one line runs from its own command and through every command the same
-way, and unregistered its run is refused by name.
+Controls: an experiment whose reader raises fails the check; a `show` that leaves out an experiment's section, or
+tells another value than its record holds, fails it; an installed extension unregistered has its run refused by name.
 """
 
 from __future__ import annotations
@@ -31,28 +31,20 @@ from typer.testing import CliRunner, Result
 from stagereplay.cli import app
 from stagereplay.experiments import registry
 from stagereplay.experiments.experiment import Experiment
+from stagereplay.experiments.small_run import SmallRun
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, items, read_ledger
 
 runner = CliRunner()
 FIXTURES = Path(__file__).parent / "fixtures"
-PROTOCOL = ["matched", "--n", "3", "--precision", "bf16", "--max-new-tokens", "8"]
-"""The run the protocol's other stages extend: item 2 of the toy diverges at its 7th token in bf16."""
-EXTENSIONS: dict[str, list[str]] = {
-    "precision_2x2": ["precision-2x2", "--precisions", "bf16"],
-    "bridge": ["bridge", "--rows", "1"],
-    "transplant": ["transplant"],
-    "resample": ["resample", "--k", "1", "--n", "1"],
-}
-"""How each experiment that extends a run adds its stage to the protocol run (the smallest stage it makes)."""
-STARTS: dict[str, list[str]] = {
-    "matched": PROTOCOL,
-    "mismatch": ["mismatch", "--n", "2", "--max-new-tokens", "6", "--precisions", "bf16,fp32"],
-    "attest": ["attest", "--n", "3", "--max-new-tokens", "4", "--honest", "bf16,fp32"],
-}
-"""How each experiment that makes a run makes a small one."""
+OTHER_DATA = FIXTURES / "toy_matched"
+"""A run on other data (the toy's 200-item matched run), that each run is compared against."""
 RENAMED = "prompt_ids=pid,response_ids=rid,logprobs=lp,id=key"
 """The rollout file's columns, renamed: the audit must read it with the mapping the run was made with."""
+ROLLOUT_FILE = "mismatch (rollout file)"
+"""The key of the rollout file's run among the runs read."""
+PLUGIN = "tests/plugin"
+"""The extension the README's test command installs: an experiment in a package of its own."""
 
 
 def _ok(result: Result, what: str) -> str:
@@ -61,8 +53,19 @@ def _ok(result: Result, what: str) -> str:
     return result.output
 
 
-def _invoke(args: list[str]) -> Result:
-    return runner.invoke(app, [*args], env={"COLUMNS": "80"})
+def _invoke(args: list[str], columns: int = 80) -> Result:
+    return runner.invoke(app, [*args], env={"COLUMNS": str(columns)})
+
+
+def _small(e: Experiment) -> SmallRun:
+    assert e.smallest_run is not None, (f"{e.name} ({registry.distribution(e.name) or 'registered here'}) gives no "
+                                        "smallest run: set its Experiment.smallest_run")
+    return e.smallest_run
+
+
+def _home(e: Experiment) -> str:
+    """The run that holds `e`'s smallest stage: its own, or the one its smallest run extends."""
+    return (e.smallest_run.extends if e.smallest_run else None) or e.name
 
 
 @dataclass
@@ -99,16 +102,52 @@ def read_all(run: Path, other: Path, work: Path, sample: bool = False) -> Readin
     return read
 
 
+def _sections(shown: str, item: str) -> list[tuple[str, list[str]]]:
+    """`show`'s output cut at its headings (`<item> · ...`): each heading with the lines under it, right-stripped."""
+    out: list[tuple[str, list[str]]] = []
+    for line in shown.splitlines():
+        if line.startswith(f"{item} · "):
+            out.append((line.rstrip(), []))
+        elif out:
+            out[-1][1].append(line.rstrip())
+    return out
+
+
+def show_problems(e: Experiment, item: str, own: list[Record], shown: str) -> list[str]:
+    """What `show` (its output `shown`) leaves out of `e`'s records `own` of `item`, read in `e`'s own section (its
+    story, headed `<item> · <checkpoint>[, <label>] · ...`, or what it tells, headed `<item> · <experiment> ·
+    <checkpoint>`): every arm but a replica by name, and every line `e.told` gives of them. Empty: it tells them."""
+    checkpoints = {r.checkpoint for r in own}
+    told_at = {f"{item} · {e.name} · {c}" for c in checkpoints}
+    story_at = tuple(f"{item} · {c}{', ' + e.label if e.label else ''} · " for c in checkpoints)
+    mine = [(h, lines) for h, lines in _sections(shown, item) if h in told_at or h.startswith(story_at)]
+    if not mine:
+        return [f"show {item}: no section of {e.name}: {shown[-400:]}"]
+    text = "\n".join(line for h, lines in mine for line in (h, *lines))
+    out = []
+    for r in own:
+        arms = [a.name for a in getattr(e.read(r), "arms", None) or [] if not a.name.endswith("#replica")]
+        missing = [a for a in arms if a not in text]
+        if missing:
+            out.append(f"show {item}: {e.where(r)}'s arms {missing} are not in its section: {text[-400:]}")
+    if any(h in told_at for h, _ in mine):
+        lines = {line for _, section in mine for line in section}
+        untold = [line.rstrip() for line in e.told(own) if line.strip() and line.rstrip() not in lines]
+        if untold:
+            out.append(f"show {item}: {e.name} tells {untold} of its records, not in its section: {text[-400:]}")
+    return out
+
+
 def problems(e: Experiment, read: Readings) -> list[str]:
     """What of every command on `read.run` fails for experiment `e`: a command that did not exit 0 (or printed a
-    traceback), or whose output does not name `e`'s own fields. Empty: every command read it. `show` runs here, on
-    the first item `e` recorded."""
+    traceback), or whose output leaves out `e`'s own fields. Empty: every command read it. `show` runs here, on the
+    first item `e` recorded (`show_problems`)."""
     out: list[str] = []
     mine = [r for r in read.records if r.experiment == e.name]
     if not mine:
         return [f"the run holds no {e.name} record"]
     item = mine[0].item_id
-    outputs = {**read.outputs, "show": _invoke(["show", str(read.run), item])}
+    outputs = {**read.outputs, "show": _invoke(["show", str(read.run), item], columns=400)}
     for name, result in outputs.items():
         if name == "compare-other":
             continue
@@ -132,11 +171,7 @@ def problems(e: Experiment, read: Readings) -> list[str]:
         exported = {row["arm"] for row in rows if row["experiment"] == e.name}
         if not exported or not arms <= exported:
             out.append(f"export {fmt}: {e.name}'s arms {sorted(arms - exported)} are not rows")
-    shown = outputs["show"].output
-    own = [p for r, p in zip(mine, payloads, strict=True) if r.item_id == item]
-    names = {a.name for p in own for a in getattr(p, "arms", [])} or {k for p in own for k in type(p).model_fields}
-    if not any(n in shown for n in names):
-        out.append(f"show {item}: names none of {e.name}'s {sorted(names)}: {shown[-400:]}")
+    out += show_problems(e, item, [r for r in mine if r.item_id == item], outputs["show"].output)
     results = json.loads((read.run / "results.json").read_text())
     report = (read.run / "report.md").read_text()
     titles = [t.title for t in e.tables(e.results_of(results.get(e.name)))]
@@ -153,27 +188,23 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def protocol_run(root: Path) -> Path:
-    """The protocol on the toy: matched, then every experiment that extends a run, each with its smallest stage."""
-    run = root / "protocol"
-    _ok(_invoke([*PROTOCOL, "--quiet", "--out", str(run)]), "matched")
-    for name, args in EXTENSIONS.items():
-        _ok(_invoke([args[0], str(run), *args[1:], "--quiet"]), name)
-    return run
+def small_runs(root: Path) -> dict[str, Path]:
+    """Every registered experiment's smallest run, by the name of the experiment that made it: each experiment that
+    makes runs makes its own, then each that extends one adds its stage to the run its smallest run names (in the
+    registry's order). An experiment without a smallest run is left out (the test below names it)."""
+    runs: dict[str, Path] = {}
+    every = [e for e in registry.all_experiments() if e.smallest_run is not None]
+    for e in sorted(every, key=lambda e: not e.starts_run):
+        small = _small(e)
+        run = root / e.name if small.extends is None else runs[small.extends]
+        _ok(_invoke([*small.command_line(e.command, run), "--quiet"]), e.name)
+        runs.setdefault(e.name, run)
+    return runs
 
 
 @pytest.fixture(scope="module")
-def mismatch_run(root: Path) -> Path:
-    run = root / "mismatch"
-    _ok(_invoke([*STARTS["mismatch"], "--quiet", "--out", str(run)]), "mismatch")
-    return run
-
-
-@pytest.fixture(scope="module")
-def attest_run(root: Path) -> Path:
-    run = root / "attest"
-    _ok(_invoke([*STARTS["attest"], "--quiet", "--out", str(run)]), "attest")
-    return run
+def mismatch_run(small_runs: dict[str, Path]) -> Path:
+    return small_runs["mismatch"]
 
 
 @pytest.fixture(scope="module")
@@ -196,45 +227,65 @@ def _file_args(root: Path) -> list[str]:
     return ["mismatch", "--rollouts", str(root / "rollouts.jsonl"), "--columns", RENAMED, "--precisions", "bf16"]
 
 
+def _starting(name: str) -> list[str]:
+    """The command and options of the smallest run of the experiment called `name`, which makes runs."""
+    e = registry.experiment(name)
+    return [e.command, *_small(e).options]
+
+
 @pytest.fixture(scope="module")
-def readings(root: Path, protocol_run: Path, mismatch_run: Path, rollout_file_run: Path, attest_run: Path
-             ) -> dict[str, Readings]:
-    """Every reading command, once per run: the protocol run (against the toy's 200-item matched run: other data; its
-    audit re-executes a unit per stage), the generated mismatch run (against the rollout file's), the rollout
-    file's (against the generated one; its audit re-reads every row through the run's column mapping), and the attest
-    run (against the generated mismatch run)."""
-    runs = {"protocol": (protocol_run, FIXTURES / "toy_matched"), "mismatch": (mismatch_run, rollout_file_run),
-            "mismatch (rollout file)": (rollout_file_run, mismatch_run), "attest": (attest_run, mismatch_run)}
+def readings(root: Path, small_runs: dict[str, Path], rollout_file_run: Path) -> dict[str, Readings]:
+    """Every reading command, once per run: each experiment's that makes runs, by its name, against the toy's 200-item
+    matched run (other data; a run that other experiments extend audits a unit per stage), and the rollout file's
+    against the generated mismatch run (its audit re-reads every row through the run's column mapping)."""
+    extended = {_home(e) for e in registry.all_experiments() if _home(e) != e.name}
+    runs = {name: (run, OTHER_DATA) for name, run in small_runs.items() if registry.experiment(name).starts_run}
+    runs[ROLLOUT_FILE] = (rollout_file_run, small_runs["mismatch"])
     out = {}
     for n, (key, (run, other)) in enumerate(runs.items()):
         work = root / f"read-{n}"
         work.mkdir()
-        out[key] = read_all(run, other, work, sample=key == "protocol")
+        out[key] = read_all(run, other, work, sample=key in extended)
     return out
 
 
 def _cases() -> list[Any]:
     """Every registered experiment, by the run that holds it, and the rollout-file mismatch."""
-    cases = [pytest.param(e.name, "protocol" if e.name in EXTENSIONS or e.name == "matched" else e.name, id=e.name)
-             for e in registry.all_experiments()]
-    return [*cases, pytest.param("mismatch", "mismatch (rollout file)", id="mismatch-rollout-file")]
+    cases = [pytest.param(e.name, _home(e), id=e.name) for e in registry.all_experiments()]
+    return [*cases, pytest.param("mismatch", ROLLOUT_FILE, id="mismatch-rollout-file")]
 
 
-def test_every_registered_experiment_has_a_small_run_here():
-    """A new experiment is read by every command only once the test knows how to make a small run of it."""
-    known = set(EXTENSIONS) | set(STARTS)
-    assert {e.name for e in registry.all_experiments()} <= known, "give the new experiment a small run above"
+def test_every_registered_experiment_gives_its_smallest_run():
+    """A new experiment is read by every command only once it says how to make a small run of it: one that makes runs
+    makes its own, one that extends a run names an experiment that makes them."""
+    for e in registry.all_experiments():
+        small = _small(e)
+        assert e.command, f"{e.name} has no command to make its smallest run with"
+        if e.starts_run:
+            assert small.extends is None, f"{e.name} makes runs: its smallest run extends none"
+        else:
+            assert small.extends is not None and registry.starts_run(small.extends), (
+                f"{e.name} extends a run: its smallest run names the experiment that makes it, not {small.extends!r}")
+
+
+def test_an_experiment_from_outside_stagereplay_is_installed():
+    """The extension under tests/plugin is installed, so the check below reads an outsider's experiment too."""
+    outside = [e.name for e in registry.all_experiments() if registry.distribution(e.name) not in (None, registry.OWN)]
+    assert outside, (f"no experiment from outside stagereplay is installed: pip install -e {PLUGIN} (the README's "
+                     "test command installs it)")
 
 
 @pytest.mark.parametrize(("name", "run"), _cases())
 def test_every_reading_command_reads_the_experiment(name: str, run: str, readings: dict[str, Readings]):
-    assert problems(registry.experiment(name), readings[run]) == []
+    e = registry.experiment(name)
+    _small(e)
+    assert problems(e, readings[run]) == []
 
 
 def test_a_mismatch_run_compares_with_a_file_of_its_own_tokens(readings: dict[str, Readings]):
-    """A generated run and a file of its own tokens compare on the tokens: every rollout is the same, and what
-    differs is where the items came from."""
-    compared = _ok(readings["mismatch"].outputs["compare-other"], "compare")
+    """A rollout file of a generated run's own tokens and the run compare on the tokens: every rollout is the same,
+    and what differs is where the items came from."""
+    compared = _ok(readings[ROLLOUT_FILE].outputs["compare-other"], "compare")
     assert "2/2 (100.0%)" in compared and "config.source" in compared, compared
     tables = [line for line in compared.splitlines() if line[:1] in "┏┃┡│└"]
     assert tables and all(len(line) <= 80 for line in tables), compared
@@ -253,7 +304,7 @@ def test_an_experiment_whose_reader_raises_fails_the_check(readings: dict[str, R
     def broken(self: Experiment, record: Record) -> Any:
         raise ValueError("this reader cannot read")
 
-    read = readings["protocol"]
+    read = readings["matched"]
     work = read.run.parent / "read-broken"
     work.mkdir()
     matched = registry.experiment("matched")
@@ -264,33 +315,49 @@ def test_an_experiment_whose_reader_raises_fails_the_check(readings: dict[str, R
     assert any(p.startswith("export-parquet") for p in found) and any(p.startswith("show") for p in found), found
 
 
-def test_an_experiment_defined_in_a_test_module_is_read_by_every_command(protocol_run: Path, root: Path):
-    """`echo` (tests/echo_experiment.py), registered with one line, runs from its own command into a copy of the
-    protocol run and every reading command reads it; unregistered, its run is refused by name."""
-    import shutil
+def test_a_show_that_leaves_out_a_record_or_tells_another_value_fails_the_check(readings: dict[str, Readings]):
+    """The controls of the `show` check, on the run every stage of the protocol extends: matched's story cut out (its
+    arms' names are still printed, in the stages that carry its arms over), or another experiment's section telling
+    a value its record does not hold (a number of it changed), are each found; the output as printed passes."""
+    read = readings["matched"]
+    item = next(r.item_id for r in read.records if r.kind == "item")
+    shown = _ok(_invoke(["show", str(read.run), item], columns=400), "show")
+    own = {e.name: [r for r in read.records if r.experiment == e.name and r.item_id == item]
+           for e in registry.all_experiments()}
+    told = [e for e in registry.all_experiments() if own[e.name] and any(
+        h == f"{item} · {e.name} · primary" for h, _ in _sections(shown, item))]
+    assert told, shown
+    for e in [registry.experiment("matched"), *told]:
+        assert show_problems(e, item, own[e.name], shown) == [], e.name
+    without = "\n".join(line for h, lines in _sections(shown, item) if not h.startswith(f"{item} · primary · ")
+                        for line in (h, *lines))
+    assert "oneshot" in without and show_problems(registry.experiment("matched"), item, own["matched"], without)
+    for e in told:
+        at = f"{item} · {e.name} · primary"
+        head, body = shown.split(at, 1)
+        lines = body.split("\n")
+        k = next(i for i, line in enumerate(lines) if re.search(r"\d", line))
+        lines[k] = re.sub(r"\d+", lambda m: str(int(m.group()) + 1), lines[k], count=1)
+        found = show_problems(e, item, own[e.name], head + at + "\n".join(lines))
+        assert found and f"{e.name} tells" in found[0], (e.name, found)
 
-    from echo_experiment import Echo
 
-    run = root / "echo"
-    shutil.copytree(protocol_run, run)
-    for leftover in ("audit.json",):
-        (run / leftover).unlink(missing_ok=True)
-    registry.register(Echo())
-    try:
-        help_text = _invoke(["echo", "--help"]).output
-        assert "--echo-tokens" in help_text, help_text
-        _ok(_invoke(["echo", str(run), "--echo-tokens", "2", "--quiet"]), "echo")
-        work = root / "read-echo"
-        work.mkdir()
-        read = read_all(run, FIXTURES / "toy_matched", work)
-        assert problems(registry.experiment("echo"), read) == []
-        item = next(r.item_id for r in read.records if r.experiment == "echo")
-        shown = _invoke(["show", str(run), item]).output
-        assert "echo_length: 2" in shown and "echoed_ids: 2 token IDs" in shown, shown
-    finally:
-        registry.unregister("echo")
-    refused = _invoke(["export", str(run)])
-    assert refused.exit_code == 2 and "unknown experiment 'echo'" in refused.output, refused.output
+def test_an_installed_extension_has_its_command_and_unregistered_its_run_is_refused(
+        readings: dict[str, Readings], monkeypatch: pytest.MonkeyPatch):
+    """Every experiment an installed distribution other than stagereplay declares has its command, with an option
+    per field of its options; without its registry entry, a run that holds its stage is refused by name."""
+    from dataclasses import fields
+
+    outside = [e for e in registry.all_experiments() if registry.distribution(e.name) not in (None, registry.OWN)]
+    assert outside, f"no experiment from outside stagereplay is installed: pip install -e {PLUGIN}"
+    for e in outside:
+        help_text = _invoke([e.command, "--help"], columns=200).output
+        assert all(f"--{f.name.replace('_', '-')}" in help_text for f in fields(e.Options)), help_text
+        run = readings[_home(e)].run
+        with monkeypatch.context() as m:
+            m.delitem(registry.EXPERIMENTS, e.name)
+            refused = _invoke(["export", str(run)])
+        assert refused.exit_code == 2 and f"unknown experiment {e.name!r}" in refused.output, refused.output
 
 
 def _rows(plan: str, name: str) -> list[str]:
@@ -300,7 +367,7 @@ def _rows(plan: str, name: str) -> list[str]:
 def test_a_mismatch_run_is_priced_before_it_runs_as_it_ran(readings: dict[str, Readings], root: Path):
     """`mismatch ... --plan` (a rollout file's included: each response at its own length) prices the forwards, tokens
     and caches that `plan RUN` measures on the run those options made, row for row."""
-    for key, args in (("mismatch", STARTS["mismatch"]), ("mismatch (rollout file)", _file_args(root))):
+    for key, args in (("mismatch", _starting("mismatch")), (ROLLOUT_FILE, _file_args(root))):
         before = _ok(_invoke([*args, "--plan"]), "--plan")
         after = readings[key].outputs["plan"].output
         assert _rows(before, "mismatch") == _rows(after, "mismatch") != [], (before, after)
@@ -338,7 +405,7 @@ def test_a_command_offers_only_the_inputs_its_experiment_uses():
 def test_every_experiment_that_makes_a_run_prices_it_before_it_runs(name: str, tmp_path: Path):
     """`<command> ... --plan` prices the run its options would make, runs nothing and writes nothing."""
     out = tmp_path / "never"
-    planned = _ok(_invoke([*STARTS[name], "--plan", "--out", str(out)]), f"{name} --plan")
+    planned = _ok(_invoke([*_starting(name), "--plan", "--out", str(out)]), f"{name} --plan")
     assert _rows(planned, name) and any(line.startswith("audit@") for line in planned.splitlines()), planned
     assert not out.exists()
 

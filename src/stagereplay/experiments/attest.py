@@ -56,7 +56,15 @@ from stagereplay.experiments.attest_variants import (
     parse_variants,
     variant_of,
 )
-from stagereplay.experiments.experiment import RESPONSE_IGNORES, Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.experiment import (
+    RESPONSE_IGNORES,
+    Assumed,
+    Batch,
+    Experiment,
+    Planned,
+    Replay,
+    SmallRun,
+)
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job
@@ -229,6 +237,8 @@ class Attest(Experiment):
                                "honest engine's rounding is the reference's own"),
     }
     defaults: ClassVar[dict[str, Any]] = {"numerics.precision": "fp32"}
+    smallest_run: ClassVar[SmallRun | None] = SmallRun(("--n", "3", "--max-new-tokens", "4", "--honest",
+                                                        "bf16,fp32"))
 
     def data(self, path: str | None, n: int | None, columns: str | None, options: AttestOptions) -> DataConfig:
         """A file of served outputs is the run's data (its hash bound, its location not)."""

@@ -19,9 +19,10 @@ from stagereplay.engine.lm import LM, NoBoundary
 from stagereplay.errors import FLAGGED, OK, StageReplayError
 from stagereplay.experiments.arms import arm_record, compare, lengths_of, no_boundary
 from stagereplay.experiments.diagnose import diagnose
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, SmallRun
 from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, yes_no
 from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.experiments.matched import fixed_prefixes, matched_ok
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
@@ -193,6 +194,7 @@ class Bridge(Experiment):
     many: ClassVar[bool] = False
     replays_diagnostics: ClassVar[bool] = True
     Summary: ClassVar[type[BaseModel]] = BridgeSummary
+    smallest_run: ClassVar[SmallRun | None] = SmallRun(("--rows", "1"), extends=MATCHED)
 
     def section(self, prepared: PreparedRun, options: BridgeOptions, run: Run) -> StageSection:
         return BridgeStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),

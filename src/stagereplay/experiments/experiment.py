@@ -30,6 +30,8 @@ An experiment declares
                              with other experiments (`experiments.figures`)
     told(records)            one item's story (`stagereplay show`), and `check_other_data` whether two of its runs
                              on other data compare (`stagereplay compare`)
+    smallest_run             the smallest run of it the embedded toy allows (`small_run.SmallRun`): what the test
+                             of every reading command makes of it
 
 and `run(run, prepared, options)` makes its stage of a run the same way for every experiment and engine: the engine
 of the prepared run (`experiments.prepared.RunEngine`: ours, or a serving engine) gives the section, the batches and
@@ -59,6 +61,7 @@ from stagereplay.experiments.figures import ReportFigure, SharedFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Batch, Job, JobResult, Replay, with_environment
 from stagereplay.experiments.prepared import PreparedRun
+from stagereplay.experiments.small_run import SmallRun
 from stagereplay.experiments.verdict import Fact, Question
 from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run
@@ -75,7 +78,7 @@ if TYPE_CHECKING:
     from stagereplay.records.differences import Differences
     from stagereplay.tasks import DataConfig, Item
 
-__all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "append_jobs"]
+__all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "SmallRun", "append_jobs"]
 
 Planned = dict[str, list[tuple[Lengths, list[int]]]]
 """The forwards a stage would make, per part of its units ('' or a precision), unit by unit: (its assumed lengths,
@@ -164,6 +167,9 @@ class Experiment(ABC):
     """Whether its records hold the matched run's prefix of the item (`verify` checks that they do)."""
     replays_diagnostics: ClassVar[bool] = False
     """Whether its diagnostics decode an arm again to a pair's first divergent step (`plan.recorded`)."""
+    smallest_run: ClassVar[SmallRun | None] = None
+    """The smallest run of it the embedded toy allows, as its command's options (`small_run.SmallRun`): what the test
+    of every reading command makes of it; None: it gives none, and that test names it."""
 
     # -- its section of results.json ------------------------------------------------------------------------
 

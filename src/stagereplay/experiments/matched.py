@@ -30,7 +30,7 @@ from stagereplay.experiments.arms import (
 )
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.diagnostics_summary import Diagnosed
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, SmallRun
 from stagereplay.experiments.figures import DIVERGENCE, SharedFigure, Strip
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
@@ -229,6 +229,8 @@ class Matched(Experiment):
     starts_run: ClassVar[bool] = True
     replays_diagnostics: ClassVar[bool] = True
     Summary: ClassVar[type[BaseModel]] = MatchedSummary
+    smallest_run: ClassVar[SmallRun | None] = SmallRun(("--n", "3", "--precision", "bf16", "--max-new-tokens", "8"))
+    """3 items of 8 tokens: the toy's third item diverges within them in bf16, so a transplant of the run has a pair."""
 
     def check(self, model: ModelConfig, options: MatchedOptions) -> None:
         generated = options.generated()

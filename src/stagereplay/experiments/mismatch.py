@@ -38,7 +38,15 @@ from stagereplay.engine.lm import ids_fingerprint
 from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import LAYOUTS, MODES, Layout, Mode, Scored
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.experiment import RESPONSE_IGNORES, Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.experiment import (
+    RESPONSE_IGNORES,
+    Assumed,
+    Batch,
+    Experiment,
+    Planned,
+    Replay,
+    SmallRun,
+)
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, ReplaySettings
@@ -164,6 +172,8 @@ class Mismatch(Experiment):
     uses_boundary: ClassVar[bool] = False
     continuations: ClassVar[bool] = False
     label: ClassVar[str] = "mismatch"
+    smallest_run: ClassVar[SmallRun | None] = SmallRun(("--n", "2", "--max-new-tokens", "6", "--precisions",
+                                                        "bf16,fp32"))
     ignores: ClassVar[frozenset[str]] = RESPONSE_IGNORES
     helps: ClassVar[dict[str, str]] = {
         "decode.max_new_tokens": "response length limit: tokens each rollout generates after its prompt",

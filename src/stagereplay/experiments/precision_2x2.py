@@ -23,7 +23,7 @@ from stagereplay.experiments.arms import (
 )
 from stagereplay.experiments.diagnose import diagnose
 from stagereplay.experiments.diagnostics_summary import Diagnosed
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, SmallRun
 from stagereplay.experiments.figures import DIVERGENCE, SharedFigure, Strip
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params, ReplaySettings
@@ -254,6 +254,7 @@ class PrecisionGrid(Experiment):
     fixed_prefix: ClassVar[bool] = True
     replays_diagnostics: ClassVar[bool] = True
     Summary: ClassVar[type[BaseModel]] = GridSummary
+    smallest_run: ClassVar[SmallRun | None] = SmallRun(("--precisions", "bf16"), extends=MATCHED)
 
     def check(self, model: ModelConfig, options: GridOptions) -> None:
         check_fixed_constructions(options.constructions or DEFAULT_CONSTRUCTIONS)

@@ -33,10 +33,11 @@ from stagereplay.engine.lm import LM, BoundaryState, NoBoundary
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import lengths_of
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, SmallRun
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.matched import EXPERIMENT as MATCHED
 from stagereplay.experiments.matched import fixed_prefixes
 from stagereplay.experiments.precision_2x2 import fixed_state
 from stagereplay.experiments.resample_summary import (
@@ -205,6 +206,7 @@ class Resample(Experiment):
     label: ClassVar[str] = "resample"
     fixed_prefix: ClassVar[bool] = True
     per_precision: ClassVar[bool] = True
+    smallest_run: ClassVar[SmallRun | None] = SmallRun(("--k", "1", "--n", "1"), extends=MATCHED)
 
     def check(self, model: ModelConfig, options: ResampleConfig) -> None:
         for p in options.precisions:

@@ -18,7 +18,7 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.transplant import TransplantSpec, parse_layers, parse_positions, transplant
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.arms import arm_record, carried_arm, lengths_of, matched_arms
-from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay
+from stagereplay.experiments.experiment import Assumed, Batch, Experiment, Planned, Replay, SmallRun
 from stagereplay.experiments.figures import ReportFigure
 from stagereplay.experiments.format import Table
 from stagereplay.experiments.jobs import Job, Params
@@ -288,6 +288,8 @@ class Transplant(Experiment):
     command: ClassVar[str] = "transplant"
     label: ClassVar[str] = "transplant"
     fixed_prefix: ClassVar[bool] = True
+    smallest_run: ClassVar[SmallRun | None] = SmallRun(extends=MATCHED)
+    """Every divergent pair of the smallest matched run: it has one."""
 
     def check(self, model: ModelConfig, options: TransplantConfig) -> None:
         from stagereplay.engine.model import load_config_and_tokenizer
