@@ -12,7 +12,7 @@ INTRO = """# Commands
 
 Every command and option of `stagereplay`, generated from the command-line interface itself when this site is
 built (`docs/hooks/cli_reference.py`). Each command also prints its own `--help`. A bad value of any option is
-one line, `error: <problem>; <fix>`, and exit code 2 ([bad input](errors.md)).
+one line, `error: <problem>; <fix>`, and exit code 2 ([exit codes and bad input](errors.md)).
 """
 
 
@@ -34,6 +34,15 @@ def _commands(group: Any, ctx: Any) -> list[tuple[Any, Any]]:
     return out
 
 
+def _others() -> set[str]:
+    """The commands of experiments another distribution installed (a plugin, the tests' own): not this project's
+    reference."""
+    from stagereplay.experiments import registry
+
+    return {e.command for e in registry.all_experiments()
+            if registry.distribution(e.name) not in (None, "stagereplay")}
+
+
 def cli_markdown(app: Any = None) -> str:
     """The reference page for `app` (default: `stagereplay.cli.app`)."""
     import typer.main
@@ -43,7 +52,7 @@ def cli_markdown(app: Any = None) -> str:
     root = typer.main.get_command(app)
     ctx = root.context_class(root, info_name="stagereplay")
     lines = [INTRO]
-    leaves = _commands(root, ctx)
+    leaves = [(c, sub) for c, sub in _commands(root, ctx) if sub.info_name not in _others()]
     lines += ["| command | what it does |", "| --- | --- |"]
     for command, sub in leaves:
         anchor = sub.command_path.replace(" ", "-")
