@@ -166,8 +166,6 @@ class AttestSummary(_Frozen):
     heldout_reachable: bool = Field(description="a single honest response can be flagged at all against nulls of "
                                                 "this many calibration prompts (`attest_stats.p_floor`); false: the "
                                                 "held-out check could not fire, and checked nothing")
-    samples: str | None = Field(None, description="a greedy claim whose served tokens look sampled: the finding in "
-                                                  "words (null: they do not)")
     evidence: list[Evidence] = Field(default_factory=list, description="the served tokens that weigh most on the "
                                                                        "primary statistic, largest first")
     logprobs_used: bool = Field(description="the server gave a log-probability for every served token, and the "
@@ -296,7 +294,6 @@ def summarize_attest(records: list[Record], stage: Any, checkpoint: str) -> Atte
         null_tokens=d.null_tokens, calibration=calibration, nearest=[(n, float(x)) for n, x in near],
         beyond_honest=bool(beyond), difr=_difr(served), honest_fpr=(flags, total), heldout_prompts=len(fractions),
         heldout_rate=rate, heldout_interval=(lo, hi), heldout_reachable=heldout_reachable,
-        samples=looks_sampled(served) if result != "consistent" and not stage.settings.decode.sample else None,
         evidence=evidence(ids, served, {i: decoded.get((i, "")) for i in ids}), logprobs_used=use_logprobs,
         variants=rows, null_quantiles=[float(q) for q in np.quantile(null_stats, np.linspace(0, 1, QUANTILES))],
         power_by_tokens=[PowerPoint(tokens=int(t), auc=float(a), power=float(w))
@@ -321,30 +318,6 @@ def fractional_wilson(rate: float, n: int, z: float = 1.959963984540054) -> tupl
     center = (rate + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, center - half), min(1.0, center + half)
-
-
-SAMPLED_RATIO = 0.5
-"""A greedy claim's served tokens look sampled when at least this share of the tokens off the reference's argmax that
-sampling the reference at temperature 1 would give are off it (and at least `SAMPLED_MIN` are)."""
-SAMPLED_MIN = 5
-
-
-def looks_sampled(served: list[AttestSide]) -> str | None:
-    """Under a greedy claim: do the served tokens leave the reference's argmax as often as a draw from it would? The
-    expected count is sum(1 - p_max) over tokens, p_max = exp(logprob + margin) the reference's top probability; a
-    substituted model leaves the argmax mostly at near-ties, far less often."""
-    if not served:
-        return None
-    logprob = np.concatenate([arrays.decode(s.logprobs).astype(np.float64) for s in served])
-    margin = np.concatenate([arrays.decode(s.margin).astype(np.float64) for s in served])
-    match = np.concatenate([arrays.decode(s.match) for s in served]).astype(bool)
-    off = int((~match).sum())
-    expected = float((1 - np.exp(np.minimum(logprob + margin, 0.0))).sum())
-    if off < SAMPLED_MIN or expected <= 0 or off < SAMPLED_RATIO * expected:
-        return None
-    return (f"the server samples: {off} served tokens are off the reference's argmax, where sampling the reference at "
-            f"temperature 1 would leave it {expected:.0f} times and a substituted model far fewer; attest the sampled "
-            "claim (--sample with the server's --temperature)")
 
 
 EVIDENCE = 10

@@ -77,7 +77,6 @@ def attest_tables(s: AttestSummary) -> list[Table]:
             ["honest variants by distance from the served run", near_words(s) if s.beyond_honest else
              ", ".join(f"{n} ({_g(d)})" for n, d in s.nearest[:3]) or NA],
             ["honest held-out flagged, by prompt", heldout_words(s)],
-            *([["the server samples?", s.samples]] if s.samples else []),
             ["prompts the claimed tokenizer would not make", NA if s.prompts_not_reencoded is None else
              k_of_n(len(s.prompts_not_reencoded), s.items)],
             ["Token-DiFR exact_match_rate", f"{s.difr.get('exact_match_rate', 0.0):.4f}"],
@@ -129,8 +128,6 @@ def attest_verdict(s: AttestSummary) -> list[Fact]:
     why = "".join(f"; inconclusive because {b.reason} ({b.fix})" for b in s.blockers)
     facts = [Fact(ATTESTED, f"{_answer(s)}: {decision_line(s)}; {heldout_words(s)}{why}",
                   holds=None if s.outcome == "inconclusive" else s.outcome == "consistent")]
-    if s.samples:
-        facts.append(Fact(ATTESTED, s.samples))
     if s.prompts_not_reencoded:
         facts.append(Fact(ATTESTED, f"{k_of_n(len(s.prompts_not_reencoded), s.items)} served prompts are not what the "
                                     "claimed model's tokenizer makes of their text (first: item "
