@@ -1,5 +1,5 @@
 """Is the server running the claimed model? The embedded toy as the claimed model, its honest variants as the null
-and substitutions against it, scored by `engine.reference` and decided by `experiments.attest_stats`.
+and substitutions against it, scored by `engine.reference` and decided by `experiments.attest.stats`.
 
     python bench/attest.py                                    # 160 toy prompts, 48 tokens each, CPU
     python bench/attest.py --n 60 --max-new-tokens 32         # a quicker look
@@ -40,7 +40,7 @@ ALPHA = 0.01
 def serve(lm: Any, prompt: list[int], max_new: int, decode: Any, seed: int) -> list[int]:
     """What an honest server running `lm` serves: the experiment's own live decode (`attest_item.serve`), greedy or
     vLLM's seeded pick."""
-    from stagereplay.experiments.attest_item import serve as served
+    from stagereplay.experiments.attest.item import serve as served
 
     return served(lm, prompt, max_new, decode, seed)[0]
 
@@ -60,7 +60,7 @@ def main() -> None:
     from stagereplay.engine.decode import DecodeConfig, derive_seed
     from stagereplay.engine.lm import load
     from stagereplay.engine.reference import reference_scores
-    from stagereplay.experiments.stats import wilson_interval
+    from stagereplay.experiments.core.stats import wilson_interval
     from stagereplay.tasks.toy import HELDOUT_SEED, toy_items
     from stagereplay.toy import toy_checkpoint
 

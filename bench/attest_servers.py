@@ -67,7 +67,7 @@ from common import (
     stop_server,
 )
 
-from stagereplay.experiments.attest import HONEST as OURS
+from stagereplay.experiments.attest.experiment import HONEST as OURS
 
 ALPHA = 0.01
 CONCURRENT = 4
@@ -176,9 +176,9 @@ def main() -> None:
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import load
     from stagereplay.engine.reference import reference_scores
-    from stagereplay.experiments.attest_item import serve
-    from stagereplay.experiments.attest_variants import HonestVariant
-    from stagereplay.experiments.stats import wilson_interval
+    from stagereplay.experiments.attest.item import serve
+    from stagereplay.experiments.attest.variants import HonestVariant
+    from stagereplay.experiments.core.stats import wilson_interval
     from stagereplay.serving.http import HttpOptions
     from stagereplay.serving.http import load as http_engine
     from stagereplay.serving.seam import EngineConfig

@@ -482,7 +482,7 @@ def attest_rows(variants: dict[str, AttestVariant], half: int, draws: int, alpha
     rate of the per-item decision at `alpha` (Wilson interval); for a substitution the AUC against the null at runs of
     t tokens and the tokens needed for 99% power. Returns the rows, [flagged, decided] of the honest variants, and
     the null's size."""
-    from stagereplay.experiments.attest_stats import (
+    from stagereplay.experiments.attest.stats import (
         Items,
         curve,
         decide,
@@ -490,7 +490,7 @@ def attest_rows(variants: dict[str, AttestVariant], half: int, draws: int, alpha
         run_statistic,
         tokens_for_power,
     )
-    from stagereplay.experiments.stats import wilson_interval
+    from stagereplay.experiments.core.stats import wilson_interval
 
     null = Items.of([s for v in variants.values() if v.honest for s in v.scores[:half]])
     print(f"\n{title}null: {len(null)} items, {null.tokens} tokens (calibration prompts, honest variants pooled); "

@@ -70,7 +70,7 @@ class Clock:
 def instrument(clock: Clock, streamed: list[int]) -> None:
     """Time forwards, fingerprints, clones, ledger writes and the item loop; count bytes sent to the hasher."""
     from stagereplay.engine import cache, decode, lm, prover
-    from stagereplay.experiments import experiment
+    from stagereplay.experiments.core import experiment
     from stagereplay.records import ledger
 
     clock.wrap(decode.Stepper, "forward", "forwards")

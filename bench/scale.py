@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.model import ModelConfig
     from stagereplay.execution.local import cached_lm
-    from stagereplay.experiments import matched as matched_module
+    from stagereplay.experiments.protocol import matched as matched_module
     from stagereplay.runs import Inputs, matched
 
     caches, logits = CacheCount(), LogitsKept()

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.engine.lm import ids_fingerprint
-from stagereplay.experiments.arms import comparison
+from stagereplay.experiments.protocol.arms import comparison
 from stagereplay.records.ledger import Record, canonical_json, items, read_manifest
 from stagereplay.records.manifest import bound_stage, chain_start
 from stagereplay.report.results import build_results
@@ -67,7 +67,7 @@ def carry_over(chain: list[Record], k: int) -> None:
     """After editing the matched record `chain[k]`, edit the copies too: every 2x2 or transplant arm that carries
     one of its arms over (`same_as`) gets that arm's fields, and what follows from the arms is recomputed (a 2x2's
     comparisons, a transplant's outcomes), as a careful forger would."""
-    from stagereplay.experiments.transplant import followed
+    from stagereplay.experiments.protocol.transplant import followed
 
     source = chain[k]
     arms = {f"{source.experiment}/{source.checkpoint}:{a['name']}": a for a in source.payload.get("arms", [])}

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from stagereplay.cli import app
-from stagereplay.experiments.attest import calibration_split
+from stagereplay.experiments.attest.experiment import calibration_split
 from stagereplay.records import arrays
 from stagereplay.records.ledger import items, read_ledger
 

@@ -14,8 +14,8 @@ from typer.testing import CliRunner, Result
 from stagereplay.cli import app
 from stagereplay.engine.model import load_config_and_tokenizer
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments import registry
-from stagereplay.experiments.attest_item import AttestParams
+from stagereplay.experiments.attest.item import AttestParams
+from stagereplay.experiments.core import registry
 from stagereplay.records import arrays
 from stagereplay.records.ledger import items, read_ledger
 from stagereplay.serving.attest import ServedAttestParams, served_params, token_ids

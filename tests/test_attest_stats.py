@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stagereplay.experiments.attest_stats import (
+from stagereplay.experiments.attest.stats import (
     Items,
     auc,
     curve,
@@ -115,7 +115,7 @@ def test_bad_scores_are_refused():
         Items.of([[0.0], []])
 
 
-@pytest.mark.parametrize(("module", "torch_expected"), [("stagereplay.experiments.attest_stats", False),
+@pytest.mark.parametrize(("module", "torch_expected"), [("stagereplay.experiments.attest.stats", False),
                                                         ("torch", True)])
 def test_the_decision_imports_no_torch(module, torch_expected):
     """attest_stats is numpy only (a report or a planner may read decisions where torch is absent); the second case is

@@ -1,4 +1,4 @@
-"""Attest's honest variants (experiments.attest_variants): each name parses to itself and no other spelling is taken;
+"""Attest's honest variants (experiments.attest.variants): each name parses to itself and no other spelling is taken;
 each variant's server makes exactly the forwards it says (spans, positions, rows) and `forwards` counts them; a
 reused prefix takes the earlier request's K/V rows where its cache still holds them; a run records each variant as a
 part and scores it as a side with its construction."""
@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from stagereplay.cli import app
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.attest_item import serve
-from stagereplay.experiments.attest_variants import HonestVariant, _reuse, parse_variants
+from stagereplay.experiments.attest.item import serve
+from stagereplay.experiments.attest.variants import HonestVariant, _reuse, parse_variants
 from stagereplay.records.ledger import items, read_ledger
 from stagereplay.toy import toy_checkpoint
 from tests.tiny import save_window_model

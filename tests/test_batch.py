@@ -285,8 +285,8 @@ def _every_stage(out: Path, model: Path, data: Path, precision: str) -> dict[str
     precisions), each stage following the run's recorded batch: every item record's payload."""
     from stagereplay.engine.boundary import After
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.experiments.resample import ResampleConfig
-    from stagereplay.experiments.transplant import TransplantConfig
+    from stagereplay.experiments.protocol.resample import ResampleConfig
+    from stagereplay.experiments.protocol.transplant import TransplantConfig
     from stagereplay.runs import BridgeOptions, Inputs, bridge, matched, precision_2x2, resample, transplant
 
     matched(out, Inputs.of(model=str(model), data=str(data), boundary=After(6), decode=DecodeConfig(max_new_tokens=10),

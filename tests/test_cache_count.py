@@ -80,8 +80,8 @@ def counting_caches() -> Iterator[Count]:
 def _jobs(lm: Any) -> dict[str, tuple[Any, Any]]:
     """One toy item's job for each experiment (the matched prefix computed first, uncounted)."""
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.experiments import bridge, matched, precision_2x2, resample, transplant
-    from stagereplay.experiments.jobs import Job, ReplaySettings
+    from stagereplay.experiments.core.jobs import Job, ReplaySettings
+    from stagereplay.experiments.protocol import bridge, matched, precision_2x2, resample, transplant
     from stagereplay.tasks import DataConfig, load_items
 
     item = load_items(DataConfig(n=1), lm.tokenizer)[0][0]

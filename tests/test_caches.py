@@ -252,7 +252,7 @@ def test_spans_from_the_config_are_the_spans_the_cache_holds(tiny_dir, arch):
 
 def test_transplant_positions_outside_every_window_are_refused_before_the_stage(tiny_dir):
     from stagereplay.engine.model import ModelConfig
-    from stagereplay.experiments.transplant import TransplantConfig, check_selection
+    from stagereplay.experiments.protocol.transplant import TransplantConfig, check_selection
 
     prefixes = [list(range(60)), list(range(45))]
     mistral, gemma = ModelConfig(str(tiny_dir("mistral-sw"))), ModelConfig(str(tiny_dir("gemma2")))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from stagereplay.engine.steps import StepRecord
-from stagereplay.experiments.stats import first_divergence
+from stagereplay.experiments.core.stats import first_divergence
 
 # --- the reference: the code that kept every step's logits (verbatim but for names) ----------------------
 
@@ -64,7 +64,7 @@ def reference_logit_comparison(a: torch.Tensor, b: torch.Tensor, divergence: int
 def reference_diagnose(arms: dict[str, Any], pairs: Iterable[tuple[str, str]],
                        cache_pairs: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
     from stagereplay.engine.diagnostics import cache_difference
-    from stagereplay.experiments.diagnose import pair_key
+    from stagereplay.experiments.protocol.diagnose import pair_key
 
     with torch.inference_mode():
         logits = {name: reference_stack_logits(cont.record.all) for name, (_, cont) in arms.items()
@@ -130,8 +130,8 @@ def _checked(monkeypatch: pytest.MonkeyPatch, module: Any, seen: list[tuple[str,
 def test_matched_2x2_and_bridge_diagnostics_equal_the_full_logits_ones(toy, monkeypatch):
     from stagereplay.engine import lm as lm_module
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.experiments import bridge, matched, precision_2x2
-    from stagereplay.experiments.jobs import Job, ReplaySettings
+    from stagereplay.experiments.core.jobs import Job, ReplaySettings
+    from stagereplay.experiments.protocol import bridge, matched, precision_2x2
 
     lm, items = toy
     monkeypatch.setattr(lm_module, "StepRecord", KeepAll)
@@ -173,7 +173,7 @@ PAIRS = [("a", "b"), ("a", "c"), ("b", "c")]
 def test_a_forced_divergence_watched_and_replayed_equals_the_full_logits_one(monkeypatch):
     from stagereplay.engine import lm as lm_module
     from stagereplay.engine.lm import load
-    from stagereplay.experiments.diagnose import diagnose
+    from stagereplay.experiments.protocol.diagnose import diagnose
     from stagereplay.tasks import DataConfig, load_items
     from stagereplay.toy import toy_checkpoint
 
@@ -188,7 +188,7 @@ def test_a_forced_divergence_watched_and_replayed_equals_the_full_logits_one(mon
     assert sorted(arms["b"][1].record.full) == [0, first_divergence(arms["a"][1].suffix, arms["b"][1].suffix)]
 
     # Negative control: a replay that reads the step before the divergent one is caught.
-    from stagereplay.experiments import diagnose as diagnose_module
+    from stagereplay.experiments.protocol import diagnose as diagnose_module
 
     real = diagnose_module.replay_logits
     def wrong(record: StepRecord, cache: Any, prefix: Any, suffix: Any, step: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from stagereplay.errors import REFUSED, StageReplayError
-from stagereplay.experiments import registry
+from stagereplay.experiments.core import registry
 
 FAKE = "stagereplay-fake"
 
@@ -52,8 +52,8 @@ def test_an_extensions_entry_point_is_loaded_after_stagereplays_own(tmp_path: Pa
 @pytest.mark.parametrize(("line", "says"), [
     ("broken = stagereplay_no_such_module:Broken", "does not load (ModuleNotFoundError: No module named"),
     ("dumps = json:dumps", "not an Experiment subclass"),
-    ("other = stagereplay.experiments.bridge:Bridge", "names the experiment 'bridge'"),
-    ("matched = stagereplay.experiments.matched:Matched", f"declared by {registry.OWN} and by {FAKE}"),
+    ("other = stagereplay.experiments.protocol.bridge:Bridge", "names the experiment 'bridge'"),
+    ("matched = stagereplay.experiments.protocol.matched:Matched", f"declared by {registry.OWN} and by {FAKE}"),
 ], ids=["does-not-load", "not-an-experiment", "another-name", "declared-twice"])
 def test_a_bad_entry_point_is_refused_in_one_line_naming_its_distribution(line: str, says: str, tmp_path: Path):
     with pytest.raises(StageReplayError) as refused:

@@ -29,9 +29,9 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from stagereplay.cli import app
-from stagereplay.experiments import registry
-from stagereplay.experiments.experiment import Experiment
-from stagereplay.experiments.small_run import SmallRun
+from stagereplay.experiments.core import registry
+from stagereplay.experiments.core.experiment import Experiment
+from stagereplay.experiments.core.small_run import SmallRun
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, items, read_ledger
 

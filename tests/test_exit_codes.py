@@ -58,7 +58,7 @@ COMMAND_PATHS = sorted(_leaves(typer.main.get_command(app)))
 
 
 def _crash_at(path: str) -> tuple[str, str, list[str]] | None:
-    from stagereplay.experiments.registry import all_experiments
+    from stagereplay.experiments.core.registry import all_experiments
 
     for e in all_experiments():
         if e.command == path:

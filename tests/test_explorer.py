@@ -14,7 +14,7 @@ from test_report import _run_chromium
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
-from stagereplay.experiments.stats import first_divergence
+from stagereplay.experiments.core.stats import first_divergence
 from stagereplay.records.ledger import Record, canonical_json, read_ledger
 from stagereplay.report.render import write_report
 from stagereplay.report.results import Results

@@ -28,8 +28,8 @@ from typer.testing import CliRunner, Result
 from stagereplay.cli import app
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.errors import REFUSED, StageReplayError
-from stagereplay.experiments.attest_item import item_seed
-from stagereplay.experiments.mismatch_item import RolloutEngine, row_decode
+from stagereplay.experiments.attest.item import item_seed
+from stagereplay.experiments.mismatch.item import RolloutEngine, row_decode
 from stagereplay.records import arrays
 from stagereplay.records.ledger import items, read_ledger
 from stagereplay.tasks import DataConfig

@@ -29,8 +29,8 @@ from stagereplay.cli import app
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import load
 from stagereplay.engine.scoring import chosen, rollout, score_incremental, score_oneshot
-from stagereplay.experiments.mismatch_stats import Pair, metrics
-from stagereplay.experiments.mismatch_summary import MismatchSummary
+from stagereplay.experiments.mismatch.stats import Pair, metrics
+from stagereplay.experiments.mismatch.summary import MismatchSummary
 from stagereplay.records import arrays
 from stagereplay.records.ledger import items, read_ledger
 
@@ -297,8 +297,8 @@ def test_part_one_on_a_serving_engine_is_the_same_skeleton_as_on_ours(tiny_dir):
     bit for bit and in the same order, with its name on the arms it computed (control: another seed draws another
     rollout)."""
     from stagereplay.engine.decode import derive_seed
-    from stagereplay.experiments.jobs import Job, ReplaySettings
-    from stagereplay.experiments.mismatch_item import MismatchParams, mismatch_item, rollout_part
+    from stagereplay.experiments.core.jobs import Job, ReplaySettings
+    from stagereplay.experiments.mismatch.item import MismatchParams, mismatch_item, rollout_part
     from stagereplay.serving.mismatch import ServedEngine
     from stagereplay.serving.seam import Generation, PromptScores, Samples, Sampling, ScoresPrompt
     from stagereplay.tasks.base import Item
@@ -358,7 +358,7 @@ def test_the_verdict_tells_the_toys_gap_from_rollouts_scored_with_another_tokeni
     """The toy's rollouts read 'not bit for bit, negligible'; the same rows with every token ID mapped to another
     valid one (another tokenizer's IDs, the file's log-probabilities kept) read 'wrong model', their sequence
     weights named as clamped."""
-    from stagereplay.experiments.mismatch_verdict import mismatch_verdict
+    from stagereplay.experiments.mismatch.verdict import mismatch_verdict
 
     def seen(run):
         return next(f.phrase for f in mismatch_verdict(_section(run)) if f.question.key == "trainer sees rollout")

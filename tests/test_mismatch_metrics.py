@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 from stagereplay import mismatch_metrics
-from stagereplay.experiments.mismatch_fields import MismatchMetrics
-from stagereplay.experiments.mismatch_stats import (
+from stagereplay.experiments.core.stats import paired_bootstrap_ci
+from stagereplay.experiments.mismatch.fields import MismatchMetrics
+from stagereplay.experiments.mismatch.stats import (
     INTERVALS,
     Padded,
     Pair,
@@ -35,9 +36,8 @@ from stagereplay.experiments.mismatch_stats import (
     parts,
     summarize_pairs,
 )
-from stagereplay.experiments.mismatch_summary import Band, Intervals, MismatchSummary, PairSummary
-from stagereplay.experiments.mismatch_verdict import mismatch_verdict
-from stagereplay.experiments.stats import paired_bootstrap_ci
+from stagereplay.experiments.mismatch.summary import Band, Intervals, MismatchSummary, PairSummary
+from stagereplay.experiments.mismatch.verdict import mismatch_verdict
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference" / "mismatch-metrics.md"
 
@@ -200,7 +200,7 @@ def test_the_module_imports_no_torch():
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
             == "True"
 
-    assert not imports_torch("stagereplay.experiments.mismatch_metrics")
+    assert not imports_torch("stagereplay.experiments.mismatch.metrics")
     assert imports_torch("torch")  # control: the check sees torch where it is imported
 
 

@@ -14,10 +14,11 @@ from pydantic import Field, ValidationError
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
-from stagereplay.experiments import bridge, matched, precision_2x2, registry, resample, transplant
-from stagereplay.records import payload_doc, payload_readers, payloads
+from stagereplay.experiments.core import payload_doc, registry
+from stagereplay.experiments.core.payload_doc import generated_section, markdown
+from stagereplay.experiments.protocol import bridge, matched, precision_2x2, resample, transplant
+from stagereplay.records import payload_readers, payloads
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
-from stagereplay.records.payload_doc import generated_section, markdown
 from stagereplay.records.record import canonical_json
 
 ROOT = Path(__file__).parents[1]
@@ -173,8 +174,8 @@ def _page_shows(models: tuple[type[payloads.PayloadModel], ...]) -> bool:
 
 
 def test_the_schema_page_shows_what_the_models_give():
-    assert _page_shows(payload_doc.MODELS), ("docs/ledger-schema.md's tables differ from the models: run "
-                                          "`python -m stagereplay.records.payload_doc --write docs/ledger-schema.md`")
+    assert _page_shows(payload_doc.models()), ("docs/ledger-schema.md's tables differ from the models: run "
+                                          "`python -m stagereplay.experiments.core.payload_doc --write docs/ledger-schema.md`")
 
 
 def test_a_model_with_one_more_field_is_not_what_the_page_shows():
@@ -184,7 +185,7 @@ def test_a_model_with_one_more_field_is_not_what_the_page_shows():
         __doc__ = payloads.Arm.__doc__
         calibrated: bool = Field(description="a field the page does not show")
 
-    wider = tuple(Arm if m is payloads.Arm else m for m in payload_doc.MODELS)
+    wider = tuple(Arm if m is payloads.Arm else m for m in payload_doc.models())
     assert not _page_shows(wider)
     assert markdown(wider).replace("| `calibrated` | `bool` | yes | a field the page does not show |\n", "") == \
-        markdown(payload_doc.MODELS)  # that row is the only difference
+        markdown(payload_doc.models())  # that row is the only difference

@@ -16,9 +16,9 @@ from stagereplay.engine import decode
 from stagereplay.engine.boundary import After
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.forwards import construct_forwards
-from stagereplay.experiments import precision_2x2
-from stagereplay.experiments.arms import lengths_of
-from stagereplay.experiments.precision_2x2 import grid_lengths
+from stagereplay.experiments.core.lengths import lengths_of
+from stagereplay.experiments.protocol import precision_2x2
+from stagereplay.experiments.protocol.precision_2x2 import grid_lengths
 from stagereplay.plan.recorded import plan_run
 from stagereplay.records.ledger import items, read_ledger
 
@@ -101,7 +101,7 @@ def test_plan_of_a_run_counts_exactly_the_forwards_it_made(counted_run):
 
 
 def test_the_plan_before_a_run_has_the_stages_the_run_made(counted_run):
-    """`paper` runs its steps and `plan` prices the same steps (`experiments.paper.paper_steps`): given the run's own
+    """`paper` runs its steps and `plan` prices the same steps (`experiments.protocol.paper.paper_steps`): given the run's own
     divergence, the plan made before it has the run's stages, in the run's order, with as many units each."""
     from stagereplay.plan.paper import plan_paper
     from stagereplay.plan.stages import PlanConfig, model_shape
@@ -140,7 +140,7 @@ class Scored:
 def test_a_step_of_paper_is_a_row_its_experiment_prices(monkeypatch):
     """The plan names no experiment: a step added to `paper` is a row priced by its own experiment, and the audit
     re-executes its units too; every other row stays as it was."""
-    from stagereplay.experiments.paper import Step, paper_steps
+    from stagereplay.experiments.protocol.paper import Step, paper_steps
     from stagereplay.plan import paper as plan_module
     from stagereplay.plan.stages import PlanConfig, Shape
 
@@ -265,10 +265,10 @@ def test_an_arm_is_carried_over_only_from_a_cache_with_the_recorded_fingerprint(
     not the cache's (negative control), the 2x2 and the transplant decode that arm in full and record it as their
     own, and what they decode is the recorded computation: the same suffix, the true fingerprint."""
     from stagereplay.engine.lm import load
-    from stagereplay.experiments.experiment import Replay
-    from stagereplay.experiments.precision_2x2 import grid_item
-    from stagereplay.experiments.registry import experiment as experiment_of
-    from stagereplay.experiments.transplant import transplant_item
+    from stagereplay.experiments.core.experiment import Replay
+    from stagereplay.experiments.core.registry import experiment as experiment_of
+    from stagereplay.experiments.protocol.precision_2x2 import grid_item
+    from stagereplay.experiments.protocol.transplant import transplant_item
     from stagereplay.records.ledger import read_manifest
     from stagereplay.tasks.base import Item
 

@@ -11,7 +11,7 @@ from forge import carry_over, load, save, with_payload
 from typer.testing import CliRunner
 
 from stagereplay.cli import app
-from stagereplay.experiments.stats import wilson_interval
+from stagereplay.experiments.core.stats import wilson_interval
 from stagereplay.records.ledger import Record
 
 runner = CliRunner()

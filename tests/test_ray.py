@@ -142,8 +142,8 @@ def test_a_problem_inside_an_actor_reads_as_it_would_locally(tiny_dir, local_ray
     from stagereplay.engine.model import ModelConfig
     from stagereplay.errors import StageReplayError
     from stagereplay.execution.ray_cluster import run_ray
-    from stagereplay.experiments.jobs import Job, ReplaySettings
-    from stagereplay.experiments.matched import MatchedParams, matched_item
+    from stagereplay.experiments.core.jobs import Job, ReplaySettings
+    from stagereplay.experiments.protocol.matched import MatchedParams, matched_item
     from stagereplay.tasks.base import Item
 
     item = Item(id="x", prompt_ids=(5, 6, 7), answer="1")

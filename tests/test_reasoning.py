@@ -270,7 +270,7 @@ def test_length_dependent_rope_is_warned_about_and_recorded(tiny_dir):
     from transformers import AutoConfig
 
     from stagereplay.engine.decode import DecodeConfig
-    from stagereplay.experiments.jobs import ReplaySettings
+    from stagereplay.experiments.core.jobs import ReplaySettings
     from stagereplay.runs.prepare import fit_stage1
     from stagereplay.tasks import Item
 

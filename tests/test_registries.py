@@ -19,11 +19,11 @@ from typer.testing import CliRunner
 from stagereplay.cli import app
 from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments import registry
-from stagereplay.experiments.arms import comparison
-from stagereplay.experiments.experiment import Batch, Experiment, Replay
-from stagereplay.experiments.format import Table, as_rows, k_of_n
-from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.core import registry
+from stagereplay.experiments.core.experiment import Batch, Experiment, Replay
+from stagereplay.experiments.core.format import Table, as_rows, k_of_n
+from stagereplay.experiments.core.jobs import Job, Params
+from stagereplay.experiments.protocol.arms import comparison
 from stagereplay.records.ledger import Record, read_manifest
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payload_readers import ItemHead

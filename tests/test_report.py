@@ -15,8 +15,8 @@ import pytest
 from conftest import tables_text
 from pydantic import ValidationError
 
-from stagereplay.experiments.format import bound, points
-from stagereplay.experiments.stats import wilson_interval
+from stagereplay.experiments.core.format import bound, points
+from stagereplay.experiments.core.stats import wilson_interval
 from stagereplay.report.render import print_tables, write_report
 from stagereplay.report.results import Results
 from stagereplay.report.tables import build_tables, load_results
@@ -250,7 +250,7 @@ class Ratios:
     name = "ratios"
 
     def __init__(self) -> None:
-        from stagereplay.experiments.verdict import Question
+        from stagereplay.experiments.core.verdict import Question
 
         self.question = Question("ratios near one", "Are the per-token ratios near one?",
                                lambda facts: "; ".join(f.phrase for f in facts) + ".",
@@ -266,7 +266,7 @@ class Ratios:
         return []
 
     def verdict_facts(self, results: Any) -> list:
-        from stagereplay.experiments.verdict import Fact, faithful
+        from stagereplay.experiments.core.verdict import Fact, faithful
 
         if not results:
             return []
@@ -277,7 +277,7 @@ class Ratios:
         return [self.question] if results else []
 
     def figures(self, results: Any) -> list:
-        from stagereplay.experiments.figures import ReportFigure, diagonal_panels, png
+        from stagereplay.experiments.core.figures import ReportFigure, diagonal_panels, png
 
         if not results:
             return []
@@ -285,14 +285,14 @@ class Ratios:
         return [ReportFigure("fig-ratios", "Per-token ratios", "rollout against trainer", png(chart))]
 
     def series(self, results: Any) -> dict:
-        from stagereplay.experiments.figures import DIVERGENCE
+        from stagereplay.experiments.core.figures import DIVERGENCE
 
         return {DIVERGENCE: [("ratios primary", [2, 3], results["n"])]} if results else {}
 
 
 @pytest.fixture
 def ratios():
-    from stagereplay.experiments import registry
+    from stagereplay.experiments.core import registry
 
     registry.register(Ratios())
     yield
@@ -357,7 +357,7 @@ def test_write_report_files(tmp_path: Path) -> None:
 def test_results_json_reads_back_typed_and_writes_its_own_bytes(fixture: str) -> None:
     """results.json read as `Results` holds each experiment's entry as its `Summary`s and writes the file's bytes
     again: the same keys in the same order, absent fields absent, nulls null, floats as they were."""
-    from stagereplay.experiments.matched_summary import MatchedSummary
+    from stagereplay.experiments.protocol.matched_summary import MatchedSummary
 
     text = (FIXTURES / fixture / "results.json").read_text()
     results = Results.model_validate_json(text)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from stagereplay.cli import app
 from stagereplay.engine.decode import DecodeConfig, Sampler
 from stagereplay.engine.lm import load
-from stagereplay.experiments.stats import benjamini_hochberg, total_variation, two_sample_answer_test
+from stagereplay.experiments.core.stats import benjamini_hochberg, total_variation, two_sample_answer_test
 from stagereplay.records.ledger import Record, canonical_json
 
 runner = CliRunner()

@@ -21,7 +21,7 @@ from stagereplay.engine import scoring
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import load
 from stagereplay.engine.scoring import chosen, first_argmax, score_in_batch, score_oneshot
-from stagereplay.experiments.mismatch_item import MicroBatch
+from stagereplay.experiments.mismatch.item import MicroBatch
 
 PROMPT = "Q: what is 12+7? Think.\n"
 WARPED = DecodeConfig(sample=True, temperature=0.7, top_k=20, top_p=0.9)

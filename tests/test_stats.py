@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from stagereplay.experiments.stats import (
+from stagereplay.experiments.core.stats import (
     first_divergence,
     mcnemar_exact,
     paired_bootstrap_ci,

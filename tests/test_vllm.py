@@ -102,7 +102,7 @@ def test_the_arms_record_the_cache_hits_and_the_engine(fp32_run):
 
 def test_replicas_are_exact_and_the_table_counts_a_broken_one(fp32_run):
     """Every arm's replica gives the same tokens; the matched table counts them (and counts a forged miss)."""
-    from stagereplay.experiments.matched_summary import summarize_matched
+    from stagereplay.experiments.protocol.matched_summary import summarize_matched
     from stagereplay.records.ledger import read_ledger
 
     results = json.loads((fp32_run / "results.json").read_text())
@@ -127,7 +127,7 @@ def test_fp32_our_engine_continues_vllms_prefix_as_vllm_did(fp32_run):
     """hf-oneshot (transformers prefills vLLM's prefix and continues) equals vLLM's live suffix in fp32."""
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import load
-    from stagereplay.experiments.precision_2x2 import fixed_state
+    from stagereplay.experiments.protocol.precision_2x2 import fixed_state
     from stagereplay.tasks.base import Item
     from stagereplay.toy import toy_checkpoint
 
@@ -140,7 +140,7 @@ def test_fp32_our_engine_continues_vllms_prefix_as_vllm_did(fp32_run):
     p = records[0]
     item = Item("x", tuple(p["prompt_ids"]), p["answer"])
     settings_ = json.loads((fp32_run / "manifest.json").read_text())["config"]["settings"]
-    from stagereplay.experiments.jobs import ReplaySettings
+    from stagereplay.experiments.core.jobs import ReplaySettings
 
     s = ReplaySettings(settings_["boundary"], DecodeConfig(**settings_["decode"]), settings_["scorer"])
     short = lm.continue_from(lm.construct(fixed_state(item, p["prefix_ids"][:-1], s, lm), "oneshot"), s.decode)

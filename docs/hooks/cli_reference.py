@@ -37,7 +37,7 @@ def _commands(group: Any, ctx: Any) -> list[tuple[Any, Any]]:
 def _others() -> set[str]:
     """The commands of experiments another distribution installed (a plugin, the tests' own): not this project's
     reference."""
-    from stagereplay.experiments import registry
+    from stagereplay.experiments.core import registry
 
     return {e.command for e in registry.all_experiments()
             if registry.distribution(e.name) not in (None, "stagereplay")}

@@ -11,7 +11,7 @@ from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, NoBoundary, load
 from stagereplay.engine.transplant import TransplantSpec, transplant
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.mismatch_metrics import mismatch_metrics
+from stagereplay.experiments.mismatch.metrics import mismatch_metrics
 from stagereplay.runs import matched
 from stagereplay.tasks import Item
 

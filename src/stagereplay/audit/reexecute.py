@@ -20,9 +20,9 @@ from stagereplay.audit.versions import as_recorded
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import FLAGGED, INCONCLUSIVE, OK, StageReplayError
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.experiment import Replay
-from stagereplay.experiments.jobs import Job, Params
-from stagereplay.experiments.registry import experiment, of_stage, starts_run
+from stagereplay.experiments.core.experiment import Replay
+from stagereplay.experiments.core.jobs import Job, Params
+from stagereplay.experiments.core.registry import experiment, of_stage, starts_run
 from stagereplay.records.audit_summary import (
     AuditSummary,
     Elsewhere,

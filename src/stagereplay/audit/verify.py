@@ -27,8 +27,8 @@ from pydantic import ValidationError
 
 from stagereplay.audit.versions import claimed, derived_comparison
 from stagereplay.engine.lm import ids_fingerprint
-from stagereplay.experiments import registry
-from stagereplay.experiments.experiment import Experiment
+from stagereplay.experiments.core import registry
+from stagereplay.experiments.core.experiment import Experiment
 from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.findings import Break, Finding
 from stagereplay.records.ledger import Record, chain_problems, diff_fields, items, parse_record

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from stagereplay.experiments.arms import compare, comparison_fp_schema_1
+from stagereplay.experiments.protocol.arms import compare, comparison_fp_schema_1
 from stagereplay.records.payloads import Arm, Comparison
 
 if TYPE_CHECKING:
-    from stagereplay.experiments.experiment import Experiment
+    from stagereplay.experiments.core.experiment import Experiment
 
 LATE_ARM_FIELDS = ("took_place", "request")
 """Arm fields of serving records that records made before them lack (none of their arms has one)."""

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def _experiments() -> list[Any]:
-    from stagereplay.experiments.registry import all_experiments
+    from stagereplay.experiments.core.registry import all_experiments
 
     return [e for e in all_experiments() if e.command]
 

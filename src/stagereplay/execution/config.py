@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 Work = Callable[["LM", Any], R]
 """A job function: `work(lm, job)` gives the job's result (`Work[R]`: an item's payload, or a job's result with its
-environment, `experiments.jobs.JobResult`), whichever process runs it."""
+environment, `experiments.core.jobs.JobResult`), whichever process runs it."""
 EXECUTORS = ("local", "ray")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stagereplay.engine.forwards import Lengths
-from stagereplay.experiments.experiment import Assumed, Experiment
+from stagereplay.experiments.core.experiment import Assumed, Experiment
 from stagereplay.plan.paper import audit_stages, render
 from stagereplay.plan.stages import StagePlan, model_shape
 

@@ -1,6 +1,6 @@
 """`stagereplay plan`: what a `paper` run costs, before it runs, from the model's config alone.
 
-Per stage (each step of `paper`, `experiments.paper.paper_steps`): the items, the forwards (prefill forwards and
+Per stage (each step of `paper`, `experiments.protocol.paper.paper_steps`): the items, the forwards (prefill forwards and
 their tokens, single-token decode steps) counted by its experiment's own `forwards(...)` (the list its item function
 makes, built from engine.forwards, which `LM.construct` also runs from; `Experiment.planned_forwards`), the most K/V
 caches alive at once and their size at the longest sequence, the weights resident, and with rates (given, or measured
@@ -26,8 +26,8 @@ from typing import Any
 from stagereplay.engine.forwards import Lengths
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.kernels import check_kernels, choose, follow_run, pin
-from stagereplay.experiments.experiment import Assumed
-from stagereplay.experiments.paper import PRECISION, paper_steps
+from stagereplay.experiments.core.experiment import Assumed
+from stagereplay.experiments.protocol.paper import PRECISION, paper_steps
 from stagereplay.plan.rates import Rates, calibrate
 from stagereplay.plan.recorded import plan_run, run_cache
 from stagereplay.plan.stages import PlanConfig, Shape, StagePlan, allocate, model_shape
@@ -36,7 +36,7 @@ from stagereplay.records.ledger import read_manifest
 
 def plan_paper(cfg: PlanConfig, shape: Shape, prompts: Sequence[int], budget: int) -> list[StagePlan]:
     """The stages of `paper` with assumed lengths: `prompts` are the items' prompt lengths (`cfg.n` of them). Each
-    step of `paper` (`experiments.paper.paper_steps`) is priced by its experiment (`Experiment.planned_forwards`),
+    step of `paper` (`experiments.protocol.paper.paper_steps`) is priced by its experiment (`Experiment.planned_forwards`),
     one row per part of its units (a precision); then the audit's re-executions and the proofs of the captured step."""
     s1, n = cfg.stage1_tokens or budget, cfg.suffix
     assumed = Assumed(tuple(Lengths(p, s1, n) for p in prompts), cfg.n if cfg.divergent is None else cfg.divergent,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stagereplay.experiments.registry import of_stage
+from stagereplay.experiments.core.registry import of_stage
 from stagereplay.plan.stages import StagePlan, allocate, new_stage
 from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
@@ -94,7 +94,7 @@ def unit_forwards(r: Record, stage: StageSection) -> tuple[str, list[int], int] 
 
 def replay_forwards(p: ItemHead) -> list[int]:
     """The single-token forwards the diagnostics make replaying an arm to its pair's first divergent step d
-    (experiments.diagnose, engine.steps.replay_logits): d + 1 for each (arm, d) with d >= 1 inside both arms'
+    (experiments.protocol.diagnose, engine.steps.replay_logits): d + 1 for each (arm, d) with d >= 1 inside both arms'
     steps, for the arm of the pair that ran first (the other watched its suffix and kept its own logits there).
     Arms run in the record's order, except the arms carried over from matched (`same_as`), which run last,
     decode only as far as their diagnostics read and watch every other arm's suffix (never replayed)."""

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from stagereplay.engine.limits import static_cache_len
 from stagereplay.engine.model import check_cache
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.paper import PaperConfig
+from stagereplay.experiments.protocol.paper import PaperConfig
 from stagereplay.records.manifest import StageSection
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp32-compute": 4}  # a cache element at each precision
@@ -113,7 +113,7 @@ class PlanConfig:
     divergent: int | None = field(default=None, metadata={
         "help": "items whose live and fresh suffixes diverge (default: all)"})
     protocol: PaperConfig = field(default_factory=PaperConfig)
-    """What `paper` runs (its steps, `experiments.paper.paper_steps`)."""
+    """What `paper` runs (its steps, `experiments.protocol.paper.paper_steps`)."""
     later: bool = field(default=True, metadata={
         "cli": False, "help": "whether `paper` replicates at a later checkpoint"})
     audit_sample: int | None = field(default=None, metadata={
@@ -191,7 +191,7 @@ class StagePlan:
 def new_stage(name: str, precision: str, stage: StageSection) -> StagePlan:
     """A plan row for the manifest stage `name` (`<experiment>/<checkpoint>`, `@precision` for a per-precision
     row), holding as many caches as its experiment's items hold at once (`Experiment.peak_caches`)."""
-    from stagereplay.experiments.registry import of_stage
+    from stagereplay.experiments.core.registry import of_stage
 
     return StagePlan(name, precision, caches=of_stage(name.split("@")[0]).peak_caches(stage))
 

@@ -8,7 +8,7 @@ The models are views of the JSON the run wrote, not a second copy of it: they ar
 holds, those this version declares typed and the others (an older or newer stagereplay's, an extension's) kept as
 they are, and written back with exactly the fields that were set (`Document.as_json`). A run made by an older
 version, whose sections lack a field added since (`cache`, `top_p`), reads and re-binds to the same bytes. The
-runtime configs (`engine.model.ModelConfig`, `experiments.jobs.ReplaySettings`) are built from a section, with the
+runtime configs (`engine.model.ModelConfig`, `experiments.core.jobs.ReplaySettings`) are built from a section, with the
 defaults an older run did not record.
 
 The ledger's first record links to the hash of the run's identity (`chain_start`), and each stage's frozen section
@@ -95,7 +95,7 @@ class DecodeSection(Document):
 
 
 class SettingsSection(Document):
-    """What every item job shares besides the item (`experiments.jobs.ReplaySettings`)."""
+    """What every item job shares besides the item (`experiments.core.jobs.ReplaySettings`)."""
 
     boundary: str = Field(description="the boundary rule: marker:TEXT | regex:PATTERN | after:N")
     decode: DecodeSection = Field(description="how continuations are decoded")

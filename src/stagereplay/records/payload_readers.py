@@ -1,7 +1,7 @@
 """What is read of a recorded item payload of any experiment whose records hold the protocol's arms: `ItemHead` (what
 every such payload holds, an experiment registered from outside included: `audit.verify`'s claims), and `DIAGNOSED`
 (the payload models with a diagnostics block). A payload as its own model is its experiment's to give
-(`Experiment.read`, found by the record's `experiment` field in `experiments.registry`).
+(`Experiment.read`, found by the record's `experiment` field in `experiments.core.registry`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ writes the bytes the dict it replaced wrote, and reads every older record back: 
 version lack are optional. A record is read back as its model: by its experiment's `PAYLOAD`, or as
 `records.payload_readers` reads any record.
 
-docs/ledger-schema.md's tables of these models are generated from them (`records.payload_doc`).
+docs/ledger-schema.md's tables of these models are generated from them (`experiments.core.payload_doc`).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class Draw(_Continued):
 
 
 class Comparison(PayloadModel):
-    """Two arms of an item side by side (`experiments.arms.comparison`)."""
+    """Two arms of an item side by side (`experiments.protocol.arms.comparison`)."""
 
     a: str = Field(description="the first arm's name")
     b: str = Field(description="the second arm's name")
@@ -216,7 +216,7 @@ class PairDiagnostics(PayloadModel):
 
 
 class Diagnostics(PayloadModel):
-    """The diagnostics block (`experiments.diagnose`): re-derived field by field by the audit."""
+    """The diagnostics block (`experiments.protocol.diagnose`): re-derived field by field by the audit."""
 
     margins: dict[str, list[float | None]] = Field(description="per arm, top-1 minus top-2 logit at each step")
     pairs: dict[str, PairDiagnostics] = Field(description="per compared pair, keyed `<a> vs <b>`")

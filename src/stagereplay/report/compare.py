@@ -16,12 +16,12 @@ suffixes continue different prefixes: they are compared all the same, and counte
 
 Then per arm the two runs share by name (live, the fresh construction, a server's prefix-cache ...): suffix and
 correctness-label disagreements, each side's accuracy, the paired 95% CI of the accuracy difference (A - B) and
-McNemar's exact p, as the matched table computes them (`experiments.matched_summary.summarize_matched`). A difference
+McNemar's exact p, as the matched table computes them (`experiments.protocol.matched_summary.summarize_matched`). A difference
 between the runs means something only where each run is self-consistent, so each run's replicas are counted too
 (an arm and its `#replica` equal in tokens and cache, live's replica reaching live's stage 1).
 
 `build_comparison` returns compare.json as its model (`report.compare_document.CompareDocument`), reading each
-record through its payload model (`experiments.matched.PAYLOAD`); `report.compare_render` draws it.
+record through its payload model (`experiments.protocol.matched.PAYLOAD`); `report.compare_render` draws it.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.matched import EXPERIMENT as MATCHED
-from stagereplay.experiments.matched import PAYLOAD
-from stagereplay.experiments.stats import first_divergence, mcnemar_exact, paired_bootstrap_ci
+from stagereplay.experiments.core.stats import first_divergence, mcnemar_exact, paired_bootstrap_ci
+from stagereplay.experiments.protocol.matched import EXPERIMENT as MATCHED
+from stagereplay.experiments.protocol.matched import PAYLOAD
 from stagereplay.records.ledger import Record
 from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, TopEntry, first_error
 from stagereplay.report.compare_document import (
@@ -64,11 +64,11 @@ from stagereplay.report.compare_document import (
 from stagereplay.report.compare_manifests import RunSide, check_comparable, manifest_differences
 
 N_RESAMPLES, SEED = 10_000, 0
-"""The paired bootstrap's resamples and seed: the matched table's (`experiments.matched.MatchedConfig`)."""
+"""The paired bootstrap's resamples and seed: the matched table's (`experiments.protocol.matched.MatchedConfig`)."""
 REPLICA = "#replica"
 T = TypeVar("T")
 Matched = MatchedPayload | NoBoundaryPayload
-"""A matched record's payload (`experiments.matched.PAYLOAD`)."""
+"""A matched record's payload (`experiments.protocol.matched.PAYLOAD`)."""
 
 
 def build_comparison(a: RunSide, b: RunSide, checkpoint: str = "primary") -> CompareDocument:

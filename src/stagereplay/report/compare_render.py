@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stagereplay.experiments.compared import RunComparison, differences_answer, differences_table
-from stagereplay.experiments.format import NA, Table, as_rows, k_of_n, p_value, pct, points
+from stagereplay.experiments.core.compared import RunComparison, differences_answer, differences_table
+from stagereplay.experiments.core.format import NA, Table, as_rows, k_of_n, p_value, pct, points
 from stagereplay.records.ledger import atomic_write
 from stagereplay.records.payloads import TopEntry
 from stagereplay.report.compare_document import (

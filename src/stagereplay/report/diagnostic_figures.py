@@ -1,6 +1,6 @@
 """The diagnostics figures: margins at divergence against all steps, and cache differences by layer and band.
 
-Drawn from `results.json` like every figure (`experiments.figures`: matplotlib through `Figure` and the Agg canvas
+Drawn from `results.json` like every figure (`experiments.core.figures`: matplotlib through `Figure` and the Agg canvas
 only). A run recorded before diagnostics existed draws none of them.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stagereplay.experiments.diagnostics_summary import Diagnosed
-from stagereplay.experiments.figures import ReportFigure, png
+from stagereplay.experiments.core.diagnostics_summary import Diagnosed
+from stagereplay.experiments.core.figures import ReportFigure, png
 from stagereplay.report.results import Results
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def _ecdf(values: list[float]) -> tuple[list[float], list[float]]:
 def margin_figure(series: list[tuple[str, Diagnosed]]) -> Figure:
     from matplotlib.figure import Figure
 
-    from stagereplay.experiments.diagnostics_summary import PERCENTILES
+    from stagereplay.experiments.core.diagnostics_summary import PERCENTILES
 
     fig = Figure(figsize=(8.0, 4.2 + 0.18 * len(series)), layout="constrained")
     ax = fig.add_subplot()

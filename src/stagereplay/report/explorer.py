@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from stagereplay.experiments.registry import experiment
+from stagereplay.experiments.core.registry import experiment
 from stagereplay.records.ledger import Record
 from stagereplay.records.manifest import StageSection
 from stagereplay.records.payload_readers import DIAGNOSED

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from stagereplay.experiments.registry import experiment
+from stagereplay.experiments.core.registry import experiment
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, atomic_output
 

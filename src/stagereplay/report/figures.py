@@ -1,14 +1,14 @@
 """The report's figures, drawn from `results.json` and returned as PNG bytes: each registered experiment's own
 (`Experiment.figures`) and the figures several of them draw series on (`Experiment.series`), in the registry's
-order. How a figure is drawn (`ReportFigure`, `png`, the charts) is `experiments.figures`.
+order. How a figure is drawn (`ReportFigure`, `png`, the charts) is `experiments.core.figures`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from stagereplay.experiments.figures import ReportFigure, SharedFigure, png
-from stagereplay.experiments.registry import all_experiments
+from stagereplay.experiments.core.figures import ReportFigure, SharedFigure, png
+from stagereplay.experiments.core.registry import all_experiments
 from stagereplay.report.results import Results
 
 _png = png  # the name `report.compare_render` draws its figure with

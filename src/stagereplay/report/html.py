@@ -13,7 +13,7 @@ from html import escape
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stagereplay.experiments.figures import ReportFigure
+    from stagereplay.experiments.core.figures import ReportFigure
     from stagereplay.report.tables import Table
 
 _CSS = """

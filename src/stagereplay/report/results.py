@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from stagereplay.experiments.experiment import Experiment
-from stagereplay.experiments.registry import EXPERIMENTS, all_experiments, of_stage
+from stagereplay.experiments.core.experiment import Experiment
+from stagereplay.experiments.core.registry import EXPERIMENTS, all_experiments, of_stage
 from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.ledger import Record
 from stagereplay.records.manifest import Manifest

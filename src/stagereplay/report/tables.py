@@ -17,15 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stagereplay.experiments.diagnostics_summary import Diagnosed
-from stagereplay.experiments.format import (
-    NA,
-    Table,
-    as_rows,
-    count_of,
-    yes_no,
-)
-from stagereplay.experiments.registry import all_experiments
+from stagereplay.experiments.core.diagnostics_summary import Diagnosed
+from stagereplay.experiments.core.format import NA, Table, as_rows, count_of, yes_no
+from stagereplay.experiments.core.registry import all_experiments
 from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.findings import Break
 from stagereplay.records.kernels import describe

@@ -1,6 +1,6 @@
 """The verdict at the top of the report: the questions a reader of a stage-replay audit asks (are replicas exact? is
 replay faithful at the run's precision, and in fp32? does the cache carry the divergence? ...), each answered with its
-numbers from `results.json` (`experiments.verdict` holds the questions and how each answer is said).
+numbers from `results.json` (`experiments.core.verdict` holds the questions and how each answer is said).
 
 Every registered experiment, in the registry's order, raises the questions its section of the results asks and gives
 them its facts; the questions are asked in the order first raised, each answered from the facts of all of them. A
@@ -11,8 +11,8 @@ is asked (`Question.alone`).
 
 from __future__ import annotations
 
-from stagereplay.experiments.registry import all_experiments
-from stagereplay.experiments.verdict import REPLICAS, Fact, Question
+from stagereplay.experiments.core.registry import all_experiments
+from stagereplay.experiments.core.verdict import REPLICAS, Fact, Question
 from stagereplay.report.results import Results
 
 

@@ -23,14 +23,14 @@ from stagereplay.audit.reexecute import AuditConfig
 from stagereplay.audit.relocate import Relocation
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.attest import Attest, AttestOptions
-from stagereplay.experiments.bridge import Bridge, BridgeOptions
-from stagereplay.experiments.matched import Matched, MatchedOptions
-from stagereplay.experiments.mismatch import Mismatch, MismatchOptions
-from stagereplay.experiments.precision_2x2 import GridOptions, PrecisionGrid
-from stagereplay.experiments.prepared import OURS, RunEngine
-from stagereplay.experiments.resample import Resample, ResampleConfig
-from stagereplay.experiments.transplant import Transplant, TransplantConfig
+from stagereplay.experiments.attest.experiment import Attest, AttestOptions
+from stagereplay.experiments.core.prepared import OURS, RunEngine
+from stagereplay.experiments.mismatch.experiment import Mismatch, MismatchOptions
+from stagereplay.experiments.protocol.bridge import Bridge, BridgeOptions
+from stagereplay.experiments.protocol.matched import Matched, MatchedOptions
+from stagereplay.experiments.protocol.precision_2x2 import GridOptions, PrecisionGrid
+from stagereplay.experiments.protocol.resample import Resample, ResampleConfig
+from stagereplay.experiments.protocol.transplant import Transplant, TransplantConfig
 from stagereplay.report.results import Results
 from stagereplay.runs.compare import compare
 from stagereplay.runs.extend import Extension, audit, extend, merge

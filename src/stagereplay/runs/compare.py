@@ -13,7 +13,7 @@ from pathlib import Path
 
 from stagereplay.audit.verify import verify_run
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.compared import RunComparison
+from stagereplay.experiments.core.compared import RunComparison
 from stagereplay.records.findings import Break
 from stagereplay.records.ledger import read_ledger, read_manifest
 from stagereplay.report.compare import build_comparison
@@ -51,7 +51,7 @@ def compare(run_a: Path, run_b: Path, out: Path | None = None, checkpoint: str =
 def own_comparison(a: RunSide, b: RunSide, checkpoint: str) -> RunComparison | None:
     """The comparison of the experiment that made both runs, where it compares its runs itself
     (`Experiment.compare_runs`); None where the matched comparison is the one."""
-    from stagereplay.experiments.registry import all_experiments
+    from stagereplay.experiments.core.registry import all_experiments
 
     for e in all_experiments():
         name = f"{e.name}/{checkpoint}"

@@ -18,10 +18,10 @@ from stagereplay.audit.relocate import FLAGS, Relocation, relocate
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import follow_run
-from stagereplay.experiments.experiment import Experiment
-from stagereplay.experiments.jobs import ReplaySettings
-from stagereplay.experiments.prepared import PreparedRun, frozen
-from stagereplay.experiments.registry import all_experiments
+from stagereplay.experiments.core.experiment import Experiment
+from stagereplay.experiments.core.jobs import ReplaySettings
+from stagereplay.experiments.core.prepared import PreparedRun, frozen
+from stagereplay.experiments.core.registry import all_experiments
 from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.ledger import open_run, read_ledger, read_manifest
 from stagereplay.records.manifest import Manifest, StageSection

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.experiment import Experiment
-from stagereplay.experiments.prepared import OURS, PreparedRun, RunEngine
+from stagereplay.experiments.core.experiment import Experiment
+from stagereplay.experiments.core.prepared import OURS, PreparedRun, RunEngine
 from stagereplay.records.ledger import SCHEMA_VERSION, Run, open_run
 from stagereplay.records.manifest import Manifest, RunConfig
 from stagereplay.records.provenance import environment, model_hashes, now, package_versions

@@ -30,9 +30,9 @@ from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig
 from stagereplay.execution.kernels import choose, pin
 from stagereplay.execution.local import check_worker_devices
-from stagereplay.experiments.experiment import Experiment
-from stagereplay.experiments.jobs import ReplaySettings
-from stagereplay.experiments.prepared import OURS, PreparedRun, RunEngine, frozen
+from stagereplay.experiments.core.experiment import Experiment
+from stagereplay.experiments.core.jobs import ReplaySettings
+from stagereplay.experiments.core.prepared import OURS, PreparedRun, RunEngine, frozen
 from stagereplay.records.manifest import RopeFacts, Stage1Facts
 from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.runs.inputs import Inputs

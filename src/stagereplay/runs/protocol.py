@@ -1,5 +1,5 @@
 """`paper`: the whole protocol in one run directory, as the reference paper runs it: its steps
-(`experiments.paper.paper_steps`: matched (bf16) -> bridge -> transplant -> fixed-prefix 2x2 -> matched and an
+(`experiments.protocol.paper.paper_steps`: matched (bf16) -> bridge -> transplant -> fixed-prefix 2x2 -> matched and an
 outcome-blind transplant at a later checkpoint), then the audit and the report.
 """
 
@@ -13,8 +13,8 @@ from stagereplay.audit.reexecute import AuditConfig, audit_run
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.engine.model import check_model_dir
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.paper import AUDIT_SAMPLE, PRECISION, PaperConfig, Step, paper_steps
-from stagereplay.experiments.prepared import OURS, PreparedRun
+from stagereplay.experiments.core.prepared import OURS, PreparedRun
+from stagereplay.experiments.protocol.paper import AUDIT_SAMPLE, PRECISION, PaperConfig, Step, paper_steps
 from stagereplay.records.audit_summary import audit_json
 from stagereplay.records.ledger import Run, atomic_write, open_run
 from stagereplay.report.results import AUDIT_FILE, Results
@@ -59,7 +59,7 @@ def auto_workers(device: str) -> int:
 
 def paper(out: str | Path, inputs: Inputs | None = None, protocol: PaperConfig | None = None,
           workers: int = 0, executor: str = "local", quiet: bool = False) -> Results:
-    """The whole protocol (`experiments.paper.paper_steps`): matched (bf16), bridge, transplant, 2x2, outcome-blind
+    """The whole protocol (`experiments.protocol.paper.paper_steps`): matched (bf16), bridge, transplant, 2x2, outcome-blind
     replication at a later checkpoint, audit, report. With `protocol.resample` = K > 0, also K sampled draws per
     boundary state on the first `resample_items` items, at bf16 and fp32 (the primary checkpoint). The audit verifies
     every record and re-executes a seeded sample of `audit_sample` units per stage (None: every unit). The CPU kernels

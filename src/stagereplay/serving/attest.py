@@ -1,6 +1,6 @@
 """Attest on a running server (`attest --engine http --url URL`): each item's served response (part '') asked of the
 server itself, token IDs in and out; every other part (the claimed model's honest variants and its reference scores)
-is `experiments.attest`'s own, in our engine, exactly as for a file of served outputs.
+is `experiments.attest.experiment`'s own, in our engine, exactly as for a file of served outputs.
 
     served    one request for the item's prompt IDs (`Samples.sample`: llama-server's /completion, vLLM's
               /v1/completions), nothing cached, at most --max-new-tokens, greedy (temperature 0) or, for a seeded
@@ -22,10 +22,10 @@ from typing import Any
 
 from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.attest_item import AttestParams, attest_item, item_seed, max_new
-from stagereplay.experiments.jobs import Job, Params
+from stagereplay.experiments.attest.item import AttestParams, attest_item, item_seed, max_new
+from stagereplay.experiments.attest.payloads import AttestPayload
+from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.records import arrays
-from stagereplay.records.attested import AttestPayload
 from stagereplay.serving.matched import ServingArms, cached_engine
 from stagereplay.serving.seam import SEED_SPAN, Generation, Samples, Sampling
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.attest_variants import register_engine
+from stagereplay.experiments.attest.variants import register_engine
 from stagereplay.serving import http, llamacpp, llamacpp_honest, vllm
 from stagereplay.serving.seam import EngineConfig, EngineKind, options_of
 

@@ -42,15 +42,15 @@ from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import Work
-from stagereplay.experiments.arms import (
+from stagereplay.experiments.core.jobs import Job, JobResult, Params
+from stagereplay.experiments.protocol.arms import (
     compare,
     engine_arm,
     no_boundary,
     top_k_diagnostics,
     with_token_texts,
 )
-from stagereplay.experiments.jobs import Job, JobResult, Params
-from stagereplay.experiments.matched import STAGE1_TOP
+from stagereplay.experiments.protocol.matched import STAGE1_TOP
 from stagereplay.records.ledger import Run
 from stagereplay.records.manifest import StageSection
 from stagereplay.records.payloads import (
@@ -335,7 +335,7 @@ class _ItemArms:
 
     def crossed(self) -> None:
         """--cross: our engine prefills the engine's prefix in one forward and continues it."""
-        from stagereplay.experiments.precision_2x2 import fixed_state
+        from stagereplay.experiments.protocol.precision_2x2 import fixed_state
 
         cross, lm, s = self.job.params.arms.cross, self.lm, self.job.settings
         if not cross:

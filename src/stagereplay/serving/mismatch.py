@@ -1,5 +1,5 @@
 """Mismatch on a serving engine (`mismatch --engine NAME`): the engine as the RL rollout engine, our engine as the
-trainer, on the same token IDs (`experiments.mismatch` owns the experiment; this is its part '' in an engine).
+trainer, on the same token IDs (`experiments.mismatch.experiment` owns the experiment; this is its part '' in an engine).
 
 Per item, part '', in this order:
 
@@ -12,7 +12,7 @@ Per item, part '', in this order:
                       built, and the stage says why (`prefill`)
     incremental       ours, teacher-forced one token per forward (our model, with its weights)
 
-The trainer parts (ours, one-shot, per precision) are `experiments.mismatch`'s own. A serving engine exposes no cache,
+The trainer parts (ours, one-shot, per precision) are `experiments.mismatch.experiment`'s own. A serving engine exposes no cache,
 so no K/V transplant is made: the stage's `transplant` says so. Arms computed in the engine name it (`engine`) and
 its own precision (`Samples.precision_name`: vLLM's dtype, a GGUF's type and the K/V cache's); ours name ours.
 """
@@ -28,9 +28,9 @@ from stagereplay.engine.decode import derive_seed
 from stagereplay.engine.lm import LM, ids_fingerprint
 from stagereplay.engine.scoring import Mode
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.jobs import Job, Params
-from stagereplay.experiments.mismatch import MismatchStage
-from stagereplay.experiments.mismatch_item import (
+from stagereplay.experiments.core.jobs import Job, Params
+from stagereplay.experiments.mismatch.experiment import MismatchStage
+from stagereplay.experiments.mismatch.item import (
     MismatchParams,
     RolloutEngine,
     Sampled,
@@ -38,7 +38,7 @@ from stagereplay.experiments.mismatch_item import (
     rollout_part,
     scored_arm,
 )
-from stagereplay.records.scored import MismatchPayload, ScoredArm
+from stagereplay.experiments.mismatch.payloads import MismatchPayload, ScoredArm
 from stagereplay.serving.matched import ServingArms, cached_engine
 from stagereplay.serving.seam import Generation, PromptScores, Restarts, Samples, Sampling, ScoresPrompt
 
@@ -136,7 +136,7 @@ class ServedEngine(RolloutEngine):
 
 def served_mismatch_item(lm: LM, job: Job[Any]) -> MismatchPayload:
     """One item's part: part '' in the engine and ours (module docstring); a trainer part, ours
-    (`experiments.mismatch_item.mismatch_item`)."""
+    (`experiments.mismatch.item.mismatch_item`)."""
     if not isinstance(job.params, ServedMismatchParams):
         return mismatch_item(lm, job)
     p = job.params

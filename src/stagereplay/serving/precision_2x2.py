@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from stagereplay.engine.constructions import Chunked, parse_construction
 from stagereplay.engine.lm import LM
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.arms import compare, engine_arm, top_k_diagnostics, with_token_texts
-from stagereplay.experiments.jobs import Job, Params
-from stagereplay.experiments.precision_2x2 import fixed_state
+from stagereplay.experiments.core.jobs import Job, Params
+from stagereplay.experiments.protocol.arms import compare, engine_arm, top_k_diagnostics, with_token_texts
+from stagereplay.experiments.protocol.precision_2x2 import fixed_state
 from stagereplay.records.payloads import Arm, GridPayload
 from stagereplay.serving.matched import (
     ServingArms,

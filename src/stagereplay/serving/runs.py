@@ -1,4 +1,4 @@
-"""A serving engine as a run uses it (`experiments.prepared.RunEngine`): the experiments it builds arms for, each
+"""A serving engine as a run uses it (`experiments.core.prepared.RunEngine`): the experiments it builds arms for, each
 with its own section, batches and item function, and a one-line refusal for the others.
 
     matched         live, oneshot and prefix-cache (and what the engine's capabilities add), each with a replica,
@@ -32,13 +32,13 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
 from stagereplay.execution.config import ExecConfig, Work
 from stagereplay.execution.local import WorkerDied
-from stagereplay.experiments.attest import AttestOptions, AttestStage
-from stagereplay.experiments.experiment import Batch, Replay
-from stagereplay.experiments.jobs import Job, JobResult, with_environment
-from stagereplay.experiments.matched import MatchedOptions, MatchedStage, fixed_prefixes
-from stagereplay.experiments.mismatch import MismatchOptions
-from stagereplay.experiments.precision_2x2 import GridOptions, GridStage
-from stagereplay.experiments.prepared import OURS, PreparedRun, RunEngine, Runnable
+from stagereplay.experiments.attest.experiment import AttestOptions, AttestStage
+from stagereplay.experiments.core.experiment import Batch, Replay
+from stagereplay.experiments.core.jobs import Job, JobResult, with_environment
+from stagereplay.experiments.core.prepared import OURS, PreparedRun, RunEngine, Runnable
+from stagereplay.experiments.mismatch.experiment import MismatchOptions
+from stagereplay.experiments.protocol.matched import MatchedOptions, MatchedStage, fixed_prefixes
+from stagereplay.experiments.protocol.precision_2x2 import GridOptions, GridStage
 from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import EngineSection, ModelSection, StageSection
@@ -203,7 +203,7 @@ class ServedGrid(Served):
 class ServedMismatch(Served):
     """Mismatch with the engine as the rollout engine (`serving.mismatch.served_mismatch_item`): its rollouts, their
     replicas and its own prefill where it scores a sequence, with our incremental score (part ''); the trainer parts
-    are ours, as `experiments.mismatch` makes them. Our model is loaded with its weights: it scores every rollout
+    are ours, as `experiments.mismatch.experiment` makes them. Our model is loaded with its weights: it scores every rollout
     (the stage's `cross` is ours, so the audit loads it the same way)."""
 
     work = staticmethod(served_mismatch_item)
@@ -246,7 +246,7 @@ class ServedMismatch(Served):
             prefill="built" if reason is None else f"not built: {reason}", transplant=NO_TRANSPLANT)
 
     def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterator[Batch]:
-        """`experiments.mismatch`'s batches (the rollouts first, then the trainer at each precision on their
+        """`experiments.mismatch.experiment`'s batches (the rollouts first, then the trainer at each precision on their
         tokens), every one on our model with its weights, part '' in the engine."""
         moded, built = arms_of(stage), stage.as_stage(ServedMismatchStage).prefill == "built"
         ours = replace(prepared, model=replace(prepared.model, weights=True))
@@ -289,7 +289,7 @@ def _served_environment(lm: Any, job: Job, work: Work, served: type, arms: Servi
 
 class ServedAttest(Served):
     """Attest with the engine as the server under test (`serving.attest.served_attest_item`): its served response
-    to each prompt (part ''); the honest variants and the reference's scores are ours, as `experiments.attest`
+    to each prompt (part ''); the honest variants and the reference's scores are ours, as `experiments.attest.experiment`
     makes them, on our model with its weights (the stage's `cross` is ours, so the audit loads it the same way)."""
 
     work = staticmethod(served_attest_item)
@@ -340,7 +340,7 @@ class ServedAttest(Served):
             "runs_at": runs_at(arms, prepared.model)})
 
     def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterator[Batch]:
-        """`experiments.attest`'s batches (the served responses, the honest variants, the reference's scores of
+        """`experiments.attest.experiment`'s batches (the served responses, the honest variants, the reference's scores of
         them), every one on our model with its weights, part '' asked of the engine."""
         ours = replace(prepared, model=replace(prepared.model, weights=True))
         for batch in self.experiment.batches(ours, stage, run):
@@ -375,7 +375,7 @@ and scored teacher-forced (mismatch's), a served response per prompt checked aga
 
 @dataclass(frozen=True)
 class ServingRun(RunEngine):
-    """A serving engine with the arms of a run (`ServingArms`), as `experiments.prepared.RunEngine`."""
+    """A serving engine with the arms of a run (`ServingArms`), as `experiments.core.prepared.RunEngine`."""
 
     arms: ServingArms
 

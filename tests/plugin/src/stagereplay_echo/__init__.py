@@ -10,10 +10,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, TypeAdapter
 
 from stagereplay.engine.lm import LM
-from stagereplay.experiments.experiment import Batch, Experiment, Replay, SmallRun
-from stagereplay.experiments.format import Table, as_rows
-from stagereplay.experiments.jobs import Job, Params
-from stagereplay.experiments.prepared import PreparedRun
+from stagereplay.experiments.core.experiment import Batch, Experiment, Replay, SmallRun
+from stagereplay.experiments.core.format import Table, as_rows
+from stagereplay.experiments.core.jobs import Job, Params
+from stagereplay.experiments.core.prepared import PreparedRun
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import PayloadModel

@@ -1,0 +1,412 @@
+"""What an experiment is, for everything that makes, checks, prices or reports a run: one typed object per experiment,
+found by name in the registry (`experiments.core.registry`).
+
+An experiment declares
+
+    Stage                    its frozen section of the manifest (a `StageSection` with its own fields)
+    payload                  its records' payload model(s): `read(record)` gives a record's payload as its model
+    Options                  its own options (a frozen dataclass: its command's options come from its fields), and
+                             `ignores` / `helps` the run's inputs its command does not offer, or describes its way
+    serving                  what it asks of a serving engine (None: the cache itself; refused there)
+    data(...), sequence_end  where its items come from (`tasks.item_sources`), and how far an item's sequence reaches
+    check(model, opts)       what it refuses before anything loads (and `check_inputs` inputs its options void)
+    section(prepared, opts)  the section it freezes before its first item, from the prepared run and its options
+    batches(prepared, stage) its jobs, one batch per model setting (a precision), from the frozen section
+    work(lm, job)            its item function: one item's record payload, pure in (model, job)
+    units(...)               the (item id, part) units a declared stage of it names: what `verify` expects
+    claims(...)              what its records claim beyond the arms and comparisons every record has (`verify`)
+    replay_job(replay)       the job that re-executes one recorded unit (`audit`)
+    unit_forwards(...)       the forwards a recorded unit made (`plan`), and `peak_caches` the most K/V caches an
+                             item holds at once
+    planned_forwards(...)    the forwards its stage would make on lengths a plan assumes (`Assumed`), and
+                             `planned_stage` its section as a plan sees it before the run
+    Summary                  its section of results.json, a model (`records.summary.SummaryModel`)
+    summarize(...)           its section(s) of results.json (`Summary`s), from its records, and `results_of` its
+                             entry read back from results.json as them
+    tables(sections)         the report's tables of those sections
+    verdict_facts(sections)  what those sections say to the verdict's questions (`experiments.core.verdict`), and
+                             `verdict_questions` the questions they raise
+    figures(sections)        the report's figures of those sections, and `series` its series on figures it shares
+                             with other experiments (`experiments.core.figures`)
+    told(records)            one item's story (`stagereplay show`), and `check_other_data` whether two of its runs
+                             on other data compare (`stagereplay compare`)
+    smallest_run             the smallest run of it the embedded toy allows (`small_run.SmallRun`): what the test
+                             of every reading command makes of it
+
+and `run(run, prepared, options)` makes its stage of a run the same way for every experiment and engine: the engine
+of the prepared run (`experiments.core.prepared.RunEngine`: ours, or a serving engine) gives the section, the batches and
+the item function, and the loop appends a record per job not yet in the ledger. Nothing outside an experiment's
+module names the experiment: a stage of the manifest (`<experiment>/<checkpoint>`) finds its experiment in the
+registry, and a name the registry does not know is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, TypeAdapter
+
+from stagereplay.engine.forwards import Lengths, continuation_forwards
+from stagereplay.engine.model import ModelConfig
+from stagereplay.errors import StageReplayError
+from stagereplay.execution.config import Work
+from stagereplay.execution.executors import run_jobs
+from stagereplay.experiments.core.diagnostics_summary import Diagnosed
+from stagereplay.experiments.core.figures import ReportFigure, SharedFigure
+from stagereplay.experiments.core.format import Table
+from stagereplay.experiments.core.jobs import Batch, Job, JobResult, Replay, with_environment
+from stagereplay.experiments.core.prepared import PreparedRun
+from stagereplay.experiments.core.small_run import SmallRun
+from stagereplay.experiments.core.verdict import Fact, Question
+from stagereplay.records.findings import Finding
+from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import RunConfig, StageSection
+from stagereplay.records.payload_readers import ItemHead
+from stagereplay.records.payloads import PayloadModel
+from stagereplay.records.proofs import machine_store
+from stagereplay.records.summary import Count, Untyped
+
+if TYPE_CHECKING:
+    from stagereplay.engine.decode import DecodeConfig
+    from stagereplay.engine.lm import LM
+    from stagereplay.experiments.core.compared import RunComparison
+    from stagereplay.records.differences import Differences
+    from stagereplay.tasks import DataConfig, Item
+
+__all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "SmallRun", "append_jobs"]
+
+Planned = dict[str, list[tuple[Lengths, list[int]]]]
+"""The forwards a stage would make, per part of its units ('' or a precision), unit by unit: (its assumed lengths,
+the token count of each forward)."""
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """An experiment without options of its own."""
+
+
+@dataclass(frozen=True)
+class Assumed:
+    """What a plan assumes of a run before it runs (`plan.paper`): each item's lengths, the items that diverge, and
+    what the stage that starts the run makes, from which later stages carry arms over."""
+
+    items: tuple[Lengths, ...]
+    """Per item: its prompt, stage 1 and every suffix."""
+    divergent: int
+    """The first `divergent` items' live and fresh suffixes differ (they are transplanted, their pairs replayed)."""
+    dedup: bool
+    """Whether a stage carries over the arms the matched stage decoded, rather than decoding them again."""
+    layers: int
+    """The model's layers (a transplant's layer sweep)."""
+    precision: str = "bf16"
+    """The run's precision: a stage's part at it may carry arms over."""
+    construction: str = "oneshot"
+    """The matched stage's fresh construction (`paper`'s: oneshot): the arm later stages carry over."""
+    served_by: str | None = None
+    """The serving engine a run asks for what it serves (`--engine`), whose forwards are not ours (None: ours)."""
+
+    def replay(self, i: int) -> list[int]:
+        """The diagnostics decode the first-run arm of a divergent pair again to its first divergent step d (d + 1
+        steps, d < the suffix): a bound of one suffix per divergent item (`plan.recorded.replay_forwards`)."""
+        return continuation_forwards(self.items[i].suffix) if i < self.divergent else []
+
+
+
+RESPONSE_IGNORES: frozenset[str] = frozenset({
+    "boundary.marker", "boundary.regex", "boundary.after", "decode.max_stage1_tokens", "input.scorer",
+    "numerics.batch", "choice.cross"})
+"""What an experiment on whole responses does nothing with (its `ignores`): a response has no stage boundary and no
+label, and is scored one sequence at a time."""
+
+class Experiment(ABC):
+    """One experiment of the protocol (module docstring)."""
+
+    name: ClassVar[str]
+    """The ledger's `experiment` field and the first half of a stage's name."""
+    Stage: ClassVar[type[StageSection]] = StageSection
+    """Its frozen section of the manifest."""
+    payload: ClassVar[TypeAdapter[Any]] = TypeAdapter(ItemHead)
+    """Its records' payload model (a union where a status has its own): what `read` validates a payload as. By
+    default what every payload of the protocol's arms holds (`records.payload_readers.ItemHead`)."""
+    payload_models: ClassVar[tuple[type[BaseModel], ...]] = ()
+    """Its own payload models beyond the protocol's (`records.payloads`), in the order the ledger schema page shows
+    them (`core.payload_doc`)."""
+    Options: ClassVar[type] = NoOptions
+    """Its own options: a frozen dataclass, each field with its `help` (its command's options come from them)."""
+    command: ClassVar[str] = ""
+    """Its command's name ('' : it has none): `stagereplay <command>`."""
+    starts_run: ClassVar[bool] = False
+    """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
+    serving: ClassVar[str | None] = None
+    """What it asks of a serving engine (an engine that keeps its own cache, `serving.runs.FORMS`): `arms` (arms from
+    the prompt), `prefix_arms` (arms on the matched run's prefixes, per precision), `rollouts` (rollouts sampled in the
+    engine, scored teacher-forced), `served` (a response served per prompt, the rest ours); None: it needs the cache
+    itself, and is refused there."""
+    ignores: ClassVar[frozenset[str]] = frozenset()
+    """The inputs a run it makes does nothing with, dotted as its command's groups name them (`boundary.marker`,
+    `numerics.batch` of `runs.inputs.Inputs`; `choice.cross` of the engine choice): its command does not offer them."""
+    helps: ClassVar[dict[str, str]] = {}
+    """Its command's own help texts of inputs it reads otherwise than the protocol does (dotted as `ignores`)."""
+    defaults: ClassVar[dict[str, Any]] = {}
+    """Its command's own defaults of shared inputs (dotted as `ignores`): attest's reference at fp32."""
+    continuations: ClassVar[bool] = True
+    """Whether its records hold the protocol's arms (continuations from boundary states, `records.payloads.Arm`:
+    a prefix, suffixes, labels and the comparisons between them), which `verify` checks alike for every such
+    experiment; otherwise its own `claims` are all there is to check."""
+    uses_boundary: ClassVar[bool] = True
+    """Whether a run it makes finds a stage boundary (its stage-1 rule and budget resolved before the first item)."""
+    per_precision: ClassVar[bool] = False
+    """Whether a unit's `part` is the precision it ran at (a stage crossing precisions)."""
+    label: ClassVar[str] = ""
+    """How the report names its compared pairs beside the checkpoint (`primary, 2x2`); '' for matched's."""
+    many: ClassVar[bool] = True
+    """Whether results.json holds a list of its sections (one per stage, arm or precision), else one section."""
+    fixed_prefix: ClassVar[bool] = False
+    """Whether its records hold the matched run's prefix of the item (`verify` checks that they do)."""
+    replays_diagnostics: ClassVar[bool] = False
+    """Whether its diagnostics decode an arm again to a pair's first divergent step (`plan.recorded`)."""
+    smallest_run: ClassVar[SmallRun | None] = None
+    """The smallest run of it the embedded toy allows, as its command's options (`small_run.SmallRun`): what the test
+    of every reading command makes of it; None: it gives none, and that test names it."""
+
+    # -- its section of results.json ------------------------------------------------------------------------
+
+    Summary: ClassVar[type[BaseModel]] = Untyped
+    """Its section of results.json (`summarize` makes them, `results_of` reads them back); `Untyped` where it declares
+    none: its sections are then JSON objects, passed through as they are."""
+
+    def results_of(self, entry: Any) -> Any:
+        """Its results.json entry (a list of sections if `many`, else one or null) as its `Summary`s: a list of them,
+        one, or None."""
+        if self.many:
+            return [self._summary(s) for s in entry or []]
+        return None if entry is None else self._summary(entry)
+
+    def _summary(self, section: dict[str, Any]) -> Any:
+        return section if self.Summary is Untyped else self.Summary.model_validate(section)
+
+    # -- making its stage of a run --------------------------------------------------------------------------
+
+    def data(self, path: str | None, n: int | None, columns: str | None, options: Any) -> DataConfig:
+        """Where a run it makes reads its items, from what the input group gave (`--data`, `--n`, `--columns`) and
+        its options."""
+        from stagereplay.tasks import DataConfig
+
+        return DataConfig(path=path, n=n, columns=columns)
+
+    def sequence_end(self, item: Item, decode: DecodeConfig) -> int:
+        """How far one item's sequence reaches (its prompt and what a run without a stage boundary adds to it): the
+        prompt and `max_new_tokens`."""
+        return len(item.prompt_ids) + decode.max_new_tokens
+
+    def check_inputs(self, inputs: Any, options: Any) -> None:  # noqa: B027  # most experiments take every input
+        """Refuse in one line inputs (`runs.inputs.Inputs`) that its options make meaningless, rather than ignore
+        them."""
+
+    def check(self, model: ModelConfig, options: Any) -> None:  # noqa: B027  # most experiments check nothing here
+        """Refuse in one line, before anything loads, options it cannot run with `model`."""
+
+    @abstractmethod
+    def section(self, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
+        """Its frozen section (`Stage`) from the prepared run and its options; `run` holds the records it starts
+        from (a transplant's selection is made from them before any outcome exists)."""
+
+    @abstractmethod
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterable[Batch]:
+        """Its jobs, from its section as the manifest holds it (as the audit will read it); each batch is run before
+        the next is asked for (a generator may make a batch from the records of the one before)."""
+
+    def identity(self, options: Any) -> dict[str, Any]:
+        """What of its options the identity of a run it makes records (`manifest.config`): every field."""
+        return json.loads(json.dumps(asdict(options)))
+
+    def check_outcome(self, summaries: Any, prepared: PreparedRun) -> None:  # noqa: B027  # most accept any
+        """Refuse in one line, once its records are kept, an outcome that says the run was set up wrong (`summaries`:
+        its results.json entry as `results_of` reads it)."""
+
+    def exit_code(self, summaries: Any) -> int:
+        """Its command's exit code for its results.json entry as `results_of` reads it (0: nothing to flag)."""
+        return 0
+
+    def run(self, run: Run, prepared: PreparedRun, options: Any) -> None:
+        """Make (or resume) its stage at the prepared run's checkpoint: freeze the section the prepared run's engine
+        gives, then append a record for every job not yet in the ledger."""
+        engine = prepared.engine
+        section = engine.section(self, prepared, options, run)
+        stage = run.begin_stage(f"{self.name}/{prepared.checkpoint}", section)
+        with engine.failures():
+            for batch in engine.batches(self, prepared, stage, run):
+                append_jobs(run, self.name, prepared.checkpoint, batch, engine.work(self),
+                            engine.exec_config(self, prepared.ex), prepared.quiet, engine.env_work(self))
+
+    # -- what verify, the audit, plan and the report ask of it ---------------------------------------------
+
+    @abstractmethod
+    def work(self, lm: LM, job: Job) -> PayloadModel:
+        """One item's record payload, as its model."""
+
+    @abstractmethod
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
+              ) -> list[tuple[str, str]]:
+        """The (item id, part) units its stage at `checkpoint` names, from the run's `config` and the records it
+        starts from."""
+
+    def read(self, record: Record) -> PayloadModel:
+        """One of its records' payload as its model (`payload`); raises pydantic's ValidationError (a ValueError) when
+        it is not one."""
+        model: PayloadModel = self.payload.validate_python(record.payload)
+        return model
+
+    def told(self, records: list[Record]) -> list[str]:
+        """One item's story for `stagereplay show`, as lines, from its records of this experiment at one checkpoint
+        (each read as its model, `read`): by default, per record, each of its payload's own fields that is a number,
+        a label or a list (token IDs counted, arms named)."""
+        lines = []
+        for record in records:
+            lines.append(f"{self.where(record)}:")
+            for name, value in self.read(record):
+                if isinstance(value, (bool, int, float, str)) or value is None:
+                    lines.append(f"  {name}: {value}")
+                elif isinstance(value, list) and not value:
+                    lines.append(f"  {name}: none")
+                elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+                    lines.append(f"  {name}: {len(value)} token IDs")
+                elif isinstance(value, list):
+                    names = [str(getattr(v, "name", "")) for v in value]
+                    lines.append(f"  {name}: {', '.join(n for n in names if n) or len(value)}")
+        return lines
+
+    def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
+        """What one of its records claims that follows from its other fields, checked: the problems found."""
+        return []
+
+    def stage_findings(self, name: str, stage: StageSection, records: list[Record]) -> list[Finding]:
+        """What its stage's frozen section claims that follows from the records (a selection from its rule)."""
+        return []
+
+    @abstractmethod
+    def replay_job(self, replay: Replay) -> Job:
+        """The job that re-executes one recorded unit."""
+
+    @abstractmethod
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        """The token counts of the forwards one recorded unit made (None: its lengths are not recorded)."""
+
+    @abstractmethod
+    def peak_caches(self, stage: StageSection) -> int:
+        """The most K/V caches one item holds at once."""
+
+    @abstractmethod
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Any]:
+        """Its sections of results.json from one stage's records (one, or one per arm or precision): `Summary`s."""
+
+    def planned_stage(self, options: Any) -> StageSection:
+        """Its section as a plan sees it before the run: what `peak_caches` reads, from its options (no model,
+        settings or selection yet)."""
+        return self.unmade_stage({})
+
+    def unmade_stage(self, fields: dict[str, Any]) -> StageSection:
+        """A section of its stage with only `fields` set, unvalidated: what a plan reads of a stage not yet made."""
+        return self.Stage.model_construct(**fields)
+
+    def planned_forwards(self, assumed: Assumed, options: Any) -> Planned:
+        """The forwards its stage would make with `options` on the lengths a plan assumes: its own `forwards(...)`
+        of each unit it would run (`Planned`)."""
+        raise NotImplementedError(f"{self.name} prices no assumed run (it is no stage of `paper`)")
+
+    def plan_notes(self, options: Any, items: int) -> list[str]:
+        """What a plan of a run of `items` items should say besides its cost (what the run can decide at that
+        size); none by default."""
+        return []
+
+    @abstractmethod
+    def tables(self, results: Any) -> list[Table]:
+        """The report's tables of its results.json entry as `results_of` reads it (a list of `Summary`s if `many`,
+        else one or None); so the methods below."""
+
+    def verdict_facts(self, results: Any) -> list[Fact]:
+        """What its results.json entry says to the verdict's questions (`experiments.core.verdict`), in its order."""
+        return []
+
+    def verdict_questions(self, results: Any) -> list[Question]:
+        """The questions its results.json entry raises, asked whether or not any experiment answers them: by default
+        those its facts answer."""
+        return list(dict.fromkeys(f.question for f in self.verdict_facts(results)))
+
+    def figures(self, results: Any) -> list[ReportFigure]:
+        """The report's figures of its results.json entry; an entry that is null or empty draws none."""
+        return []
+
+    def series(self, results: Any) -> dict[SharedFigure, list[Any]]:
+        """Its series on the figures it draws with other experiments (`experiments.core.figures.SharedFigure`), from its
+        results.json entry: none where it has nothing to draw."""
+        return {}
+
+    def diagnosed(self, results: Any) -> list[tuple[str, Diagnosed, Count]]:
+        """(label, summary, its disagreement counts {k, n}) of each compared pair in its results.json entry whose
+        summary carries diagnostics (margins, logits, caches): the report's diagnostics table and figures."""
+        return []
+
+    def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
+                     stages: tuple[StageSection, StageSection], runs: tuple[str, str],
+                     differences: Differences) -> RunComparison | None:
+        """Two runs of it at `checkpoint` side by side, item by item (`stagereplay compare`), from their records of
+        it, given what differs between their manifests; None where the matched comparison of live trajectories
+        is the one (`report.compare`)."""
+        return None
+
+    def check_other_data(self, runs: tuple[str, str], records: tuple[list[Record], list[Record]]) -> None:
+        """Refuse in one line two runs of it whose data differ (their dataset hashes; the same item ids), where
+        comparing their records means nothing: by default always (its records are outcomes of the items the data
+        gives, and other data gives other items)."""
+        raise StageReplayError(f"{runs[0]} and {runs[1]} ran items of different datasets (config.dataset_hash "
+                               "differs)", "compare runs of the same data file")
+
+    def unit_positions(self, record: Record) -> int:
+        """The longest sequence one recorded unit held (what its caches are sized by): its prefix and longest
+        suffix."""
+        from stagereplay.experiments.core.lengths import lengths_of
+
+        n = lengths_of(record)
+        return n.prefix + max((length for _, length in n.arms), default=n.generated)
+
+    def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
+        """The model a unit of part `part` runs on, from its stage's: at the part's precision where parts are
+        precisions."""
+        return model.with_precision(part) if self.per_precision and part else model
+
+    def where(self, record: Record) -> str:
+        """A unit's stage as findings name it, with the precision of a per-precision unit."""
+        part = record.part if self.per_precision else ""
+        return f"{record.experiment}/{record.checkpoint}{'@' + part if part else ''}"
+
+    def stage_of(self, section: StageSection) -> Any:
+        """A section of its stage as its own model (`Stage`)."""
+        return section.as_stage(self.Stage)
+
+
+def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: Work[PayloadModel], ex: Any,
+                quiet: bool, env_work: Work[JobResult] | None = None) -> None:
+    """Run every job of `batch` not yet in the ledger, appending records in job order with the environment that
+    computed each, under a progress bar. `env_work` returns a job's payload and environment itself (a serving
+    engine adds its own to the environment); by default `work`'s payload gets `with_environment`'s."""
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    model, jobs = batch.model, batch.jobs
+    pending = [j for j in jobs if not run.done(experiment, checkpoint, j.item.id, j.part)]
+    at = batch.at or model.precision
+    label = f"{experiment} [{checkpoint}]" + (f" {at}" if at else "")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  disable=quiet, transient=False) as bar:
+        # The description is rich markup: escaped, "[primary]" is shown, not taken for a style.
+        task = bar.add_task(escape(label), total=len(jobs), completed=len(jobs) - len(pending))
+        done = run_jobs(model, env_work or partial(with_environment, work), pending, ex, machine_store=machine_store)
+        for job, out in zip(pending, done, strict=False):
+            run.append(experiment, checkpoint, job.item.id, out.payload.as_payload(), job.part, out.environment)
+            bar.advance(task)

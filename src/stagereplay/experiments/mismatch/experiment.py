@@ -1,0 +1,413 @@
+"""Mismatch: the training-inference mismatch of reinforcement learning, measured the paper's way.
+
+An RL framework samples a response with an inference engine (decoding from a retained cache) and recomputes each
+token's log-probability in the trainer (one forward over prompt + response: a one-shot prefill of the same token
+IDs). Per item, on the same tokens:
+
+    rollout           the response generated here (greedy, or sampled with the run's settings and a derived seed),
+                      each token's log-probability recorded as it was drawn; or read from a rollout file
+    rollout#replica   generated again from scratch: the same tokens and bits, or the engine is not deterministic
+    incremental       ours, teacher-forced one token per forward: the live loop's operations (the bridge)
+    prefill           the rollout engine's own one-shot prefill of prompt + response (ours: one forward, no cache);
+    prefill#replica   none for a rollout file audited on ours: its engine is not here, and ours is the trainer
+    trainer@<p>       ours, one-shot, at each trainer precision p (bf16, fp32, fp16, bf16-fp32-head: bf16 with the
+                      LM head in fp32), each with its replica: one record part per precision
+    trainer@<p>#batch with --micro-batch N: the same tokens scored inside a trainer's micro-batch of N sequences,
+                      padded or packed (`experiments.mismatch.item.MicroBatch`), in the precision's part
+
+and on our engine, the paper's causal test: at position t the two caches (built as decoding builds it, and by one
+forward) swap their K/V, both directions, and each continues teacher-forced; a continuation follows the donor when
+its log-probabilities are the donor's own, bit for bit (the zero-layer control must follow the recipient).
+
+The summary splits the gap: total (rollout vs trainer), construction (rollout vs the engine's own prefill), engine
+(the engine's prefill vs the trainer's, both one-shot), precision (trainer bf16 vs fp32 and the rest), batch
+composition (the trainer's sequence alone vs in a micro-batch), and each side's replica, with the metrics RL
+frameworks read (`experiments.mismatch.stats`, under verl's names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from stagereplay.engine.decode import DecodeConfig
+from stagereplay.engine.lm import ids_fingerprint
+from stagereplay.engine.model import ModelConfig
+from stagereplay.engine.scoring import LAYOUTS, MODES, Layout, Mode, Scored
+from stagereplay.errors import StageReplayError
+from stagereplay.experiments.core.experiment import (
+    RESPONSE_IGNORES,
+    Assumed,
+    Batch,
+    Experiment,
+    Planned,
+    Replay,
+    SmallRun,
+)
+from stagereplay.experiments.core.figures import ReportFigure
+from stagereplay.experiments.core.format import Table
+from stagereplay.experiments.core.jobs import Job, ReplaySettings
+from stagereplay.experiments.core.verdict import Fact
+from stagereplay.experiments.mismatch.item import (
+    MicroBatch,
+    MismatchParams,
+    Source,
+    mismatch_item,
+    outcome,
+    row_decode,
+)
+from stagereplay.experiments.mismatch.payloads import MODELS, MismatchPayload
+from stagereplay.experiments.mismatch.summary import MismatchSummary
+from stagereplay.records import arrays
+from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
+from stagereplay.records.payloads import PayloadModel
+
+if TYPE_CHECKING:
+    from stagereplay.engine.lm import LM
+    from stagereplay.experiments.core.compared import RunComparison
+    from stagereplay.experiments.core.prepared import PreparedRun
+    from stagereplay.records.differences import Differences
+    from stagereplay.tasks import DataConfig
+
+EXPERIMENT = "mismatch"
+TRAINER_PRECISIONS = ("bf16", "fp32", "fp16", "bf16-fp32-head")
+"""The trainer's precisions: our precisions, and bf16 with the LM head in fp32 (MiniMax-M1's fix)."""
+PAYLOAD: TypeAdapter[MismatchPayload] = TypeAdapter(MismatchPayload)
+
+
+@dataclass(frozen=True)
+class MismatchOptions:
+    """Mismatch's own options."""
+
+    rollouts: str | None = field(default=None, metadata={"help": (
+        "a rollout file to audit instead of generating rollouts: JSONL or Parquet rows of prompt_ids, response_ids and "
+        "the rollout engine's logprobs, optionally an id and the row's temperature, top_p, top_k and seed (every side "
+        "scores a row under its own; map other names with --columns prompt_ids=COL,response_ids=COL,logprobs=COL,"
+        "id=COL,temperature=COL,...)")})
+    precisions: tuple[str, ...] = field(default=("bf16", "fp32"), metadata={"help": (
+        "the trainer's precisions: bf16, fp32, fp16, bf16-fp32-head (bf16 with the LM head in fp32)")})
+    mode: Mode = field(default="raw", metadata={"flag": "--logprobs-mode", "help": (
+        "the distribution every side's log-probabilities are taken from: raw (log_softmax of the logits) | processed "
+        "(after temperature, top-k and top-p, as vLLM's logprobs_mode names it)")})
+    transplant_at: float = field(default=0.5, metadata={"help": (
+        "where in the response the K/V transplant happens, as a fraction of its length (0: no transplant)")})
+    micro_batch: int = field(default=0, metadata={"help": (
+        "also score each trainer sequence inside a micro-batch of N sequences, as trainers batch them (0: alone "
+        "only): recorded as trainer@<precision>#batch, beside it the row 'batch composition'")})
+    micro_batch_layout: Layout = field(default="padded", metadata={"help": (
+        "padded (a row per sequence, right padding and an attention mask) | packed (one row, sequences end to end, "
+        "a block-diagonal causal mask, positions per sequence: verl's remove-padding)")})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precisions", tuple(self.precisions))
+        for p in self.precisions:
+            if p not in TRAINER_PRECISIONS:
+                raise StageReplayError(f"unknown trainer precision {p!r}", f"use {', '.join(TRAINER_PRECISIONS)}")
+        if not self.precisions:
+            raise StageReplayError("no trainer precision given", "pass --precisions bf16,fp32")
+        if self.mode not in MODES:
+            raise StageReplayError(f"unknown --logprobs-mode {self.mode!r}", f"use {' or '.join(MODES)}")
+        if self.micro_batch < 0 or self.micro_batch == 1:
+            raise StageReplayError(f"--micro-batch {self.micro_batch} is not a micro-batch of other sequences",
+                                   "pass --micro-batch 2 or more, or 0 to score each sequence alone only")
+        if self.micro_batch_layout not in LAYOUTS:
+            raise StageReplayError(f"unknown --micro-batch-layout {self.micro_batch_layout!r}",
+                                   f"use {' or '.join(LAYOUTS)}")
+        if self.micro_batch_layout != "padded" and not self.micro_batch:
+            raise StageReplayError(f"--micro-batch-layout {self.micro_batch_layout} lays out micro-batches, and none "
+                                   "is asked for", "pass --micro-batch N with it")
+        if not 0 <= self.transplant_at < 1:
+            raise StageReplayError(f"--transplant-at must lie in [0, 1), got {self.transplant_at}",
+                                   "pass e.g. 0.5 (half-way through the response), or 0 for none")
+
+
+class MismatchStage(StageSection):
+    """Mismatch's frozen section."""
+
+    source: Source = Field(description="generated (the run's own rollouts) | file (a rollout file's)")
+    precisions: list[str] = Field(description="the trainer's precisions, each a part of every item's unit")
+    mode: Mode = Field(description="raw | processed: the distribution the log-probabilities are taken from")
+    transplant_at: float = Field(description="the transplant's place in the response (0: none)")
+    micro_batch: int | None = Field(None, description="the trainer's micro-batch size, where its sequences are also "
+                                                      "scored inside one (absent: alone only)")
+    micro_batch_layout: Layout | None = Field(None, description="padded | packed, with micro_batch")
+
+    def batch(self) -> MicroBatch | None:
+        """The trainer's micro-batches (None: each sequence alone only)."""
+        return MicroBatch(self.micro_batch, self.micro_batch_layout or "padded") if self.micro_batch else None
+
+
+def trainer_model(model: ModelConfig, precision: str) -> ModelConfig:
+    """The model a trainer precision loads: bf16's for bf16 with an fp32 head."""
+    return model.with_precision("bf16" if precision == "bf16-fp32-head" else precision)
+
+
+def _micro_batch(options: MismatchOptions) -> dict[str, Any]:
+    """The micro-batch fields of the stage and the run's identity: none unless asked for."""
+    return ({"micro_batch": options.micro_batch, "micro_batch_layout": options.micro_batch_layout}
+            if options.micro_batch else {})
+
+
+def main_records(run: Run, checkpoint: str) -> dict[str, MismatchPayload]:
+    """The part-'' records at `checkpoint`, by item id: the tokens the trainer parts score."""
+    return {r.item_id: PAYLOAD.validate_python(r.payload) for r in run.find(EXPERIMENT, checkpoint) if not r.part}
+
+
+class Mismatch(Experiment):
+    """Rollout vs trainer: the log-probability each side gives the same response tokens, where the gap comes from,
+    and whether the cache carries it."""
+
+    payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
+    payload_models: ClassVar[tuple[type[BaseModel], ...]] = MODELS
+    serving: ClassVar[str | None] = "rollouts"
+    name: ClassVar[str] = EXPERIMENT
+    Stage: ClassVar[type[StageSection]] = MismatchStage
+    Summary: ClassVar[type[BaseModel]] = MismatchSummary
+    Options: ClassVar[type] = MismatchOptions
+    command: ClassVar[str] = "mismatch"
+    starts_run: ClassVar[bool] = True
+    uses_boundary: ClassVar[bool] = False
+    continuations: ClassVar[bool] = False
+    label: ClassVar[str] = "mismatch"
+    smallest_run: ClassVar[SmallRun | None] = SmallRun(("--n", "2", "--max-new-tokens", "6", "--precisions",
+                                                        "bf16,fp32"))
+    ignores: ClassVar[frozenset[str]] = RESPONSE_IGNORES
+    helps: ClassVar[dict[str, str]] = {
+        "decode.max_new_tokens": "response length limit: tokens each rollout generates after its prompt",
+        "decode.sample": "sample each rollout (seeded) instead of decoding it greedily",
+        "decode.seed": "base seed; each item's rollout derives its own",
+        "input.data": ("prompts to roll out: a JSONL, JSON, CSV or Parquet file, a datasets.save_to_disk folder, or "
+                       "hf:NAME[:CONFIG][:SPLIT] (default: the toy task's held-out items); a rollout file: --rollouts"),
+        "input.columns": ("map the data's fields: TARGET=COLUMN,... With --rollouts, TARGET prompt_ids, response_ids, "
+                          "logprobs, id, temperature, top_p, top_k or seed; with --data, prompt, messages, user (a "
+                          "one-message chat) or id"),
+        "input.n": "roll out (or read) the first N items",
+    }
+    """What a mismatch run does with the inputs it takes: rollouts of a response, or a file of them."""
+
+    def data(self, path: str | None, n: int | None, columns: str | None, options: MismatchOptions) -> DataConfig:
+        """A rollout file is the run's data (its hash bound, its location not)."""
+        from pathlib import Path
+
+        from stagereplay.tasks import DataConfig
+
+        if options.rollouts is None:
+            return DataConfig(path=path, n=n, columns=columns)
+        if path is not None:
+            raise StageReplayError("--rollouts names the data; --data names other data",
+                                   "pass one of --rollouts FILE or --data FILE")
+        return DataConfig(path=str(Path(options.rollouts).resolve()), n=n, columns=columns, source="rollouts")
+
+    def sequence_end(self, item: Any, decode: DecodeConfig) -> int:
+        """A generated rollout reaches `max_new_tokens` past its prompt; a rollout file's, its own response's end."""
+        from stagereplay.tasks.rollouts import RolloutItem
+
+        if isinstance(item, RolloutItem):
+            return len(item.prompt_ids) + item.response_len
+        return len(item.prompt_ids) + decode.max_new_tokens
+
+    def check_inputs(self, inputs: Any, options: MismatchOptions) -> None:
+        """A rollout file holds its responses and says how they were sampled: decoding options are refused with it,
+        not ignored; processed log-probabilities of a greedy row (temperature 0) are refused, as it has no warped
+        distribution to take them from."""
+        if options.rollouts is None:
+            return
+        given = [f"--{f.replace('_', '-')}" for f in ("max_new_tokens", "sample", "temperature", "top_k", "top_p", "seed")
+                 if getattr(inputs.decode, f) != getattr(DecodeConfig(), f)]
+        if given:
+            raise StageReplayError(f"{', '.join(given)} decode nothing with --rollouts: the file holds the responses "
+                                   "and how they were sampled", f"drop {', '.join(given)}, or generate the rollouts "
+                                   "without --rollouts")
+        if options.mode == "processed":
+            from stagereplay.tasks.rollouts import scan
+
+            rows, _ = scan(options.rollouts, inputs.input.columns, 1 << 31, 1 << 31, inputs.input.n)
+            greedy = next((r for r in rows if r.sampling.get("temperature") == 0), None)
+            if greedy is not None:
+                raise StageReplayError(f"{greedy.where}: temperature is 0 (greedy), which has no processed "
+                                       "distribution to score the row under",
+                                       "score the file with --logprobs-mode raw, or drop its greedy rows")
+
+    def check(self, model: ModelConfig, options: MismatchOptions) -> None:
+        if model.batch > 1:
+            raise StageReplayError("mismatch scores one sequence at a time in our engine",
+                                   "run it with --batch 1 (a serving engine batches its own requests)")
+        for p in options.precisions:
+            trainer_model(model, p)  # validates the name before anything runs
+
+    def identity(self, options: MismatchOptions) -> dict[str, Any]:
+        return {"source": "file" if options.rollouts else "generated", "precisions": list(options.precisions),
+                "mode": options.mode, "transplant_at": options.transplant_at, **_micro_batch(options)}
+
+    def section(self, prepared: PreparedRun, options: MismatchOptions, run: Run) -> StageSection:
+        return MismatchStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                             source="file" if options.rollouts else "generated", precisions=list(options.precisions),
+                             mode=options.mode, transplant_at=options.transplant_at, **_micro_batch(options))
+
+    def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Any:
+        """The rollouts and our engine's scores of them at the run's precision first; then, once their tokens are
+        recorded, the trainer at each precision on those tokens (a generator: each batch made when it is due)."""
+        own: MismatchStage = self.stage_of(stage)
+        columns = prepared.data.columns
+        yield Batch(prepared.model, [Job(item, prepared.settings, MismatchParams(
+            "", own.mode, own.source, own.transplant_at, columns)) for item in prepared.items])
+        ids = {item.id for item in prepared.items}
+        for p in own.precisions:
+            recorded = main_records(run, prepared.checkpoint)
+            yield Batch(trainer_model(prepared.model, p), [
+                Job(item, prepared.settings, MismatchParams(p, own.mode, own.source, prompt=tuple(r.prompt_ids or ()),
+                                                            response=tuple(r.response_ids or ()), batch=own.batch(),
+                                                            decode=self._row_decode(own, prepared.settings, r.sampling)))
+                for item in prepared.items if item.id in ids and (r := recorded.get(item.id)) is not None])
+
+    def _row_decode(self, own: MismatchStage, settings: ReplaySettings, sampling: Mapping[str, Any] | None
+                    ) -> DecodeConfig | None:
+        """The decode a trainer part scores a rollout file's row under: the row's sampling as its rollout part
+        recorded it (`row_decode`); None for a generated rollout (the run's)."""
+        return row_decode(settings.decode, sampling) if own.source == "file" else None
+
+    def unit_positions(self, record: Record) -> int:
+        arms = PAYLOAD.validate_python(record.payload).arms
+        return arms[0].start + len(arrays.decode(arms[0].logprobs)) if arms else 0
+
+    def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
+        return trainer_model(model, part) if part else model
+
+    def where(self, record: Record) -> str:
+        return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
+
+    def work(self, lm: LM, job: Job) -> PayloadModel:
+        return mismatch_item(lm, job)
+
+    def told(self, records: list[Record]) -> list[str]:
+        """Where along the response each side parts from the rollout, and by how much (`mismatch_story`)."""
+        from stagereplay.experiments.mismatch.story import story_lines
+
+        ordered = sorted(records, key=lambda r: r.part != "")
+        return story_lines([PAYLOAD.validate_python(r.payload) for r in ordered],
+                           f"{self.name}/{records[0].checkpoint}" if records else self.name)
+
+    def units(self, checkpoint: str, stage: StageSection, config: RunConfig, records: list[Record]
+              ) -> list[tuple[str, str]]:
+        """Every item, at the rollout's part and at each trainer precision."""
+        own: MismatchStage = self.stage_of(stage)
+        return [(i, part) for part in ("", *own.precisions) for i in config.item_ids]
+
+    def claims(self, record: Record, stage: StageSection, matched: Record | None) -> list[str]:
+        """Every arm scores the record's tokens, its fingerprints are its arrays', and the transplant's outcomes
+        follow from its continuations."""
+        p, bad = record.payload, []
+        if p.get("prompt_ids") is not None and p.get("tokens_fp") != ids_fingerprint(
+                [*p["prompt_ids"], *p.get("response_ids", [])]):
+            bad.append("tokens_fp is not the fingerprint of prompt_ids + response_ids")
+        for arm in p.get("arms", []):
+            if arm.get("logprobs_fp") != arrays.fingerprint(arm.get("logprobs", "")):
+                bad.append(f"arm {arm.get('name')}: logprobs_fp is not the fingerprint of its logprobs")
+            if arm.get("tokens_fp") != p.get("tokens_fp") and not arm.get("name", "").endswith("#replica"):
+                bad.append(f"arm {arm.get('name')}: scored other tokens than the record's")
+        moved = p.get("transplant")
+        if moved:
+            by = {a["name"]: a for a in p.get("arms", [])}
+            for key, prefix in (("directions", ""), ("control", "control:")):
+                for direction, recorded in moved[key].items():
+                    donor, _, recipient = direction.partition("->")
+                    names = (f"{prefix}{direction}", f"from@{moved['at']}:{donor}", f"from@{moved['at']}:{recipient}")
+                    if not all(n in by for n in names):
+                        bad.append(f"transplant {direction}: its arms are missing")
+                        continue
+                    cont, d, r = (Scored(arrays.decode(by[n]["logprobs"]), None) for n in names)
+                    if outcome(cont, d, r).as_payload() != recorded:
+                        bad.append(f"transplant.{key}.{direction} does not follow from its arms")
+        return bad
+
+    def replay_job(self, replay: Replay) -> Job:
+        own: MismatchStage = self.stage_of(replay.stage)
+        part = replay.record.part
+        params = MismatchParams(part, own.mode, own.source, own.transplant_at if not part else 0.0)
+        if part:
+            main = replay.matched or {}
+            params = MismatchParams(part, own.mode, own.source, prompt=tuple(main.get("prompt_ids") or ()),
+                                    response=tuple(main.get("response_ids") or ()), batch=own.batch(),
+                                    decode=self._row_decode(own, replay.settings, main.get("sampling")))
+        return Job(replay.item, replay.settings, params)
+
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        """The token counts of the forwards one unit made: prefills and single-token steps."""
+        p = PAYLOAD.validate_python(record.payload)
+        if not p.arms:
+            return None
+        n, prompt = len(arrays.decode(p.arms[0].logprobs)), p.arms[0].start
+        if record.part:
+            batch = self.stage_of(stage).batch()
+            seed = self.stage_of(stage).settings.decode.seed
+            return [prompt + n - 1] * 2 + ([batch.forward_tokens(record.item_id, seed, prompt + n - 1)] if batch else [])
+        steps, generated = [prompt, *[1] * (n - 1)], p.source == "generated"
+        out = (steps * 2 if generated else []) + steps + ([prompt + n - 1] * 2 if generated else [])
+        if p.transplant:
+            at = p.transplant.at
+            out += [prompt, *([1] * (at - prompt)), at]  # the two caches at t
+            out += [1] * (prompt + n - at - 1) * 6  # the two own and four transplanted continuations
+        return out
+
+    def planned_forwards(self, assumed: Assumed, options: MismatchOptions) -> Planned:
+        """Per item, part '': the rollout and its replica (generated), our incremental score, the engine's prefill
+        and its replica (generated), and the transplant where it fits; each trainer precision: a prefill and its
+        replica. The forwards `unit_forwards` counts on a recorded unit."""
+        generated, main = options.rollouts is None, []
+        for lengths in assumed.items:
+            p, n = lengths.prompt, lengths.suffix
+            steps = [p, *[1] * (n - 1)]
+            out = (steps * 2 if generated else []) + steps + ([p + n - 1] * 2 if generated else [])
+            at = p + max(1, int(options.transplant_at * n))
+            if options.transplant_at and p + n - at >= 3:
+                out += [p, *([1] * (at - p)), at, *[1] * ((p + n - at - 1) * 6)]
+            main.append((lengths, out))
+        return {"": main, **{precision: [(u, [u.prompt + u.suffix - 1] * 2) for u in assumed.items]
+                             for precision in options.precisions}}
+
+    def peak_caches(self, stage: StageSection) -> int:
+        return 4  # the two caches at t, a transplanted one and the continuation's
+
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[MismatchSummary]:
+        from stagereplay.experiments.mismatch.summary import summarize_mismatch
+
+        return [summarize_mismatch(records, self.stage_of(stage), checkpoint)]
+
+    def tables(self, results: list[MismatchSummary]) -> list[Table]:
+        from stagereplay.experiments.mismatch.tables import mismatch_tables
+
+        return [t for section in results for t in mismatch_tables(section)]
+
+    def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
+                     stages: tuple[StageSection, StageSection], runs: tuple[str, str],
+                     differences: Differences) -> RunComparison:
+        from stagereplay.experiments.mismatch.compare import compared
+
+        sections = (self.summarize(records[0], stages[0], checkpoint)[0],
+                    self.summarize(records[1], stages[1], checkpoint)[0])
+        return compared(records, item_ids, checkpoint, runs, sections, differences)
+
+    def check_other_data(self, runs: tuple[str, str], records: tuple[list[Record], list[Record]]) -> None:
+        """Two runs on other data (a generated run and a file of rollouts, two engines' files) compare on the
+        items' tokens: refused only where an item's prompt differs (its responses may: that is what differs)."""
+        prompts = ({r.item_id: PAYLOAD.validate_python(r.payload).prompt_ids for r in side if not r.part}
+                   for side in records)
+        a, b = prompts
+        for item_id, prompt in a.items():
+            if item_id in b and b[item_id] != prompt:
+                raise StageReplayError(f"{runs[0]} and {runs[1]} hold other prompts for item {item_id!r}: their "
+                                       "rollouts answer different questions", "compare runs of the same prompts")
+
+    def verdict_facts(self, results: list[MismatchSummary]) -> list[Fact]:
+        from stagereplay.experiments.mismatch.verdict import mismatch_verdict
+
+        return [f for section in results for f in mismatch_verdict(section)]
+
+    def figures(self, results: list[MismatchSummary]) -> list[ReportFigure]:
+        from stagereplay.experiments.mismatch.tables import mismatch_figures
+
+        return [f for section in results for f in mismatch_figures(section)]
