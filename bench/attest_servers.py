@@ -67,7 +67,7 @@ from common import (
     stop_server,
 )
 
-from stagereplay.experiments.attest.experiment import HONEST as OURS
+from stagereplay.experiments.attest.stage import HONEST as OURS
 
 ALPHA = 0.01
 CONCURRENT = 4

@@ -15,12 +15,12 @@ from stagereplay.cli import app
 from stagereplay.engine.model import load_config_and_tokenizer
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.attest.item import AttestParams
+from stagereplay.experiments.attest.served import ServedAttestParams, served_params, token_ids
 from stagereplay.experiments.core import registry
 from stagereplay.records import arrays
 from stagereplay.records.ledger import items, read_ledger
-from stagereplay.serving.attest import ServedAttestParams, served_params, token_ids
+from stagereplay.serving.arms import ServingArms
 from stagereplay.serving.engines import engine_config
-from stagereplay.serving.matched import ServingArms
 from stagereplay.serving.seam import SEED_SPAN, Generation
 from stagereplay.toy import toy_checkpoint
 

@@ -56,6 +56,8 @@ TYPE_CHECKING_UP = "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    i
 CIRCLE_IN_ENGINE = "\n\ndef _planted():\n    from stagereplay.engine.lm import LM\n    return LM\n"
 ENGINE_IN_REPORT = "\n\ndef _planted():\n    from stagereplay.engine.model import load_config_and_tokenizer\n"
 TOY_IN_ENGINE = "\n\ndef _planted():\n    from stagereplay.toy import toy_checkpoint\n    return toy_checkpoint\n"
+FAMILY_IN_FAMILY = "\n\ndef _planted():\n    from stagereplay.experiments.attest.stats import ALPHA\n    return ALPHA\n"
+EXPERIMENT_IN_SERVING = "\n\ndef _planted():\n    from stagereplay.experiments.core.jobs import Job\n    return Job\n"
 
 
 @pytest.mark.parametrize(("module", "planted", "broken"), [
@@ -65,7 +67,10 @@ TOY_IN_ENGINE = "\n\ndef _planted():\n    from stagereplay.toy import toy_checkp
     ("engine/cache.py", CIRCLE_IN_ENGINE, {"circles"}),  # engine.lm imports engine.cache already
     ("report/__init__.py", ENGINE_IN_REPORT, {"report"}),
     ("engine/cache.py", TOY_IN_ENGINE, {"toy"}),
-], ids=["upward", "upward-type-checking", "unplaced-room", "circle", "report-engine", "engine-toy"])
+    ("experiments/mismatch/stats.py", FAMILY_IN_FAMILY, {"families"}),  # one family naming another's module
+    ("serving/seam.py", EXPERIMENT_IN_SERVING, {"rooms", "circles"}),  # the engines reaching up to the experiments
+], ids=["upward", "upward-type-checking", "unplaced-room", "circle", "report-engine", "engine-toy", "family-family",
+        "serving-experiments"])
 def test_the_import_contracts_see_a_planted_import(tmp_path, module, planted, broken):
     """Negative control: a copy of the package with one import planted breaks exactly the contracts it should."""
     copy = tmp_path / "src" / "stagereplay"

@@ -299,7 +299,7 @@ def test_part_one_on_a_serving_engine_is_the_same_skeleton_as_on_ours(tiny_dir):
     from stagereplay.engine.decode import derive_seed
     from stagereplay.experiments.core.jobs import Job, ReplaySettings
     from stagereplay.experiments.mismatch.item import MismatchParams, mismatch_item, rollout_part
-    from stagereplay.serving.mismatch import ServedEngine
+    from stagereplay.experiments.mismatch.served import ServedEngine
     from stagereplay.serving.seam import Generation, PromptScores, Samples, Sampling, ScoresPrompt
     from stagereplay.tasks.base import Item
 

@@ -145,7 +145,8 @@ def test_a_count_boundary_proves_to_its_reach_not_the_context(tiny_dir, items_fi
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.execution.config import ExecConfig
     from stagereplay.execution.models import cached_lm
-    from stagereplay.experiments.protocol.matched import Matched, MatchedOptions
+    from stagereplay.experiments.protocol.matched import Matched
+    from stagereplay.experiments.protocol.matched_stage import MatchedOptions
     from stagereplay.runs.inputs import Inputs
     from stagereplay.runs.prepare import prepare, prove_reach
 

@@ -49,8 +49,8 @@ def _arms(payload: dict) -> dict[str, dict]:
 
 def _engine(precision: str = "bf16"):
     from stagereplay.engine.lm import load
+    from stagereplay.serving.arms import cached_engine
     from stagereplay.serving.engines import engine_config
-    from stagereplay.serving.matched import cached_engine
     from stagereplay.toy import toy_checkpoint
 
     lm = load(str(toy_checkpoint("primary")), precision)
@@ -127,7 +127,7 @@ def test_fp32_our_engine_continues_vllms_prefix_as_vllm_did(fp32_run):
     """hf-oneshot (transformers prefills vLLM's prefix and continues) equals vLLM's live suffix in fp32."""
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import load
-    from stagereplay.experiments.protocol.precision_2x2 import fixed_state
+    from stagereplay.experiments.protocol.matched_stage import fixed_state
     from stagereplay.tasks.base import Item
     from stagereplay.toy import toy_checkpoint
 

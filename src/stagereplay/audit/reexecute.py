@@ -23,6 +23,7 @@ from stagereplay.execution.config import ExecConfig
 from stagereplay.experiments.core.experiment import Replay
 from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.registry import experiment, of_stage, starts_run
+from stagereplay.experiments.core.serving_run import stage_engine
 from stagereplay.records.audit_summary import (
     AuditSummary,
     Elsewhere,
@@ -40,7 +41,6 @@ from stagereplay.records.shards import parse_shard, shard_items
 from stagereplay.records.summary import Count
 from stagereplay.report.audit_lines import re_executed
 from stagereplay.report.results import build_results, comparable_results
-from stagereplay.serving.runs import stage_engine
 from stagereplay.tasks import DataConfig, Item, load_items
 
 __all__ = ["AuditConfig", "audit_run", "compare_payloads", "exit_code", "verify_ledger"]

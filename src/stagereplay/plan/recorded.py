@@ -78,7 +78,7 @@ def unit_forwards(r: Record, stage: StageSection) -> tuple[str, list[int], int] 
     """(its plan row, the forwards its item function made, its longest sequence) for one item record, from its
     measured lengths, as its experiment counts them (`Experiment.unit_forwards`); None for a unit whose lengths
     are not recorded, or whose forwards are not our engine's."""
-    from stagereplay.serving.runs import stage_engine
+    from stagereplay.experiments.core.serving_run import stage_engine
 
     name = f"{r.experiment}/{r.checkpoint}"
     experiment = of_stage(name)

@@ -266,7 +266,7 @@ class BitDifference(PayloadModel):
 
 
 LoadFinding = Literal["invariant", "batch-variant", "not self-consistent", "unknown"]
-"""What a request's replicas say of a server under load (`serving.matched.load_finding`)."""
+"""What a request's replicas say of a server under load (`experiments.protocol.served_matched.load_finding`)."""
 
 
 class MatchedPayload(PayloadModel):

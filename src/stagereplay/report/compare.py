@@ -33,8 +33,8 @@ from pydantic import ValidationError
 
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.core.stats import first_divergence, mcnemar_exact, paired_bootstrap_ci
-from stagereplay.experiments.protocol.matched import EXPERIMENT as MATCHED
 from stagereplay.experiments.protocol.matched import PAYLOAD
+from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
 from stagereplay.records.ledger import Record
 from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, TopEntry, first_error
 from stagereplay.report.compare_document import (

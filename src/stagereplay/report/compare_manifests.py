@@ -17,7 +17,7 @@ from typing import Any
 
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.core import registry
-from stagereplay.experiments.protocol.matched import EXPERIMENT as MATCHED
+from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
 from stagereplay.records.differences import Difference, Differences
 from stagereplay.records.kernels import kernel_differences
 from stagereplay.records.ledger import Record, diff_fields

@@ -23,12 +23,17 @@ from stagereplay.audit.reexecute import AuditConfig
 from stagereplay.audit.relocate import Relocation
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.attest.experiment import Attest, AttestOptions
+from stagereplay.experiments.attest.experiment import Attest
+from stagereplay.experiments.attest.stage import AttestOptions
 from stagereplay.experiments.core.prepared import OURS, RunEngine
-from stagereplay.experiments.mismatch.experiment import Mismatch, MismatchOptions
+from stagereplay.experiments.core.serving_run import engine_of
+from stagereplay.experiments.mismatch.experiment import Mismatch
+from stagereplay.experiments.mismatch.stage import MismatchOptions
 from stagereplay.experiments.protocol.bridge import Bridge, BridgeOptions
-from stagereplay.experiments.protocol.matched import Matched, MatchedOptions
-from stagereplay.experiments.protocol.precision_2x2 import GridOptions, PrecisionGrid
+from stagereplay.experiments.protocol.grid_stage import GridOptions
+from stagereplay.experiments.protocol.matched import Matched
+from stagereplay.experiments.protocol.matched_stage import MatchedOptions
+from stagereplay.experiments.protocol.precision_2x2 import PrecisionGrid
 from stagereplay.experiments.protocol.resample import Resample, ResampleConfig
 from stagereplay.experiments.protocol.transplant import Transplant, TransplantConfig
 from stagereplay.report.results import Results
@@ -37,7 +42,6 @@ from stagereplay.runs.extend import Extension, audit, extend, merge
 from stagereplay.runs.inputs import Boundary, EngineChoice, Input, Inputs, Numerics
 from stagereplay.runs.make import make_run
 from stagereplay.runs.protocol import PaperConfig, paper
-from stagereplay.serving.runs import engine_of
 
 
 def matched(out: str | Path, inputs: Inputs | None = None, options: MatchedOptions | None = None,

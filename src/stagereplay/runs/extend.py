@@ -22,13 +22,13 @@ from stagereplay.experiments.core.experiment import Experiment
 from stagereplay.experiments.core.jobs import ReplaySettings
 from stagereplay.experiments.core.prepared import PreparedRun, frozen
 from stagereplay.experiments.core.registry import all_experiments
+from stagereplay.experiments.core.serving_run import stage_engine
 from stagereplay.records.audit_summary import AuditSummary
 from stagereplay.records.ledger import open_run, read_ledger, read_manifest
 from stagereplay.records.manifest import Manifest, StageSection
 from stagereplay.records.shards import merge_runs
 from stagereplay.report.results import Results
 from stagereplay.runs.make import finish
-from stagereplay.serving.runs import stage_engine
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The serving engines, by name: one line each in `ENGINES`; an extension (or a test) adds one with `register`."""
+"""The serving engines, by name: one line each in `ENGINES` (and in `HONEST_VARIANTS` an engine that decodes a claimed
+model as an honest variant); an extension (or a test) adds one with `register`."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.attest.variants import register_engine
 from stagereplay.serving import http, llamacpp, llamacpp_honest, vllm
 from stagereplay.serving.seam import EngineConfig, EngineKind, options_of
 
 ENGINES: dict[str, EngineKind] = {k.name: k for k in (vllm.VllmKind(), llamacpp.LlamaCppKind(), http.HttpKind())}
-register_engine(llamacpp_honest.FAMILY, llamacpp_honest.LlamaCppHonesty())  # its honest variants of a GGUF claim
+HONEST_VARIANTS: dict[str, Any] = {llamacpp_honest.FAMILY: llamacpp_honest.LlamaCppHonesty()}
+"""The engines that decode a claimed model in this process as an honest variant of a claim they serve (llama.cpp's
+kernels for a GGUF), by the family name their variants start with: each satisfies the claim's `EngineHonesty`."""
 OURS = "hf"
 """Our engine's name where an engine is chosen (`--engine`, `--cross`)."""
 

@@ -1,4 +1,4 @@
-"""llama.cpp as an honest variant of a claim it serves (`experiments.attest.variants.EngineHonesty`): the claimed GGUF
+"""llama.cpp as an honest variant of a claim it serves (`serving.engines.HONEST_VARIANTS`): the claimed GGUF
 decoded greedily in this process by llama.cpp's own kernels (Q4_K dot products against activations quantized to 8
 bits, and the rest of what llama-server runs), with the settings a deployment varies:
 

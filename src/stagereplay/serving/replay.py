@@ -1,6 +1,5 @@
-"""What the audit needs of a serving engine's run besides its experiments (`serving.runs`): the engine's
-build as installed here, the server of a run that moved, and the arms one request at a time cannot re-execute
-(under load)."""
+"""What the audit needs of a serving engine's run besides its experiments' own forms: the engine's build as installed
+here, the server of a run that moved, and the arms one request at a time cannot re-execute (under load)."""
 
 from __future__ import annotations
 
@@ -9,9 +8,9 @@ from typing import Any
 
 from stagereplay.errors import StageReplayError
 from stagereplay.records.manifest import EngineSection, StageSection
+from stagereplay.serving.arms import LOADED
 from stagereplay.serving.engines import config_from_dict, kind_of
 from stagereplay.serving.http import public_url
-from stagereplay.serving.matched import LOADED
 
 
 def engine_build_here(stages: Mapping[str, StageSection]) -> Mapping[str, object] | None:
@@ -49,7 +48,7 @@ def at_server(stages: Mapping[str, StageSection], url: str
 
 
 def _under_load(*names: str) -> bool:
-    """Whether any of the arm names is an under-load arm (`serving.matched.LOADED`)."""
+    """Whether any of the arm names is an under-load arm (`serving.arms.LOADED`)."""
     return not set(LOADED).isdisjoint(names)
 
 

@@ -155,7 +155,7 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
     prompt = list(item.prompt_ids)
     seed = item_seed(item, dc, p.columns, p.seed_span)
     kind: Kind = "honest" if p.which else "served"
-    assert not (kind == "served" and p.source == "server"), "a server's response is asked of it (serving.attest)"
+    assert not (kind == "served" and p.source == "server"), "a server's response is asked of it (experiments.attest.served)"
     roundtrip = None
     if kind == "served" and p.source == "file":
         from stagereplay.tasks.rollouts import RolloutItem, read

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from stagereplay.engine.constructions import Chunked
 from stagereplay.errors import StageReplayError
+from stagereplay.serving.engines import HONEST_VARIANTS
 
 if TYPE_CHECKING:
     import torch
@@ -200,8 +201,9 @@ class EngineHonesty(Protocol):
         log-probability of each token (its raw distribution), and the engine's description of what it ran."""
 
 
-ENGINE_VARIANTS: dict[str, EngineHonesty] = {}
-"""Serving engines that serve honest variants, by the family name their variants start with."""
+ENGINE_VARIANTS: dict[str, EngineHonesty] = HONEST_VARIANTS
+"""Serving engines that serve honest variants, by the family name their variants start with: the serving engines'
+own (`serving.engines.HONEST_VARIANTS`), and any `register_engine` adds."""
 
 
 def register_engine(family: str, honesty: EngineHonesty) -> None:

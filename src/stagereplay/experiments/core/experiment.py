@@ -7,7 +7,7 @@ An experiment declares
     payload                  its records' payload model(s): `read(record)` gives a record's payload as its model
     Options                  its own options (a frozen dataclass: its command's options come from its fields), and
                              `ignores` / `helps` the run's inputs its command does not offer, or describes its way
-    serving                  what it asks of a serving engine (None: the cache itself; refused there)
+    served                   how a serving engine runs it (None: it needs the cache itself; refused there)
     data(...), sequence_end  where its items come from (`tasks.item_sources`), and how far an item's sequence reaches
     check(model, opts)       what it refuses before anything loads (and `check_inputs` inputs its options void)
     section(prepared, opts)  the section it freezes before its first item, from the prepared run and its options
@@ -61,6 +61,7 @@ from stagereplay.experiments.core.figures import ReportFigure, SharedFigure
 from stagereplay.experiments.core.format import Table
 from stagereplay.experiments.core.jobs import Batch, Job, JobResult, Replay, with_environment
 from stagereplay.experiments.core.prepared import PreparedRun
+from stagereplay.experiments.core.served import Served
 from stagereplay.experiments.core.small_run import SmallRun
 from stagereplay.experiments.core.verdict import Fact, Question
 from stagereplay.records.findings import Finding
@@ -116,7 +117,6 @@ class Assumed:
         return continuation_forwards(self.items[i].suffix) if i < self.divergent else []
 
 
-
 RESPONSE_IGNORES: frozenset[str] = frozenset({
     "boundary.marker", "boundary.regex", "boundary.after", "decode.max_stage1_tokens", "input.scorer",
     "numerics.batch", "choice.cross"})
@@ -142,11 +142,10 @@ class Experiment(ABC):
     """Its command's name ('' : it has none): `stagereplay <command>`."""
     starts_run: ClassVar[bool] = False
     """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
-    serving: ClassVar[str | None] = None
-    """What it asks of a serving engine (an engine that keeps its own cache, `serving.runs.FORMS`): `arms` (arms from
-    the prompt), `prefix_arms` (arms on the matched run's prefixes, per precision), `rollouts` (rollouts sampled in the
-    engine, scored teacher-forced), `served` (a response served per prompt, the rest ours); None: it needs the cache
-    itself, and is refused there."""
+    served: ClassVar[type[Served] | None] = None
+    """How a serving engine (one that keeps its own cache) runs it: a `core.served.Served` of its own package (matched's
+    arms from the prompt, the 2x2's on the matched run's prefixes, mismatch's rollouts sampled in the engine, attest's
+    served responses); None: it needs the cache itself, and is refused there."""
     ignores: ClassVar[frozenset[str]] = frozenset()
     """The inputs a run it makes does nothing with, dotted as its command's groups name them (`boundary.marker`,
     `numerics.batch` of `runs.inputs.Inputs`; `choice.cross` of the engine choice): its command does not offer them."""

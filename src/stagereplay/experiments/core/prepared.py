@@ -12,10 +12,10 @@ and every experiment makes its stage from it). Nothing downstream re-derives or 
 
 The engine (`RunEngine`) is what the side that makes, re-executes and prices a run asks. Our engine (over
 transformers) runs every experiment with its own item functions: `Ours` hands each question to the experiment. A
-serving engine (`serving.runs.ServingRun`) runs the experiments it can build its arms for (matched, the 2x2 and
+serving engine (`experiments.core.serving_run.ServingRun`) runs the experiments it can build its arms for (matched, the 2x2 and
 mismatch's rollouts: it exposes no cache to fingerprint or transplant) with item functions of its own, and refuses the others in one line. An
 experiment's `run` asks its prepared run's engine for the section, the batches and the item function, so making a
-stage reads the same for both; the audit and plan ask a recorded stage's engine (`serving.runs.stage_engine`) for
+stage reads the same for both; the audit and plan ask a recorded stage's engine (`experiments.core.serving_run.stage_engine`) for
 the job that re-executes a unit and the forwards it made.
 """
 
@@ -86,7 +86,8 @@ class Runnable(Protocol):
     def command(self) -> str: ...
 
     @property
-    def serving(self) -> str | None: ...
+    def served(self) -> type | None:
+        """How a serving engine runs it (`Experiment.served`: a `core.served.Served` subclass), or None."""
 
     def check(self, model: ModelConfig, options: Any) -> None: ...
 

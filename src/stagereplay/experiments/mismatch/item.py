@@ -7,7 +7,7 @@
     row_decode(decode, sampling)            the decode a rollout file's row was sampled under: its temperature,
                                             top-k and top-p over the run's, which every side's processed
                                             log-probabilities are taken under
-    OurEngine                               our engine as the rollout engine (`serving.mismatch` has a serving one)
+    OurEngine                               our engine as the rollout engine (`experiments.mismatch.served` has a serving one)
     trainer_part(lm, job)                   the trainer at one precision, one-shot, its replica, and where asked the
                                             same tokens in a micro-batch (`MicroBatch`)
 """

@@ -23,8 +23,8 @@ from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.lengths import lengths_of
 from stagereplay.experiments.protocol.arms import arm_record, compare, no_boundary
 from stagereplay.experiments.protocol.diagnose import diagnose
-from stagereplay.experiments.protocol.matched import EXPERIMENT as MATCHED
-from stagereplay.experiments.protocol.matched import fixed_prefixes, matched_ok
+from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
+from stagereplay.experiments.protocol.matched_stage import fixed_prefixes, matched_ok
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payload_readers import ItemHead

@@ -183,7 +183,7 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
             n=len(cached), hits=sum(c > 0 for c, _ in cached), num_cached_tokens=sum(c for c, _ in cached),
             cached_from_decode=sum(d for _, d in cached), hits_with_decode_blocks=sum(d > 0 for _, d in cached))
     findings = [p.load_finding for _, p in reached if "load_finding" in p.model_fields_set]
-    if findings and construction == "live@load":  # a server's replicas under load (serving.matched.load_finding)
+    if findings and construction == "live@load":  # a server's replicas under load (experiments.protocol.served_matched.load_finding)
         fields["load"] = {arm: {f: [(x or {}).get(arm) for x in findings].count(f)
                                 for f in ("invariant", "batch-variant", "not self-consistent", "unknown")}
                           for arm in ("live", "oneshot")}

@@ -13,8 +13,10 @@ from typing import Any, ClassVar
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.core.experiment import Experiment
 from stagereplay.experiments.protocol.bridge import Bridge, BridgeOptions
-from stagereplay.experiments.protocol.matched import Matched, MatchedOptions
-from stagereplay.experiments.protocol.precision_2x2 import GridOptions, PrecisionGrid
+from stagereplay.experiments.protocol.grid_stage import GridOptions
+from stagereplay.experiments.protocol.matched import Matched
+from stagereplay.experiments.protocol.matched_stage import MatchedOptions
+from stagereplay.experiments.protocol.precision_2x2 import PrecisionGrid
 from stagereplay.experiments.protocol.resample import Resample, ResampleConfig
 from stagereplay.experiments.protocol.transplant import Transplant, TransplantConfig
 

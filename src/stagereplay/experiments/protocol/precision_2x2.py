@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from stagereplay.engine.constructions import parse_construction
-from stagereplay.engine.decode import derive_seed
 from stagereplay.engine.forwards import Lengths, construct_forwards, continuation_forwards
 from stagereplay.engine.lm import LM, BoundaryState, Continuation
 from stagereplay.engine.model import ModelConfig
@@ -17,8 +16,9 @@ from stagereplay.experiments.core.diagnostics_summary import Diagnosed
 from stagereplay.experiments.core.experiment import Assumed, Batch, Experiment, Planned, Replay, SmallRun
 from stagereplay.experiments.core.figures import DIVERGENCE, SharedFigure, Strip
 from stagereplay.experiments.core.format import Table
-from stagereplay.experiments.core.jobs import Job, Params, ReplaySettings
+from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.lengths import lengths_of
+from stagereplay.experiments.core.served import Served
 from stagereplay.experiments.core.stats import first_divergence
 from stagereplay.experiments.core.verdict import FIRST_STEP, Fact, Question
 from stagereplay.experiments.protocol.arms import (
@@ -29,10 +29,12 @@ from stagereplay.experiments.protocol.arms import (
     with_token_texts,
 )
 from stagereplay.experiments.protocol.diagnose import diagnose
-from stagereplay.experiments.protocol.matched import EXPERIMENT as MATCHED
-from stagereplay.experiments.protocol.matched import (
+from stagereplay.experiments.protocol.grid_stage import GridOptions, GridStage
+from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
+from stagereplay.experiments.protocol.matched_stage import (
     MatchedStage,
     fixed_prefixes,
+    fixed_state,
     matched_ok,
     matched_records,
     matched_stage,
@@ -45,11 +47,11 @@ from stagereplay.experiments.protocol.precision_2x2_summary import (
     precision_2x2_tables,
     summarize_2x2,
 )
+from stagereplay.experiments.protocol.served_grid import ServedGrid
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, MatchedPayload, PayloadModel
 from stagereplay.records.summary import Count
-from stagereplay.tasks.base import Item
 
 if TYPE_CHECKING:
     from stagereplay.experiments.core.prepared import PreparedRun
@@ -58,32 +60,6 @@ EXPERIMENT = "precision_2x2"
 DEFAULT_CONSTRUCTIONS = ("incremental", "oneshot")
 PAYLOAD: TypeAdapter[GridPayload] = TypeAdapter(GridPayload)
 """A 2x2 record's payload (`records.payloads`), a serving run's too."""
-
-
-def fixed_state(item: Item, prefix: list[int], settings: ReplaySettings, lm: LM) -> BoundaryState:
-    """A boundary state with no cache yet: what `lm.construct` needs to rebuild one from fixed token IDs (a static
-    cache is allocated for the positions the item's live run had, `LM.cache_len`)."""
-    return BoundaryState(prefix=tuple(prefix), prompt_len=len(item.prompt_ids), construction="fixed", cache=None,
-                         seed=derive_seed(settings.decode.seed, item.id, "suffix"),
-                         cache_len=lm.cache_len(len(item.prompt_ids), settings.decode))
-
-
-@dataclass(frozen=True)
-class GridOptions:
-    """The 2x2's own options: the constructions crossed with the precisions."""
-
-    constructions: tuple[str, ...] = field(default=(), metadata={"help": (
-        "comma list (default: incremental,oneshot; on a serving engine's run its arms, e.g. oneshot,prefix-cache"
-        "[,hf-oneshot])")})
-    precisions: tuple[str, ...] = field(default=("bf16", "fp32"), metadata={
-        "help": "comma list of bf16, fp16, fp32, fp32-compute"})
-
-
-class GridStage(StageSection):
-    """The 2x2's frozen section."""
-
-    constructions: list[str] = Field(description="the constructions crossed with precision")
-    precisions: list[str] = Field(description="the precisions, each a part of every item's unit")
 
 
 Carried = tuple[tuple[str, str, Arm, list[float | None]], ...]
@@ -241,7 +217,7 @@ class PrecisionGrid(Experiment):
     """Hold the run's prefixes fixed; cross construction with precision."""
 
     payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
-    serving: ClassVar[str | None] = "prefix_arms"
+    served: ClassVar[type[Served] | None] = ServedGrid
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = GridStage
     Options: ClassVar[type] = GridOptions

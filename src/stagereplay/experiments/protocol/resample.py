@@ -37,9 +37,8 @@ from stagereplay.experiments.core.figures import ReportFigure
 from stagereplay.experiments.core.format import Table
 from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.lengths import lengths_of
-from stagereplay.experiments.protocol.matched import EXPERIMENT as MATCHED
-from stagereplay.experiments.protocol.matched import fixed_prefixes
-from stagereplay.experiments.protocol.precision_2x2 import fixed_state
+from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
+from stagereplay.experiments.protocol.matched_stage import fixed_prefixes, fixed_state
 from stagereplay.experiments.protocol.resample_summary import (
     ResampleSummary,
     resample_figures,

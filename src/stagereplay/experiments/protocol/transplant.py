@@ -25,8 +25,8 @@ from stagereplay.experiments.core.lengths import lengths_of
 from stagereplay.experiments.core.stats import first_divergence
 from stagereplay.experiments.core.verdict import Fact
 from stagereplay.experiments.protocol.arms import arm_record, carried_arm, matched_arms
-from stagereplay.experiments.protocol.matched import EXPERIMENT as MATCHED
-from stagereplay.experiments.protocol.matched import MatchedStage, matched_records, matched_stage
+from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
+from stagereplay.experiments.protocol.matched_stage import MatchedStage, matched_records, matched_stage
 from stagereplay.experiments.protocol.matched_summary import reached
 from stagereplay.experiments.protocol.selection import divergent_ids, divergent_items, parse_selection, select
 from stagereplay.experiments.protocol.transplant_summary import (

@@ -19,17 +19,23 @@ its own precision (`Samples.precision_name`: vLLM's dtype, a GGUF's type and the
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from pydantic import Field
 
 from stagereplay.engine.decode import derive_seed
 from stagereplay.engine.lm import LM, ids_fingerprint
+from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import Mode
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.core.jobs import Job, Params
-from stagereplay.experiments.mismatch.experiment import MismatchStage
+from stagereplay.execution.config import ExecConfig, Work
+from stagereplay.experiments.core.jobs import Batch, Job, Params, Replay
+from stagereplay.experiments.core.prepared import PreparedRun
+from stagereplay.experiments.core.served import Served, served_environment
 from stagereplay.experiments.mismatch.item import (
     MismatchParams,
     RolloutEngine,
@@ -39,8 +45,14 @@ from stagereplay.experiments.mismatch.item import (
     scored_arm,
 )
 from stagereplay.experiments.mismatch.payloads import MismatchPayload, ScoredArm
-from stagereplay.serving.matched import ServingArms, cached_engine
+from stagereplay.experiments.mismatch.stage import MismatchOptions, MismatchStage
+from stagereplay.records import arrays
+from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import EngineSection, ModelSection, StageSection
+from stagereplay.serving.arms import ServingArms, arms_of, cached_engine
 from stagereplay.serving.seam import Generation, PromptScores, Restarts, Samples, Sampling, ScoresPrompt
+
+log = logging.getLogger(__name__)
 
 NO_TRANSPLANT = "none: a serving engine exposes no K/V cache to transplant"
 
@@ -150,3 +162,79 @@ def served_mismatch_item(lm: LM, job: Job[Any]) -> MismatchPayload:
 def served_params(params: MismatchParams, arms: ServingArms, prefill: bool) -> Params:
     """A job's parameters on the engine: part '' wrapped with the engine's arms; a trainer part as it is (ours)."""
     return params if params.part else ServedMismatchParams(replace(params, transplant_at=0.0), arms, prefill)
+
+
+class ServedMismatch(Served):
+    """Mismatch with the engine as the rollout engine (`experiments.mismatch.served.served_mismatch_item`): its rollouts, their
+    replicas and its own prefill where it scores a sequence, with our incremental score (part ''); the trainer parts
+    are ours, as `experiments.mismatch.experiment` makes them. Our model is loaded with its weights: it scores every rollout
+    (the stage's `cross` is ours, so the audit loads it the same way)."""
+
+    work = staticmethod(served_mismatch_item)
+    samples = True
+
+    @staticmethod
+    def moded(arms: ServingArms, mode: str) -> ServingArms:
+        """The arms with the engine asked for `mode`'s log-probabilities, our engine scoring its tokens."""
+        return ServingArms(replace(arms.engine, logprobs_mode=mode), "hf")
+
+    def check(self, arms: ServingArms, model: ModelConfig, options: MismatchOptions) -> None:
+        self.experiment.check(model, options)
+        name, kind = arms.engine.name, arms.kind
+        if not issubclass(kind.engine, Samples):
+            raise StageReplayError(f"the {name} engine does not sample rollouts", "run mismatch on our engine "
+                                                                                  "(drop --engine)")
+        config = self.moded(arms, options.mode).engine
+        if options.rollouts is not None:
+            reason = kind.prompt_scoring(config)
+            if reason is not None:
+                raise StageReplayError(f"--rollouts with --engine {name} measures nothing of the engine: {reason}",
+                                       "drop --engine (our engine audits a rollout file on its own)")
+            return
+        modes = kind.logprobs_modes(config)
+        if options.mode not in modes:
+            gives = f"only {' and '.join(modes)} ones" if modes else "none"
+            raise StageReplayError(f"--engine {name} gives no {options.mode} log-probabilities here ({gives}; a "
+                                   "server's are those it was started with, as --server-args declares them)",
+                                   f"pass --logprobs-mode {' or '.join(modes)}" if modes else "drop --engine")
+
+    def section(self, arms: ServingArms, prepared: PreparedRun, options: MismatchOptions, run: Run) -> StageSection:
+        moded = self.moded(arms, options.mode)
+        reason = arms.kind.prompt_scoring(moded.engine)
+        if reason is not None:
+            log.info(f"note: no prefill rows (construction, engine): {reason}")
+        return ServedMismatchStage(
+            model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+            source="file" if options.rollouts else "generated", precisions=list(options.precisions), mode=options.mode,
+            transplant_at=0.0, engine=EngineSection.model_validate(moded.engine.as_dict()), cross=moded.cross,
+            prefill="built" if reason is None else f"not built: {reason}", transplant=NO_TRANSPLANT)
+
+    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> Iterator[Batch]:
+        """`experiments.mismatch.experiment`'s batches (the rollouts first, then the trainer at each precision on their
+        tokens), every one on our model with its weights, part '' in the engine."""
+        moded, built = arms_of(stage), stage.as_stage(ServedMismatchStage).prefill == "built"
+        ours = replace(prepared, model=replace(prepared.model, weights=True))
+        for batch in self.experiment.batches(ours, stage, run):
+            yield Batch(batch.model, [replace(job, params=served_params(job.params, moded, built))
+                                      for job in batch.jobs])
+
+    def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
+        job = self.experiment.replay_job(replay)
+        built = replay.stage.as_stage(ServedMismatchStage).prefill == "built"
+        return replace(job, params=served_params(job.params, arms, built))
+
+    def exec_config(self, arms: ServingArms) -> ExecConfig:
+        return ExecConfig(isolated=arms.kind.isolated)
+
+    def env_work(self, arms: ServingArms) -> Work:
+        return partial(served_environment, work=self.work, served=ServedMismatchParams, arms=arms)
+
+    def unit_forwards(self, record: Record, stage: StageSection) -> list[int] | None:
+        """A trainer part's, as ours counts them; part '': our incremental score (the prompt, then one token each)."""
+        if record.part:
+            return self.experiment.unit_forwards(record, stage)
+        ours = next((a for a in record.payload.get("arms", []) if a.get("name") == "incremental"), None)
+        if ours is None:
+            return None
+        n = len(arrays.decode(ours["logprobs"]))
+        return [int(ours["start"]), *[1] * (n - 1)]

@@ -31,18 +31,18 @@ convention (feed P[T-1] as the first decode step over the cache of P[0:T-1]) yie
 
 from __future__ import annotations
 
-import atexit
-import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from stagereplay.engine.boundary import stage1_end
 from stagereplay.engine.lm import LM
 from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.execution.config import Work
-from stagereplay.experiments.core.jobs import Job, JobResult, Params
+from stagereplay.execution.config import ExecConfig
+from stagereplay.experiments.core.jobs import Batch, Job, Params, Replay
+from stagereplay.experiments.core.prepared import PreparedRun
+from stagereplay.experiments.core.served import Served, runs_at
 from stagereplay.experiments.protocol.arms import (
     compare,
     engine_arm,
@@ -50,9 +50,9 @@ from stagereplay.experiments.protocol.arms import (
     top_k_diagnostics,
     with_token_texts,
 )
-from stagereplay.experiments.protocol.matched import STAGE1_TOP
+from stagereplay.experiments.protocol.matched_stage import STAGE1_TOP, MatchedOptions, MatchedStage
 from stagereplay.records.ledger import Run
-from stagereplay.records.manifest import StageSection
+from stagereplay.records.manifest import EngineSection, ModelSection, StageSection
 from stagereplay.records.payloads import (
     Arm,
     Comparison,
@@ -62,18 +62,19 @@ from stagereplay.records.payloads import (
     LoadFinding,
     MatchedPayload,
     NoBoundaryPayload,
-    PayloadModel,
     SlotRestore,
 )
-from stagereplay.records.provenance import environment
-from stagereplay.serving.engines import ENGINES, OURS, config_from_dict, engine_config, kind_of
-from stagereplay.serving.evidence import took_place
+from stagereplay.serving.arms import (
+    LOADED,
+    ServingArms,
+    cached_engine,
+    hf_top_logprobs,
+    note_resume,
+    with_took_place,
+)
 from stagereplay.serving.live import Live, request_live
 from stagereplay.serving.seam import (
     TOP_LOGPROBS,
-    ChecksFirst,
-    EngineConfig,
-    EngineKind,
     Generation,
     Restarts,
     RestoresSlot,
@@ -82,64 +83,6 @@ from stagereplay.serving.seam import (
     ServingEngine,
 )
 from stagereplay.tasks.base import Item
-
-log = logging.getLogger(__name__)
-
-CROSS = (OURS,)
-"""Engines that may replay a serving engine's prefixes: ours."""
-GRID_ARMS = ("oneshot", "prefix-cache")
-"""The arms every engine's precision 2x2 builds on a fixed prefix (`serving.precision_2x2.serving_grid_item`),
-besides those of its capabilities (`EngineKind.grid_arms`)."""
-LOADED = ServesUnderLoad.ARMS
-
-
-@dataclass(frozen=True)
-class ServingArms:
-    """Which arms a serving matched run has, besides live."""
-
-    engine: EngineConfig
-    cross: str = ""
-
-    def __post_init__(self) -> None:
-        if self.cross and self.cross not in CROSS:
-            raise StageReplayError(f"unknown --cross {self.cross!r}", f"use one of {', '.join(CROSS)}")
-
-    def our_model(self, model: ModelConfig) -> ModelConfig:
-        """Our engine's model for these arms: without its weights unless --cross steps it (otherwise it only
-        tokenizes and scores), for the run and its audit alike."""
-        return model if self.cross else replace(model, weights=False)
-
-    @property
-    def kind(self) -> EngineKind:
-        return kind_of(self.engine.name)
-
-    @property
-    def fresh(self) -> tuple[str, ...]:
-        """The arms set against live, in the order of the report's columns: oneshot and prefix-cache, those the
-        engine's capabilities add (`EngineKind.arms`), and the cross arm."""
-        return ("oneshot", "prefix-cache", *self.kind.arms(self.engine),
-                *((f"{self.cross}-oneshot",) if self.cross else ()))
-
-    @property
-    def loaded(self) -> tuple[str, ...]:
-        """The under-load arms (a server's, with --concurrency): live's replica with other requests in flight."""
-        return tuple(a for a in self.fresh if a in LOADED)
-
-    @property
-    def grid(self) -> tuple[str, ...]:
-        """The arms `precision-2x2` crosses with precision by default: those of `fresh` it builds on a fixed
-        prefix (`GRID_ARMS`, the engine's `grid_arms` and the cross arm). Not state-restore or slot-restore, which
-        need live's state at each precision, nor the under-load arms (`chunked:<n>` may be added where the engine
-        prefills in chunks)."""
-        own = (*GRID_ARMS, *self.kind.grid_arms(), f"{self.cross}-oneshot")
-        return tuple(a for a in self.fresh if a in own)
-
-    def traffic(self, items: Sequence[Item], index: int) -> tuple[tuple[int, ...], ...]:
-        """The prompts an item's under-load arms run beside: the next --concurrency items' (its own, alone)."""
-        if not self.loaded:
-            return ()
-        others = [items[(index + 1 + i) % len(items)] for i in range(self.kind.concurrency(self.engine))]
-        return tuple(tuple(o.prompt_ids) for o in others)
 
 
 @dataclass(frozen=True)
@@ -151,62 +94,7 @@ class ServingMatchedParams(Params):
     traffic: tuple[tuple[int, ...], ...] = ()
 
 
-def serving_arms(engine: str, cross: str | None = None, options: Mapping[str, Any] | None = None
-                 ) -> ServingArms | None:
-    """The arms of a matched run on `engine` with the options given for it, or None on ours; an option the engine
-    does not take, or a cross arm on our own engine, is refused in one line."""
-    if engine == OURS:
-        if cross is not None:
-            raise StageReplayError("--cross replays a serving engine's prefixes in ours",
-                                   f"pass it with --engine {' or --engine '.join(ENGINES)}")
-        if options:
-            flag = "--" + sorted(options)[0].replace("_", "-")
-            raise StageReplayError(f"{flag} is an option of a serving engine, and --engine {OURS} is ours",
-                                   f"pass --engine {' or --engine '.join(ENGINES)}, or drop {flag}")
-        return None
-    return ServingArms(engine_config(engine, options), cross or "")
-
-
-def check_serving_precision(arms: ServingArms, precision: str) -> None:
-    """A serving engine runs the precisions it has a dtype for: not our fp32-compute."""
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise StageReplayError(f"--engine {arms.engine.name} does not run precision {precision}",
-                               "use bf16, fp16 or fp32")
-
-
-def arms_of(stage: StageSection) -> ServingArms:
-    """The arms a manifest stage that names an engine declares."""
-    assert stage.engine is not None
-    return ServingArms(config_from_dict(stage.engine.as_json()), stage.cross or "")
-
-
 # One engine per process, as one model per process in `execution.local`: two precisions load one after the other.
-_ENGINES: dict[tuple[Any, ...], ServingEngine] = {}
-
-
-@atexit.register
-def _close_engines() -> None:
-    """Engines closed at exit, before the interpreter tears down what their own finalizers need."""
-    for key in list(_ENGINES):
-        _ENGINES.pop(key).close()
-
-
-def cached_engine(config: EngineConfig, lm: LM) -> ServingEngine:
-    key = (config, lm.config.path, lm.config.precision, lm.config.threads, lm.config.device)
-    if key not in _ENGINES:
-        for old in list(_ENGINES):
-            _ENGINES.pop(old).close()
-        engine = kind_of(config.name).load(config, lm.config.path, lm.config.precision, lm.config.threads,
-                                           lm.config.device)
-        if isinstance(engine, ChecksFirst):  # a server is checked against the run's tokenizer before any item
-            engine.check(lm.tokenizer)
-        _ENGINES[key] = engine
-    return _ENGINES[key]
-
-
-def hf_top_logprobs(record: Any, k: int) -> list[list[tuple[int, float]]]:
-    """Our engine's per-step top-k (engine.steps) as the serving engine reports them: (id, logprob), ties by id."""
-    return [] if record is None else [[(int(t), float(v)) for t, v in step] for step in record.top_logprobs(k)]
 
 
 def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation, start: int, max_new: int,
@@ -220,13 +108,6 @@ def served_arm(lm: LM, engine: str, name: str, construction: str, g: Generation,
         served["cached_from_decode"] = max(0, g.cached - prompt_len)  # cached positions past the prompt: decode's
     return engine_arm(lm, name, construction, engine, g.tokens[start : start + max_new],
                       g.top[start : start + max_new], stage1, item, scorer, **served)
-
-
-def with_took_place(arms: Sequence[Arm], prompt_len: int, boundary: int) -> list[Arm]:
-    """Each served arm with `took_place`: whether its engine's counts say it was built as named
-    (`serving.evidence`); an arm of ours (no `num_cached_tokens`) as it is."""
-    return [arm.model_copy(update={"took_place": took_place(arm, prompt_len, boundary)})
-            if "num_cached_tokens" in arm.model_fields_set else arm for arm in arms]
 
 
 def _compared(item_id: str, arms: Sequence[Arm], pairs: Sequence[tuple[str, str]]
@@ -335,7 +216,7 @@ class _ItemArms:
 
     def crossed(self) -> None:
         """--cross: our engine prefills the engine's prefix in one forward and continues it."""
-        from stagereplay.experiments.protocol.precision_2x2 import fixed_state
+        from stagereplay.experiments.protocol.matched_stage import fixed_state
 
         cross, lm, s = self.job.params.arms.cross, self.lm, self.job.settings
         if not cross:
@@ -421,32 +302,44 @@ def load_finding(comparisons: Mapping[tuple[str, str], Comparison]) -> dict[str,
     return out
 
 
-def with_engine_environment(work: Work[PayloadModel], lm: LM, job: Job) -> JobResult:
-    """`work(lm, job)` and the environment that ran it, the engine's version and settings included. An engine's
-    error names the item it stopped (the records before it stay; a rerun resumes from it)."""
-    try:
-        payload = work(lm, job)
-    except StageReplayError as e:
-        raise StageReplayError(f"item {job.item.id}: {e.problem}", e.fix) from e
-    engine = cached_engine(job.params.arms.engine, lm)
-    return JobResult(payload, {**environment(lm.config.device, lm.determinism), "engine": engine.settings()})
+class ServedMatched(Served):
+    """Matched in the engine (`experiments.protocol.served_matched.serving_matched_item`)."""
 
+    work = staticmethod(serving_matched_item)
 
-REQUESTS_PER_ITEM = 6
-"""Completions a server's matched item sends at least (live, prefix-cache and oneshot, each with its replica)."""
+    def check(self, arms: ServingArms, model: ModelConfig, options: MatchedOptions) -> None:
+        engine = arms.engine.name
+        if options.construction != "oneshot":
+            raise StageReplayError(f"--construction {options.construction} is our engine's; --engine {engine} runs "
+                                   "oneshot and prefix-cache", "drop --construction")
+        if options.generated():
+            raise StageReplayError(f"{options.generated().describe()} builds live in our engine, through transformers",
+                                   "a serving engine's own option is its own: drop --speculate/--quantized-cache")
 
+    def section(self, arms: ServingArms, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
+        return MatchedStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                            construction="oneshot", engine=EngineSection.model_validate(arms.engine.as_dict()),
+                            cross=arms.cross, arms=list(arms.fresh), runs_at=runs_at(arms, prepared.model))
 
-def note_resume(run: Run, done: Sequence[Any], engine: Restarts) -> None:
-    """Tell an engine that restarts (a server) how the process that made the last record saw it, and how many items
-    that process recorded since; say so when it restarted (its prefix cache is then cold, which the records from
-    here on also say, in their environment's `engine.resumed`)."""
-    last = done[-1]
-    env = next((r.payload for r in run.chain if r.kind == "environment" and r.env == last.env), {})
-    before = ((env.get("engine") or {}).get("checked") or {}).get("instance")
-    if before is None:
-        return
-    made = sum(r.env == last.env for r in done)
-    restarted = engine.note_resume(before, REQUESTS_PER_ITEM * made, last.item_id)
-    if restarted:
-        log.info(f"note: the server at {engine.address} restarted since item {last.item_id} was recorded: its "
-                 "caches are cold (the records from here on say so)")
+    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        """Every item with the prompts of the items in flight around its under-load arms. A resumed run asks an
+        engine that restarts (a server) whether it did since the last record (its caches are then cold)."""
+        done = run.find(self.experiment.name, prepared.checkpoint)
+        if done:
+            from stagereplay.execution.models import cached_lm
+
+            engine = cached_engine(arms.engine, cached_lm(prepared.model))
+            if isinstance(engine, Restarts):
+                note_resume(run, done, engine)
+        items = list(prepared.items)
+        return [Batch(prepared.model, [Job(item, prepared.settings, ServingMatchedParams(arms, arms.traffic(items, i)))
+                                       for i, item in enumerate(items)], at=stage.runs_at)]
+
+    def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
+        """One request at a time: the under-load arms are not re-executed (`serving.replay.replayable`)."""
+        return Job(replay.item, replay.settings, ServingMatchedParams(arms))
+
+    def exec_config(self, arms: ServingArms) -> ExecConfig:
+        # An engine of native code that may crash runs in a worker process: a crash there ends in one line, and the
+        # run resumes.
+        return ExecConfig(isolated=arms.kind.isolated)

@@ -20,16 +20,23 @@ from dataclasses import dataclass
 
 from stagereplay.engine.constructions import Chunked, parse_construction
 from stagereplay.engine.lm import LM
+from stagereplay.engine.model import ModelConfig
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.core.jobs import Job, Params
+from stagereplay.experiments.core.jobs import Batch, Job, Params, Replay
+from stagereplay.experiments.core.prepared import PreparedRun
+from stagereplay.experiments.core.served import Served
 from stagereplay.experiments.protocol.arms import compare, engine_arm, top_k_diagnostics, with_token_texts
-from stagereplay.experiments.protocol.precision_2x2 import fixed_state
+from stagereplay.experiments.protocol.grid_stage import GridOptions, GridStage
+from stagereplay.experiments.protocol.matched_stage import fixed_prefixes, fixed_state
+from stagereplay.experiments.protocol.served_matched import served_arm
+from stagereplay.records.ledger import Run
+from stagereplay.records.manifest import EngineSection, ModelSection, StageSection
 from stagereplay.records.payloads import Arm, GridPayload
-from stagereplay.serving.matched import (
+from stagereplay.serving.arms import (
     ServingArms,
     cached_engine,
+    check_serving_precision,
     hf_top_logprobs,
-    served_arm,
     with_took_place,
 )
 from stagereplay.serving.seam import TOP_LOGPROBS, PrefillsInChunks, SavesState
@@ -108,3 +115,32 @@ def serving_grid_item(lm: LM, job: Job[ServingGridParams]) -> GridPayload:
                           boundary=len(prefix), answer=item.answer, arms=arms,
                           comparisons=list(comparisons.values()), diagnostics=top_k_diagnostics(by, pairs, comparisons))
     return with_token_texts(lm, payload)
+
+
+class ServedGrid(Served):
+    """The 2x2 in the engine on the matched run's prefixes (`experiments.protocol.served_grid.serving_grid_item`)."""
+
+    work = staticmethod(serving_grid_item)
+
+    def check(self, arms: ServingArms, model: ModelConfig, options: GridOptions) -> None:
+        check_serving_constructions(options.constructions or arms.grid, arms)
+        for p in options.precisions:
+            check_serving_precision(arms, p)
+
+    def section(self, arms: ServingArms, prepared: PreparedRun, options: GridOptions, run: Run) -> StageSection:
+        return GridStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
+                         constructions=list(options.constructions or arms.grid), precisions=list(options.precisions),
+                         engine=EngineSection.model_validate(arms.engine.as_dict()), cross=arms.cross)
+
+    def batches(self, arms: ServingArms, prepared: PreparedRun, stage: StageSection, run: Run) -> list[Batch]:
+        own = stage.as_stage(GridStage)
+        fixed = fixed_prefixes(run, prepared.checkpoint)
+        return [Batch(prepared.model.with_precision(p),
+                      [Job(item, prepared.settings, ServingGridParams(tuple(prefix), tuple(own.constructions), p, arms))
+                       for item, prefix in fixed])
+                for p in own.precisions]
+
+    def replay_job(self, arms: ServingArms, replay: Replay) -> Job:
+        own = replay.stage.as_stage(GridStage)
+        return Job(replay.item, replay.settings, ServingGridParams(
+            tuple(replay.prefix or ()), tuple(own.constructions), replay.record.part, arms))
