@@ -65,3 +65,16 @@ def test_a_llama_server_serving_other_weights_is_flagged(root: Path):
     code, run, _ = _attest("later", root)
     s = _section(run)
     assert code == 1 and s["outcome"] == "flagged", s
+
+
+def test_llama_cpp_in_process_serving_the_claimed_file_is_consistent(root: Path):
+    """`--engine llama.cpp` serves the claim in process: its own arms (state restore, matched's) are no option of the
+    run's, so attest takes it, and the claimed file served by llama.cpp is consistent with its own null."""
+    from gguf_files import write_toy_gguf
+
+    claimed = root / "toy-primary.gguf"
+    if not claimed.exists():
+        write_toy_gguf(claimed, "primary")
+    run = root / "run-in-process"
+    result = runner.invoke(app, [*ARGS, "--model", str(claimed), "--engine", "llama.cpp", "--out", str(run)])
+    assert result.exit_code == 0 and _section(run)["outcome"] == "consistent", result.output

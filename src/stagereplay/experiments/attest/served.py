@@ -37,7 +37,7 @@ from stagereplay.records import arrays
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import EngineSection, StageSection
 from stagereplay.serving.arms import ServingArms, cached_engine
-from stagereplay.serving.seam import SEED_SPAN, Generation, Samples, Sampling
+from stagereplay.serving.seam import SEED_SPAN, EngineConfig, Generation, Samples, Sampling
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,8 @@ class ServedAttest(Served):
         if not issubclass(arms.kind.engine, Samples):
             raise StageReplayError(f"the {name} engine does not serve a response as asked",
                                    "attest a running server (--engine http --url URL), or a file of its outputs")
-        extra = arms.kind.arms(arms.engine)
+        plain = EngineConfig(name, arms.kind.options())  # the engine's own arms, with no option given
+        extra = [a for a in arms.kind.arms(arms.engine) if a not in arms.kind.arms(plain)]
         if extra:
             raise StageReplayError(f"attest sends one request per prompt: the {', '.join(extra)} arms an option of "
                                    f"--engine {name} adds are matched's", "drop the option that adds them")
