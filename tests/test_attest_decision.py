@@ -122,7 +122,7 @@ def test_without_the_nulls_own_error_an_honest_run_is_flagged_past_the_level(mon
     """A null of as many responses as the run flags honest runs at about alpha (at most 10 of 400, where alpha's
     expected count is 4); its negative control: compared as if the null were honest serving's true distribution, it
     flags them well past alpha (more than 10 of 400)."""
-    from stagereplay.experiments.attest.experiment import stats as attest_stats
+    from stagereplay.experiments.attest import stats as attest_stats
 
     def unwidened(null: Items, tokens: int, n_draws: int = attest_stats.DRAWS, seed: int = 0,
                   alpha: float | None = None) -> np.ndarray:

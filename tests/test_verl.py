@@ -24,7 +24,7 @@ debug = pytest.importorskip("verl.utils.debug.metrics")
 from verl.protocol import DataProto  # noqa: E402  (verl only after the skip)
 
 from stagereplay import mismatch_metrics  # noqa: E402
-from stagereplay.experiments.mismatch.experiment import verl as mismatch_verl  # noqa: E402
+from stagereplay.experiments.mismatch import verl as mismatch_verl  # noqa: E402
 
 RS = ("token_k1", "seq_sum_k1", "seq_mean_k1", "seq_mean_k3", "seq_max_k2", "token_k3")
 RS_THRESHOLDS = ("0.5_2.0", "0.5_2.0", "0.999_1.001", "0.01", "2.0", "0.5")

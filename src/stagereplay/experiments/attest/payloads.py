@@ -1,4 +1,4 @@
-"""What an attest record's payload holds (`experiments.attest.experiment`): the served response and the claimed model's honest
+"""What an attest record's payload holds (`experiments.attest`): the served response and the claimed model's honest
 responses to the same prompt, and the reference's per-token scores of each (`engine.reference`), every array encoded
 (`records.arrays`).
 

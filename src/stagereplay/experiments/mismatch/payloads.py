@@ -1,4 +1,4 @@
-"""What a mismatch record's payload holds (`experiments.mismatch.experiment`): the same response tokens scored by several sides,
+"""What a mismatch record's payload holds (`experiments.mismatch`): the same response tokens scored by several sides,
 each side's per-token log-probabilities as an encoded array (`records.arrays`), and the transplant's outcomes.
 
     part ""          the rollout (generated here, or read from a file), its replica, our engine's incremental and

@@ -1,5 +1,5 @@
 """Mismatch on a serving engine (`mismatch --engine NAME`): the engine as the RL rollout engine, our engine as the
-trainer, on the same token IDs (`experiments.mismatch.experiment` owns the experiment; this is its part '' in an engine).
+trainer, on the same token IDs (`experiments.mismatch` owns the experiment; this is its part '' in an engine).
 
 Per item, part '', in this order:
 
