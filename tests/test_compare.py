@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from stagereplay.cli import app
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.protocol.compare import compare_item
+from stagereplay.experiments.protocol.compare_document import COMPARE_VERSION, read_compare
 from stagereplay.records.payloads import MatchedPayload
-from stagereplay.report.compare import compare_item
-from stagereplay.report.compare_document import COMPARE_VERSION, read_compare
 
 runner = CliRunner()
 MATCHED = ("matched", "--n", "4", "--max-new-tokens", "16", "--quiet")
@@ -248,8 +248,8 @@ def test_a_suffix_margin_comes_from_a_servers_top_logprobs_or_our_margins():
 def test_a_servers_settings_kernels_and_locations_are_told_apart():
     """Synthetic manifests of two server runs: an engine option and the server's cache type are settings and server
     fields; the URL and the model's path are locations; the server's instance (its task counter) is none of them."""
+    from stagereplay.experiments.core.compare_manifests import RunSide, manifest_differences
     from stagereplay.records.manifest import Manifest
-    from stagereplay.report.compare_manifests import RunSide, manifest_differences
 
     def manifest(url: str, cache: str, tasks: int, threads: int) -> Manifest:
         engine = {"name": "http", "seed": 0, "url": url, "concurrency": 4}
@@ -269,10 +269,10 @@ def test_a_servers_settings_kernels_and_locations_are_told_apart():
 
     a = RunSide(Path("a"), manifest("http://h:8080", "f16", 10, 1), [])
     b = RunSide(Path("b"), manifest("http://h:8081", "q8_0", 99, 2), [])
-    d = manifest_differences(a, b, "primary")
+    d = manifest_differences(a, b, "primary", "matched")
     named = {g: [x.field for x in d.group(g)] for g in ("settings", "server", "kernels", "environment", "locations")}
     assert named["server"] == ["environment.engine.server.cache_type_k"]
     assert named["locations"] == ["config.engine.url", "config.model.path", "environment.engine.server.model_path",
                                   "environment.engine.url"]
     assert named["kernels"] == ["threads"] and named["settings"] == [] and named["environment"] == []
-    assert not manifest_differences(a, a, "primary").server  # negative control
+    assert not manifest_differences(a, a, "primary", "matched").server  # negative control

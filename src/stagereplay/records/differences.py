@@ -1,5 +1,5 @@
 """What differs between two runs' manifests and environments, in groups: the part of compare.json every
-experiment's comparison holds (`report.compare_manifests.manifest_differences` finds them)."""
+experiment's comparison holds (`experiments.core.compare_manifests.manifest_differences` finds them)."""
 
 from __future__ import annotations
 

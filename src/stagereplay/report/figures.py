@@ -7,13 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from stagereplay.experiments.core.figures import ReportFigure, SharedFigure, png
+from stagereplay.experiments.core.figures import ReportFigure, SharedFigure
 from stagereplay.experiments.core.registry import all_experiments
 from stagereplay.report.results import Results
 
-_png = png  # the name `report.compare_render` draws its figure with
-
-__all__ = ["ReportFigure", "_png", "build_figures"]
+__all__ = ["ReportFigure", "build_figures"]
 
 
 def build_figures(results: Results) -> list[ReportFigure]:

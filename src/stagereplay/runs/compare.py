@@ -1,5 +1,5 @@
 """`compare(run_a, run_b, out)`: two verified runs of the same items under two settings, side by side
-(`report.compare`), written to `out` (by default `<A>-vs-<B>` beside run A) as compare.json, compare.md and
+(`experiments.protocol.compare`), written to `out` (by default `<A>-vs-<B>` beside run A) as compare.json, compare.md and
 compare.html.
 
 Both ledgers are verified first, without a model (`audit.verify.verify_run`: the chain, its binding to the
@@ -13,12 +13,14 @@ from pathlib import Path
 
 from stagereplay.audit.verify import verify_run
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.core.compare_manifests import RunSide, check_comparable, manifest_differences
 from stagereplay.experiments.core.compared import RunComparison
+from stagereplay.experiments.protocol.compare import build_comparison
+from stagereplay.experiments.protocol.compare_tables import matched_comparison
+from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
 from stagereplay.records.findings import Break
 from stagereplay.records.ledger import read_ledger, read_manifest
-from stagereplay.report.compare import build_comparison
-from stagereplay.report.compare_manifests import RunSide, check_comparable, manifest_differences
-from stagereplay.report.compare_render import matched_comparison, write_compare
+from stagereplay.report.compare_render import write_compare
 
 
 def default_out(run_a: Path, run_b: Path) -> Path:
@@ -58,7 +60,7 @@ def own_comparison(a: RunSide, b: RunSide, checkpoint: str) -> RunComparison | N
         stage_a, stage_b = a.manifest.stage(name), b.manifest.stage(name)
         if not e.starts_run or stage_a is None or stage_b is None:
             continue
-        check_comparable(a, b, checkpoint, experiment=e.name)
+        check_comparable(a, b, checkpoint, e.name, also="paper" if e.name == MATCHED else "")
         records = a.matched(checkpoint, e.name), b.matched(checkpoint, e.name)
         own = e.compare_runs(records, list(a.manifest.config.item_ids), checkpoint, (stage_a, stage_b),
                              (str(a.path), str(b.path)), manifest_differences(a, b, checkpoint, e.name))

@@ -356,7 +356,7 @@ class Experiment(ABC):
                      differences: Differences) -> RunComparison | None:
         """Two runs of it at `checkpoint` side by side, item by item (`stagereplay compare`), from their records of
         it, given what differs between their manifests; None where the matched comparison of live trajectories
-        is the one (`report.compare`)."""
+        is the one (`experiments.protocol.compare`)."""
         return None
 
     def check_other_data(self, runs: tuple[str, str], records: tuple[list[Record], list[Record]]) -> None:

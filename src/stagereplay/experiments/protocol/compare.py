@@ -20,7 +20,7 @@ McNemar's exact p, as the matched table computes them (`experiments.protocol.mat
 between the runs means something only where each run is self-consistent, so each run's replicas are counted too
 (an arm and its `#replica` equal in tokens and cache, live's replica reaching live's stage 1).
 
-`build_comparison` returns compare.json as its model (`report.compare_document.CompareDocument`), reading each
+`build_comparison` returns compare.json as its model (`experiments.protocol.compare_document.CompareDocument`), reading each
 record through its payload model (`experiments.protocol.matched.PAYLOAD`); `report.compare_render` draws it.
 """
 
@@ -32,12 +32,9 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.core.compare_manifests import RunSide, check_comparable, manifest_differences
 from stagereplay.experiments.core.stats import first_divergence, mcnemar_exact, paired_bootstrap_ci
-from stagereplay.experiments.protocol.matched import PAYLOAD
-from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
-from stagereplay.records.ledger import Record
-from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, TopEntry, first_error
-from stagereplay.report.compare_document import (
+from stagereplay.experiments.protocol.compare_document import (
     BOUNDARY,
     COMPARE_VERSION,
     STAGE1,
@@ -61,7 +58,10 @@ from stagereplay.report.compare_document import (
     Uncompared,
     WhereCounts,
 )
-from stagereplay.report.compare_manifests import RunSide, check_comparable, manifest_differences
+from stagereplay.experiments.protocol.matched import PAYLOAD
+from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
+from stagereplay.records.ledger import Record
+from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, TopEntry, first_error
 
 N_RESAMPLES, SEED = 10_000, 0
 """The paired bootstrap's resamples and seed: the matched table's (`experiments.protocol.matched.MatchedConfig`)."""
@@ -74,9 +74,9 @@ Matched = MatchedPayload | NoBoundaryPayload
 def build_comparison(a: RunSide, b: RunSide, checkpoint: str = "primary") -> CompareDocument:
     """compare.json: the two runs, what differs between their manifests, each item, and the aggregates. Refuses
     (`StageReplayError`) runs of different models, tokenizers or items."""
-    check_comparable(a, b, checkpoint)
-    ra = {r.item_id: _read(a, r) for r in a.matched(checkpoint)}
-    rb = {r.item_id: _read(b, r) for r in b.matched(checkpoint)}
+    check_comparable(a, b, checkpoint, MATCHED, also="paper")
+    ra = {r.item_id: _read(a, r) for r in a.matched(checkpoint, MATCHED)}
+    rb = {r.item_id: _read(b, r) for r in b.matched(checkpoint, MATCHED)}
     ids = [i for i in a.manifest.config.item_ids if i in ra and i in rb]
     items = [compare_item(i, ra[i], rb[i]) for i in ids]
     names_a = list(dict.fromkeys(n for p in ra.values() for n in _arm_names(p)))
@@ -86,7 +86,7 @@ def build_comparison(a: RunSide, b: RunSide, checkpoint: str = "primary") -> Com
         schema_version=COMPARE_VERSION,
         checkpoint=checkpoint,
         runs=Sides(a=_run(a, checkpoint), b=_run(b, checkpoint)),
-        differences=manifest_differences(a, b, checkpoint),
+        differences=manifest_differences(a, b, checkpoint, MATCHED),
         trajectories=trajectory_summary(items),
         replicas=Sides(a=replica_counts(items, "a"), b=replica_counts(items, "b")),
         arms=[arm_summary(name, items) for name in shared],

@@ -1,5 +1,5 @@
 """compare.json as models: the two runs, what differs between their manifests, each item side by side and the
-aggregates, with a description on every field (`report.compare` builds it, `report.compare_render` draws it).
+aggregates, with a description on every field (`experiments.protocol.compare` builds it, `report.compare_render` draws it).
 
 A run is always side `a` or side `b` (`Sides`). The models write exactly the JSON compare.json held as a dict:
 the fields in this order, a field left unset absent (an item neither run took to its boundary has only its id and
@@ -128,7 +128,7 @@ class ComparedItem(CompareModel):
     stage1_len: Sides[int] = Field(description="each run's stage-1 length")
     first_divergence: DivergenceAt | None = Field(description="where the trajectories first differ (null: equal)")
     replicas: Sides[dict[str, bool]] = Field(description="per arm with a replica, whether it is exact in each run "
-                                                         "(`report.compare.replicas_exact`)")
+                                                         "(`experiments.protocol.compare.replicas_exact`)")
     arms: dict[str, ArmPair] = Field(description="per arm both runs have (replicas left out)")
     token_texts: dict[str, str] = Field(description="the decoded text of each token shown at the divergence, from "
                                                     "the records")

@@ -3,7 +3,7 @@ set of items (else `compare` refuses them in one line), and what differs between
 engine's identity and settings, the kernels and the rest of the environment.
 
 A run's settings are its manifest's `config` (less what identifies its model and items, which must be equal) and
-the matched stage's own section where it says more (a serving engine's options, `engine`, flat; `cross`; the arms).
+the compared experiment's stage's own section where it says more (a serving engine's options, `engine`, flat; `cross`; the arms).
 Fields that only say where a file or a server lies (a path, a URL) are not settings: they are listed apart, as
 locations. The kernels are those of the process that computed the records (`records.kernels`), read from the
 ledger's environment records, the manifest's where the records name none.
@@ -17,7 +17,6 @@ from typing import Any
 
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.core import registry
-from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
 from stagereplay.records.differences import Difference, Differences
 from stagereplay.records.kernels import kernel_differences
 from stagereplay.records.ledger import Record, diff_fields
@@ -50,15 +49,15 @@ class RunSide:
     manifest: Manifest
     chain: list[Record]
 
-    def matched(self, checkpoint: str, experiment: str = MATCHED) -> list[Record]:
-        """Its item records of `experiment` (matched unless named) at `checkpoint`, in ledger order."""
+    def matched(self, checkpoint: str, experiment: str) -> list[Record]:
+        """Its item records of `experiment` at `checkpoint`, in ledger order."""
         return [r for r in self.chain
                 if r.kind == "item" and r.experiment == experiment and r.checkpoint == checkpoint]
 
-    def checkpoints(self, experiment: str = MATCHED) -> list[str]:
+    def checkpoints(self, experiment: str) -> list[str]:
         return sorted({r.checkpoint for r in self.chain if r.kind == "item" and r.experiment == experiment})
 
-    def environment(self, checkpoint: str, experiment: str = MATCHED) -> dict[str, Any]:
+    def environment(self, checkpoint: str, experiment: str) -> dict[str, Any]:
         """The environment of the process that computed its first record of `experiment` at `checkpoint` (the
         manifest's where none is named), with the serving engine's identity from the manifest (only it records
         that)."""
@@ -71,17 +70,17 @@ class RunSide:
         return env
 
 
-def check_comparable(a: RunSide, b: RunSide, checkpoint: str, experiment: str = MATCHED) -> None:
-    """Refuse, in one line, two runs that do not hold records of `experiment` (matched unless named) at
-    `checkpoint`, or that ran different models, tokenizers or items (on data of another hash, what the experiment
-    says: `Experiment.check_other_data`)."""
+def check_comparable(a: RunSide, b: RunSide, checkpoint: str, experiment: str, also: str = "") -> None:
+    """Refuse, in one line, two runs that do not hold records of `experiment` at `checkpoint` (`also`: another
+    command whose runs hold them, named in the fix), or that ran different models, tokenizers or items (on data of
+    another hash, what the experiment says: `Experiment.check_other_data`)."""
     for side in (a, b):
         if not side.matched(checkpoint, experiment):
             held = ", ".join(side.checkpoints(experiment))
             raise StageReplayError(f"{side.path} holds no {experiment} records at checkpoint {checkpoint}",
                                    f"pass --checkpoint one of: {held}" if held else
                                    f"compare runs made by `stagereplay {experiment}`"
-                                   + (" (or `paper`)" if experiment == MATCHED else ""))
+                                   + (f" (or `{also}`)" if also else ""))
     ha, hb = (_hashes(side, checkpoint) for side in (a, b))
     if ("gguf" in ha) != ("gguf" in hb):
         gguf, folder = (a, b) if "gguf" in ha else (b, a)
@@ -118,7 +117,7 @@ def _hashes(side: RunSide, checkpoint: str) -> dict[str, Any]:
     return hashes
 
 
-def manifest_differences(a: RunSide, b: RunSide, checkpoint: str, experiment: str = MATCHED) -> Differences:
+def manifest_differences(a: RunSide, b: RunSide, checkpoint: str, experiment: str) -> Differences:
     """What differs, in groups of fields: `settings` (the config and the stage of `experiment`), `server` (a serving
     engine's identity and settings, less what changes with each start), `kernels` (by the names `records.kernels`
     gives them), `environment` (the rest of the computing process: packages, commit, proofs), and `locations`
