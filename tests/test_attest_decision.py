@@ -30,18 +30,19 @@ def _decide(run: Items, nulls: dict[str, Items], calibration: int, claim: str = 
     return outcome([t], found), [b.kind for b in found]
 
 
-def test_a_point_mass_null_reads_inconclusive_where_few_served_responses_leave_it():
+def test_a_point_mass_null_reads_inconclusive_where_it_cannot_reach_the_level():
     """A planted point-mass null (every honest token the reference's argmax, as an honest server of our engine at the
-    reference's own precision): two served responses of 20 with a token off the argmax cannot be told from an honest
-    server of other kernels, and read inconclusive; the controls: every served response off it is flagged by the
-    exact test on responses, and the same two-off run against a null with honest spread is judged by its margins."""
-    point = {"bf16": Items.of([np.zeros(12)] * 20)}
-    few = Items.of([np.r_[0.3, np.zeros(11)]] * 2 + [np.zeros(12)] * 18)
-    assert _decide(few, point, 20) == ("inconclusive", ["point mass"])
+    reference's own precision). Against 4 honest responses, 2 served ones cannot reach 1% even were both to leave it
+    (C(6, 2) = 15 runs), so one that does reads inconclusive. The controls, against 20 honest responses: every one of
+    20 served responses off it is flagged; 2 of 20 off it are what honest serving does (p = C(20, 2) / C(40, 2))."""
+    off, on = np.r_[0.3, np.zeros(11)], np.zeros(12)
+    assert _decide(Items.of([off, on]), {"bf16": Items.of([on] * 4)}, 20) == ("inconclusive", ["point mass"])
+    point = {"bf16": Items.of([on] * 20)}
+    assert _decide(Items.of([off] * 20), point, 20) == ("flagged", [])
+    few = Items.of([off] * 2 + [on] * 18)
     t = judged("primary", few, point, ALPHA)
     assert t.point_mass and t.decision.p_value == pytest.approx(math.comb(20, 2) / math.comb(40, 2))
-    every = Items.of([np.r_[0.3, np.zeros(11)]] * 20)
-    assert _decide(every, point, 20) == ("flagged", [])
+    assert _decide(few, point, 20) == ("consistent", [])
     rng = np.random.default_rng(0)
     assert _decide(_items(rng, 20, 0.05, 0.01), {"bf16": _items(rng, 20, 0.0, 0.002)}, 20) == ("flagged", [])
 

@@ -89,6 +89,12 @@ TINY: dict[str, tuple[list[str], str]] = {
                           r"^attest_servers: honest FPR at 1% \d+/\d+ \[[\d.]+, [\d.]+\]; one layer fewer: AUC [\d.]+ at 300 "
                           r"tokens, 99% power .*; Q8_0: AUC [\d.]+ at 300 "
                           r"tokens, 99% power .*; Q4_0: AUC .*; K/V q4_0: refused by llama-server$"),
+    # attest itself, one run per source on the toy as a GGUF (llama.cpp in process, llama-server alone and under load,
+    # its Q4_0 requantization).
+    "attest_fpr.py": (["{tmp}/toy.gguf", "{tmp}/out", "--server", "{llama_server}", "--quantize", "{llama_quantize}",
+                       "--items", "toy", "--runs", "1", "--n", "20", "--max-new-tokens", "4"],
+                      rf"^attest_fpr: honest runs flagged \d+/3 \[{NUMBER}, {NUMBER}\] over \d+ honest responses; "
+                      r"Q4_0 flagged \d/1; \d+ s$"),
     "server.py": (["{tmp}/toy.gguf", "{tmp}/items.jsonl", "{tmp}/out", "--server", "{llama_server}", "--config",
                    "plain=", "--config", "ngram=--spec-type ngram-simple --spec-ngram-simple-size-n 2 "
                    "--spec-ngram-simple-size-m 8", "--slots", "1", "--loads", "2", "--n", "2", "--boundary-after", "4",
@@ -183,7 +189,7 @@ SLOW = ("paper.py", "constructions.py", "long_trace.py", "long_trace.py --cache 
         "step_profile.py", "gpu_decode.py", "gpu_check.py")
 """Scripts whose smoke run is a whole protocol run, several runs or a sweep of decodes (over 4 s on 2 cores): the
 slow tier, which CI also runs."""
-SERVER = ("attest_servers.py", "server.py")
+SERVER = ("attest_fpr.py", "attest_servers.py", "server.py")
 """Scripts whose smoke run starts llama-server: the server tier (tests/test_server.py says how to run it)."""
 VLLM_PYTHON = "STAGEREPLAY_VLLM_PYTHON"
 """Where set (.ci/run sets it in the server tier), the vLLM venv's interpreter: attest_servers.py's smoke run adds

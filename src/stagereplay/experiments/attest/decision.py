@@ -117,22 +117,27 @@ def judged(name: str, run: Items, nulls: Mapping[str, Items], alpha: float, seed
 def _exact(name: str, run: Items, nulls: Mapping[str, Items], alpha: float) -> Test:
     """Against a point-mass null (every honest token scored one value `c`): responses are the unit. Of the m served
     responses, x have a token off `c`; of the M honest ones, none. Were served and honest responses exchangeable, the
-    chance that all x deviating responses fall on the served side is C(m, x) / C(m + M, x), the p-value. A few
-    deviating responses against a small null cannot reach the level (inconclusive); many can."""
+    chance that all x deviating responses fall on the served side is C(m, x) / C(m + M, x), the p-value: a few
+    deviating responses are consistent with honest serving, many are not. A run too small for even all its responses
+    deviating to reach the level (C(m + M, m) < 1 / alpha) is inconclusive where any deviates."""
     values = next(iter(nulls.values())).values
     c = float(values[0])
     honest = sum(len(null) for null in nulls.values())
     deviates = np.maximum.reduceat(np.abs(run.values - c), run.offsets[:-1]) > 0  # [m]
     m, x = len(run), int(deviates.sum())
-    p = 1.0 if x == 0 else math.exp(math.lgamma(m + 1) - math.lgamma(m - x + 1) - math.lgamma(m + honest + 1)
-                                    + math.lgamma(m + honest - x + 1))
+
+    def p_of(k: int) -> float:
+        return 1.0 if k == 0 else math.exp(math.lgamma(m + 1) - math.lgamma(m - k + 1) - math.lgamma(m + honest + 1)
+                                           + math.lgamma(m + honest - k + 1))
+
+    p, reachable = p_of(x), p_of(m) <= alpha
     stat = run_statistic(run)
     near = next(iter(nulls))
     d = Decision(statistic=stat, interval=item_interval(run), threshold=c, p_value=p, flagged=p <= alpha,
                  alpha=alpha, tokens=run.tokens, items=m, tokens_needed=run.tokens if p <= alpha else None,
-                 null_items=honest, null_tokens=sum(null.tokens for null in nulls.values()),
-                 reachable=m / (m + honest) <= alpha or p <= alpha)
-    return Test(name, near, d, stat > c, True, c, 0.0)
+                 null_items=honest, null_tokens=sum(null.tokens for null in nulls.values()), reachable=reachable)
+    exceeds = p <= alpha or (x > 0 and not reachable)  # beyond the null, or unable to say: never consistent then
+    return Test(name, near, d, exceeds, True, c, 0.0)
 
 
 @dataclass(frozen=True)
@@ -154,9 +159,9 @@ def blockers(flagged: Sequence[Test], calibration: int, alpha: float, heldout_lo
     if unsure and not any(t.flagged for t in flagged):
         t = unsure[0]
         out.append(Blocker(
-            "point mass", f"every honest response scored {t.center:g} per token on {t.name} (a point mass), and the "
-            f"served responses that leave it are too few to tell from honest serving of other kernels (p = "
-            f"{t.decision.p_value:.3g} against {t.decision.null_items} honest responses)",
+            "point mass", f"every honest response scored {t.center:g} per token on {t.name} (a point mass), and "
+            f"{t.decision.items} served responses against {t.decision.null_items} honest ones cannot reach the level "
+            f"even were every one to leave it",
             "pass more prompts, or honest variants of the serving engine's own (--claim-engine), or compute the "
             "reference at another precision (--precision)"))
     need = min_calibration(alpha)

@@ -3,7 +3,8 @@
 The statistic per token is the reference's margin (max logit minus the served token's) for a greedy claim, and the
 Gumbel-max mismatch (1 where vLLM's sampler, replayed with the request's seed, picks another token) for a seeded
 sampled claim; beside it, where the server gave a log-probability for every token, the log-prob gap (|the decoder's
-log-probability - the reference's|). The null: every honest variant's responses on the calibration prompts, pooled.
+log-probability - the reference's|, less `LOGPROB_TOLERANCE`). The null: every honest variant's responses on the
+calibration prompts.
 The served run: every item's served response. The decision and what can keep it from being made:
 `experiments.attest.decision`. The honest false-positive rate is counted by prompt: each variant's response to each
 held-out prompt decided alone by the same tests, a prompt's share of its responses flagged, averaged over prompts,
@@ -46,6 +47,12 @@ from stagereplay.records import arrays
 from stagereplay.records.ledger import Record
 
 SERVED = "served"
+LOGPROB_TOLERANCE = 1e-2
+"""Log-probability differences below this many nats are how a stack computes and reports one, not the model: each
+token's gap is |served - reference| less this, at least 0. llama-server's log-probabilities of the claimed f32 toy
+differ from llama.cpp's own in process (another kernel combination) by up to a few 1e-3 nats on a few tokens: at a
+tolerance of 1e-3 that flagged 4 of 30 honest runs (bench/attest_fpr.py), at 1e-2 none, while a Q4_0 server's gaps
+(0.4 nats per token on SmolLM2) stay far above it."""
 QUANTILES = 101
 """The null's statistic at the served run's length, kept as this many quantiles (the figure's)."""
 POWER = 0.99
@@ -232,7 +239,7 @@ def summarize_attest(records: list[Record], stage: Any, checkpoint: str) -> Atte
             return None
         ref = arrays.decode(sides[i][name].logprobs).astype(np.float64)
         mine = arrays.decode(own.logprobs).astype(np.float64)
-        return np.abs(mine - ref) if mine.shape == ref.shape else None
+        return np.maximum(np.abs(mine - ref) - LOGPROB_TOLERANCE, 0.0) if mine.shape == ref.shape else None
 
     served = [sides[i][SERVED] for i in ids]
     run = Items.of([per_token(s) for s in served])
@@ -305,7 +312,7 @@ def summarize_attest(records: list[Record], stage: Any, checkpoint: str) -> Atte
 def _test_row(t: Test, served: list[AttestSide]) -> TestRow:
     d = t.decision
     score = ("gumbel mismatch" if served and served[0].gumbel_match is not None else "margin") if t.name == PRIMARY \
-        else "|served - reference log-probability|"
+        else f"|served - reference log-probability| - {LOGPROB_TOLERANCE:g}"
     return TestRow(name=t.name, score=score, alpha=d.alpha, statistic=d.statistic, interval=d.interval,
                    threshold=d.threshold, p_value=d.p_value, flagged=t.flagged, point_mass=t.point_mass,
                    nearest=t.nearest, exceeds=t.exceeds,
