@@ -115,7 +115,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     args = p.parse_args()
 
-    from stagereplay.experiments.stats import wilson_interval
+    from stagereplay.experiments.core.stats import wilson_interval
 
     args.out.mkdir(parents=True, exist_ok=True)
     q40 = args.out / "claimed.Q4_0.gguf"
