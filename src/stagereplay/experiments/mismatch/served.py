@@ -233,8 +233,9 @@ class ServedMismatch(Served):
         """A trainer part's, as ours counts them; part '': our incremental score (the prompt, then one token each)."""
         if record.part:
             return self.experiment.unit_forwards(record, stage)
-        ours = next((a for a in record.payload.get("arms", []) if a.get("name") == "incremental"), None)
+        arms = MismatchPayload.model_validate(record.payload).arms
+        ours = next((a for a in arms if a.name == "incremental"), None)
         if ours is None:
             return None
-        n = len(arrays.decode(ours["logprobs"]))
-        return [int(ours["start"]), *[1] * (n - 1)]
+        n = len(arrays.decode(ours.logprobs))
+        return [ours.start, *[1] * (n - 1)]
