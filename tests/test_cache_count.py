@@ -1,10 +1,10 @@
-"""The most K/V caches alive at once in each experiment, as the README states them, and no cache outliving its item.
+"""The most K/V caches alive at once in each experiment, as the benchmarks page states them, and no cache outliving its item.
 
 Every cache the engine makes while counting (`new_cache`, and `clone_cache` for snapshots, continuations,
 transplants and replays) is registered by a weak reference; the peak is the most alive right after any was made.
 One toy item per experiment, on a freshly loaded model, so its first captured step is made while counting: the
 negative control turns off the collection after a capture (`release_capture_garbage`) and the captured step
-keeps its first cache alive, one more than the README says and still alive after the item.
+keeps its first cache alive, one more than the page says and still alive after the item.
 """
 
 from __future__ import annotations
@@ -20,24 +20,24 @@ import pytest
 
 pytestmark = pytest.mark.capture  # the caches a captured step keeps alive
 
-README = Path(__file__).parents[1] / "README.md"
+BENCHMARKS = Path(__file__).parents[1] / "docs" / "reference" / "benchmarks.md"
 NAMES = {"matched": "matched", "precision-2x2": "precision_2x2", "bridge": "bridge", "transplant": "transplant",
          "resample": "resample"}
 
 
-def readme_caches_alive() -> dict[str, int]:
-    """The README's line "The most K/V caches alive at once per item: matched 4, ...", read from the README, so
-    that what it states is what the tests hold the engine to."""
-    text = " ".join(README.read_text().split())
+def stated_caches_alive() -> dict[str, int]:
+    """The line "The most K/V caches alive at once per item: matched 4, ...", read from docs/reference/benchmarks.md,
+    so that what the docs state is what the tests hold the engine to."""
+    text = " ".join(BENCHMARKS.read_text().split())
     found = re.search(r"The most K/V caches alive at once per item: ((?:[\w-]+ \d+, )+[\w-]+ \d+)", text)
-    assert found, "README.md no longer states the most K/V caches alive per experiment"
+    assert found, "docs/reference/benchmarks.md no longer states the most K/V caches alive per experiment"
     counts = {NAMES[name]: int(n) for name, n in (pair.rsplit(" ", 1) for pair in found.group(1).split(", "))}
     assert set(counts) == set(NAMES.values()), counts
     return counts
 
 
-# The most K/V caches alive at once, per experiment, at any item, as the README states them.
-CACHES_ALIVE = readme_caches_alive()
+# The most K/V caches alive at once, per experiment, at any item, as the docs state them.
+CACHES_ALIVE = stated_caches_alive()
 
 
 class Count:
@@ -125,7 +125,7 @@ def _count(lm: Any, experiment: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("experiment", sorted(CACHES_ALIVE))
-def test_caches_alive_at_once_are_what_the_readme_says(experiment):
+def test_caches_alive_at_once_are_what_the_docs_say(experiment):
     peak, left = _count(_fresh_lm(), experiment)
     assert (peak, left) == (CACHES_ALIVE[experiment], 0)
 
@@ -133,7 +133,7 @@ def test_caches_alive_at_once_are_what_the_readme_says(experiment):
 def test_a_captured_step_that_keeps_its_first_cache_is_caught(monkeypatch):
     """Negative control: without the collection after a capture, dynamo's reference cycles keep the cache of the
     first captured step (and, after other tests' captures in the same process, those of later recompiles):
-    more caches than the README says, still alive when the item is done."""
+    more caches than the docs say, still alive when the item is done."""
     from stagereplay.engine import decode
 
     monkeypatch.setattr(decode, "release_capture_garbage", lambda: None)
