@@ -10,12 +10,16 @@ process, `serving.llamacpp_honest`). The sources, each greedy, one request per p
     llama.cpp           the claimed file served in process (`--engine llama.cpp`)        honest
     llama-server        the claimed file, one slot (`-np 1`)                              honest
     llama-server x4     the claimed file, 4 slots, 3 other requests in flight throughout  honest
+    vllm serve          (--vllm PYTHON) the claimed values in f32 as a model folder,     honest
+                        fp32, eager, blocks of 32 (vLLM's CPU build, its venv)
     Q4_0                the claimed file requantized to Q4_0 by llama-quantize             substitution
 
 Per source: consistent / inconclusive / flagged over its runs, the flagged fraction with its Wilson interval (a
 run is the unit: each run's prompts are its own), the honest responses the runs held, and the median tokens a
 flagged run needed. The honest rows' flagged fraction is the false-positive rate the decision holds at its stated
-1%; the substitution's is its power at that run size.
+1%; the substitution's is its power at that run size. Each run also decides its held-out honest responses alone (its
+report's held-out check: every honest variant's response to each held-out prompt, against the null of the others'
+calibration prompts); the line `held-out honest responses flagged alone` sums them over every run of every source.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from common import start_llama_server, stop_server
+from common import start_llama_server, start_vllm_server, stop_server
 
-HONEST = ("llama.cpp", "llama-server", "llama-server x4")
+HONEST = ("llama.cpp", "llama-server", "llama-server x4", "vllm serve")
+VLLM_FLAGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager"]
 
 
 def toy_data(path: Path, n: int, seed: int) -> Path:
@@ -65,7 +70,19 @@ def attest(claimed: Path, data: Path, out: Path, n: int, max_new: int, engine: l
         raise SystemExit(f"attest failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
     s = json.loads((out / "results.json").read_text())["attest"][0]
     return {"code": done.returncode, "outcome": s["outcome"], "tokens": s["tokens"], "items": s["items"],
-            "needed": s["tokens_needed"], "blockers": [b["kind"] for b in s["blockers"]]}
+            "needed": s["tokens_needed"], "blockers": [b["kind"] for b in s["blockers"]],
+            "heldout": s["honest_fpr"]}
+
+
+def hf_folder(claimed: Path, folder: Path) -> Path:
+    """The claimed GGUF's values in f32 as a model folder (transformers' GGUF loader), as vLLM loads a model."""
+    if not folder.exists():
+        from stagereplay.engine.lm import load
+
+        lm = load(str(claimed), "fp32", "cpu", 1)
+        lm.model.save_pretrained(folder)
+        lm.tokenizer.save_pretrained(folder)
+    return folder
 
 
 class Traffic:
@@ -113,6 +130,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=10, help="runs per source, each on prompts of its own")
     p.add_argument("--n", type=int, default=20, help="prompts per run (half calibrate)")
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--vllm", default=None, metavar="PYTHON", help="the vLLM venv's interpreter: adds vllm serve")
     args = p.parse_args()
 
     from stagereplay.experiments.core.stats import wilson_interval
@@ -132,8 +150,13 @@ def main() -> None:
                "llama-server x4": (args.claimed, ["-np", "4", "-c", "8192", "-t", "1"], 3),
                "Q4_0": (q40, ["-np", "1", "-c", "2048", "-t", "1"], 0)}
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8][: 4 + k] for k in range(4)]
+    if args.vllm:
+        folder = hf_folder(args.claimed, args.out / "claimed-hf")
+        servers = {**dict(list(servers.items())[:2]), "vllm serve": (folder, VLLM_FLAGS, 0), "Q4_0": servers["Q4_0"]}
     for name, (model, flags, others) in servers.items():
-        proc, url = start_llama_server(args.server, str(model), flags, args.out / f"{name}.log")
+        log = args.out / f"{name}.log"
+        proc, url = (start_vllm_server(args.vllm, str(model), flags, log, 1) if name == "vllm serve"
+                     else start_llama_server(args.server, str(model), flags, log))
         try:
             rows[name] = []
             for k, d in enumerate(data):
@@ -160,10 +183,14 @@ def main() -> None:
               f"{median if median is not None else '-'}")
         summary[name] = {**count, "interval": [lo, hi], "responses": sum(r["items"] for r in runs),
                          "median_tokens_needed": median, "honest": name in HONEST}
-    (args.out / "attest_fpr.json").write_text(json.dumps(summary, indent=1) + "\n")
-    honest = [r for name in HONEST for r in rows[name]]
+    honest = [r for name in HONEST if name in rows for r in rows[name]]
+    heldout = [sum(r["heldout"][0] for r in honest), sum(r["heldout"][1] for r in honest)]
+    hlo, hhi = wilson_interval(*heldout) if heldout[1] else (0.0, 1.0)
+    summary["heldout_alone"] = {"flagged": heldout[0], "decided": heldout[1], "interval": [hlo, hhi]}
+    print(f"held-out honest responses flagged alone: {heldout[0]}/{heldout[1]} [{hlo:.4f}, {hhi:.4f}]")
     flagged = sum(r["outcome"] == "flagged" for r in honest)
     lo, hi = wilson_interval(flagged, len(honest))
+    (args.out / "attest_fpr.json").write_text(json.dumps(summary, indent=1) + "\n")
     caught = sum(r["outcome"] == "flagged" for r in rows["Q4_0"])
     print(f"attest_fpr: honest runs flagged {flagged}/{len(honest)} [{lo:.3f}, {hi:.3f}] over "
           f"{sum(r['items'] for r in honest)} honest responses; Q4_0 flagged {caught}/{len(rows['Q4_0'])}; "

@@ -186,3 +186,48 @@ def test_a_plan_leaves_the_servers_forwards_out():
     assert {k: v for k, v in theirs.items() if k != "attest/primary"} == {
         k: v for k, v in mine.items() if k != "attest/primary"}
     assert "attest/primary@bf16/chunked:8" in theirs
+
+
+def test_a_trusted_deployment_joins_the_null_as_an_honest_variant(tokenizer, tmp_path):
+    """`--honest-url URL` adds honest variant `url`: each prompt asked of the deployment (here the fake, whose tokens
+    are not the toy's), its reply recorded as that part, scored by the reference and counted in the null, and the
+    deployment's engine (the fake says llama-server) recorded as the variant's. The control is the same run without
+    it: no `url` part, and the null holds our engine alone."""
+    with fake_server(tokenizer) as (url, fake):
+        run = tmp_path / "run"
+        result = _invoke([*SMALL, "--honest-url", url, "--out", str(run)])
+    assert result.exit_code == 0, result.output  # the served toy within a null the fake's tokens widen
+    stage = json.loads((run / "manifest.json").read_text())["stages"]["attest/primary"]
+    assert stage["honest"] == ["bf16", "fp32", "url"] and stage["honest_urls"] == [url], stage
+    assert stage["honest_engines"] == {"url": "llama.cpp"}, stage
+    deployed = {r.item_id: r.payload for r in items(read_ledger(run)) if r.experiment == "attest" and r.part == "url"}
+    assert len(deployed) == 3 and all(p["response_ids"] == fake.generate(p["prompt_ids"], 4) for p in deployed.values())
+    section = json.loads((run / "results.json").read_text())["attest"][0]
+    assert section["null_engines"] == ["hf", "llama.cpp"], section
+    without = tmp_path / "without"
+    assert _invoke([*SMALL, "--out", str(without)]).exit_code == 0
+    assert json.loads((without / "results.json").read_text())["attest"][0]["null_engines"] == ["hf"]
+    assert not [r for r in items(read_ledger(without)) if r.part == "url"]
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--honest-url", "http://user:secret@127.0.0.1:9"], "holds credentials"),
+    (["--honest-url", "127.0.0.1:9"], "is not a server's address"),
+    (["--honest", "bf16,url/2", "--honest-url", "http://127.0.0.1:9"], "--honest-url names 1"),
+    (["--honest", "bf16,url/x", "--honest-url", "http://127.0.0.1:9"], "unknown honest variant 'url/x'"),
+    (["--honest-url", "http://127.0.0.1:9"], "did not answer"),
+])
+def test_a_deployment_the_run_cannot_ask_is_refused_in_one_line_and_nothing_is_written(tmp_path, args, said):
+    run = tmp_path / "run"
+    result = _invoke([*SMALL, *args, "--out", str(run)])
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert "Traceback" not in result.output and not run.exists()
+    assert "secret" not in result.output
+
+
+def test_a_deployment_without_log_probabilities_is_refused_in_one_line(tokenizer, tmp_path):
+    with fake_server(tokenizer, "no-logprobs") as (url, _):
+        run = tmp_path / "run"
+        result = _invoke([*SMALL, "--honest-url", url, "--out", str(run)])
+    assert result.exit_code == 2 and "logprobs" in result.output, result.output
+    assert "Traceback" not in result.output

@@ -84,11 +84,11 @@ TINY: dict[str, tuple[list[str], str]] = {
     # The toy as a GGUF served by llama-server (the server tier: LLAMA_CPP_LIB_PATH names the build): two named
     # configurations, the second speculating and compared with the first, each under a load of 2.
     "attest_servers.py": (["{tmp}/toy.gguf", "{tmp}/out", "--server", "{llama_server}", "--quantize",
-                           "{llama_quantize}", "--items", "toy", "--n", "4", "--max-new-tokens", "8", "--draws", "99",
+                           "{llama_quantize}", "--items", "toy", "--n", "4", "--max-new-tokens", "8", "--draws", "199",
                            "--threads", "1"],
-                          r"^attest_servers: honest FPR at 1% \d+/\d+ \[[\d.]+, [\d.]+\]; one layer fewer: AUC [\d.]+ at 300 "
-                          r"tokens, 99% power .*; Q8_0: AUC [\d.]+ at 300 "
-                          r"tokens, 99% power .*; Q4_0: AUC .*; K/V q4_0: refused by llama-server$"),
+                          r"^attest_servers: honest responses flagged at 1% \d+/\d+ \[[\d.]+, [\d.]+\]; one layer fewer: "
+                          r"AUC [\d.]+ at 300 tokens, 99% power .*; Q8_0: AUC [\d.]+ at 300 "
+                          r"tokens, 99% power .* \(margin\), .* \(both\); Q4_0: AUC .*; K/V q4_0: refused by llama-server$"),
     # attest itself, one run per source on the toy as a GGUF (llama.cpp in process, llama-server alone and under load,
     # its Q4_0 requantization).
     "attest_fpr.py": (["{tmp}/toy.gguf", "{tmp}/out", "--server", "{llama_server}", "--quantize", "{llama_quantize}",

@@ -18,7 +18,7 @@ from stagereplay.cli import app
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.protocol.compare import compare_item
 from stagereplay.experiments.protocol.compare_document import COMPARE_VERSION, read_compare
-from stagereplay.records.payloads import MatchedPayload
+from stagereplay.experiments.protocol.payloads import MatchedPayload
 
 runner = CliRunner()
 MATCHED = ("matched", "--n", "4", "--max-new-tokens", "16", "--quiet")

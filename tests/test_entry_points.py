@@ -72,3 +72,26 @@ def test_the_command_line_refuses_a_broken_extension_in_one_line(tmp_path: Path)
     assert done.returncode == REFUSED, done.stderr
     assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("error: experiment entry point 'broken'") and f"uninstall {FAKE}" in done.stderr
+
+
+def test_every_experiment_is_a_library_function_found_in_the_registry():
+    """`stagereplay.runs` holds each registered experiment's function by its name and its options by their type's
+    name, an installed extension's (the plugin's `echo`) as stagereplay's own; `stagereplay` holds what an
+    experiment's package exports (mismatch's `mismatch_metrics`). A name no experiment has is an AttributeError."""
+    import stagereplay
+    import stagereplay.runs as runs
+
+    for e in registry.all_experiments():
+        made = getattr(runs, e.name)
+        assert made.__name__ == e.name, made
+        if e.name not in vars(runs):  # made from the registry (`runs.library_function`), not written in runs
+            assert made.__doc__ == e.__doc__
+        assert getattr(runs, e.Options.__name__) is e.Options
+    assert runs.attest.__name__ == "attest" and "out" in runs.attest.__code__.co_varnames
+    assert "run_dir" in runs.echo.__code__.co_varnames  # it extends a run
+    from stagereplay.experiments.mismatch.metrics import mismatch_metrics
+
+    assert stagereplay.mismatch_metrics is mismatch_metrics
+    for module in (runs, stagereplay):
+        with pytest.raises(AttributeError):
+            module.no_such_experiment  # noqa: B018

@@ -119,7 +119,7 @@ def show_problems(e: Experiment, item: str, own: list[Record], shown: str) -> li
     <checkpoint>`): every arm but a replica by name, and every line `e.told` gives of them. Empty: it tells them."""
     checkpoints = {r.checkpoint for r in own}
     told_at = {f"{item} · {e.name} · {c}" for c in checkpoints}
-    story_at = tuple(f"{item} · {c}{', ' + e.label if e.label else ''} · " for c in checkpoints)
+    story_at = tuple(f"{item} · {c}{', ' + e.shape.label if e.shape.label else ''} · " for c in checkpoints)
     mine = [(h, lines) for h, lines in _sections(shown, item) if h in told_at or h.startswith(story_at)]
     if not mine:
         return [f"show {item}: no section of {e.name}: {shown[-400:]}"]
@@ -194,7 +194,7 @@ def small_runs(root: Path) -> dict[str, Path]:
     registry's order). An experiment without a smallest run is left out (the test below names it)."""
     runs: dict[str, Path] = {}
     every = [e for e in registry.all_experiments() if e.smallest_run is not None]
-    for e in sorted(every, key=lambda e: not e.starts_run):
+    for e in sorted(every, key=lambda e: not e.shape.starts_run):
         small = _small(e)
         run = root / e.name if small.extends is None else runs[small.extends]
         _ok(_invoke([*small.command_line(e.command, run), "--quiet"]), e.name)
@@ -239,7 +239,7 @@ def readings(root: Path, small_runs: dict[str, Path], rollout_file_run: Path) ->
     matched run (other data; a run that other experiments extend audits a unit per stage), and the rollout file's
     against the generated mismatch run (its audit re-reads every row through the run's column mapping)."""
     extended = {_home(e) for e in registry.all_experiments() if _home(e) != e.name}
-    runs = {name: (run, OTHER_DATA) for name, run in small_runs.items() if registry.experiment(name).starts_run}
+    runs = {name: (run, OTHER_DATA) for name, run in small_runs.items() if registry.experiment(name).shape.starts_run}
     runs[ROLLOUT_FILE] = (rollout_file_run, small_runs["mismatch"])
     out = {}
     for n, (key, (run, other)) in enumerate(runs.items()):
@@ -261,7 +261,7 @@ def test_every_registered_experiment_gives_its_smallest_run():
     for e in registry.all_experiments():
         small = _small(e)
         assert e.command, f"{e.name} has no command to make its smallest run with"
-        if e.starts_run:
+        if e.shape.starts_run:
             assert small.extends is None, f"{e.name} makes runs: its smallest run extends none"
         else:
             assert small.extends is not None and registry.starts_run(small.extends), (
@@ -401,7 +401,7 @@ def test_a_command_offers_only_the_inputs_its_experiment_uses():
     assert refused.exit_code == 2 and "--boundary-after" in refused.output and not Path("never").exists()
 
 
-@pytest.mark.parametrize("name", [e.name for e in registry.all_experiments() if e.starts_run])
+@pytest.mark.parametrize("name", [e.name for e in registry.all_experiments() if e.shape.starts_run])
 def test_every_experiment_that_makes_a_run_prices_it_before_it_runs(name: str, tmp_path: Path):
     """`<command> ... --plan` prices the run its options would make, runs nothing and writes nothing."""
     out = tmp_path / "never"

@@ -17,6 +17,7 @@ from stagereplay.cli import app
 from stagereplay.experiments.core import payload_doc, registry
 from stagereplay.experiments.core.payload_doc import generated_section, markdown
 from stagereplay.experiments.protocol import bridge, matched, precision_2x2, resample, transplant
+from stagereplay.experiments.protocol.payloads import GridPayload
 from stagereplay.records import payload_readers, payloads
 from stagereplay.records.ledger import Record, items, read_ledger, read_manifest
 from stagereplay.records.record import canonical_json
@@ -103,7 +104,7 @@ def test_a_payload_of_no_model_is_refused_by_name():
                if '"experiment":"precision_2x2"' in line and '"kind":"item"' in line)
     record = Record.model_validate(raw)
     grid = registry.experiment("precision_2x2")
-    assert isinstance(grid.read(record), payloads.GridPayload)
+    assert isinstance(grid.read(record), GridPayload)
     with pytest.raises(ValidationError, match="status"):
         grid.read(record.model_copy(update={"payload": {**record.payload, "status": "done"}}))
     with pytest.raises(ValidationError, match="precision"):

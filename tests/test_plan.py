@@ -4,6 +4,7 @@ from a config alone; the 2x2 carries the matched run's arm over instead of compu
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -509,3 +510,21 @@ def test_paper_on_a_gpu_batches_as_many_items_as_their_caches_fit_beside_the_wei
     for free, expected in [((weights + 3.5 * per_item) / 0.9, 3), (weights / 2, 1), (1e15, MAX_GPU_BATCH)]:
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (int(free), int(free)))
         assert gpu_batch(None, "cuda", DecodeConfig(max_new_tokens=128)) == expected
+
+
+def test_an_experiments_plan_gives_its_time_at_the_rates_given():
+    """`attest --plan` (any experiment's) prices its forwards at the rates given, as `plan` prices paper's: each
+    stage's hours, and the total in seconds, from the same counts; without rates it counts forwards and gives no time
+    (the control). Rates given to a command that runs are refused: they price a plan."""
+    args = ["attest", "--n", "20", "--max-new-tokens", "16", "--honest", "bf16,fp32", "--plan"]
+    bare = CliRunner().invoke(app, args)
+    priced = CliRunner().invoke(app, [*args, "--tokens-per-second", "40", "--prefill-tokens-per-second", "400"])
+    assert bare.exit_code == 0 and priced.exit_code == 0, (bare.output, priced.output)
+    assert "hours" not in bare.output and "hours" in priced.output, priced.output
+    total = next(line for line in priced.output.splitlines() if line.startswith("total:"))
+    forwards, prefill = (int(x) for x in re.findall(r"(\d+) forwards, (\d+) prefill tokens", total)[0])
+    seconds = float(re.findall(r"\((\d+) s; rates 40 steps/s, 400 prefill tokens/s\)", total)[0])
+    assert abs(seconds - (forwards / 40 + prefill / 400)) <= 1, total
+    assert next(line for line in bare.output.splitlines() if line.startswith("total:")) in total
+    refused = CliRunner().invoke(app, ["attest", "--n", "2", "--tokens-per-second", "40", "--out", "never"])
+    assert refused.exit_code == 2 and "price a plan" in refused.output and not Path("never").exists()

@@ -23,6 +23,7 @@ from stagereplay.experiments.core import registry
 from stagereplay.experiments.core.experiment import Batch, Experiment, Replay
 from stagereplay.experiments.core.format import Table, as_rows, k_of_n
 from stagereplay.experiments.core.jobs import Job, Params
+from stagereplay.experiments.core.shape import Shape
 from stagereplay.experiments.protocol.arms import comparison
 from stagereplay.records.ledger import Record, read_manifest
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
@@ -74,7 +75,7 @@ class Twice(Experiment):
     Stage: ClassVar[type[StageSection]] = TwiceStage
     Options: ClassVar[type] = TwiceOptions
     command: ClassVar[str] = "twice"
-    label: ClassVar[str] = "twice"
+    shape: ClassVar[Shape] = Shape(label="twice")
 
     def section(self, prepared, options: TwiceOptions, run) -> StageSection:
         return TwiceStage(model=ModelSection.of(prepared.model), settings=prepared.settings.section(),
@@ -315,3 +316,17 @@ def test_an_engine_option_given_as_zero_is_given_and_checked(echo, tmp_path):
     result = runner.invoke(app, ["matched", "--engine", "echo", "--stride", "0", "--n", "1", "--out", str(out)])
     assert result.exit_code == 2 and "--stride must be at least 1, got 0" in result.stderr, result.output
     assert not out.exists()
+
+
+def test_an_experiment_declares_its_shape_in_one_object_and_its_command_is_its_name():
+    """A fact of an experiment's shape declared as a class flag of its own would be silently ignored by everything
+    that reads `shape`: it is refused where the class is made, naming the shape to declare. The control is the same
+    fact in its shape, accepted; an experiment names its command as it is named unless it says otherwise."""
+    with pytest.raises(TypeError, match=r"declares continuations, label as class attributes.*shape = Shape"):
+        type("Flagged", (Twice,), {"label": "x", "continuations": False})
+    shaped = type("Shaped", (Twice,), {"shape": Shape(continuations=False, label="x")})
+    assert shaped.shape.label == "x" and not shaped.shape.continuations
+    named = type("Named", (Twice,), {"name": "two_steps", "command": ""})
+    assert named.command == ""  # says it has no command
+    assert type("Default", (Twice,), {"name": "two_steps"}).command == "two-steps"
+    assert registry.experiment("precision_2x2").command == "precision-2x2"

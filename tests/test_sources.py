@@ -179,3 +179,31 @@ def test_toy_items_as_parquet_and_save_to_disk_run_as_the_jsonl_does(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "toy.parquet")
     verify = runner.invoke(app, ["audit", str(tmp_path / "run-toy.parquet"), "--verify-only"])
     assert verify.exit_code == 1 and "dataset_hash differs" in verify.output
+
+
+def test_a_run_that_labels_nothing_reads_prompts_whatever_their_answers(tmp_path):
+    """mismatch and attest label no response, so their prompts' answers are not read (`unlabelled`): a plain
+    `answer` beside a `question`, or none, is a prompt all the same. The control: the protocol's source, which
+    labels, refuses the first row (its question makes it a GSM8K row) and the second (no answer)."""
+    from typer.testing import CliRunner
+
+    from stagereplay.cli import app
+    from stagereplay.tasks.item_sources import source
+
+    data = tmp_path / "items.jsonl"
+    data.write_text(json.dumps({"id": "a", "question": "What is 2 + 2?", "answer": "4"}) + "\n"
+                    + json.dumps({"id": "b", "prompt": "Say hi."}) + "\n")
+    rows, _ = read_rows(data, answers=False)
+    assert [(r.id, r.prompt, r.answer) for r in rows] == [("a", "What is 2 + 2?", ""), ("b", "Say hi.", "")]
+    with pytest.raises(StageReplayError, match="GSM8K answer has no '#### N' line"):
+        read_rows(data)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"id": "b", "prompt": "Say hi."}) + "\n")
+    with pytest.raises(StageReplayError, match="missing 'answer'"):
+        read_rows(tmp_path / "b.jsonl")
+    assert source("unlabelled").at(str(data), None) is not None
+    runner = CliRunner()
+    for command in (["attest", "--honest", "bf16,fp32"], ["mismatch"]):
+        planned = runner.invoke(app, [*command, "--data", str(data), "--n", "2", "--max-new-tokens", "4", "--plan"])
+        assert planned.exit_code == 0, planned.output
+    refused = runner.invoke(app, ["matched", "--data", str(data), "--n", "2", "--plan"])
+    assert refused.exit_code == 2 and "GSM8K answer has no '#### N' line" in refused.output, refused.output

@@ -249,3 +249,43 @@ def test_mcnemar_edges() -> None:
 )
 def test_first_divergence(a: list[int], b: list[int], expected: int | None) -> None:
     assert first_divergence(a, b) == expected
+
+
+def test_one_cluster_bootstrap_is_scipys_paired_percentile_bootstrap_to_the_bit():
+    """The one bootstrap every experiment uses (`cluster_bootstrap`) gives, for the paired difference, the bits of
+    `scipy.stats.bootstrap(paired=True, method="percentile")` with the same seed, on 0/1 scores and on real ones, in
+    blocks of any size; attest's run interval and mismatch's pooled intervals are it. The control: numpy's own
+    quantile of the same resamples differs from scipy's in the last bits on some of these inputs, so the equality
+    is a property of the percentiles chosen, not of any two ways of taking them."""
+    from scipy.stats import bootstrap
+
+    from stagereplay.experiments.attest.stats import Items, item_interval
+    from stagereplay.experiments.core import stats
+    from stagereplay.experiments.core.stats import cluster_bootstrap, resamples
+    from stagereplay.experiments.mismatch.stats import intervals
+
+    g = np.random.default_rng(1)
+    numpy_differs = 0
+    for trial in range(24):
+        n = int(g.integers(2, 300))
+        a, b = (g.integers(0, 2, n), g.integers(0, 2, n)) if trial % 2 else (g.normal(size=n), g.normal(size=n))
+        theirs = bootstrap((a.astype(float), b.astype(float)), lambda x, y, axis: np.mean(x - y, axis=axis),
+                           paired=True, vectorized=True, method="percentile", n_resamples=2_000,
+                           rng=np.random.default_rng(trial)).confidence_interval
+        ours = cluster_bootstrap({"d": (a - b, np.ones(n))}, 2_000, seed=trial)["d"]
+        assert ours == (float(theirs.low), float(theirs.high)), trial
+        draws = np.concatenate([(a - b)[i].sum(axis=1) / n for i in resamples(n, 2_000, np.random.default_rng(trial))])
+        numpy_differs += tuple(np.quantile(draws, [0.025000000000000022, 0.975])) != ours
+    assert numpy_differs > 0
+    monkey_block = stats._BOOTSTRAP_BLOCK
+    try:
+        stats._BOOTSTRAP_BLOCK = 7  # blocks of 7 resamples: the same draws, the same interval
+        assert cluster_bootstrap({"d": (a - b, np.ones(n))}, 2_000, seed=23)["d"] == ours
+    finally:
+        stats._BOOTSTRAP_BLOCK = monkey_block
+    per_item = [g.normal(size=int(k)) for k in g.integers(1, 9, 30)]
+    items = Items.of(per_item)
+    assert item_interval(items, n_resamples=500, seed=4) == cluster_bootstrap(
+        {"run": (items.sums, items.lengths)}, 500, seed=4)["run"]
+    split = {"x": (items.sums, items.lengths)}
+    assert intervals(split, np.random.default_rng(4), 500)["x"] == list(item_interval(items, n_resamples=500, seed=4))

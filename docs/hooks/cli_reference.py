@@ -18,6 +18,7 @@ one line, `error: <problem>; <fix>`, and exit code 2 ([exit codes and bad input]
 
 def _cell(text: str) -> str:
     """Help text as a Markdown table cell: HTML-escaped (`</think>` is text, not a tag), pipes kept in the cell."""
+    text = text.replace("\\[", "[")  # an option's help, escaped for rich (`cli.groups`), read as the text it is
     return escape(" ".join(text.split()), quote=False).replace("|", "&#124;")
 
 

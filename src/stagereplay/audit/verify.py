@@ -237,7 +237,7 @@ def claim_findings(record: Record, stage: StageSection, matched: Record | None, 
     whose records are its own as its model (`Experiment.read`); its experiment checks the rest (`Experiment.claims`)."""
     where = f"{stage_name(record)}{'@' + record.part if record.part else ''}"
     kind = registry.experiment(record.experiment)
-    if not kind.continuations:  # its records are its own: its model and its claims are all there is to check
+    if not kind.shape.continuations:  # its records are its own: its model and its claims are all there is to check
         try:
             kind.read(record)
         except ValidationError as e:
@@ -273,7 +273,7 @@ def _payload_claims(record: Record, payload: ItemHead, stage: StageSection, matc
     if payload.status == "ok":
         if payload.boundary != len(payload.prefix_ids or []):
             bad.append("boundary is not the prefix's length")
-        fixed = registry.experiment(record.experiment).fixed_prefix
+        fixed = registry.experiment(record.experiment).shape.fixed_prefix
         if fixed and matched is not None and payload.prefix_ids != ItemHead.model_validate(matched.payload).prefix_ids:
             bad.append("prefix_ids are not the matched run's")
     bad += _arm_claims(record, payload, stage)

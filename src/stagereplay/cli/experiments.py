@@ -67,11 +67,12 @@ def _exit(experiment: Any, results: Results) -> None:
 def starting_command(experiment: Any) -> Callable[..., None]:
     """The command of an experiment that makes a run from a model and items."""
     from stagereplay.execution.config import ExecConfig
+    from stagereplay.plan.rates import RateOptions
     from stagereplay.runs.inputs import EngineChoice, Inputs
 
     engines = _engine_groups()
 
-    def body(inputs: Any, ex: Any, choice: Any, options: Any, out: Path | None, plan: bool, quiet: bool,
+    def body(inputs: Any, ex: Any, choice: Any, options: Any, rates: Any, out: Path | None, plan: bool, quiet: bool,
              **engine_options: Any) -> None:
         def go() -> None:
             from stagereplay.errors import StageReplayError
@@ -83,10 +84,16 @@ def starting_command(experiment: Any) -> Callable[..., None]:
                 from stagereplay.runs.prepare import data_config
 
                 experiment.check_inputs(inputs, options)
+                numerics = inputs.numerics
+                calibrate_on = {"device": numerics.device, "threads": numerics.threads} if rates.calibrate else None
                 typer.echo(plan_experiment(experiment, options, inputs.input.model,
                                            data_config(inputs, experiment, options), inputs.decode,
-                                           inputs.numerics.precision, engine.serves))
+                                           numerics.precision, engine.serves, rates.given(numerics.batch),
+                                           calibrate_on))
                 return
+            if rates != RateOptions():
+                raise StageReplayError("the rates price a plan, and this command runs",
+                                       "add --plan, or drop the rate options")
             if out is None:
                 raise StageReplayError("no run directory given", "pass --out DIR (or --plan to price the run)")
             _exit(experiment, make_run(out, experiment, options, inputs, engine, ex, quiet))
@@ -107,7 +114,9 @@ def starting_command(experiment: Any) -> Callable[..., None]:
                     defaults=own(False, experiment.defaults.items())),
               Group(experiment.Options, "options", panel=_panel(experiment)), Group(ExecConfig, "ex"),
               Group(EngineChoice, "choice", hide=frozenset(own(True, ignored)), helps=own(True, experiment.helps.items())),
-              *engines]
+              *engines, Group(RateOptions, "rates", helps={
+                  "tokens_per_second": "with --plan: our engine's decode steps per second (any forward costs one)",
+                  "calibrate": "with --plan: measure the rates on the real model first"})]
     return command(body, groups, [out, plan, quiet_option()], doc=experiment.__doc__)
 
 
@@ -130,7 +139,7 @@ def extending_command(experiment: Any) -> Callable[..., None]:
 
 def experiment_commands() -> dict[str, tuple[Callable[..., None], str | None]]:
     """Every registered experiment's command, by name, with its help."""
-    return {e.command: (starting_command(e) if e.starts_run else extending_command(e), e.__doc__)
+    return {e.command: (starting_command(e) if e.shape.starts_run else extending_command(e), e.__doc__)
             for e in _experiments()}
 
 

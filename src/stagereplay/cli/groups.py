@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from stagereplay.cli.app import guarded
 
@@ -105,7 +106,9 @@ def _options(group: Group, cls: type, prefix: tuple[str, ...], panel: str) -> li
             flag = f"{flag}/--no-{flag[2:]}"
         name = "__".join((group.key, *prefix, f.name))
         parameter = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind,
-                                      default=typer.Option(default, flag, help=help_text, rich_help_panel=panel))
+                                      # the help is text, not rich markup: `ENGINE[/SETTING]` is no closing tag
+                                      default=typer.Option(default, flag, help=escape(help_text),
+                                                           rich_help_panel=panel))
         out.append(_Option(group.key, (*prefix, f.name), parameter, tp))
     return out
 

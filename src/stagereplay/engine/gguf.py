@@ -36,7 +36,8 @@ def require_gguf_packages() -> None:
     missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
     if missing:
         raise StageReplayError(f"loading a GGUF file needs {' and '.join(missing)}, not installed here",
-                               "pip install 'stagereplay[llamacpp]' (or: pip install gguf accelerate)")
+                               "pip install 'stagereplay[gguf]' (what reading a GGUF takes; the `llamacpp` extra "
+                               "adds llama.cpp itself)")
 
 
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}

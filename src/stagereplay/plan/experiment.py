@@ -16,15 +16,19 @@ from typing import Any
 from stagereplay.engine.forwards import Lengths
 from stagereplay.experiments.core.experiment import Assumed, Experiment
 from stagereplay.plan.paper import audit_stages, render
+from stagereplay.plan.rates import Rates, calibrate
 from stagereplay.plan.stages import StagePlan, model_shape
 
 
 def plan_experiment(experiment: Experiment, options: Any, model: str | None, data: Any, decode: Any,
-                    precision: str, served_by: str | None = None) -> str:
+                    precision: str, served_by: str | None = None, rates: Rates | None = None,
+                    calibrate_on: dict[str, Any] | None = None) -> str:
     """The plan's table of a run of `experiment` with `options` on `model` (the embedded toy's when None) and the
     items `data` gives (`tasks.DataConfig`, as the experiment reads its inputs), decoding with `decode`; `served_by`:
     the serving engine the run uses (`--engine`): an experiment that asks it for what it serves leaves those
-    forwards out (`Experiment.planned_forwards`)."""
+    forwards out (`Experiment.planned_forwards`). With `rates` (given), or `calibrate_on` (device, threads: measured
+    on the real model, `plan.rates.calibrate`), each stage's time too: our engine's forwards at those rates (what a
+    serving engine does is not ours to price)."""
     from stagereplay.engine.limits import STAGE1_BUDGET, check_budgets
     from stagereplay.engine.model import ModelConfig, load_config_and_tokenizer
     from stagereplay.tasks import load_items
@@ -37,7 +41,7 @@ def plan_experiment(experiment: Experiment, options: Any, model: str | None, dat
     _, tokenizer = load_config_and_tokenizer(model)
     found = load_items(data, tokenizer, shape.context)[0]
     stage1: int | None = 0
-    if experiment.uses_boundary:
+    if experiment.shape.uses_boundary:
         stage1 = check_budgets(max(len(i.prompt_ids) for i in found), decode.max_stage1_tokens,
                                decode.max_new_tokens, shape.context, STAGE1_BUDGET)
     lengths = tuple(Lengths(len(i.prompt_ids), stage1, experiment.sequence_end(i, decode) - len(i.prompt_ids))
@@ -53,11 +57,13 @@ def plan_experiment(experiment: Experiment, options: Any, model: str | None, dat
             st.add(forwards, unit.prefix + unit.suffix)
         stages.append(st)
     stages += audit_stages(stages, None)
+    if calibrate_on is not None:
+        rates = calibrate(model, sorted({st.precision for st in stages}), **calibrate_on)
     header = (f"model {Path(model).name}: {shape.layers} layers, {shape.kv_heads} KV heads of {shape.head_dim}, "
               f"{shape.params / 1e9:.3f}B parameters\nassumed: {len(found)} items, prompts "
               f"{min(u.prompt for u in lengths)}-{max(u.prompt for u in lengths)} tokens"
-              + (f", stage 1 {stage1}" if experiment.uses_boundary else "")
-              + f", {'suffix' if experiment.uses_boundary else 'response'} "
+              + (f", stage 1 {stage1}" if experiment.shape.uses_boundary else "")
+              + f", {'suffix' if experiment.shape.uses_boundary else 'response'} "
               f"{min(u.suffix for u in lengths)}-{max(u.suffix for u in lengths)} tokens; audit of every unit")
     notes = "".join(f"\n{line}" for line in experiment.plan_notes(options, len(found)))
-    return header + "\n" + render(stages, shape, None) + notes
+    return header + "\n" + render(stages, shape, rates) + notes

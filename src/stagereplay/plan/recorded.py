@@ -87,7 +87,7 @@ def unit_forwards(r: Record, stage: StageSection) -> tuple[str, list[int], int] 
         return None
     if r.part:
         name = f"{name}@{r.part}"
-    if experiment.replays_diagnostics and (p := ItemHead.model_validate(r.payload)).status == "ok":
+    if experiment.shape.replays_diagnostics and (p := ItemHead.model_validate(r.payload)).status == "ok":
         fw = fw + replay_forwards(p)
     return name, fw, experiment.unit_positions(r)
 

@@ -109,8 +109,8 @@ class DataSection(Document):
                                                "null: the toy's held-out items")
     n: int | None = Field(None, description="the first n items (null: all)")
     columns: str | None = Field(None, description="TARGET=COLUMN,... (recorded when given)")
-    source: str = Field("prompts", description="where the items come from (`tasks.item_sources`): prompts | rollouts "
-                                               "| served (recorded when not prompts)")
+    source: str = Field("prompts", description="where the items come from (`tasks.item_sources`): prompts | "
+                                               "unlabelled | rollouts | served (recorded when not prompts)")
     rollouts: bool = Field(False, description="a run made before `source` was recorded: true for a rollout file's "
                                               "(read, never written)")
 

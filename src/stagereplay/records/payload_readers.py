@@ -1,6 +1,6 @@
 """What is read of a recorded item payload of any experiment whose records hold the protocol's arms: `ItemHead` (what
-every such payload holds, an experiment registered from outside included: `audit.verify`'s claims), and `DIAGNOSED`
-(the payload models with a diagnostics block). A payload as its own model is its experiment's to give
+every such payload holds, an experiment registered from outside included: `audit.verify`'s claims), and `Diagnosed`
+(what the report reads of a payload whose arms were compared with a diagnostics block). A payload as its own model is its experiment's to give
 (`Experiment.read`, found by the record's `experiment` field in `experiments.core.registry`).
 """
 
@@ -8,16 +8,7 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field
 
-from stagereplay.records.payloads import (
-    Arm,
-    BridgePayload,
-    Comparison,
-    Draw,
-    GridPayload,
-    MatchedPayload,
-    PayloadModel,
-    optional,
-)
+from stagereplay.records.payloads import Arm, Comparison, Diagnostics, Draw, PayloadModel, optional
 
 
 class ItemHead(PayloadModel):
@@ -37,5 +28,14 @@ class ItemHead(PayloadModel):
     comparisons: list[Comparison] = Field(description="the arms compared")
 
 
-DIAGNOSED = (MatchedPayload, GridPayload, BridgePayload)
-"""The payloads with a diagnostics block (why their compared arms diverged)."""
+class Diagnosed(PayloadModel):
+    """What the report reads of a payload whose first comparison has diagnostics (matched's, the 2x2's, bridge's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt_ids: list[int] = Field(description="the prompt's token IDs")
+    prefix_ids: list[int] | None = optional("P, where the item reached a prefix")
+    arms: list[Arm] = Field(description="the arms compared")
+    comparisons: list[Comparison] = Field(description="the arms compared")
+    diagnostics: Diagnostics | None = optional("why the arms diverged")
+    token_texts: dict[str, str] | None = optional("each token id the record shows, decoded alone")

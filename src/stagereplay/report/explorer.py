@@ -22,8 +22,8 @@ from pydantic import ValidationError
 from stagereplay.experiments.core.registry import experiment
 from stagereplay.records.ledger import Record
 from stagereplay.records.manifest import StageSection
-from stagereplay.records.payload_readers import DIAGNOSED
-from stagereplay.records.payloads import Arm, BridgePayload, CacheDiff, Divergence
+from stagereplay.records.payload_readers import Diagnosed
+from stagereplay.records.payloads import Arm, CacheDiff, Divergence
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -90,11 +90,17 @@ def stories(records: list[Record], item_id: str | None = None,
     for r in records:
         if r.kind != "item" or (item_id is not None and r.item_id != item_id):
             continue
+        kind = experiment(r.experiment)
+        if not kind.shape.continuations:
+            continue
         try:
-            p = experiment(r.experiment).read(r)
+            own = kind.read(r)  # as its experiment's own model
+            p = Diagnosed.model_validate(r.payload)  # what a story reads of it
         except ValidationError:  # a record that is not its model is the audit's finding; the report goes on
             continue
-        if not isinstance(p, DIAGNOSED) or not p.diagnostics or not p.comparisons:  # (each reached its boundary)
+        if getattr(own, "diagnostics", None) is None:
+            continue
+        if not p.diagnostics or not p.comparisons or p.prefix_ids is None:  # (each reached its boundary)
             continue
         main = p.comparisons[0]  # matched records list live vs the construction first; 2x2 the first pair
         a, b = main.a, main.b
@@ -108,8 +114,8 @@ def stories(records: list[Record], item_id: str | None = None,
             correct=(arms[a].correct, arms[b].correct),
             first_step_logit_maxabs=diag.first_step_logit_maxabs if diag else None,
             divergence=diag.divergence if diag else None, cache=diag.cache if diag else None,
-            experiment=r.experiment, texts=p.token_texts if not isinstance(p, BridgePayload) else None,
-            label=experiment(r.experiment).label,
+            experiment=r.experiment, texts=p.token_texts,
+            label=experiment(r.experiment).shape.label,
         ))
     return out
 

@@ -75,13 +75,13 @@ def build_results(run_dir: Path, manifest: Manifest, records: list[Record]) -> R
     """Each declared stage's sections, as its experiment summarises its records (an experiment of a list of sections
     gets one per stage, arm or precision; one of a single section the last stage's), and the last audit."""
     config = manifest.config
-    sections: dict[str, Any] = {e.name: [] if e.many else None for e in all_experiments()}
+    sections: dict[str, Any] = {e.name: [] if e.shape.many else None for e in all_experiments()}
     for name, stage in manifest.stages.items():
         experiment = of_stage(name)
         checkpoint = name.partition("/")[2]
         mine = [r for r in records if r.experiment == experiment.name and r.checkpoint == checkpoint]
         made = experiment.summarize(mine, stage, checkpoint)
-        if experiment.many:
+        if experiment.shape.many:
             sections[experiment.name].extend(made)
         else:
             sections[experiment.name] = made[0] if made else None

@@ -4,8 +4,6 @@ takes typed configs, built by the CLI or in a notebook:
     make_run(out, experiment, options, Inputs(...), engine, ExecConfig(...))   a run from a model and items
     extend(run_dir, experiment, options, Extension(...))                        another stage of a run
     matched(out, Inputs(...), MatchedOptions(...), engine, ExecConfig(...))     (make_run of matched)
-    mismatch(out, Inputs(...), MismatchOptions(...), engine, ExecConfig(...))   (make_run of mismatch)
-    attest(out, Inputs(...), AttestOptions(...), engine, ExecConfig(...))       (make_run of attest)
     precision_2x2 / bridge / transplant / resample(run_dir, options, Extension(...))   (extend of each)
     audit(run_dir, AuditConfig(...), verify_only, Extension(...))
     merge(shards, out)                                                          join `--shard I/N` runs
@@ -13,22 +11,28 @@ takes typed configs, built by the CLI or in a notebook:
     compare(run_a, run_b, out, checkpoint)                                      (runs/compare.py)
 
 `engine_of("vllm", cross, options)` is a serving engine's `RunEngine` (ours: `engine_of("hf")`).
+
+Every other registered experiment, an installed extension's included, is here by its name and its options by their
+type's name, found in the registry when first asked for (`__getattr__`):
+
+    mismatch(out, Inputs(...), MismatchOptions(...), engine, ExecConfig(...))   (make_run of mismatch)
+    attest(out, Inputs(...), AttestOptions(...), engine, ExecConfig(...))       (make_run of attest)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from stagereplay.audit.reexecute import AuditConfig
 from stagereplay.audit.relocate import Relocation
 from stagereplay.engine.decode import DecodeConfig
 from stagereplay.execution.config import ExecConfig
-from stagereplay.experiments.attest.experiment import Attest
-from stagereplay.experiments.attest.stage import AttestOptions
+from stagereplay.experiments.core.experiment import Experiment
 from stagereplay.experiments.core.prepared import OURS, RunEngine
+from stagereplay.experiments.core.registry import EXPERIMENTS
 from stagereplay.experiments.core.serving_run import engine_of
-from stagereplay.experiments.mismatch.experiment import Mismatch
-from stagereplay.experiments.mismatch.stage import MismatchOptions
 from stagereplay.experiments.protocol.bridge import Bridge, BridgeOptions
 from stagereplay.experiments.protocol.grid_stage import GridOptions
 from stagereplay.experiments.protocol.matched import Matched
@@ -48,20 +52,6 @@ def matched(out: str | Path, inputs: Inputs | None = None, options: MatchedOptio
             engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> Results:
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
     return make_run(out, Matched(), options, inputs, engine, ex, quiet)
-
-
-def mismatch(out: str | Path, inputs: Inputs | None = None, options: MismatchOptions | None = None,
-             engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> Results:
-    """The training-inference mismatch: rollouts (generated, or a rollout file's) scored by the rollout engine and
-    by a trainer's one-shot prefill on the same tokens, the gap attributed."""
-    return make_run(out, Mismatch(), options, inputs, engine, ex, quiet)
-
-
-def attest(out: str | Path, inputs: Inputs | None = None, options: AttestOptions | None = None,
-           engine: RunEngine = OURS, ex: ExecConfig | None = None, quiet: bool = False) -> Results:
-    """Is a server running the model it claims? Its served tokens against the claimed model's reference, decided
-    against the claimed model's honest variants on the same prompts."""
-    return make_run(out, Attest(), options, inputs, engine, ex, quiet)
 
 
 def precision_2x2(run_dir: str | Path, options: GridOptions | None = None, on: Extension | None = None,
@@ -88,7 +78,39 @@ def resample(run_dir: str | Path, config: ResampleConfig | None = None, on: Exte
     return extend(run_dir, Resample(), config, on, quiet)
 
 
-__all__ = ["AttestOptions", "AuditConfig", "Boundary", "BridgeOptions", "DecodeConfig", "EngineChoice", "ExecConfig", "Extension",
-           "GridOptions", "Input", "Inputs", "MatchedOptions", "MismatchOptions", "Numerics", "PaperConfig",
-           "Relocation", "ResampleConfig", "Results", "TransplantConfig", "attest", "audit", "bridge", "compare", "engine_of", "extend",
-           "make_run", "matched", "merge", "mismatch", "paper", "precision_2x2", "resample", "transplant"]
+def library_function(experiment: Experiment) -> Callable[..., Results]:
+    """An experiment's library function: `make_run` of it for one that starts a run, `extend` for one that adds a
+    stage to a run, with the signature of `matched` or `precision_2x2`."""
+    if experiment.shape.starts_run:
+        def starting(out: str | Path, inputs: Inputs | None = None, options: Any = None, engine: RunEngine = OURS,
+                     ex: ExecConfig | None = None, quiet: bool = False) -> Results:
+            return make_run(out, experiment, options, inputs, engine, ex, quiet)
+
+        made: Callable[..., Results] = starting
+    else:
+        def extending(run_dir: str | Path, options: Any = None, on: Extension | None = None,
+                      quiet: bool = False) -> Results:
+            return extend(run_dir, experiment, options, on, quiet)
+
+        made = extending
+    made.__name__ = made.__qualname__ = experiment.name
+    made.__doc__ = experiment.__doc__
+    return made
+
+
+def __getattr__(name: str) -> Any:
+    """A registered experiment's library function by its name (`attest`), or its options by their type's name
+    (`AttestOptions`)."""
+    if not name.startswith("_"):
+        for experiment in EXPERIMENTS.values():
+            if experiment.name == name:
+                return library_function(experiment)
+            if experiment.Options.__name__ == name:
+                return experiment.Options
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["AuditConfig", "Boundary", "BridgeOptions", "DecodeConfig", "EngineChoice", "ExecConfig", "Extension",
+           "GridOptions", "Input", "Inputs", "MatchedOptions", "Numerics", "PaperConfig",
+           "Relocation", "ResampleConfig", "Results", "TransplantConfig", "audit", "bridge", "compare", "engine_of", "extend",
+           "library_function", "make_run", "matched", "merge", "paper", "precision_2x2", "resample", "transplant"]

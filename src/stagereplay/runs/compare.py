@@ -13,11 +13,8 @@ from pathlib import Path
 
 from stagereplay.audit.verify import verify_run
 from stagereplay.errors import StageReplayError
-from stagereplay.experiments.core.compare_manifests import RunSide, check_comparable, manifest_differences
+from stagereplay.experiments.core.compare_manifests import RunSide, check_comparable
 from stagereplay.experiments.core.compared import RunComparison
-from stagereplay.experiments.protocol.compare import build_comparison
-from stagereplay.experiments.protocol.compare_tables import matched_comparison
-from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
 from stagereplay.records.findings import Break
 from stagereplay.records.ledger import read_ledger, read_manifest
 from stagereplay.report.compare_render import write_compare
@@ -44,35 +41,36 @@ def compare(run_a: Path, run_b: Path, out: Path | None = None, checkpoint: str =
         raise StageReplayError(f"{named} exists and is not a directory",
                                "choose another --out" if given else "pass --out a folder to write into")
     a, b = (verified(run) for run in (run_a, run_b))
-    comparison = own_comparison(a, b, checkpoint) or matched_comparison(build_comparison(a, b, checkpoint))
+    comparison = own_comparison(a, b, checkpoint)
     out.mkdir(parents=True, exist_ok=True)
     write_compare(out, comparison)
     return comparison
 
 
-def own_comparison(a: RunSide, b: RunSide, checkpoint: str) -> RunComparison | None:
-    """The comparison of the experiment that made both runs, where it compares its runs itself
-    (`Experiment.compare_runs`); None where the matched comparison is the one."""
+def own_comparison(a: RunSide, b: RunSide, checkpoint: str) -> RunComparison:
+    """The comparison of the experiment that made both runs (`Experiment.compare_runs`: matched's live trajectories,
+    mismatch's gap, attest's decision); refused in one line where the runs hold no records of one experiment that
+    starts runs at `checkpoint`."""
     from stagereplay.experiments.core.registry import all_experiments
 
-    for e in all_experiments():
+    starters = [e for e in all_experiments() if e.shape.starts_run]
+    for e in starters:
         name = f"{e.name}/{checkpoint}"
-        stage_a, stage_b = a.manifest.stage(name), b.manifest.stage(name)
-        if not e.starts_run or stage_a is None or stage_b is None:
+        if a.manifest.stage(name) is None or b.manifest.stage(name) is None:
             continue
-        check_comparable(a, b, checkpoint, e.name, also="paper" if e.name == MATCHED else "")
-        records = a.matched(checkpoint, e.name), b.matched(checkpoint, e.name)
-        own = e.compare_runs(records, list(a.manifest.config.item_ids), checkpoint, (stage_a, stage_b),
-                             (str(a.path), str(b.path)), manifest_differences(a, b, checkpoint, e.name))
+        own = e.compare_runs(a, b, checkpoint)
         if own is not None:
             return own
-    return None
+    held = next((e for e in starters if a.checkpoints(e.name) or b.checkpoints(e.name)), starters[0])
+    check_comparable(a, b, checkpoint, held.name)  # names the checkpoints the runs hold
+    raise StageReplayError(f"{a.path} and {b.path} hold no records of one experiment at checkpoint {checkpoint}",
+                           "compare two runs of one experiment (matched, mismatch, attest, ...)")
 
 
 def verified(run: Path) -> RunSide:
     """The run, read once its ledger verifies; refused in one line otherwise."""
     if not run.is_dir():
-        raise StageReplayError(f"{run} is not a run directory", "pass the folders two `stagereplay matched` runs made")
+        raise StageReplayError(f"{run} is not a run directory", "pass the folders two runs were made in")
     manifest = read_manifest(run)
     res = verify_run(run, manifest)
     if not res.chain_ok:

@@ -46,7 +46,7 @@ class Extension:
 def existing_run(run_dir: str | Path, check_ledger: bool = True) -> tuple[Path, Manifest]:
     path = Path(run_dir)
     if not (path / "manifest.json").exists():
-        starters = " or ".join(f"`stagereplay {e.command} --out`" for e in all_experiments() if e.starts_run)
+        starters = " or ".join(f"`stagereplay {e.command} --out`" for e in all_experiments() if e.shape.starts_run)
         raise StageReplayError(f"no run in {path} (manifest.json missing)", f"run {starters} first")
     if check_ledger:
         read_ledger(path, strict=False)  # a newer schema is named before its manifest is read
@@ -61,9 +61,9 @@ def origin(manifest: Manifest, checkpoint: str) -> StageSection:
     """The stage that made the run at `checkpoint` (an experiment that starts runs): what a later stage starts from."""
     for e in all_experiments():
         stage = manifest.stage(f"{e.name}/{checkpoint}")
-        if e.starts_run and stage is not None:
+        if e.shape.starts_run and stage is not None:
             return stage
-    starters = " or ".join(f"`stagereplay {e.command}`" for e in all_experiments() if e.starts_run)
+    starters = " or ".join(f"`stagereplay {e.command}`" for e in all_experiments() if e.shape.starts_run)
     raise StageReplayError(f"the run has no stage at checkpoint {checkpoint!r} to extend", f"run {starters} into it "
                                                                                              "first")
 

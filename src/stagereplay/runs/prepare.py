@@ -100,7 +100,7 @@ def prepare(command: str, inputs: Inputs, experiment: Experiment, options: Any, 
     settings = ReplaySettings(boundary="" if rule is None else rule.describe(), decode=inputs.decode,
                               scorer=inputs.input.scorer or "last-number")
     stage1: Stage1Facts | None = None
-    if experiment.uses_boundary:
+    if experiment.shape.uses_boundary:
         settings, stage1 = fit_stage1(settings, config, tokenizer, items, engine_context)
         reach = prove_reach(settings, items) if items else None
     else:  # the whole response is the sequence: how far each item's reaches is the experiment's to say

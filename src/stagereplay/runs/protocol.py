@@ -108,4 +108,4 @@ def check_outcome(run: Run, step: Step, prepared: PreparedRun) -> None:
     it is made: a boundary rule no item reaches fails here, its records kept, not after the whole protocol."""
     e, checkpoint = step.experiment, step.checkpoint
     sections = e.summarize(run.find(e.name, checkpoint), run.manifest.stages[f"{e.name}/{checkpoint}"], checkpoint)
-    e.check_outcome(sections if e.many else sections[0], prepared)
+    e.check_outcome(sections if e.shape.many else sections[0], prepared)

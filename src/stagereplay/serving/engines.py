@@ -7,13 +7,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from stagereplay.errors import StageReplayError
-from stagereplay.serving import http, llamacpp, llamacpp_honest, vllm
+from stagereplay.serving import http, http_honest, llamacpp, llamacpp_honest, vllm
 from stagereplay.serving.seam import EngineConfig, EngineKind, options_of
 
 ENGINES: dict[str, EngineKind] = {k.name: k for k in (vllm.VllmKind(), llamacpp.LlamaCppKind(), http.HttpKind())}
-HONEST_VARIANTS: dict[str, Any] = {llamacpp_honest.FAMILY: llamacpp_honest.LlamaCppHonesty()}
-"""The engines that decode a claimed model in this process as an honest variant of a claim they serve (llama.cpp's
-kernels for a GGUF), by the family name their variants start with: each satisfies the claim's `EngineHonesty`."""
+HONEST_VARIANTS: dict[str, Any] = {llamacpp_honest.FAMILY: llamacpp_honest.LlamaCppHonesty(),
+                                   http_honest.FAMILY: http_honest.HttpHonesty()}
+"""The engines that decode a claimed model as an honest variant of a claim they serve (llama.cpp's kernels for a
+GGUF, in this process; a trusted deployment of it, `url`), by the family name their variants start with: each
+satisfies the claim's `EngineHonesty`."""
 OURS = "hf"
 """Our engine's name where an engine is chosen (`--engine`, `--cross`)."""
 

@@ -54,13 +54,20 @@ from typing import Any, ClassVar, NotRequired, TypedDict
 from stagereplay.errors import StageReplayError
 from stagereplay.serving import http_rollout
 from stagereplay.serving.client import Client, public_url
+from stagereplay.serving.http_checks import (
+    SLOT_FILE,
+    Resumed,
+    ServerChecks,
+    check_server,
+    resumed,
+    server_instance,
+)
 from stagereplay.serving.replies import (
     NativeReply,
     OpenAIReply,
     Read,
     Steps,
     Timings,
-    Tokenized,
     Usage,
     Where,
     native_steps,
@@ -89,21 +96,15 @@ from stagereplay.serving.server_identity import (
     SpecCounters,
     identify,
     llama_server_draft,
-    slots_identity,
 )
 
 __all__ = ["Client", "HttpEngine", "HttpKind", "HttpOptions", "ServerIdentity", "identify", "public_url"]
 
-SLOT_FILE = "stagereplay-slot.bin"
-"""The file a slot is saved to, in the server's --slot-save-path: one, overwritten by each item (a long trace's K/V
-can take hundreds of MB)."""
 TRAFFIC_TOKENS = 16
 """Tokens each request of the traffic around an under-load arm asks for (`HttpEngine.generate_loaded`): short, so
 the batch changes many times within one measured request, and what is in flight when it returns soon finishes."""
 SECRET_FLAGS = ("--api-key", "--api-key-file", "--hf-token", "-hft", "--ssl-key-file")
 """Server flags whose value is a secret (or names one): refused in `--server-args`, which is recorded."""
-PROBES = ("Hello world", " 12+7=19.", "The answer is 42\n", "naïve café", "</think>\n\nSo")
-"""Strings the server's tokenizer must split as the run's does (a merged `</think>\n`, spaces, non-ASCII)."""
 
 
 @dataclass(frozen=True)
@@ -164,28 +165,6 @@ class CompletionRequest(TypedDict):
     seed: int
     cache_prompt: bool
     cache_salt: NotRequired[str]  # vLLM: the blocks of a request under another salt are never reused
-
-
-class ServerChecks(TypedDict, total=False):
-    """What `HttpEngine.check` measured of the server before any item (empty until it ran)."""
-
-    verbatim_ids: bool
-    greedy: bool
-    top_logprobs: int
-    tokenizer: str  # "compared" | "no endpoint"
-    cached_when_reused: int | None
-    cached_when_bypassed: int | None
-    instance: Instance
-
-
-class Resumed(TypedDict):
-    """A resumed run's view of the server (`HttpEngine.note_resume`): the item the run resumed after, whether the
-    server restarted since (None: cannot tell), and its instance then and now."""
-
-    after: str
-    restarted: bool | None
-    before: Instance
-    now: Instance
 
 
 class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, ScoresPrompt):
@@ -374,108 +353,22 @@ class HttpEngine(RestoresSlot, ServesUnderLoad, ChecksFirst, Restarts, Samples, 
                 "bypass": "cache_prompt: false" if self.api == "llama-server" else "cache_salt (+ cache_prompt: false)",
                 "checked": dict(self.checked), **({"resumed": self.resumed} if self.resumed else {})}
 
+
     def check(self, tokenizer: Any) -> None:
-        """Refuse a server whose numbers this run could not compare with ours (module docstring); what was
-        measured goes into `settings()["checked"]`."""
-        url = self.client.url
+        """Refuse a server whose numbers this run could not compare with ours (module docstring,
+        `serving.http_checks`); what was measured goes into `settings()["checked"]`."""
         self.vocab = len(tokenizer)
-        instance = self.instance()  # before the probes, which the server counts as tasks
-        canonical = list(tokenizer.encode(" The answer to 12+7 is", add_special_tokens=False))
-        split = [int(t) for c in "nineteen" for t in tokenizer.encode(c, add_special_tokens=False)]
-        probe = canonical + split  # a server that detokenizes and tokenizes again merges the split characters
-        g, counted = self.counted(probe, 8, reuse=False)
-        if counted != len(probe):
-            raise StageReplayError(
-                f"the server at {url} counted {counted} prompt tokens for the {len(probe)} token IDs sent: it does "
-                "not take token IDs verbatim",
-                "serve with an API that takes token-ID prompts (llama-server's /completion, vLLM's /v1/completions)")
-        if not g.tokens or not any(g.top) or any(0 < len(step) < 2 for step in g.top):  # (): a speculated step
-            raise StageReplayError(f"the server at {url} returned no top-{TOP_LOGPROBS} logprobs",
-                                   "serve with logprobs enabled (vLLM: --max-logprobs 5 or more)")
-        again, _ = self.counted(probe, 8, reuse=False)
-        if again.tokens != g.tokens:
-            raise StageReplayError(
-                f"the server at {url} is not greedy at temperature 0: two requests for one prompt gave "
-                f"{list(g.tokens)} and {list(again.tokens)}",
-                "serve without a sampler override (no --samplers forcing sampling) and audit again")
-        reused, _ = self.counted(probe, 8, reuse=True)
-        bypassed, _ = self.counted(probe, 8, reuse=False)
-        if self.identity.llama_server:  # its slots now say the speculative types requests run with
-            self.identity = self.identity.with_(slots_identity(self.client))
-        if self.options.slot_restore:
-            self._check_slot_restore()
-        differs = self._tokenizer_differs(tokenizer)
-        if differs is not None:
-            text, theirs, ours = differs
-            raise StageReplayError(
-                f"the server at {url} tokenizes {text!r} as {theirs}, the run's tokenizer as {ours}",
-                "pass --model the model folder or GGUF file the server serves")
-        self.checked = {"verbatim_ids": True, "greedy": True, "top_logprobs": len(g.top[0]),
-                        "tokenizer": "compared" if self.api == "llama-server" or self._has_tokenize else "no endpoint",
-                        "cached_when_reused": reused.cached, "cached_when_bypassed": bypassed.cached,
-                        "instance": instance}
+        self.checked = check_server(self, tokenizer)
 
     def instance(self) -> Instance:
-        """What tells this server's life from another's: vLLM's process start time (its /metrics'
-        `process_start_time_seconds`); llama-server's task counter (the highest task id its /slots show: it only
-        grows while the server runs, and starts again from 0). Empty where the server says neither."""
-        if self.api == "llama-server":
-            slots = self.client.call("/slots", quiet_status=(404, 405, 501))
-            if slots is None:
-                return {}
-            tasks = [s.get("id_task") for s in slots if isinstance(s, dict)] if isinstance(slots, list) else []
-            return {"tasks": max((t for t in tasks if isinstance(t, int)), default=-1)}
-        for line in (self.client.text("/metrics") or "").splitlines():
-            if line.startswith("process_start_time_seconds "):
-                return {"started": float(line.split()[1])}
-        return {}
+        """What tells this server's life from another's (`serving.http_checks.server_instance`)."""
+        return server_instance(self.client, self.api)
 
     def note_resume(self, before: Instance, requests: int, after: str) -> bool | None:
-        """Whether the server restarted (its caches then cold) since a run's last record, `after` (the item),
-        was made by a process that saw the server as `before` (its `instance`) and sent it at least `requests`
-        completions since: True where it surely did (another start time; a task counter below where those
-        requests left it), False where it surely did not (the same start time), None where it cannot tell (a
-        counter above: a restarted server may since have counted past it). Recorded in the settings of the
-        records from here on (`resumed`)."""
-        now = self.instance()
-        restarted: bool | None = None
-        if "started" in now and "started" in before:
-            restarted = now["started"] != before["started"]
-        elif "tasks" in now and "tasks" in before and now["tasks"] < before["tasks"] + requests:
-            restarted = True
-        self.resumed = {"after": after, "restarted": restarted, "before": before, "now": now}
-        return restarted
-
-    _has_tokenize = False
-
-    def _check_slot_restore(self) -> None:
-        if self.api != "llama-server":
-            raise StageReplayError("--slot-restore needs llama-server's slot save and restore",
-                                   "drop --slot-restore, or audit a llama-server")
-        try:
-            self.client.call("/slots/0?action=save", {"filename": SLOT_FILE})
-        except StageReplayError as e:
-            raise StageReplayError(f"the server at {self.client.url} cannot save a slot ({e.problem})",
-                                   "start llama-server with --slot-save-path DIR, or drop --slot-restore") from e
-
-    def _tokenizer_differs(self, tokenizer: Any) -> tuple[str, list[int], list[int]] | None:
-        for text in PROBES:
-            ours = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-            if self.api == "llama-server":
-                reply = self.client.call("/tokenize", {"content": text, "add_special": False})
-            else:
-                # vLLM's body, with llama-server's `content` beside it (each server ignores the other's field)
-                reply = self.client.call("/tokenize", {"model": self.identity.model, "prompt": text,
-                                                       "content": text, "add_special_tokens": False},
-                                         quiet_status=(404, 405))
-                if reply is None:
-                    return None
-                self._has_tokenize = True
-            theirs = Where(self.client.url, "/tokenize").read(Tokenized, reply).ids()
-            if theirs != ours:
-                return text, theirs, ours
-        return None
-
+        """Whether the server restarted since a run's last record (`serving.http_checks.resumed`), recorded in the
+        settings of the records from here on."""
+        self.resumed = resumed(before, self.instance(), requests, after)
+        return self.resumed["restarted"]
 
 def load(config: EngineConfig, model_path: str, precision: str, threads: int, device: str) -> HttpEngine:
     """The server at the config's url, identified; `precision`, `threads` and `device` are the server's to choose

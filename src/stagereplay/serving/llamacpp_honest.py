@@ -103,11 +103,11 @@ class LlamaCppHonesty:
         except StageReplayError:
             raise StageReplayError(
                 "the null of a GGUF claim holds llama.cpp's own honest variants, and llama-cpp-python is not installed",
-                "pip install 'stagereplay[llamacpp]' (docs/how-to/llamacpp.md), or claim our engine's numerics "
-                "(--claim-engine hf) with our variants (--honest fp32,...)") from None
+                "pip install 'stagereplay[llamacpp]' (docs/how-to/llamacpp.md), or put your own llama-server of the "
+                "file in the null instead (--honest fp32 --honest-url URL)") from None
 
-    def serve(self, lm: LM, settings: tuple[str, ...], prompt: Sequence[int], limit: int, greedy: bool
-              ) -> tuple[list[int], str, list[float], str]:
+    def serve(self, lm: LM, settings: tuple[str, ...], prompt: Sequence[int], limit: int, greedy: bool,
+              where: str | None = None) -> tuple[list[int], str, list[float], str]:
         if not greedy:
             raise StageReplayError("llama.cpp's honest variants serve greedy claims only",
                                    "drop them from --honest for a seeded claim")

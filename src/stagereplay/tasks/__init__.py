@@ -33,7 +33,8 @@ class DataConfig:
     n: int | None = field(default=None, metadata={"help": "first n items (all when None)"})
     columns: str | None = field(default=None, metadata={"help": "TARGET=COLUMN,... (prompt, messages, user, "
                                                                 "answer, id)"})
-    source: str = field(default="prompts", metadata={"help": "prompts | rollouts | served (tasks.item_sources)"})
+    source: str = field(default="prompts", metadata={"help": "prompts | unlabelled | rollouts | served "
+                                                             "(tasks.item_sources)"})
 
     def __post_init__(self) -> None:
         if self.n is not None and self.n < 1:

@@ -3,6 +3,7 @@ tokenizer, for a run) and finds them again where the run recorded them (without 
 
     prompts    the embedded toy task's held-out items (no path), or a data file, folder or hf: dataset of prompts
                and answers (`tasks.sources`)
+    unlabelled the same prompts, their answers not read (a run that labels nothing: mismatch's, attest's)
     rollouts   a rollout file: prompts with the responses an engine sampled and their log-probabilities
                (`tasks.rollouts`)
     served     a file of served outputs: a rollout file whose log-probabilities are optional
@@ -45,6 +46,8 @@ class Prompts(Source):
     """Prompts and answers: the toy task's held-out items, or a data file, folder or hf: dataset."""
 
     name: ClassVar[str] = "prompts"
+    answers: ClassVar[bool] = True
+    """Whether the rows' answers are read (and must be there)."""
 
     def check_columns(self, columns: str | None) -> None:
         from stagereplay.tasks.sources import parse_columns
@@ -61,7 +64,7 @@ class Prompts(Source):
 
             count = n or 200
             return toy_items(count, HELDOUT_SEED, tokenizer), toy_data_hash(count, HELDOUT_SEED)
-        rows, data_hash = read_rows(path, columns)
+        rows, data_hash = read_rows(path, columns, self.answers)
         if n is not None and n > len(rows):
             raise StageReplayError(f"--n {n} is larger than the {len(rows)} items in {path}",
                                    f"pass --n {len(rows)} or fewer")
@@ -71,7 +74,15 @@ class Prompts(Source):
     def at(self, spec: str, columns: str | None) -> tuple[list[Any], str] | None:
         from stagereplay.tasks.sources import dataset_at
 
-        return dataset_at(spec, columns)
+        return dataset_at(spec, columns, self.answers)
+
+
+class Unlabelled(Prompts):
+    """Prompts whose answers are not read: a run that labels nothing reads any row with a prompt, whatever answer
+    it holds, or none."""
+
+    name: ClassVar[str] = "unlabelled"
+    answers: ClassVar[bool] = False
 
 
 class RolloutFile(Source):
@@ -110,7 +121,7 @@ class ServedFile(RolloutFile):
     kind: ClassVar[FileKind] = SERVED
 
 
-SOURCES: dict[str, Source] = {s.name: s for s in (Prompts(), RolloutFile(), ServedFile())}
+SOURCES: dict[str, Source] = {s.name: s for s in (Prompts(), Unlabelled(), RolloutFile(), ServedFile())}
 
 
 def source(name: str) -> Source:

@@ -28,11 +28,17 @@ def _gsm8k_answer(answer: str, where: str) -> str:
     return answer.rsplit("####", 1)[1].strip().replace(",", "")
 
 
-def parse_row(raw: Any, index: int, where: str) -> Row:
+def parse_row(raw: Any, index: int, where: str, answers: bool = True) -> Row:
+    """One row as an item's text and gold answer; `answers=False` for a run that reads no answer (a row's answer,
+    of any form or none, is then not read: its answer is '')."""
     if not isinstance(raw, dict):
         raise StageReplayError(f"{where}: expected a JSON object, got {type(raw).__name__}",
                                "write one object per line")
     item_id = str(raw.get("id", raw.get("unique_id", f"item-{index:05d}")))
+    if not answers:
+        raw = {**{k: v for k, v in raw.items() if k != "answer"}, "answer": ""}
+        if "question" in raw and "prompt" not in raw and "messages" not in raw:
+            raw["prompt"] = str(raw["question"])
     if "question" in raw and "prompt" not in raw and "messages" not in raw:
         if not isinstance(raw.get("answer"), str):
             raise StageReplayError(f"{where}: GSM8K row needs a string 'answer'", "add the answer text")

@@ -205,18 +205,19 @@ def map_columns(raw: Any, columns: dict[str, str], where: str) -> Any:
     return mapped
 
 
-def read_rows(spec: str | Path, columns: str | None = None) -> tuple[list[Row], str]:
-    """Every row parsed (and mapped) before anything runs, so bad data fails fast naming its row; and the hash."""
+def read_rows(spec: str | Path, columns: str | None = None, answers: bool = True) -> tuple[list[Row], str]:
+    """Every row parsed (and mapped) before anything runs, so bad data fails fast naming its row; and the hash.
+    `answers=False`: the rows' answers are not read (`jsonl.parse_row`)."""
     parse_columns(columns)  # a bad mapping fails before the data is read
-    return table_rows(read_table(str(spec)), columns, str(spec))
+    return table_rows(read_table(str(spec)), columns, str(spec), answers)
 
 
-def table_rows(table: Table, columns: str | None, spec: str) -> tuple[list[Row], str]:
+def table_rows(table: Table, columns: str | None, spec: str, answers: bool = True) -> tuple[list[Row], str]:
     mapping = parse_columns(columns)
     rows: list[Row] = []
     seen: set[str] = set()
     for where, raw in table.rows:
-        row = parse_row(map_columns(raw, mapping, where), len(rows), where)
+        row = parse_row(map_columns(raw, mapping, where), len(rows), where, answers)
         if row.id in seen:
             raise StageReplayError(f"{where}: duplicate id {row.id!r}", "give every item a unique id")
         seen.add(row.id)
@@ -226,7 +227,7 @@ def table_rows(table: Table, columns: str | None, spec: str) -> tuple[list[Row],
     return rows, table.sha256
 
 
-def dataset_at(spec: str, columns: str | None = None) -> tuple[list[Any], str] | None:
+def dataset_at(spec: str, columns: str | None = None, answers: bool = True) -> tuple[list[Any], str] | None:
     """The rows (each with its `id`) and hash of a run's dataset of prompts where it is recorded, or None when it is
     not at hand there (a file moved, an `hf:` dataset not in the local cache or without the datasets package): a
     location only."""
@@ -235,8 +236,8 @@ def dataset_at(spec: str, columns: str | None = None) -> tuple[list[Any], str] |
             table = read_table(spec)
         except StageReplayError:  # not in the cache, or no datasets package here
             return None
-        return table_rows(table, columns, spec)
+        return table_rows(table, columns, spec, answers)
     path = Path(spec)
     if not (path.is_file() or (path.is_dir() and is_saved_dataset(path))):
         return None
-    return read_rows(spec, columns)
+    return read_rows(spec, columns, answers)

@@ -40,7 +40,6 @@ from stagereplay.experiments.attest.item import (
     SCORES,
     AttestParams,
     attest_item,
-    max_new,
     scores_fingerprint,
 )
 from stagereplay.experiments.attest.payloads import MODELS, AttestPayload, Source
@@ -56,10 +55,8 @@ from stagereplay.experiments.attest.variants import (
     variant_of,
 )
 from stagereplay.experiments.core.experiment import (
-    RESPONSE_IGNORES,
     Assumed,
     Batch,
-    Experiment,
     Planned,
     Replay,
     SmallRun,
@@ -67,18 +64,22 @@ from stagereplay.experiments.core.experiment import (
 from stagereplay.experiments.core.figures import ReportFigure
 from stagereplay.experiments.core.format import Table
 from stagereplay.experiments.core.jobs import Job
+from stagereplay.experiments.core.response import ResponseExperiment
 from stagereplay.experiments.core.served import Served
+from stagereplay.experiments.core.shape import RESPONSES, Shape
 from stagereplay.experiments.core.verdict import Fact
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import first_error
+from stagereplay.serving.http_honest import FAMILY as DEPLOYMENT
+from stagereplay.serving.http_honest import engine_name as deployment_engine
+from stagereplay.serving.http_honest import index as deployment_index
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
     from stagereplay.experiments.core.compared import RunComparison
     from stagereplay.experiments.core.prepared import PreparedRun
     from stagereplay.records.differences import Differences
-    from stagereplay.tasks import DataConfig
 
 MIN_ITEMS = 2
 """A decision needs a calibration prompt and a held-out one: its interval is over responses."""
@@ -96,12 +97,19 @@ def calibration_split(item_ids: list[str], seed: int) -> list[str]:
 
 def honest_of(model: ModelConfig, options: AttestOptions) -> tuple[str, ...]:
     """The honest variants of the run: the option's, else the claim's engine's default (module `HONEST`,
-    `GGUF_OURS` and the engine's own `EngineHonesty.defaults`)."""
+    `GGUF_OURS` and the engine's own `EngineHonesty.defaults`); then a variant per trusted deployment
+    (`--honest-url`) the option does not name already."""
+    urls = deployment_variants(options)
     if options.honest:
-        return options.honest
+        return (*options.honest, *(u for u in urls if u not in options.honest))
     engine = claim_engine(model, options)
     found = ENGINE_VARIANTS.get(engine)
-    return HONEST if found is None else (*GGUF_OURS, *found.defaults)
+    return (*(HONEST if found is None else (*GGUF_OURS, *found.defaults)), *urls)
+
+
+def deployment_variants(options: AttestOptions) -> tuple[str, ...]:
+    """The honest variants of the trusted deployments `--honest-url` names: url, url/2, ..."""
+    return tuple(DEPLOYMENT if i == 0 else f"{DEPLOYMENT}/{i + 1}" for i in range(len(options.honest_url)))
 
 
 def claim_engine(model: ModelConfig, options: AttestOptions) -> str:
@@ -122,7 +130,7 @@ def served_path(model: ModelConfig, checkpoint: str) -> str:
     return str(Path(check_model_dir(str(Path(checkpoint).resolve()))))
 
 
-class Attest(Experiment):
+class Attest(ResponseExperiment[AttestOptions, AttestStage, AttestPayload, AttestSummary]):
     """The served tokens against the claimed model's reference, decided against its honest variants."""
 
     payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
@@ -131,13 +139,8 @@ class Attest(Experiment):
     Stage: ClassVar[type[StageSection]] = AttestStage
     Summary: ClassVar[type[BaseModel]] = AttestSummary
     Options: ClassVar[type] = AttestOptions
-    command: ClassVar[str] = "attest"
-    starts_run: ClassVar[bool] = True
-    uses_boundary: ClassVar[bool] = False
-    continuations: ClassVar[bool] = False
-    many: ClassVar[bool] = True
-    label: ClassVar[str] = "attest"
-    ignores: ClassVar[frozenset[str]] = RESPONSE_IGNORES
+    shape: ClassVar[Shape] = RESPONSES.labelled("attest")
+    responses: ClassVar[str] = "served"
     served: ClassVar[type[Served] | None] = ServedAttest
     helps: ClassVar[dict[str, str]] = {
         "decode.max_new_tokens": "response length limit of a simulated server (a file's responses keep their length)",
@@ -154,20 +157,6 @@ class Attest(Experiment):
     defaults: ClassVar[dict[str, Any]] = {"numerics.precision": "fp32"}
     smallest_run: ClassVar[SmallRun | None] = SmallRun(("--n", "3", "--max-new-tokens", "4", "--honest",
                                                         "bf16,fp32"))
-
-    def data(self, path: str | None, n: int | None, columns: str | None, options: AttestOptions) -> DataConfig:
-        """A file of served outputs is the run's data (its hash bound, its location not)."""
-        from stagereplay.tasks import DataConfig
-
-        if options.served is None:
-            return DataConfig(path=path, n=n, columns=columns)
-        if path is not None:
-            raise StageReplayError("--served names the data; --data names other data",
-                                   "pass one of --served FILE or --data FILE")
-        return DataConfig(path=str(Path(options.served).resolve()), n=n, columns=columns, source="served")
-
-    def sequence_end(self, item: Any, decode: DecodeConfig) -> int:
-        return len(item.prompt_ids) + max_new(item, decode)
 
     def check_inputs(self, inputs: Any, options: AttestOptions) -> None:
         """A file holds its responses: a response length or a simulated server is refused with it, not ignored; a
@@ -206,12 +195,17 @@ class Attest(Experiment):
                                    f"give at least {MIN_ITEMS} served responses, more for a decision with power")
 
     def check(self, model: ModelConfig, options: AttestOptions) -> None:
-        if model.batch > 1:
-            raise StageReplayError("attest scores one sequence at a time", "run it with --batch 1")
+        super().check(model, options)
         served_path(model, options.served_checkpoint)  # an unknown checkpoint is refused before anything loads
         for v in parse_variants(honest_of(model, options)):
             if isinstance(v, EngineVariant):
                 v.honesty()  # its engine serves it, and its settings are in range
+                if v.engine == DEPLOYMENT and deployment_index(v.settings) >= len(options.honest_url):
+                    raise StageReplayError(f"honest variant {v.name} asks deployment {deployment_index(v.settings) + 1}, "
+                                           f"and --honest-url names {len(options.honest_url)}",
+                                           "pass one --honest-url per deployment (comma-separated)")
+        for url in options.honest_url:
+            deployment_engine(url)  # it answers, as llama-server or an OpenAI-style server, before anything is written
 
     def identity(self, options: AttestOptions) -> dict[str, Any]:
         generated = options.served is None
@@ -232,14 +226,19 @@ class Attest(Experiment):
             honest=list(honest_of(prepared.model, options)),
             alpha=options.alpha, split_seed=options.split_seed, seeded_sampler=options.seeded_sampler,
             claim_engine=claim_engine(prepared.model, options),
-            calibration=calibration_split([i.id for i in prepared.items], options.split_seed))
+            calibration=calibration_split([i.id for i in prepared.items], options.split_seed),
+            **({"honest_urls": list(options.honest_url),
+                "honest_engines": {v: deployment_engine(u) for v, u in zip(deployment_variants(options),
+                                                                           options.honest_url, strict=True)}}
+               if options.honest_url else {}))
 
     def _params(self, own: AttestStage, which: str, columns: str | None = None,
                 sides: tuple[Any, ...] = ()) -> AttestParams:
         generated = own.source == "generated" and not which
         source: Source = "generated" if own.source == "generated" else "server" if own.source == "server" else "file"
         return AttestParams(which, source, columns, sides, own.served_model if generated else None,
-                            own.served_precision if generated else None, seeded=own.seeded_sampler)
+                            own.served_precision if generated else None, seeded=own.seeded_sampler,
+                            deployments=tuple(own.honest_urls))
 
     def batches(self, prepared: PreparedRun, stage: StageSection, run: Run) -> Any:
         """The served responses, each honest variant's, then (once their tokens are recorded) the reference's
@@ -262,9 +261,6 @@ class Attest(Experiment):
             return model
         variant = variant_of(part)
         return model.with_precision(variant.precision) if isinstance(variant, HonestVariant) else model
-
-    def where(self, record: Record) -> str:
-        return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
 
     def unit_positions(self, record: Record) -> int:
         p = PAYLOAD.validate_python(record.payload)
@@ -371,13 +367,11 @@ class Attest(Experiment):
 
         return [f for s in results for f in attest_figures(s)]
 
-    def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
-                     stages: tuple[StageSection, StageSection], runs: tuple[str, str],
-                     differences: Differences) -> RunComparison:
+    def compared(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
+                 runs: tuple[str, str], sections: tuple[AttestSummary, AttestSummary], differences: Differences
+                 ) -> RunComparison:
         from stagereplay.experiments.attest.compare import compared
 
-        sections = (self.summarize(records[0], stages[0], checkpoint)[0],
-                    self.summarize(records[1], stages[1], checkpoint)[0])
         return compared(records, item_ids, checkpoint, runs, sections, differences)
 
     def exit_code(self, summaries: Any) -> int:
@@ -414,7 +408,8 @@ def sides_of(item_id: str, own: AttestStage, recorded: dict[tuple[str, str], Att
     engine = "file" if file else own.engine.name if served.source == "server" and own.engine is not None else "hf"
     out = [("served", engine, "file" if file else "live", str(served.precision), tuple(served.response_ids or ()))]
     variants = [variant_of(p) for p in own.honest]
-    out += [(f"honest@{v.name}", v.engine if isinstance(v, EngineVariant) else "hf", v.construction,
+    out += [(f"honest@{v.name}", own.honest_engines.get(v.name, v.engine) if isinstance(v, EngineVariant) else "hf",
+             v.construction,
              str(recorded[(item_id, v.name)].precision), tuple(recorded[(item_id, v.name)].response_ids or ()))
             for v in variants if (item_id, v.name) in recorded]
     return tuple(out)

@@ -23,6 +23,8 @@ from stagereplay.experiments.attest.payloads import AttestPayload, AttestSide, K
 from stagereplay.experiments.attest.variants import EngineVariant, HonestVariant, variant_of
 from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.records import arrays
+from stagereplay.serving.http_honest import FAMILY as DEPLOYMENT
+from stagereplay.serving.http_honest import index as deployment_index
 
 if TYPE_CHECKING:
     from stagereplay.engine.lm import LM
@@ -45,7 +47,8 @@ class AttestParams(Params):
     ((name, engine, construction, precision, response) each), for a simulated server its checkpoint folder and
     precision (the served part loads them itself: a unit's model is the claimed one's), where the requests' seeds
     must fit a server's span (`seed_span`), that span: every part's seed is then folded below it, as the server's,
-    and the claimed seeded sampler (`engine.seeded.SAMPLERS`; a sampled claim only)."""
+    the claimed seeded sampler (`engine.seeded.SAMPLERS`; a sampled claim only), and the addresses of the trusted
+    deployments honest variants `url`, `url/N` ask (`--honest-url`)."""
 
     which: str
     source: Source
@@ -55,10 +58,19 @@ class AttestParams(Params):
     served_precision: str | None = None
     seed_span: int | None = None
     seeded: str = DEFAULT
+    deployments: tuple[str, ...] = ()
 
     @property
     def part(self) -> str:
         return self.which
+
+
+def deployment(variant: EngineVariant, deployments: Sequence[str]) -> str | None:
+    """The address of the trusted deployment a variant asks (`--honest-url`); None for an in-process engine's."""
+    if variant.engine != DEPLOYMENT:
+        return None
+    i = deployment_index(variant.settings)
+    return deployments[i] if i < len(deployments) else None
 
 
 def item_seed(item: Any, decode: DecodeConfig, columns: str | None, span: int | None = None) -> int | None:
@@ -175,8 +187,8 @@ def decoded_part(lm: LM, job: Job[AttestParams]) -> AttestPayload:
             if dc.sample:
                 raise StageReplayError(f"honest variant {variant.name} serves greedy claims only",
                                        "drop it from --honest for a seeded claim")
-            response, stop, decoded, precision = variant.honesty().serve(lm, variant.settings, prompt,
-                                                                         max_new(item, dc), True)
+            response, stop, decoded, precision = variant.honesty().serve(
+                lm, variant.settings, prompt, max_new(item, dc), True, where=deployment(variant, p.deployments))
         else:
             response, stop, decoded = serve(lm, prompt, max_new(item, dc), dc, seed, variant, p.seeded)
             precision = lm.config.precision

@@ -13,6 +13,7 @@ from stagereplay.errors import StageReplayError
 from stagereplay.experiments.attest.stats import ALPHA
 from stagereplay.experiments.attest.variants import PRECISIONS, parse_variants
 from stagereplay.records.manifest import StageSection
+from stagereplay.serving.http_honest import check_url
 
 EXPERIMENT = "attest"
 
@@ -49,8 +50,11 @@ class AttestOptions:
         "PRECISION/chunked:N (the prompt prefilled N tokens at a time), PRECISION/prefix:B (the prompt's whole blocks "
         "of B tokens reused from an earlier request's cache), PRECISION/batched:R (one of R concurrent requests), "
         "ENGINE[/SETTING...] (a serving engine's own: llama.cpp, llama.cpp/repack, llama.cpp/flash, "
-        "llama.cpp/ubatch:N, llama.cpp/threads:N); default: " + ",".join(HONEST) + " for a claim of our engine; "
+        "llama.cpp/ubatch:N, llama.cpp/threads:N; url, url/N: the deployments --honest-url names); default: " + ",".join(HONEST) + " for a claim of our engine; "
         + ",".join(GGUF_OURS) + " and the engine's own defaults for another engine's")})
+    honest_url: tuple[str, ...] = field(default=(), metadata={"help": (
+        "trusted deployments of the claimed model (your own llama-server or vllm serve of the same file), comma-"
+        "separated: their greedy answers to every prompt join the null as honest variants url, url/2, ...")})
     alpha: float = field(default=ALPHA, metadata={"help": "the false-positive rate the decision is made at"})
     split_seed: int = field(default=0, metadata={"help": (
         "the seed of the rule that splits the items into calibration (the null) and held-out prompts")})
@@ -63,6 +67,7 @@ class AttestOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "honest", tuple(self.honest))
+        object.__setattr__(self, "honest_url", tuple(check_url(u) for u in self.honest_url))
         parse_variants(self.honest)  # the default's are checked where the claim's engine is known
         if self.seeded_sampler not in SAMPLERS:
             raise StageReplayError(f"unknown seeded sampler {self.seeded_sampler!r}",
@@ -92,6 +97,10 @@ class AttestStage(StageSection):
     seeded_sampler: str = Field(DEFAULT_SAMPLER, description="a seeded claim: the server's sampler replayed "
                                                     "(engine.seeded.SAMPLERS)")
     claim_engine: str = Field("hf", description="the engine the claim says serves the model (hf, llama.cpp, vllm)")
+    honest_urls: list[str] = Field(default_factory=list, description="the trusted deployments `--honest-url` names: "
+                                                                     "honest variants url, url/2, ... ask them")
+    honest_engines: dict[str, str] = Field(default_factory=dict, description="per variant of a deployment, the engine "
+                                                                             "it runs (llama.cpp, vllm), as it said")
 
     def served_label(self) -> str:
         if self.source == "file":

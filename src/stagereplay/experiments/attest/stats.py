@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+from stagereplay.experiments.core.stats import cluster_bootstrap
+
 ALPHA = 0.01
 """The default false-positive rate."""
 DRAWS = 2_000
@@ -90,15 +92,12 @@ def run_statistic(items: Items) -> float:
 
 def item_interval(items: Items, confidence: float = 0.95, n_resamples: int = DRAWS, seed: int = 0
                   ) -> tuple[float, float]:
-    """Percentile interval of `run_statistic` from resampling the run's items (whole responses) with replacement."""
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence!r}")
-    rng = np.random.default_rng(seed)
-    sums, lengths = items.sums, items.lengths
-    idx = rng.integers(len(items), size=(n_resamples, len(items)))  # [R, K]
-    stats = sums[idx].sum(axis=1) / lengths[idx].sum(axis=1)
-    lo, hi = np.quantile(stats, [(1 - confidence) / 2, (1 + confidence) / 2])
-    return float(lo), float(hi)
+    """Percentile interval of `run_statistic` from the cluster bootstrap over the run's items (whole responses:
+    `experiments.core.stats.cluster_bootstrap` of their token sums over their token counts)."""
+    ci = cluster_bootstrap({"run": (items.sums, items.lengths)}, n_resamples, confidence, seed)["run"]
+    if ci is None:
+        raise ValueError("a run of no items has no interval")
+    return ci
 
 
 def pooled_statistics(items: Items, tokens: int, n_draws: int = DRAWS, seed: int = 0) -> np.ndarray:

@@ -10,8 +10,9 @@ a precision. A variant's name is its record's part.
     <precision>/batched:<r>   the prompt decoded as one of r concurrent requests for it: every forward has r rows, so
                               the kernels see a batch of r (a server under load)
 
-    <engine>[/<setting>...]   served by a serving engine in this process with its own settings (`EngineVariant`:
-                              llama.cpp for a GGUF claim, `serving.llamacpp`), registered by the engine's module
+    <engine>[/<setting>...]   served by a serving engine with its own settings (`EngineVariant`: llama.cpp in this
+                              process for a GGUF claim, `serving.llamacpp_honest`; `url`, a trusted deployment that
+                              `--honest-url` names, `serving.http_honest`), registered by the engine's module
 
     variant_of(name)                   the variant a name spells (ours or an engine's); refused in one line otherwise
     HonestVariant.parse(name)          ours
@@ -195,10 +196,11 @@ class EngineHonesty(Protocol):
     def check(self, settings: tuple[str, ...]) -> None:
         """Each setting known and in range; else refused in one line."""
 
-    def serve(self, lm: LM, settings: tuple[str, ...], prompt: Sequence[int], limit: int, greedy: bool
-              ) -> tuple[list[int], str, list[float], str]:
+    def serve(self, lm: LM, settings: tuple[str, ...], prompt: Sequence[int], limit: int, greedy: bool,
+              where: str | None = None) -> tuple[list[int], str, list[float], str]:
         """The response to `prompt` (at most `limit` tokens, greedy), why it stopped (eos or length), the engine's
-        log-probability of each token (its raw distribution), and the engine's description of what it ran."""
+        log-probability of each token (its raw distribution), and the engine's description of what it ran. `where`:
+        the deployment a variant of a running server asks (`--honest-url`); None in process."""
 
 
 ENGINE_VARIANTS: dict[str, EngineHonesty] = HONEST_VARIANTS

@@ -11,16 +11,14 @@ ledger's environment records, the manifest's where the records name none.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.core import registry
+from stagereplay.experiments.core.run_side import RunSide
 from stagereplay.records.differences import Difference, Differences
 from stagereplay.records.kernels import kernel_differences
-from stagereplay.records.ledger import Record, diff_fields
-from stagereplay.records.manifest import Manifest
+from stagereplay.records.ledger import diff_fields
 
 MODEL_KEYS = ("config", "weights", "gguf")
 """The `config.model_hashes.<checkpoint>` fields that identify a model's weights and architecture
@@ -39,35 +37,6 @@ KERNELS_OUTSIDE = frozenset({"machine", "packages.torch", "packages.transformers
 twice."""
 SERVER_IN_KERNELS = "engine build"
 """The kernel field that repeats the server's build, which the server's section lists."""
-
-
-@dataclass(frozen=True)
-class RunSide:
-    """One run as `compare` reads it: its folder, manifest and whole chain (items, stage and environment records)."""
-
-    path: Path
-    manifest: Manifest
-    chain: list[Record]
-
-    def matched(self, checkpoint: str, experiment: str) -> list[Record]:
-        """Its item records of `experiment` at `checkpoint`, in ledger order."""
-        return [r for r in self.chain
-                if r.kind == "item" and r.experiment == experiment and r.checkpoint == checkpoint]
-
-    def checkpoints(self, experiment: str) -> list[str]:
-        return sorted({r.checkpoint for r in self.chain if r.kind == "item" and r.experiment == experiment})
-
-    def environment(self, checkpoint: str, experiment: str) -> dict[str, Any]:
-        """The environment of the process that computed its first record of `experiment` at `checkpoint` (the
-        manifest's where none is named), with the serving engine's identity from the manifest (only it records
-        that)."""
-        envs = {r.env: r.payload for r in self.chain if r.kind == "environment"}
-        first = next((envs[r.env] for r in self.matched(checkpoint, experiment) if r.env in envs), None)
-        manifest_env = self.manifest.environment
-        env = dict(first if first is not None else manifest_env)
-        if "engine" in manifest_env:
-            env["engine"] = manifest_env["engine"]
-        return env
 
 
 def check_comparable(a: RunSide, b: RunSide, checkpoint: str, experiment: str, also: str = "") -> None:

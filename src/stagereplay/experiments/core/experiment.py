@@ -1,42 +1,46 @@
 """What an experiment is, for everything that makes, checks, prices or reports a run: one typed object per experiment,
 found by name in the registry (`experiments.core.registry`).
 
-An experiment declares
+An author declares fifteen members, in DESIGN's words (the plugin experiment of tests/plugin declares these, and
+`claims` and `smallest_run` besides):
 
-    Stage                    its frozen section of the manifest (a `StageSection` with its own fields)
-    payload                  its records' payload model(s): `read(record)` gives a record's payload as its model
-    Options                  its own options (a frozen dataclass: its command's options come from its fields), and
-                             `ignores` / `helps` the run's inputs its command does not offer, or describes its way
-    served                   how a serving engine runs it (None: it needs the cache itself; refused there)
-    data(...), sequence_end  where its items come from (`tasks.item_sources`), and how far an item's sequence reaches
-    check(model, opts)       what it refuses before anything loads (and `check_inputs` inputs its options void)
-    section(prepared, opts)  the section it freezes before its first item, from the prepared run and its options
-    batches(prepared, stage) its jobs, one batch per model setting (a precision), from the frozen section
-    work(lm, job)            its item function: one item's record payload, pure in (model, job)
-    units(...)               the (item id, part) units a declared stage of it names: what `verify` expects
-    claims(...)              what its records claim beyond the arms and comparisons every record has (`verify`)
-    replay_job(replay)       the job that re-executes one recorded unit (`audit`)
-    unit_forwards(...)       the forwards a recorded unit made (`plan`), and `peak_caches` the most K/V caches an
-                             item holds at once
-    planned_forwards(...)    the forwards its stage would make on lengths a plan assumes (`Assumed`), and
-                             `planned_stage` its section as a plan sees it before the run
-    Summary                  its section of results.json, a model (`records.summary.SummaryModel`)
-    summarize(...)           its section(s) of results.json (`Summary`s), from its records, and `results_of` its
-                             entry read back from results.json as them
-    tables(sections)         the report's tables of those sections
-    verdict_facts(sections)  what those sections say to the verdict's questions (`experiments.core.verdict`), and
-                             `verdict_questions` the questions they raise
-    figures(sections)        the report's figures of those sections, and `series` its series on figures it shares
-                             with other experiments (`experiments.core.figures`)
-    told(records)            one item's story (`stagereplay show`), and `check_other_data` whether two of its runs
-                             on other data compare (`stagereplay compare`)
-    smallest_run             the smallest run of it the embedded toy allows (`small_run.SmallRun`): what the test
-                             of every reading command makes of it
+    name                      its name: the ledger's `experiment` field, its entry point's and its command's
+    Options                   its config: a frozen dataclass whose fields are its command's options
+    Stage                     its frozen section of the manifest (a `StageSection` with its own fields)
+    payload                   its payload: `read(record)` gives a record's payload as this model
+    Summary                   its section of results.json, a model
+    shape                     what its runs and records are like (`core.shape.Shape`: a run of its own or a stage of
+                              one, a stage boundary, protocol arms, parts per precision, its report label)
+    section(prepared, opts)   the section it freezes before its first item, from the prepared run and its options
+    batches(prepared, stage)  its jobs, one batch per model setting (a precision), from the frozen section
+    work(lm, job)             its item function: one item's record payload, pure in (model, job)
+    units(...)                its expected units: the (item id, part) units a declared stage names (`verify`)
+    replay_job(replay)        its re-execution: the job that runs one recorded unit again (`audit`)
+    unit_forwards(...)        its forward counts: the forwards a recorded unit made (`plan`)
+    peak_caches(stage)        its peak caches: the most K/V caches an item holds at once (`plan`)
+    summarize(...)            its summary: its section(s) of results.json from its records
+    tables(sections)          its verdict lines' tables: the report's tables of those sections
+
+Everything else has a default that fits most experiments, overridden where it does not:
+
+    claims, stage_findings            what its records claim beyond the arms every record has (`verify`)
+    served                            how a serving engine runs it (`core.served.Served`; None: refused there)
+    data, sequence_end                where its items come from (`tasks.item_sources`), how far a sequence reaches
+    check, check_inputs               what it refuses before anything loads
+    ignores, helps, defaults          the run inputs its command does not offer, describes its own way, or defaults
+    planned_forwards, planned_stage,  what a plan prices before the run (on lengths it assumes, `Assumed`)
+    plan_notes
+    verdict_facts, verdict_questions, the report's verdict, figures and per-pair diagnostics
+    figures, series, diagnosed
+    told, compare_runs,               one item's story (`show`), two of its runs side by side (`compare`)
+    check_other_data
+    payload_models, smallest_run,     its payload models on the schema page, its smallest run (the test of every
+    exit_code, identity, ...          reading command), its exit code, what makes two of its stages the same
 
 and `run(run, prepared, options)` makes its stage of a run the same way for every experiment and engine: the engine
 of the prepared run (`experiments.core.prepared.RunEngine`: ours, or a serving engine) gives the section, the batches and
 the item function, and the loop appends a record per job not yet in the ledger. Nothing outside an experiment's
-module names the experiment: a stage of the manifest (`<experiment>/<checkpoint>`) finds its experiment in the
+package names the experiment: a stage of the manifest (`<experiment>/<checkpoint>`) finds its experiment in the
 registry, and a name the registry does not know is refused in one line.
 """
 
@@ -46,8 +50,9 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 from pydantic import BaseModel, TypeAdapter
 
@@ -62,6 +67,7 @@ from stagereplay.experiments.core.format import Table
 from stagereplay.experiments.core.jobs import Batch, Job, JobResult, Replay, with_environment
 from stagereplay.experiments.core.prepared import PreparedRun
 from stagereplay.experiments.core.served import Served
+from stagereplay.experiments.core.shape import Shape
 from stagereplay.experiments.core.small_run import SmallRun
 from stagereplay.experiments.core.verdict import Fact, Question
 from stagereplay.records.findings import Finding
@@ -73,10 +79,12 @@ from stagereplay.records.proofs import machine_store
 from stagereplay.records.summary import Count, Untyped
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from stagereplay.engine.decode import DecodeConfig
     from stagereplay.engine.lm import LM
     from stagereplay.experiments.core.compared import RunComparison
-    from stagereplay.records.differences import Differences
+    from stagereplay.experiments.core.run_side import RunSide
     from stagereplay.tasks import DataConfig, Item
 
 __all__ = ["Assumed", "Batch", "Experiment", "NoOptions", "Planned", "Replay", "SmallRun", "append_jobs"]
@@ -123,8 +131,19 @@ RESPONSE_IGNORES: frozenset[str] = frozenset({
 """What an experiment on whole responses does nothing with (its `ignores`): a response has no stage boundary and no
 label, and is scored one sequence at a time."""
 
-class Experiment(ABC):
-    """One experiment of the protocol (module docstring)."""
+OptionsT = TypeVar("OptionsT", bound="DataclassInstance")
+"""An experiment's options (`Options`)."""
+StageT = TypeVar("StageT", bound=StageSection)
+"""An experiment's section of the manifest (`Stage`)."""
+PayloadT = TypeVar("PayloadT", bound=BaseModel)
+"""An experiment's payload (`payload`: one model, or a union of models where a status has its own)."""
+SummaryT = TypeVar("SummaryT")
+"""An experiment's section of results.json (`Summary`)."""
+
+
+class Experiment(ABC, Generic[OptionsT, StageT, PayloadT, SummaryT]):
+    """One experiment of the protocol (module docstring), generic over its options, stage, payload and summary:
+    `Experiment[MyOptions, MyStage, MyPayload, MySummary]`."""
 
     name: ClassVar[str]
     """The ledger's `experiment` field and the first half of a stage's name."""
@@ -139,9 +158,10 @@ class Experiment(ABC):
     Options: ClassVar[type] = NoOptions
     """Its own options: a frozen dataclass, each field with its `help` (its command's options come from them)."""
     command: ClassVar[str] = ""
-    """Its command's name ('' : it has none): `stagereplay <command>`."""
-    starts_run: ClassVar[bool] = False
-    """Whether its command makes a run directory from a model and items (`--out`), rather than extending a run."""
+    """Its command's name, by default its own with `-` for `_` ('' : it has none): `stagereplay <command>`."""
+    shape: ClassVar[Shape] = Shape()
+    """What its runs and records are like (`core.shape.Shape`): a run of its own or a stage of one, a boundary,
+    continuations, the matched run's prefixes, parts per precision, one results section or many, its report label."""
     served: ClassVar[type[Served] | None] = None
     """How a serving engine (one that keeps its own cache) runs it: a `core.served.Served` of its own package (matched's
     arms from the prompt, the 2x2's on the matched run's prefixes, mismatch's rollouts sampled in the engine, attest's
@@ -153,25 +173,20 @@ class Experiment(ABC):
     """Its command's own help texts of inputs it reads otherwise than the protocol does (dotted as `ignores`)."""
     defaults: ClassVar[dict[str, Any]] = {}
     """Its command's own defaults of shared inputs (dotted as `ignores`): attest's reference at fp32."""
-    continuations: ClassVar[bool] = True
-    """Whether its records hold the protocol's arms (continuations from boundary states, `records.payloads.Arm`:
-    a prefix, suffixes, labels and the comparisons between them), which `verify` checks alike for every such
-    experiment; otherwise its own `claims` are all there is to check."""
-    uses_boundary: ClassVar[bool] = True
-    """Whether a run it makes finds a stage boundary (its stage-1 rule and budget resolved before the first item)."""
-    per_precision: ClassVar[bool] = False
-    """Whether a unit's `part` is the precision it ran at (a stage crossing precisions)."""
-    label: ClassVar[str] = ""
-    """How the report names its compared pairs beside the checkpoint (`primary, 2x2`); '' for matched's."""
-    many: ClassVar[bool] = True
-    """Whether results.json holds a list of its sections (one per stage, arm or precision), else one section."""
-    fixed_prefix: ClassVar[bool] = False
-    """Whether its records hold the matched run's prefix of the item (`verify` checks that they do)."""
-    replays_diagnostics: ClassVar[bool] = False
-    """Whether its diagnostics decode an arm again to a pair's first divergent step (`plan.recorded`)."""
     smallest_run: ClassVar[SmallRun | None] = None
     """The smallest run of it the embedded toy allows, as its command's options (`small_run.SmallRun`): what the test
     of every reading command makes of it; None: it gives none, and that test names it."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Its command is named as it is (`precision_2x2`: `stagereplay precision-2x2`) unless it says otherwise. A fact
+        of its shape declared as a flag of its own (`label = ...`) would be silently ignored: refused."""
+        super().__init_subclass__(**kwargs)
+        if "name" in vars(cls) and "command" not in vars(cls):
+            cls.command = cls.name.replace("_", "-")
+        flags = sorted(set(vars(cls)) & {f.name for f in dataclass_fields(Shape)})
+        if flags:
+            raise TypeError(f"{cls.__name__} declares {', '.join(flags)} as class attributes: declare them in its "
+                            f"shape (shape = Shape({', '.join(f'{f}=...' for f in flags)}))")
 
     # -- its section of results.json ------------------------------------------------------------------------
 
@@ -182,7 +197,7 @@ class Experiment(ABC):
     def results_of(self, entry: Any) -> Any:
         """Its results.json entry (a list of sections if `many`, else one or null) as its `Summary`s: a list of them,
         one, or None."""
-        if self.many:
+        if self.shape.many:
             return [self._summary(s) for s in entry or []]
         return None if entry is None else self._summary(entry)
 
@@ -191,7 +206,7 @@ class Experiment(ABC):
 
     # -- making its stage of a run --------------------------------------------------------------------------
 
-    def data(self, path: str | None, n: int | None, columns: str | None, options: Any) -> DataConfig:
+    def data(self, path: str | None, n: int | None, columns: str | None, options: OptionsT) -> DataConfig:
         """Where a run it makes reads its items, from what the input group gave (`--data`, `--n`, `--columns`) and
         its options."""
         from stagereplay.tasks import DataConfig
@@ -203,15 +218,15 @@ class Experiment(ABC):
         prompt and `max_new_tokens`."""
         return len(item.prompt_ids) + decode.max_new_tokens
 
-    def check_inputs(self, inputs: Any, options: Any) -> None:  # noqa: B027  # most experiments take every input
+    def check_inputs(self, inputs: Any, options: OptionsT) -> None:  # most experiments take every input
         """Refuse in one line inputs (`runs.inputs.Inputs`) that its options make meaningless, rather than ignore
         them."""
 
-    def check(self, model: ModelConfig, options: Any) -> None:  # noqa: B027  # most experiments check nothing here
+    def check(self, model: ModelConfig, options: OptionsT) -> None:  # most experiments check nothing here
         """Refuse in one line, before anything loads, options it cannot run with `model`."""
 
     @abstractmethod
-    def section(self, prepared: PreparedRun, options: Any, run: Run) -> StageSection:
+    def section(self, prepared: PreparedRun, options: OptionsT, run: Run) -> StageSection:
         """Its frozen section (`Stage`) from the prepared run and its options; `run` holds the records it starts
         from (a transplant's selection is made from them before any outcome exists)."""
 
@@ -220,11 +235,11 @@ class Experiment(ABC):
         """Its jobs, from its section as the manifest holds it (as the audit will read it); each batch is run before
         the next is asked for (a generator may make a batch from the records of the one before)."""
 
-    def identity(self, options: Any) -> dict[str, Any]:
+    def identity(self, options: OptionsT) -> dict[str, Any]:
         """What of its options the identity of a run it makes records (`manifest.config`): every field."""
         return json.loads(json.dumps(asdict(options)))
 
-    def check_outcome(self, summaries: Any, prepared: PreparedRun) -> None:  # noqa: B027  # most accept any
+    def check_outcome(self, summaries: Any, prepared: PreparedRun) -> None:  # most accept any
         """Refuse in one line, once its records are kept, an outcome that says the run was set up wrong (`summaries`:
         its results.json entry as `results_of` reads it)."""
 
@@ -232,7 +247,7 @@ class Experiment(ABC):
         """Its command's exit code for its results.json entry as `results_of` reads it (0: nothing to flag)."""
         return 0
 
-    def run(self, run: Run, prepared: PreparedRun, options: Any) -> None:
+    def run(self, run: Run, prepared: PreparedRun, options: OptionsT) -> None:
         """Make (or resume) its stage at the prepared run's checkpoint: freeze the section the prepared run's engine
         gives, then append a record for every job not yet in the ledger."""
         engine = prepared.engine
@@ -255,10 +270,10 @@ class Experiment(ABC):
         """The (item id, part) units its stage at `checkpoint` names, from the run's `config` and the records it
         starts from."""
 
-    def read(self, record: Record) -> PayloadModel:
+    def read(self, record: Record) -> PayloadT:
         """One of its records' payload as its model (`payload`); raises pydantic's ValidationError (a ValueError) when
         it is not one."""
-        model: PayloadModel = self.payload.validate_python(record.payload)
+        model: PayloadT = self.payload.validate_python(record.payload)
         return model
 
     def told(self, records: list[Record]) -> list[str]:
@@ -301,10 +316,10 @@ class Experiment(ABC):
         """The most K/V caches one item holds at once."""
 
     @abstractmethod
-    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[Any]:
+    def summarize(self, records: list[Record], stage: StageSection, checkpoint: str) -> list[SummaryT]:
         """Its sections of results.json from one stage's records (one, or one per arm or precision): `Summary`s."""
 
-    def planned_stage(self, options: Any) -> StageSection:
+    def planned_stage(self, options: OptionsT) -> StageSection:
         """Its section as a plan sees it before the run: what `peak_caches` reads, from its options (no model,
         settings or selection yet)."""
         return self.unmade_stage({})
@@ -313,12 +328,12 @@ class Experiment(ABC):
         """A section of its stage with only `fields` set, unvalidated: what a plan reads of a stage not yet made."""
         return self.Stage.model_construct(**fields)
 
-    def planned_forwards(self, assumed: Assumed, options: Any) -> Planned:
+    def planned_forwards(self, assumed: Assumed, options: OptionsT) -> Planned:
         """The forwards its stage would make with `options` on the lengths a plan assumes: its own `forwards(...)`
         of each unit it would run (`Planned`)."""
         raise NotImplementedError(f"{self.name} prices no assumed run (it is no stage of `paper`)")
 
-    def plan_notes(self, options: Any, items: int) -> list[str]:
+    def plan_notes(self, options: OptionsT, items: int) -> list[str]:
         """What a plan of a run of `items` items should say besides its cost (what the run can decide at that
         size); none by default."""
         return []
@@ -351,12 +366,9 @@ class Experiment(ABC):
         summary carries diagnostics (margins, logits, caches): the report's diagnostics table and figures."""
         return []
 
-    def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
-                     stages: tuple[StageSection, StageSection], runs: tuple[str, str],
-                     differences: Differences) -> RunComparison | None:
-        """Two runs of it at `checkpoint` side by side, item by item (`stagereplay compare`), from their records of
-        it, given what differs between their manifests; None where the matched comparison of live trajectories
-        is the one (`experiments.protocol.compare`)."""
+    def compare_runs(self, a: RunSide, b: RunSide, checkpoint: str) -> RunComparison | None:
+        """Two runs of it at `checkpoint` side by side, item by item (`stagereplay compare`), refusing in one line
+        runs that do not compare (`core.compare_manifests.check_comparable`); None where it compares no runs."""
         return None
 
     def check_other_data(self, runs: tuple[str, str], records: tuple[list[Record], list[Record]]) -> None:
@@ -377,16 +389,16 @@ class Experiment(ABC):
     def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
         """The model a unit of part `part` runs on, from its stage's: at the part's precision where parts are
         precisions."""
-        return model.with_precision(part) if self.per_precision and part else model
+        return model.with_precision(part) if self.shape.per_precision and part else model
 
     def where(self, record: Record) -> str:
         """A unit's stage as findings name it, with the precision of a per-precision unit."""
-        part = record.part if self.per_precision else ""
+        part = record.part if self.shape.per_precision else ""
         return f"{record.experiment}/{record.checkpoint}{'@' + part if part else ''}"
 
-    def stage_of(self, section: StageSection) -> Any:
+    def stage_of(self, section: StageSection) -> StageT:
         """A section of its stage as its own model (`Stage`)."""
-        return section.as_stage(self.Stage)
+        return cast(StageT, section.as_stage(self.Stage))  # `Stage` is `StageT`'s class: a ClassVar holds no type variable
 
 
 def append_jobs(run: Run, experiment: str, checkpoint: str, batch: Batch, work: Work[PayloadModel], ex: Any,

@@ -1,5 +1,5 @@
-"""docs/ledger-schema.md's tables of the payload models (the protocol's, `records.payloads`, then each registered
-experiment's own, `Experiment.payload_models`), between its markers, generated:
+"""docs/ledger-schema.md's tables of the payload models (each registered experiment's, `Experiment.payload_models`:
+the protocol's with the parts they share, then mismatch's, then attest's), between its markers, generated:
 
     python -m stagereplay.experiments.core.payload_doc --markdown                        # print them
     python -m stagereplay.experiments.core.payload_doc --write docs/ledger-schema.md     # put them in the page
@@ -19,13 +19,12 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel
 
 from stagereplay.experiments.core.registry import all_experiments
-from stagereplay.records import payloads
 
 
 def models() -> tuple[type[BaseModel], ...]:
-    """Every payload model the ledger holds, in the order the page shows them: the protocol's, then each experiment's
-    own in the registry's order (mismatch's, then attest's)."""
-    return (*payloads.MODELS, *(m for e in all_experiments() for m in e.payload_models))
+    """Every payload model the ledger holds, in the order the page shows them: each experiment's in the registry's
+    order, a model two of them declare shown once, where it first appears."""
+    return tuple(dict.fromkeys(m for e in all_experiments() for m in e.payload_models))
 
 BEGIN, END = "<!-- generated: payload models -->", "<!-- end generated -->"
 

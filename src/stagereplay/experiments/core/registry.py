@@ -151,7 +151,7 @@ def distribution(name: str) -> str | None:
 def starts_run(name: str) -> bool:
     """Whether the experiment called `name` makes runs (its records hold the prefixes later stages start from)."""
     e = EXPERIMENTS.get(name)
-    return e is not None and e.starts_run
+    return e is not None and e.shape.starts_run
 
 
 def all_experiments() -> Iterator[Experiment]:

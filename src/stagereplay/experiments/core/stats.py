@@ -1,29 +1,33 @@
-"""Statistics for the paper's tables: binomial intervals, a paired bootstrap, McNemar, divergence index.
+"""Statistics for the paper's tables: binomial intervals, the cluster bootstrap, McNemar, divergence index.
 
 Every function is pure and takes its randomness as an explicit seed, so a report regenerated from the
 same ledger prints the same numbers. Where scipy already has the piece we call it rather than re-derive
 it: `scipy.stats.binomtest(...).proportion_ci` gives Wilson intervals
-(z = Phi^-1(0.975) = 1.959964 at 95%), `binomtest(...).pvalue` the exact McNemar p, `scipy.stats.bootstrap` the paired
-percentile bootstrap and `scipy.stats.false_discovery_control` the Benjamini-Hochberg adjustment. The
+(z = Phi^-1(0.975) = 1.959964 at 95%), `binomtest(...).pvalue` the exact McNemar p, `scipy.stats.quantile` the
+bootstrap's percentiles and `scipy.stats.false_discovery_control` the Benjamini-Hochberg adjustment. The
 paper's numbers are pinned in tests/test_stats.py (0/200 -> 1.88%; 11 vs 9 of 200 -> [-3.5, +5.5]).
+
+One bootstrap serves every experiment (`cluster_bootstrap`): a statistic that is a ratio of sums over clusters
+(items, responses, sequences: the unit whose tokens are not independent) gets a percentile interval from resampling
+whole clusters with replacement, every statistic on the same resamples, drawn in blocks of bounded memory. The
+paired difference of two arms is its special case (`paired_bootstrap_ci`), and draws and percentiles are those of
+`scipy.stats.bootstrap(paired=True, method="percentile")`, to the bit.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy.stats import binomtest, bootstrap, false_discovery_control
+from scipy.stats import binomtest, false_discovery_control, quantile
 
-# Resamples are evaluated in blocks so memory stays bounded (block x n int64 indices) for large item counts;
-# scipy draws the blocks from one stream, so the block size does not change the interval.
 _BOOTSTRAP_BLOCK = 2_000
 _BOOTSTRAP_CELLS = 2_000_000
-"""Resamples are drawn `_BOOTSTRAP_BLOCK` at a time, fewer where that many of n items would pass this many cells (16 MB
-of float64 per array): memory stays flat in the number of items; up to 1,000 items the blocks, and so the draws, are
-the same as ever."""
+"""Resamples are drawn `_BOOTSTRAP_BLOCK` at a time, fewer where that many of n clusters would pass this many cells
+(16 MB of int64 indices): memory stays flat in the number of clusters. numpy's Generator draws the blocks from one
+stream, so the block size never changes a draw."""
 
 
 def _check_confidence(confidence: float) -> None:
@@ -50,6 +54,49 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     return float(ci.low), float(ci.high)
 
 
+def resamples(k: int, n_resamples: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """`n_resamples` resamples of k clusters with replacement, as index blocks [b, k] of bounded memory whose rows,
+    in order, are the same whatever the block size."""
+    block = max(1, min(_BOOTSTRAP_BLOCK, _BOOTSTRAP_CELLS // k))
+    for start in range(0, n_resamples, block):
+        yield rng.integers(0, k, size=(min(block, n_resamples - start), k))  # [b, k]
+
+
+def cluster_bootstrap(parts: Mapping[str, tuple[ArrayLike, ArrayLike]], n_resamples: int = 10_000,
+                      confidence: float = 0.95, seed: int | np.random.Generator = 0
+                      ) -> dict[str, tuple[float, float] | None]:
+    """Per statistic of `parts` (its numerator and denominator per cluster, [k] each), the percentile bootstrap
+    interval of sum(numerator) / sum(denominator), every statistic on the same resamples of the k clusters.
+
+    A mean over clusters is the ratio with denominator 1 each; a token-weighted mean over responses the ratio with
+    each response's token sum and count, so the tokens of one response move together. No cluster: no interval
+    (None); one cluster: its own ratio, the only resample there is. Percentiles are scipy's linear ones."""
+    _check_confidence(confidence)
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be positive, got {n_resamples}")
+    split = {name: (np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64))
+             for name, (num, den) in parts.items()}
+    sizes = {num.shape for num, _ in split.values()} | {den.shape for _, den in split.values()}
+    if len(sizes) > 1 or any(len(shape) != 1 for shape in sizes):
+        raise ValueError(f"every numerator and denominator must be 1-D over the same clusters, got shapes {sizes}")
+    k = next(iter(sizes))[0] if sizes else 0
+    if k == 0:
+        return dict.fromkeys(split)
+    if k == 1:
+        return {name: (float(num[0] / den[0]),) * 2 for name, (num, den) in split.items()}
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    drawn: dict[str, list[np.ndarray]] = {name: [] for name in split}
+    for idx in resamples(k, n_resamples, rng):
+        for name, (num, den) in split.items():
+            drawn[name].append(num[idx].sum(axis=1) / den[idx].sum(axis=1))  # [b]
+    alpha = (1 - confidence) / 2
+    out: dict[str, tuple[float, float] | None] = {}
+    for name, d in drawn.items():
+        lo, hi = quantile(np.concatenate(d), np.array([alpha, 1 - alpha]))
+        out[name] = (float(lo), float(hi))
+    return out
+
+
 def paired_bootstrap_ci(
     a: ArrayLike,
     b: ArrayLike,
@@ -62,35 +109,18 @@ def paired_bootstrap_ci(
     `a[i]` and `b[i]` are the two arms' scores (e.g. 0/1 correctness) on the same item i; resampling
     the pair keeps the within-item correlation, which is what makes a one-point accuracy difference
     between two near-identical arms tight. Units follow the inputs: fractions in, fractions out.
-    `scipy.stats.bootstrap(paired=True, method="percentile")` does the resampling with a generator
-    seeded with `seed`; its percentiles use numpy's linear interpolation. With 0/1 inputs over n items
-    every resampled mean is a multiple of 1/n, so at n = 200 the bounds land on multiples of half a point.
+    The cluster bootstrap of the per-item difference (`cluster_bootstrap`), the same draws and percentiles as
+    `scipy.stats.bootstrap(paired=True, method="percentile")` with a generator seeded with `seed`. With 0/1 inputs
+    over n items every resampled mean is a multiple of 1/n, so at n = 200 the bounds land on multiples of half a point.
     """
-    _check_confidence(confidence)
-    if n_resamples < 1:
-        raise ValueError(f"n_resamples must be positive, got {n_resamples}")
     xa, xb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if xa.ndim != 1 or xa.shape != xb.shape:
         raise ValueError(f"a and b must be 1-D and paired item by item, got shapes {xa.shape} and {xb.shape}")
-    n = xa.shape[0]
-    if n == 0:
+    if xa.shape[0] == 0:
         raise ValueError("no items: a paired bootstrap needs at least one pair")
-    if n == 1:  # every resample is the one pair (scipy refuses samples of fewer than two)
-        d = float(xa[0] - xb[0])
-        return d, d
-    result = bootstrap(
-        (xa, xb),
-        statistic=lambda x, y, axis: np.mean(x - y, axis=axis),  # x, y: (..., n) resampled pairs
-        paired=True,
-        vectorized=True,
-        method="percentile",
-        n_resamples=n_resamples,
-        batch=max(1, min(_BOOTSTRAP_BLOCK, _BOOTSTRAP_CELLS // n)),
-        confidence_level=confidence,
-        rng=np.random.default_rng(seed),
-    )
-    ci = result.confidence_interval
-    return float(ci.low), float(ci.high)
+    ci = cluster_bootstrap({"d": (xa - xb, np.ones_like(xa))}, n_resamples, confidence, seed)["d"]
+    assert ci is not None  # at least one item
+    return ci
 
 
 def mcnemar_exact(b: int, c: int) -> float:

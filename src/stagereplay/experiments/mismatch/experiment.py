@@ -38,10 +38,8 @@ from stagereplay.engine.model import ModelConfig
 from stagereplay.engine.scoring import Scored
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.core.experiment import (
-    RESPONSE_IGNORES,
     Assumed,
     Batch,
-    Experiment,
     Planned,
     Replay,
     SmallRun,
@@ -49,7 +47,9 @@ from stagereplay.experiments.core.experiment import (
 from stagereplay.experiments.core.figures import ReportFigure
 from stagereplay.experiments.core.format import Table
 from stagereplay.experiments.core.jobs import Job, ReplaySettings
+from stagereplay.experiments.core.response import ResponseExperiment
 from stagereplay.experiments.core.served import Served
+from stagereplay.experiments.core.shape import RESPONSES, Shape
 from stagereplay.experiments.core.verdict import Fact
 from stagereplay.experiments.mismatch.item import MismatchParams, mismatch_item, outcome, row_decode
 from stagereplay.experiments.mismatch.payloads import MODELS, MismatchPayload
@@ -66,7 +66,6 @@ if TYPE_CHECKING:
     from stagereplay.experiments.core.compared import RunComparison
     from stagereplay.experiments.core.prepared import PreparedRun
     from stagereplay.records.differences import Differences
-    from stagereplay.tasks import DataConfig
 
 PAYLOAD: TypeAdapter[MismatchPayload] = TypeAdapter(MismatchPayload)
 
@@ -87,7 +86,7 @@ def main_records(run: Run, checkpoint: str) -> dict[str, MismatchPayload]:
     return {r.item_id: PAYLOAD.validate_python(r.payload) for r in run.find(EXPERIMENT, checkpoint) if not r.part}
 
 
-class Mismatch(Experiment):
+class Mismatch(ResponseExperiment[MismatchOptions, MismatchStage, MismatchPayload, MismatchSummary]):
     """Rollout vs trainer: the log-probability each side gives the same response tokens, where the gap comes from,
     and whether the cache carries it."""
 
@@ -98,14 +97,10 @@ class Mismatch(Experiment):
     Stage: ClassVar[type[StageSection]] = MismatchStage
     Summary: ClassVar[type[BaseModel]] = MismatchSummary
     Options: ClassVar[type] = MismatchOptions
-    command: ClassVar[str] = "mismatch"
-    starts_run: ClassVar[bool] = True
-    uses_boundary: ClassVar[bool] = False
-    continuations: ClassVar[bool] = False
-    label: ClassVar[str] = "mismatch"
+    shape: ClassVar[Shape] = RESPONSES.labelled("mismatch")
+    responses: ClassVar[str] = "rollouts"
     smallest_run: ClassVar[SmallRun | None] = SmallRun(("--n", "2", "--max-new-tokens", "6", "--precisions",
                                                         "bf16,fp32"))
-    ignores: ClassVar[frozenset[str]] = RESPONSE_IGNORES
     helps: ClassVar[dict[str, str]] = {
         "decode.max_new_tokens": "response length limit: tokens each rollout generates after its prompt",
         "decode.sample": "sample each rollout (seeded) instead of decoding it greedily",
@@ -118,27 +113,6 @@ class Mismatch(Experiment):
         "input.n": "roll out (or read) the first N items",
     }
     """What a mismatch run does with the inputs it takes: rollouts of a response, or a file of them."""
-
-    def data(self, path: str | None, n: int | None, columns: str | None, options: MismatchOptions) -> DataConfig:
-        """A rollout file is the run's data (its hash bound, its location not)."""
-        from pathlib import Path
-
-        from stagereplay.tasks import DataConfig
-
-        if options.rollouts is None:
-            return DataConfig(path=path, n=n, columns=columns)
-        if path is not None:
-            raise StageReplayError("--rollouts names the data; --data names other data",
-                                   "pass one of --rollouts FILE or --data FILE")
-        return DataConfig(path=str(Path(options.rollouts).resolve()), n=n, columns=columns, source="rollouts")
-
-    def sequence_end(self, item: Any, decode: DecodeConfig) -> int:
-        """A generated rollout reaches `max_new_tokens` past its prompt; a rollout file's, its own response's end."""
-        from stagereplay.tasks.rollouts import RolloutItem
-
-        if isinstance(item, RolloutItem):
-            return len(item.prompt_ids) + item.response_len
-        return len(item.prompt_ids) + decode.max_new_tokens
 
     def check_inputs(self, inputs: Any, options: MismatchOptions) -> None:
         """A rollout file holds its responses and says how they were sampled: decoding options are refused with it,
@@ -163,9 +137,7 @@ class Mismatch(Experiment):
                                        "score the file with --logprobs-mode raw, or drop its greedy rows")
 
     def check(self, model: ModelConfig, options: MismatchOptions) -> None:
-        if model.batch > 1:
-            raise StageReplayError("mismatch scores one sequence at a time in our engine",
-                                   "run it with --batch 1 (a serving engine batches its own requests)")
+        super().check(model, options)
         for p in options.precisions:
             trainer_model(model, p)  # validates the name before anything runs
 
@@ -206,9 +178,6 @@ class Mismatch(Experiment):
 
     def unit_model(self, model: ModelConfig, part: str) -> ModelConfig:
         return trainer_model(model, part) if part else model
-
-    def where(self, record: Record) -> str:
-        return f"{record.experiment}/{record.checkpoint}{'@' + record.part if record.part else ''}"
 
     def work(self, lm: LM, job: Job) -> PayloadModel:
         return mismatch_item(lm, job)
@@ -312,13 +281,11 @@ class Mismatch(Experiment):
 
         return [t for section in results for t in mismatch_tables(section)]
 
-    def compare_runs(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
-                     stages: tuple[StageSection, StageSection], runs: tuple[str, str],
-                     differences: Differences) -> RunComparison:
+    def compared(self, records: tuple[list[Record], list[Record]], item_ids: list[str], checkpoint: str,
+                 runs: tuple[str, str], sections: tuple[MismatchSummary, MismatchSummary], differences: Differences
+                 ) -> RunComparison:
         from stagereplay.experiments.mismatch.compare import compared
 
-        sections = (self.summarize(records[0], stages[0], checkpoint)[0],
-                    self.summarize(records[1], stages[1], checkpoint)[0])
         return compared(records, item_ids, checkpoint, runs, sections, differences)
 
     def check_other_data(self, runs: tuple[str, str], records: tuple[list[Record], list[Record]]) -> None:

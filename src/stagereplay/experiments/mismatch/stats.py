@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stagereplay.experiments.core.stats import cluster_bootstrap
 from stagereplay.experiments.mismatch.verl import (
     IS_THRESHOLD,
     RS_OPTIONS,
@@ -162,22 +163,11 @@ def parts(padded: Padded) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 def intervals(split: dict[str, tuple[np.ndarray, np.ndarray]], rng: np.random.Generator, n_resamples: int = 10_000,
               confidence: float = 0.95) -> dict[str, list[float] | None]:
-    """Per statistic of `split` (numerator, denominator per sequence: `parts`), the percentile bootstrap interval of
-    sum(numerator) / sum(denominator), every statistic on the same resamples of the sequences (drawn with
-    replacement from `rng`, in blocks of bounded memory)."""
-    k = next(iter(split.values()))[0].size if split else 0
-    if k == 0:
-        return dict.fromkeys(split)
-    if k == 1:
-        return {name: [float(num[0] / den[0])] * 2 for name, (num, den) in split.items()}
-    block = max(1, 2_000_000 // k)
-    drawn: dict[str, list[np.ndarray]] = {name: [] for name in split}
-    for start in range(0, n_resamples, block):
-        idx = rng.integers(0, k, size=(min(block, n_resamples - start), k))
-        for name, (num, den) in split.items():
-            drawn[name].append(num[idx].sum(axis=1) / den[idx].sum(axis=1))
-    alpha = (1 - confidence) / 2
-    return {name: [float(x) for x in np.quantile(np.concatenate(d), [alpha, 1 - alpha])] for name, d in drawn.items()}
+    """Per statistic of `split` (numerator, denominator per sequence: `parts`), the percentile interval of
+    sum(numerator) / sum(denominator) from the cluster bootstrap over sequences (`experiments.core.stats`), every
+    statistic on the same resamples drawn from `rng`."""
+    return {name: None if ci is None else list(ci)
+            for name, ci in cluster_bootstrap(split, n_resamples, confidence, rng).items()}
 
 
 def metrics(pairs: Sequence[Pair], upper: float = IS_THRESHOLD, lower: float | None = None,

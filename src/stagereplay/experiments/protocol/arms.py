@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from stagereplay.engine.lm import LM, BoundaryState, Continuation, ids_fingerprint
 from stagereplay.experiments.core.stats import first_divergence
+from stagereplay.experiments.protocol.payloads import GridPayload, MatchedPayload, NoBoundaryPayload
 from stagereplay.records.ledger import sha256_json
 from stagereplay.records.manifest import StageSection
 from stagereplay.records.payloads import (
@@ -23,9 +24,6 @@ from stagereplay.records.payloads import (
     DivergenceSide,
     Draw,
     GeneratedBy,
-    GridPayload,
-    MatchedPayload,
-    NoBoundaryPayload,
     PairDiagnostics,
 )
 from stagereplay.tasks.base import Item

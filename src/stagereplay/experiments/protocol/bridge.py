@@ -21,21 +21,21 @@ from stagereplay.experiments.core.experiment import Assumed, Batch, Experiment, 
 from stagereplay.experiments.core.format import NA, Table, as_rows, k_of_n, yes_no
 from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.lengths import lengths_of
+from stagereplay.experiments.core.shape import Shape
 from stagereplay.experiments.protocol.arms import arm_record, compare, no_boundary
 from stagereplay.experiments.protocol.diagnose import diagnose
 from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
 from stagereplay.experiments.protocol.matched_stage import fixed_prefixes, matched_ok
-from stagereplay.records.ledger import Record, Run
-from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payload_readers import ItemHead
-from stagereplay.records.payloads import (
+from stagereplay.experiments.protocol.payloads import (
     BitDifference,
     BridgePayload,
     LayerFingerprints,
     NoBoundaryPayload,
-    PayloadModel,
-    first_error,
 )
+from stagereplay.records.ledger import Record, Run
+from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
+from stagereplay.records.payload_readers import ItemHead
+from stagereplay.records.payloads import PayloadModel, first_error
 from stagereplay.records.summary import SummaryModel
 
 if TYPE_CHECKING:
@@ -183,17 +183,14 @@ class BridgeStage(StageSection):
     rows: int = Field(description="items compared: the first that reached the boundary")
 
 
-class Bridge(Experiment):
+class Bridge(Experiment[BridgeOptions, BridgeStage, BridgePayload | NoBoundaryPayload, BridgeSummary]):
     """Incremental vs live boundary caches, bitwise, layer by layer, K and V, and their suffixes."""
 
     payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = BridgeStage
     Options: ClassVar[type] = BridgeOptions
-    command: ClassVar[str] = "bridge"
-    label: ClassVar[str] = "bridge"
-    many: ClassVar[bool] = False
-    replays_diagnostics: ClassVar[bool] = True
+    shape: ClassVar[Shape] = Shape(many=False, replays_diagnostics=True, label="bridge")
     Summary: ClassVar[type[BaseModel]] = BridgeSummary
     smallest_run: ClassVar[SmallRun | None] = SmallRun(("--rows", "1"), extends=MATCHED)
 

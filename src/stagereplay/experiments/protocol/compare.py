@@ -33,13 +33,13 @@ from pydantic import ValidationError
 
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.core.compare_manifests import RunSide, check_comparable, manifest_differences
-from stagereplay.experiments.core.stats import first_divergence, mcnemar_exact, paired_bootstrap_ci
+from stagereplay.experiments.core.difference import PairedDifference
+from stagereplay.experiments.core.stats import first_divergence, mcnemar_exact
 from stagereplay.experiments.protocol.compare_document import (
     BOUNDARY,
     COMPARE_VERSION,
     STAGE1,
     SUFFIX,
-    AccuracyDiff,
     ArmPair,
     ArmSummary,
     ComparedItem,
@@ -58,10 +58,11 @@ from stagereplay.experiments.protocol.compare_document import (
     Uncompared,
     WhereCounts,
 )
-from stagereplay.experiments.protocol.matched import PAYLOAD
 from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
+from stagereplay.experiments.protocol.matched_summary import PAYLOAD
+from stagereplay.experiments.protocol.payloads import MatchedPayload, NoBoundaryPayload
 from stagereplay.records.ledger import Record
-from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, TopEntry, first_error
+from stagereplay.records.payloads import Arm, TopEntry, first_error
 
 N_RESAMPLES, SEED = 10_000, 0
 """The paired bootstrap's resamples and seed: the matched table's (`experiments.protocol.matched.MatchedConfig`)."""
@@ -285,10 +286,8 @@ def arm_summary(name: str, items: list[ItemComparison], n_resamples: int = N_RES
     accuracy: Sides[float | None] = Sides(a=None, b=None)
     accuracy_diff, mcnemar_p = None, None
     if n:
-        lo, hi = paired_bootstrap_ci(acc_a, acc_b, n_resamples=n_resamples, seed=seed)
         accuracy = Sides(a=sum(acc_a) / n, b=sum(acc_b) / n)
-        accuracy_diff = AccuracyDiff(estimate=(sum(acc_a) - sum(acc_b)) / n, ci=(lo, hi), confidence=0.95,
-                                     n_resamples=n_resamples, seed=seed)
+        accuracy_diff = PairedDifference.of(acc_a, acc_b, n_resamples=n_resamples, seed=seed)
         mcnemar_p = mcnemar_exact(a_only, b_only)
     return ArmSummary(
         arm=name, n=n, not_built=len(both) - len(built),

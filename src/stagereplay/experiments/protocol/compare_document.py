@@ -16,6 +16,7 @@ from typing import Annotated, Any, Final, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stagereplay.errors import StageReplayError
+from stagereplay.experiments.core.difference import PairedDifference
 from stagereplay.records.differences import Differences
 from stagereplay.records.payloads import TopEntry, first_error
 
@@ -183,16 +184,6 @@ class ReplicaCounts(CompareModel):
     live_inexact: list[str] = Field(description="the items whose live replica is not exact")
 
 
-class AccuracyDiff(CompareModel):
-    """The paired difference of accuracy, A - B, with its bootstrap CI."""
-
-    estimate: float = Field(description="accuracy A - accuracy B")
-    ci: tuple[float, float] = Field(description="the paired percentile bootstrap's 95% interval over items")
-    confidence: float = Field(description="its confidence (0.95)")
-    n_resamples: int = Field(description="bootstrap resamples")
-    seed: int = Field(description="bootstrap seed")
-
-
 class Discordant(CompareModel):
     """Items whose labels disagree, by which run is correct (McNemar's counts)."""
 
@@ -211,7 +202,7 @@ class ArmSummary(CompareModel):
     suffix_disagreements_same_stage1: Count = Field(description="the same over the items whose stage 1 is equal")
     label_disagreements: Count = Field(description="items whose correctness labels differ")
     accuracy: Sides[float | None] = Field(description="each run's accuracy (null: no items)")
-    accuracy_diff: AccuracyDiff | None = Field(description="A - B (null: no items)")
+    accuracy_diff: PairedDifference | None = Field(description="A - B (null: no items)")
     discordant: Discordant = Field(description="the discordant labels")
     mcnemar_p: float | None = Field(description="McNemar's exact p on the discordant labels (null: no items)")
     first_divergence: list[int] = Field(description="per item whose suffixes differ over the same stage 1, the "

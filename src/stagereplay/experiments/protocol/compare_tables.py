@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from stagereplay.experiments.core.compared import RunComparison, differences_answer, differences_table
+from stagereplay.experiments.core.difference import PairedDifference
 from stagereplay.experiments.core.figures import ReportFigure, png
 from stagereplay.experiments.core.format import NA, Table, as_rows, k_of_n, p_value, pct, points
 from stagereplay.experiments.protocol.compare_document import (
     BOUNDARY,
-    AccuracyDiff,
     ArmSummary,
     ComparedItem,
     CompareDocument,
@@ -120,7 +120,7 @@ def arms_table(c: CompareDocument) -> Table:
 
 
 def _resamples(arms: list[ArmSummary]) -> str:
-    d: AccuracyDiff | None = next((a.accuracy_diff for a in arms if a.accuracy_diff), None)
+    d: PairedDifference | None = next((a.accuracy_diff for a in arms if a.accuracy_diff), None)
     return f"{d.n_resamples} resamples, seed {d.seed}" if d else "no items"
 
 

@@ -27,6 +27,7 @@ from stagereplay.experiments.core.format import Table
 from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.lengths import lengths_of
 from stagereplay.experiments.core.served import Served
+from stagereplay.experiments.core.shape import Shape
 from stagereplay.experiments.core.verdict import (
     CARRIES,
     FIRST_STEP,
@@ -53,14 +54,17 @@ from stagereplay.experiments.protocol.matched_summary import (
     matched_table,
     summarize_matched,
 )
+from stagereplay.experiments.protocol.payloads import MODELS, MatchedPayload, NoBoundaryPayload
 from stagereplay.experiments.protocol.served_matched import ServedMatched
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Arm, MatchedPayload, NoBoundaryPayload, PayloadModel
+from stagereplay.records.payloads import Arm, PayloadModel
 from stagereplay.records.summary import Count
 
 if TYPE_CHECKING:
+    from stagereplay.experiments.core.compared import RunComparison
     from stagereplay.experiments.core.prepared import PreparedRun
+    from stagereplay.experiments.core.run_side import RunSide
 
 
 @dataclass(frozen=True)
@@ -148,17 +152,16 @@ def forwards(n: Lengths, construction: str = "oneshot") -> list[int]:
     return out
 
 
-class Matched(Experiment):
+class Matched(Experiment[MatchedOptions, MatchedStage, MatchedPayload | NoBoundaryPayload, MatchedSummary]):
     """Live continuation vs a fresh construction of the same token IDs, each with an exact replica."""
 
     payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
+    payload_models: ClassVar[tuple[type[BaseModel], ...]] = MODELS
     served: ClassVar[type[Served] | None] = ServedMatched
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = MatchedStage
     Options: ClassVar[type] = MatchedOptions
-    command: ClassVar[str] = "matched"
-    starts_run: ClassVar[bool] = True
-    replays_diagnostics: ClassVar[bool] = True
+    shape: ClassVar[Shape] = Shape(starts_run=True, replays_diagnostics=True)
     Summary: ClassVar[type[BaseModel]] = MatchedSummary
     smallest_run: ClassVar[SmallRun | None] = SmallRun(("--n", "3", "--precision", "bf16", "--max-new-tokens", "8"))
     """3 items of 8 tokens: the toy's third item diverges within them in bf16, so a transplant of the run has a pair."""
@@ -213,6 +216,13 @@ class Matched(Experiment):
         if own.generate:
             return None  # live's forwards were transformers' generate()'s, speculation's chunks included
         return forwards(lengths_of(record), stage_constructions(own))
+
+    def compare_runs(self, a: RunSide, b: RunSide, checkpoint: str) -> RunComparison:
+        """Two matched runs' live trajectories and arms, item by item (`experiments.protocol.compare`)."""
+        from stagereplay.experiments.protocol.compare import build_comparison
+        from stagereplay.experiments.protocol.compare_tables import matched_comparison
+
+        return matched_comparison(build_comparison(a, b, checkpoint))
 
     def peak_caches(self, stage: StageSection) -> int:
         """live's and each fresh construction's boundary states, a replica's state and its continuation's."""

@@ -16,9 +16,9 @@ from stagereplay.engine.lm import LM, BoundaryState
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.core.jobs import ReplaySettings
 from stagereplay.experiments.protocol.matched_summary import PAYLOAD
+from stagereplay.experiments.protocol.payloads import MatchedPayload
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import StageSection
-from stagereplay.records.payloads import MatchedPayload
 from stagereplay.tasks.base import Item
 
 EXPERIMENT = "matched"

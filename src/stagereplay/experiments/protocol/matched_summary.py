@@ -12,8 +12,9 @@ from typing import Annotated, Any
 from pydantic import Field, TypeAdapter, ValidationError
 
 from stagereplay.experiments.core.diagnostics_summary import Diagnosed, summarize_pair
+from stagereplay.experiments.core.difference import PairedDifference
 from stagereplay.experiments.core.format import NA, Table, as_rows, count_of, k_of_n, p_value, pct, points
-from stagereplay.experiments.core.stats import mcnemar_exact, paired_bootstrap_ci
+from stagereplay.experiments.core.stats import mcnemar_exact
 from stagereplay.experiments.core.verdict import (
     FIRST_STEP,
     MARGINS,
@@ -24,19 +25,10 @@ from stagereplay.experiments.core.verdict import (
     logit,
     median_of,
 )
+from stagereplay.experiments.protocol.payloads import MatchedPayload, NoBoundaryPayload
 from stagereplay.records.ledger import Record
-from stagereplay.records.payloads import Arm, Comparison, MatchedPayload, NoBoundaryPayload
+from stagereplay.records.payloads import Arm, Comparison
 from stagereplay.records.summary import Count, SummaryModel
-
-
-class AccuracyDiff(SummaryModel):
-    """live's accuracy minus the construction's, with its paired percentile bootstrap CI over items."""
-
-    estimate: float = Field(description="accuracy of live minus accuracy of the construction")
-    ci: list[float] = Field(description="[low, high] of the paired percentile bootstrap")
-    confidence: float = Field(description="the CI's confidence")
-    n_resamples: int = Field(description="bootstrap resamples")
-    seed: int = Field(description="the bootstrap's seed")
 
 
 class Discordant(SummaryModel):
@@ -83,7 +75,7 @@ class MatchedHead(SummaryModel):
     label_disagreements: Count = Field(description="items whose correctness labels differ")
     accuracy: dict[str, float | None] = Field(description="per side, its accuracy (null: no item reached the "
                                                           "boundary)")
-    accuracy_diff: AccuracyDiff | None = Field(description="live minus the construction (null: no item)")
+    accuracy_diff: PairedDifference | None = Field(description="live minus the construction (null: no item)")
     discordant: Discordant = Field(description="items whose labels differ, by side")
     mcnemar_p: float | None = Field(description="McNemar's exact p of the discordant labels (null: no item)")
     first_divergence: list[int] = Field(description="per divergent item, the first suffix step that differs")
@@ -191,10 +183,8 @@ def summarize_matched(records: list[Record], construction: str, checkpoint: str,
         fields["n_marker_inside_token"] = sum(bool(p.marker_inside_token) for _, p in ok)
     if n:
         la, oa = sum(live_acc) / n, sum(other_acc) / n
-        lo, hi = paired_bootstrap_ci(live_acc, other_acc, n_resamples=n_resamples, seed=seed)
         fields["accuracy"] = {"live": la, construction: oa}
-        fields["accuracy_diff"] = AccuracyDiff(estimate=la - oa, ci=[lo, hi], confidence=0.95,
-                                               n_resamples=n_resamples, seed=seed)
+        fields["accuracy_diff"] = PairedDifference.of(live_acc, other_acc, n_resamples=n_resamples, seed=seed)
         fields["mcnemar_p"] = mcnemar_exact(live_only, other_only)
     return MatchedSummary(**fields)
 

@@ -19,6 +19,7 @@ from stagereplay.experiments.core.format import Table
 from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.lengths import lengths_of
 from stagereplay.experiments.core.served import Served
+from stagereplay.experiments.core.shape import Shape
 from stagereplay.experiments.core.stats import first_divergence
 from stagereplay.experiments.core.verdict import FIRST_STEP, Fact, Question
 from stagereplay.experiments.protocol.arms import (
@@ -40,6 +41,7 @@ from stagereplay.experiments.protocol.matched_stage import (
     matched_stage,
 )
 from stagereplay.experiments.protocol.matched_summary import reached
+from stagereplay.experiments.protocol.payloads import GridPayload, MatchedPayload
 from stagereplay.experiments.protocol.precision_2x2_summary import (
     GridSummary,
     first_pair,
@@ -50,7 +52,7 @@ from stagereplay.experiments.protocol.precision_2x2_summary import (
 from stagereplay.experiments.protocol.served_grid import ServedGrid
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Arm, Diagnostics, GridPayload, MatchedPayload, PayloadModel
+from stagereplay.records.payloads import Arm, Diagnostics, PayloadModel
 from stagereplay.records.summary import Count
 
 if TYPE_CHECKING:
@@ -213,7 +215,7 @@ def grid_lengths(record: Record) -> Lengths:
     return Lengths(n.prompt, n.stage1, 0, n.arms, looks=looks)
 
 
-class PrecisionGrid(Experiment):
+class PrecisionGrid(Experiment[GridOptions, GridStage, GridPayload, GridSummary]):
     """Hold the run's prefixes fixed; cross construction with precision."""
 
     payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
@@ -221,12 +223,7 @@ class PrecisionGrid(Experiment):
     name: ClassVar[str] = EXPERIMENT
     Stage: ClassVar[type[StageSection]] = GridStage
     Options: ClassVar[type] = GridOptions
-    command: ClassVar[str] = "precision-2x2"
-    per_precision: ClassVar[bool] = True
-    label: ClassVar[str] = "2x2"
-    many: ClassVar[bool] = False
-    fixed_prefix: ClassVar[bool] = True
-    replays_diagnostics: ClassVar[bool] = True
+    shape: ClassVar[Shape] = Shape(fixed_prefix=True, per_precision=True, many=False, replays_diagnostics=True, label="2x2")
     Summary: ClassVar[type[BaseModel]] = GridSummary
     smallest_run: ClassVar[SmallRun | None] = SmallRun(("--precisions", "bf16"), extends=MATCHED)
 

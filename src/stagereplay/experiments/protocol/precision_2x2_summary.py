@@ -13,8 +13,8 @@ from stagereplay.experiments.core.diagnostics_summary import Diagnosed, summariz
 from stagereplay.experiments.core.format import NA, Table, as_rows, interval, k_of_n, pct, wilson_or_given
 from stagereplay.experiments.core.stats import wilson_interval
 from stagereplay.experiments.core.verdict import FIRST_STEP, Fact, faithful, logit, median_of
+from stagereplay.experiments.protocol.payloads import GridPayload
 from stagereplay.records.ledger import Record
-from stagereplay.records.payloads import GridPayload
 from stagereplay.records.summary import SummaryModel
 
 

@@ -37,8 +37,10 @@ from stagereplay.experiments.core.figures import ReportFigure
 from stagereplay.experiments.core.format import Table
 from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.lengths import lengths_of
+from stagereplay.experiments.core.shape import Shape
 from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
 from stagereplay.experiments.protocol.matched_stage import fixed_prefixes, fixed_state
+from stagereplay.experiments.protocol.payloads import ResamplePayload
 from stagereplay.experiments.protocol.resample_summary import (
     ResampleSummary,
     resample_figures,
@@ -47,7 +49,7 @@ from stagereplay.experiments.protocol.resample_summary import (
 )
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import Draw, PayloadModel, ResamplePayload
+from stagereplay.records.payloads import Draw, PayloadModel
 from stagereplay.tasks.scoring import answer_extractor, scorer_by_name
 
 if TYPE_CHECKING:
@@ -193,7 +195,7 @@ def resample_params(stage: ResampleStage, precision: str, prefix: list[int] | No
     return ResampleParams(tuple(prefix or ()), stage.config, precision, live_source)
 
 
-class Resample(Experiment):
+class Resample(Experiment[ResampleConfig, ResampleStage, ResamplePayload, ResampleSummary]):
     """K seeded draws from live and fresh boundary states: coupled (shared seeds) and independent designs."""
 
     payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
@@ -201,10 +203,7 @@ class Resample(Experiment):
     Summary: ClassVar[type[BaseModel]] = ResampleSummary
     Stage: ClassVar[type[StageSection]] = ResampleStage
     Options: ClassVar[type] = ResampleConfig
-    command: ClassVar[str] = "resample"
-    label: ClassVar[str] = "resample"
-    fixed_prefix: ClassVar[bool] = True
-    per_precision: ClassVar[bool] = True
+    shape: ClassVar[Shape] = Shape(fixed_prefix=True, per_precision=True, label="resample")
     smallest_run: ClassVar[SmallRun | None] = SmallRun(("--k", "1", "--n", "1"), extends=MATCHED)
 
     def check(self, model: ModelConfig, options: ResampleConfig) -> None:

@@ -20,8 +20,9 @@ from stagereplay.experiments.core.stats import (
     total_variation,
     two_sample_answer_test,
 )
+from stagereplay.experiments.protocol.payloads import ResamplePayload
 from stagereplay.records.ledger import Record
-from stagereplay.records.payloads import Draw, ResamplePayload
+from stagereplay.records.payloads import Draw
 from stagereplay.records.summary import SummaryModel
 
 FDR = 0.05

@@ -9,8 +9,8 @@ import random
 
 from stagereplay.errors import StageReplayError
 from stagereplay.experiments.protocol.matched_summary import PAYLOAD
+from stagereplay.experiments.protocol.payloads import MatchedPayload
 from stagereplay.records.ledger import Record
-from stagereplay.records.payloads import MatchedPayload
 from stagereplay.tasks.base import Item
 
 

@@ -28,10 +28,11 @@ from stagereplay.experiments.core.served import Served
 from stagereplay.experiments.protocol.arms import compare, engine_arm, top_k_diagnostics, with_token_texts
 from stagereplay.experiments.protocol.grid_stage import GridOptions, GridStage
 from stagereplay.experiments.protocol.matched_stage import fixed_prefixes, fixed_state
+from stagereplay.experiments.protocol.payloads import GridPayload
 from stagereplay.experiments.protocol.served_matched import served_arm
 from stagereplay.records.ledger import Run
 from stagereplay.records.manifest import EngineSection, ModelSection, StageSection
-from stagereplay.records.payloads import Arm, GridPayload
+from stagereplay.records.payloads import Arm
 from stagereplay.serving.arms import (
     ServingArms,
     cached_engine,

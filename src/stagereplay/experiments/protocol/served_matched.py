@@ -51,19 +51,10 @@ from stagereplay.experiments.protocol.arms import (
     with_token_texts,
 )
 from stagereplay.experiments.protocol.matched_stage import STAGE1_TOP, MatchedOptions, MatchedStage
+from stagereplay.experiments.protocol.payloads import LoadFinding, MatchedPayload, NoBoundaryPayload
 from stagereplay.records.ledger import Run
 from stagereplay.records.manifest import EngineSection, ModelSection, StageSection
-from stagereplay.records.payloads import (
-    Arm,
-    Comparison,
-    Drafted,
-    LiveRequest,
-    Load,
-    LoadFinding,
-    MatchedPayload,
-    NoBoundaryPayload,
-    SlotRestore,
-)
+from stagereplay.records.payloads import Arm, Comparison, Drafted, LiveRequest, Load, SlotRestore
 from stagereplay.serving.arms import (
     LOADED,
     ServingArms,

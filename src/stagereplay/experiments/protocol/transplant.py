@@ -22,12 +22,21 @@ from stagereplay.experiments.core.figures import ReportFigure
 from stagereplay.experiments.core.format import Table
 from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.lengths import lengths_of
+from stagereplay.experiments.core.shape import Shape
 from stagereplay.experiments.core.stats import first_divergence
 from stagereplay.experiments.core.verdict import Fact
 from stagereplay.experiments.protocol.arms import arm_record, carried_arm, matched_arms
 from stagereplay.experiments.protocol.matched_stage import EXPERIMENT as MATCHED
 from stagereplay.experiments.protocol.matched_stage import MatchedStage, matched_records, matched_stage
 from stagereplay.experiments.protocol.matched_summary import reached
+from stagereplay.experiments.protocol.payloads import (
+    BandKind,
+    MatchedPayload,
+    Outcome,
+    PrefixNotReproducedPayload,
+    SweepRow,
+    TransplantPayload,
+)
 from stagereplay.experiments.protocol.selection import divergent_ids, divergent_items, parse_selection, select
 from stagereplay.experiments.protocol.transplant_summary import (
     PAYLOAD,
@@ -40,18 +49,7 @@ from stagereplay.experiments.protocol.transplant_summary import (
 from stagereplay.records.findings import Finding
 from stagereplay.records.ledger import Record, Run, diff_fields
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
-from stagereplay.records.payloads import (
-    Arm,
-    BandKind,
-    Followed,
-    MatchedPayload,
-    Outcome,
-    PayloadModel,
-    PrefixNotReproducedPayload,
-    SweepRow,
-    TransplantPayload,
-    first_error,
-)
+from stagereplay.records.payloads import Arm, Followed, PayloadModel, first_error
 
 if TYPE_CHECKING:
     from stagereplay.experiments.core.prepared import PreparedRun
@@ -278,7 +276,8 @@ class TransplantStage(StageSection):
     selected: list[str] = Field(description="the items the rule picked from the matched run's divergent ones")
 
 
-class Transplant(Experiment):
+class Transplant(Experiment[TransplantConfig, TransplantStage, TransplantPayload | PrefixNotReproducedPayload,
+                                TransplantSummary]):
     """Swap K/V between live and fresh boundary states of divergent items, both directions, and continue."""
 
     payload: ClassVar[TypeAdapter[Any]] = PAYLOAD
@@ -286,9 +285,7 @@ class Transplant(Experiment):
     Summary: ClassVar[type[BaseModel]] = TransplantSummary
     Stage: ClassVar[type[StageSection]] = TransplantStage
     Options: ClassVar[type] = TransplantConfig
-    command: ClassVar[str] = "transplant"
-    label: ClassVar[str] = "transplant"
-    fixed_prefix: ClassVar[bool] = True
+    shape: ClassVar[Shape] = Shape(fixed_prefix=True, label="transplant")
     smallest_run: ClassVar[SmallRun | None] = SmallRun(extends=MATCHED)
     """Every divergent pair of the smallest matched run: it has one."""
 

@@ -21,8 +21,9 @@ from stagereplay.experiments.core.figures import (
 from stagereplay.experiments.core.format import NA, Table, as_rows, bound, k_of_n, slug, wilson_or_given
 from stagereplay.experiments.core.stats import wilson_interval
 from stagereplay.experiments.core.verdict import CARRIES, Fact
+from stagereplay.experiments.protocol.payloads import Outcome, PrefixNotReproducedPayload, TransplantPayload
 from stagereplay.records.ledger import Record
-from stagereplay.records.payloads import Followed, Outcome, PrefixNotReproducedPayload, TransplantPayload
+from stagereplay.records.payloads import Followed
 from stagereplay.records.summary import SummaryModel
 
 PAYLOAD: TypeAdapter[TransplantPayload | PrefixNotReproducedPayload] = TypeAdapter(

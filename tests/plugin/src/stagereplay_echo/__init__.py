@@ -14,6 +14,7 @@ from stagereplay.experiments.core.experiment import Batch, Experiment, Replay, S
 from stagereplay.experiments.core.format import Table, as_rows
 from stagereplay.experiments.core.jobs import Job, Params
 from stagereplay.experiments.core.prepared import PreparedRun
+from stagereplay.experiments.core.shape import Shape
 from stagereplay.records.ledger import Record, Run
 from stagereplay.records.manifest import ModelSection, RunConfig, StageSection
 from stagereplay.records.payloads import PayloadModel
@@ -55,17 +56,15 @@ class EchoParams(Params):
     echo_tokens: int = 3
 
 
-class Echo(Experiment):
+class Echo(Experiment[EchoOptions, EchoStage, EchoPayload, EchoSummary]):
     """Each prompt of the run continued greedily."""
 
     name: ClassVar[str] = "echo"
-    command: ClassVar[str] = "echo"
-    label: ClassVar[str] = "echo"
+    shape: ClassVar[Shape] = Shape(continuations=False, label="echo")
     Options: ClassVar[type] = EchoOptions
     Stage: ClassVar[type[StageSection]] = EchoStage
     payload: ClassVar[TypeAdapter[Any]] = TypeAdapter(EchoPayload)
     Summary: ClassVar[type[BaseModel]] = EchoSummary
-    continuations: ClassVar[bool] = False
     smallest_run: ClassVar[SmallRun | None] = SmallRun(("--echo-tokens", "2"), extends=EXTENDS)
 
     def section(self, prepared: PreparedRun, options: EchoOptions, run: Run) -> StageSection:
