@@ -187,7 +187,9 @@ def main() -> None:
     heldout = [sum(r["heldout"][0] for r in honest), sum(r["heldout"][1] for r in honest)]
     hlo, hhi = wilson_interval(*heldout) if heldout[1] else (0.0, 1.0)
     summary["heldout_alone"] = {"flagged": heldout[0], "decided": heldout[1], "interval": [hlo, hhi]}
-    print(f"held-out honest responses flagged alone: {heldout[0]}/{heldout[1]} [{hlo:.4f}, {hhi:.4f}]")
+    print(f"held-out honest responses flagged alone: {heldout[0]}/{heldout[1]} [{hlo:.4f}, {hhi:.4f}]" if heldout[1]
+          else "held-out honest responses flagged alone: none decided (one response reaches the level only against "
+               "nulls of more calibration prompts than these runs have)")
     flagged = sum(r["outcome"] == "flagged" for r in honest)
     lo, hi = wilson_interval(flagged, len(honest))
     (args.out / "attest_fpr.json").write_text(json.dumps(summary, indent=1) + "\n")
