@@ -78,3 +78,31 @@ def test_llama_cpp_in_process_serving_the_claimed_file_is_consistent(root: Path)
     run = root / "run-in-process"
     result = runner.invoke(app, [*ARGS, "--model", str(claimed), "--engine", "llama.cpp", "--out", str(run)])
     assert result.exit_code == 0 and _section(run)["outcome"] == "consistent", result.output
+
+
+def test_a_trusted_llama_server_in_the_null_makes_the_claim_of_its_engine_decidable(root: Path):
+    """`--honest-url`: the claim names llama.cpp, and the null holds our fp32 decode alone (no llama.cpp in process):
+    the later checkpoint's server exceeds that null, and the run cannot say No (inconclusive: the null misses the
+    claim's engine). With the claimed file's own llama-server as a trusted deployment in the null (variant `url`,
+    its engine llama.cpp as the server says), the same served run is flagged."""
+    from gguf_files import write_toy_gguf
+
+    claimed = root / "toy-primary.gguf"
+    if not claimed.exists():
+        write_toy_gguf(claimed, "primary")
+    later = root / "toy-later.gguf"
+    if not later.exists():
+        write_toy_gguf(later, "later")
+    args = [*ARGS, "--model", str(claimed), "--honest", "fp32", "--claim-engine", "llama.cpp"]
+    with llama_server(later, root / "later-served.log") as served, \
+            llama_server(claimed, root / "trusted.log") as trusted:
+        alone = runner.invoke(app, [*args, "--engine", "http", "--url", served.url, "--out", str(root / "alone")])
+        joined = runner.invoke(app, [*args, "--engine", "http", "--url", served.url, "--honest-url", trusted.url,
+                                     "--out", str(root / "joined")])
+    assert alone.exit_code == 3 and _section(root / "alone")["null_engines"] == ["hf"], alone.output
+    assert "engine" in [b["kind"] for b in _section(root / "alone")["blockers"]]
+    s = _section(root / "joined")
+    assert joined.exit_code == 1 and s["outcome"] == "flagged", joined.output
+    assert s["null_engines"] == ["hf", "llama.cpp"], s
+    stage = json.loads((root / "joined" / "manifest.json").read_text())["stages"]["attest/primary"]
+    assert stage["honest"] == ["fp32", "url"] and stage["honest_urls"] == [trusted.url], stage
