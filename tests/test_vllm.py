@@ -540,8 +540,9 @@ def test_a_small_step_budget_prefills_in_chunks_and_is_recorded(tmp_path):
 def test_attest_on_vllm_in_process_is_replayed_with_the_cpu_sampler(tmp_path):
     """`attest --engine vllm`: vLLM in this process serves each prompt with the request's seed at temperature 1; the
     claim of its CPU sampler replays every served token and is consistent; the control, the claim of vLLM's native
-    sampler on the same engine and seeds, is flagged."""
-    common = ["attest", "--engine", "vllm", "--precision", "fp32", "--n", "4", "--max-new-tokens", "8", "--sample",
+    sampler on the same engine and seeds, is flagged. 20 prompts: what a decision at 1% needs (10 calibrate), below
+    which a run that exceeds its null reads inconclusive."""
+    common = ["attest", "--engine", "vllm", "--precision", "fp32", "--n", "20", "--max-new-tokens", "8", "--sample",
               "--temperature", "1", "--seed", "3", "--quiet"]
     cpu = runner.invoke(app, [*common, "--seeded-sampler", "vllm-cpu", "--out", str(tmp_path / "cpu")])
     native = runner.invoke(app, [*common, "--out", str(tmp_path / "native")])
@@ -594,7 +595,7 @@ def test_attest_asks_vllm_serve_and_flags_a_claim_it_does_not_serve(toy_server, 
     later checkpoint, is flagged (exit 1)."""
     from stagereplay.toy import toy_checkpoint
 
-    common = ["attest", "--engine", "http", "--url", toy_server.url, "--precision", "fp32", "--n", "8",
+    common = ["attest", "--engine", "http", "--url", toy_server.url, "--precision", "fp32", "--n", "20",
               "--max-new-tokens", "16", "--quiet"]
     claimed = runner.invoke(app, [*common, "--out", str(tmp_path / "claimed")])
     other = runner.invoke(app, [*common, "--model", str(toy_checkpoint("later")), "--out", str(tmp_path / "other")])
@@ -635,7 +636,7 @@ def test_a_seeded_claim_on_vllms_cpu_build_is_replayed_with_its_cpu_sampler(toy_
     """`vllm serve` (the CPU build) sampling at temperature 1 with each request's seed: claimed with its own sampler
     (`--seeded-sampler vllm-cpu`) every served token is the replayed draw and the server is consistent; the control,
     the same server claimed with vLLM's native sampler (what a GPU server runs), misses draws and is flagged."""
-    common = ["attest", "--engine", "http", "--url", toy_server.url, "--precision", "fp32", "--n", "8",
+    common = ["attest", "--engine", "http", "--url", toy_server.url, "--precision", "fp32", "--n", "20",
               "--max-new-tokens", "16", "--sample", "--temperature", "1", "--seed", "3", "--quiet"]
     cpu = runner.invoke(app, [*common, "--seeded-sampler", "vllm-cpu", "--out", str(tmp_path / "cpu")])
     native = runner.invoke(app, [*common, "--out", str(tmp_path / "native")])
