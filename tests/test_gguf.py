@@ -127,4 +127,4 @@ def test_missing_gguf_packages_are_named_with_the_fix(toy_gguf, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
     with pytest.raises(StageReplayError) as err:
         gguf.check_gguf(toy_gguf)
-    assert "needs accelerate" in str(err.value) and "stagereplay[llamacpp]" in str(err.value)
+    assert "needs accelerate" in str(err.value) and "stagereplay[gguf]" in str(err.value)
